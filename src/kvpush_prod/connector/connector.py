@@ -1,0 +1,215 @@
+"""PushConnector: vLLM's KVConnectorBase_V1 contract, forwarded to the two halves.
+
+Each hook's docstring states what it promises, split by the side it runs on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvpush_prod.config import config_from_extra
+from kvpush_prod.connector.metadata import PushMetadata
+from kvpush_prod.connector.scheduler import SchedulerSide
+from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
+from kvpush_prod.connector.worker import WorkerSide
+from kvpush_prod.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}
+
+
+def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """What prefill and decode must share for block bytes to mean the same thing."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    model = vllm_config.model_config
+    parts = [
+        str(model.hf_config.model_type),
+        str(getattr(model.hf_config, "num_hidden_layers", "")),
+        str(spec.block_size),
+        str(getattr(spec, "num_kv_heads", "")),
+        str(getattr(spec, "head_size", "")),
+        str(getattr(spec, "dtype", "")),
+        str(vllm_config.parallel_config.tensor_parallel_size),
+        str(kv_cache_config.kv_cache_layout),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+class PushConnector(KVConnectorBase_V1):
+    """Push-based KV transfer: D reserves blocks and grants a permit, P WRITEs, D waits."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        if ktc.kv_role not in _ROLES:
+            raise ConfigError(
+                f"kv_transfer_config.kv_role={ktc.kv_role!r} is not supported by PushConnector: "
+                "use 'kv_producer' on prefill engines and 'kv_consumer' on decode engines"
+            )
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ConfigError(
+                f"PushConnector supports models with one KV cache group (full attention); this "
+                f"model has {len(kv_cache_config.kv_cache_groups)} groups"
+            )
+        self.kv_role = _ROLES[ktc.kv_role]
+        self.cfg = config_from_extra(ktc.kv_connector_extra_config)
+        engine_id = str(ktc.engine_id)
+        parallel = vllm_config.parallel_config
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        block_size = spec.block_size
+        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.cfg, self.kv_role, engine_id, block_size,
+                block_bytes=spec.page_size_bytes * num_layers,
+                tp_size=parallel.tensor_parallel_size,
+                dp_index=parallel.data_parallel_index,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            if ktc.kv_buffer_device not in ("cpu", "cuda"):
+                raise ConfigError(
+                    f"kv_transfer_config.kv_buffer_device={ktc.kv_buffer_device!r}: use 'cpu' "
+                    "on the CPU platform or 'cuda' on GPUs"
+                )
+            self._worker = WorkerSide(
+                self.cfg, self.kv_role, engine_id,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=parallel.tensor_parallel_size,
+                dp_index=parallel.data_parallel_index,
+                signature=_signature(vllm_config, kv_cache_config),
+                num_blocks=kv_cache_config.num_blocks,
+            )
+            self._kv_buffer_device = ktc.kv_buffer_device
+
+    # ============================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Worker: register this rank's KV cache with NIXL and open the control endpoint."""
+        assert self._worker is not None
+        device = next(iter(kv_caches.values())).device.type
+        if device == "cuda" and self._kv_buffer_device != "cuda":
+            raise ConfigError(
+                "the KV cache is in GPU memory but kv_buffer_device='cpu': kvpush pushes VRAM "
+                "directly (GPUDirect); set kv_buffer_device to 'cuda'"
+            )
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Worker, before the forward: registrations for newly reserved blocks leave now."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, PushMetadata):
+            self._worker.on_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Worker: nothing to start; P pushes into D's blocks and D only waits."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Worker: no per-layer wait; a request runs only once its whole KV has arrived."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Worker: no per-layer save; the push starts once the forward has finished."""
+
+    def wait_for_save(self) -> None:
+        """Worker, after the forward: prompts completed in this step are handed to the pump."""
+        if self._worker is not None:
+            self._worker.after_forward()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Worker: sends whose blocks may be freed, receives that ended (failed ones too)."""
+        assert self._worker is not None
+        sending, recving, failed = self._worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> KvpushStats | None:
+        """Both sides: what happened since the last call, for vLLM's /metrics."""
+        side = self._worker or self._scheduler
+        data = side.get_stats() if side is not None else {}
+        return KvpushStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ============================================================== scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Scheduler: D answers the prompt tokens P will push (async); P answers 0."""
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Scheduler: D's blocks for the pushed tokens exist now; register them with P."""
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Scheduler: this step's registrations, pushes, holds and aborts for the workers."""
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler: note finished sends and receives reported by the workers."""
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Scheduler: P keeps a pushed request's blocks until the push is over (True)."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """Scheduler: keep the engine stepping while blocks are held or notices are queued."""
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvpushStats:
+        return KvpushStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvpushPromMetrics:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,61 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+Plain dataclasses: vLLM ships them to worker processes with the scheduler output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - unit tests of the pure parts run without vLLM
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: blocks reserved for ``transfer_id``; register them with P at ``p_address``."""
+
+    request_id: str
+    transfer_id: str
+    p_host: str
+    p_port: int
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: this step completes the prompt of ``request_id``; push ``block_ids`` after the forward."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class PeerRef:
+    """A transfer and the prefill endpoint it concerns (D-side notices)."""
+
+    transfer_id: str
+    p_host: str
+    p_port: int
+
+
+@dataclass
+class PushMetadata(KVConnectorMetadata):
+    """One step's worth of connector work for the workers."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    not_needed: list[PeerRef] = field(default_factory=list)
+    abort_recv: list[str] = field(default_factory=list)  # transfer ids
+    send: list[SendSpec] = field(default_factory=list)
+    hold: list[str] = field(default_factory=list)  # transfer ids whose request finished
+    abort_send: list[str] = field(default_factory=list)  # transfer ids
+
+    def empty(self) -> bool:
+        return not (self.recv or self.not_needed or self.abort_recv or self.send or self.hold
+                    or self.abort_send)

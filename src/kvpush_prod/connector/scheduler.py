@@ -1,0 +1,246 @@
+"""Scheduler-side half of the PushConnector (runs in vLLM's EngineCore process).
+
+Decides which requests receive (D) or send (P) KV, and tells the workers through metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush_prod.config import KvpushConfig
+from kvpush_prod.connector.metadata import PeerRef, PushMetadata, RecvSpec, SendSpec
+from kvpush_prod.connector.params import (
+    RemotePrefill,
+    is_probe,
+    is_remote_decode,
+    parse_remote_prefill,
+    transfer_id_of,
+)
+from kvpush_prod.errors import KVTransferParamsError
+from kvpush_prod.metrics import StatsBuffer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Recv:
+    transfer_id: str
+    remote: RemotePrefill
+    nblocks: int
+    allocated: bool = False
+
+
+class SchedulerSide:
+    """Both roles' scheduler logic; the role decides which half is used."""
+
+    def __init__(self, cfg: KvpushConfig, role: str, engine_id: str, block_size: int,
+                 block_bytes: int, tp_size: int, dp_index: int) -> None:
+        self.cfg = cfg
+        self.role = role  # "producer" | "consumer"
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.block_bytes = block_bytes  # one block, all layers, one rank
+        self.tp_size = tp_size
+        self.control_host = cfg.control.advertise_host or cfg.control.host
+        self.control_port = cfg.control.port + dp_index * tp_size
+        self.stats = StatsBuffer()
+        self._kv_cache_manager: Any = None
+        # consumer
+        self._recv: dict[str, _Recv] = {}  # request id -> receive in progress
+        self._consumed: set[str] = set()  # request ids whose transfer is over (no re-register)
+        self._aborting: set[str] = set()
+        self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
+        # producer
+        self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
+        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
+        self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
+        self._meta = PushMetadata()
+        self._gauges_dirty = True
+
+    def bind_kv_cache_manager(self, manager: Any) -> None:
+        self._kv_cache_manager = manager
+
+    # ------------------------------------------------------------------ identity
+    def identity(self) -> dict[str, Any]:
+        """What a router needs to point a decode engine at this prefill engine."""
+        return {
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.control_host,
+            "remote_port": self.control_port,
+            "tp_size": self.tp_size,
+            "kvpush": True,
+        }
+
+    # ------------------------------------------------------------------ consumer (D)
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.role != "consumer":
+            return 0, False
+        rid = request.request_id
+        if rid in self._consumed:
+            return 0, False
+        recv = self._recv.get(rid)
+        if recv is None:
+            try:
+                remote = parse_remote_prefill(rid, request.kv_transfer_params)
+            except KVTransferParamsError as exc:
+                logger.warning("kvpush: request %s computes its prompt locally: %s", rid, exc)
+                self.stats.inc("kvpush_kv_params_rejected", ("consumer",))
+                self._consumed.add(rid)
+                return 0, False
+            if remote is None:
+                return 0, False
+            recv = _Recv(remote.transfer_id, remote, 0)
+            self._recv[rid] = recv
+        num_prompt = request.num_prompt_tokens
+        count = num_prompt - num_computed_tokens
+        if count <= 0:
+            # Everything is in D's prefix cache already: P can free its blocks now.
+            self._give_up(rid, recv, "prefix_hit")
+            return 0, False
+        return count, True
+
+    def _give_up(self, rid: str, recv: _Recv, outcome: str) -> None:
+        self._recv.pop(rid, None)
+        self._consumed.add(rid)
+        self._meta.not_needed.append(PeerRef(recv.transfer_id, recv.remote.host, recv.remote.port))
+        self.stats.inc("kvpush_transfers", ("consumer", outcome))
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if self.role != "consumer":
+            return
+        rid = request.request_id
+        recv = self._recv.get(rid)
+        if recv is None or recv.allocated or num_external_tokens <= 0:
+            return
+        num_prompt = request.num_prompt_tokens
+        local = num_prompt - num_external_tokens
+        first_block = local // self.block_size
+        nblocks = cdiv(num_prompt, self.block_size) - first_block
+        all_blocks = blocks.get_block_ids()[0]
+        d_blocks = list(all_blocks[first_block:first_block + nblocks])
+        if len(d_blocks) != nblocks:
+            logger.error("kvpush: request %s got %d blocks, expected %d from block %d",
+                         rid, len(all_blocks), nblocks, first_block)
+        recv.allocated, recv.nblocks = True, len(d_blocks)
+        self._consumed.add(rid)
+        self._meta.recv.append(RecvSpec(rid, recv.transfer_id, recv.remote.host,
+                                        recv.remote.port, d_blocks, first_block, num_prompt))
+        self._gauges_dirty = True
+
+    # ------------------------------------------------------------------ producer (P)
+    def on_new_request(self, request: Request) -> None:
+        if self.role == "producer" and is_remote_decode(request.kv_transfer_params) \
+                and not is_probe(request.kv_transfer_params):
+            self._requests[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
+        if self.role == "producer" and self._requests:
+            self._collect_sends(scheduler_output)
+        meta, self._meta = self._meta, PushMetadata()
+        return meta
+
+    def _collect_sends(self, so: SchedulerOutput) -> None:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self._requests.get(rid)
+            if req is None or rid in self._sent:
+                continue
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # chunked prefill: the prompt completes in a later step
+            try:
+                tid = transfer_id_of(rid, req.kv_transfer_params or {})
+            except KVTransferParamsError as exc:
+                logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
+                self.stats.inc("kvpush_kv_params_rejected", ("producer",))
+                continue
+            nblocks = cdiv(req.num_prompt_tokens, self.block_size)
+            blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
+            self._sent[rid] = (tid, len(blocks))
+            self._meta.send.append(SendSpec(rid, tid, blocks))
+
+    # ------------------------------------------------------------------ both
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        if self.role == "producer":
+            self._requests.pop(rid, None)
+            if not is_remote_decode(params):
+                return False, None
+            if is_probe(params):
+                return False, self.identity()
+            sent = self._sent.pop(rid, None)
+            if sent is None:
+                # Ended before its prompt was computed: D must not wait for it.
+                try:
+                    tid = transfer_id_of(rid, params or {})
+                except KVTransferParamsError:
+                    return False, None
+                self._meta.abort_send.append(tid)
+                self.stats.inc("kvpush_transfers", ("producer", "aborted"))
+                return False, {**self.identity(), "transfer_id": tid}
+            tid, nblocks = sent
+            self._held[rid] = nblocks
+            self._meta.hold.append(tid)
+            self._gauges_dirty = True
+            return True, {**self.identity(), "transfer_id": tid}
+        # consumer
+        self._consumed.discard(rid)
+        recv = self._recv.get(rid)
+        if recv is None:
+            summary = self._received.pop(rid, None)
+            return False, ({"kvpush": summary} if summary else None)
+        if not recv.allocated:
+            # Aborted while waiting for admission: P can free now.
+            self._give_up(rid, recv, "aborted")
+            return False, None
+        # Still waiting for the push: vLLM keeps the blocks until we report the request in
+        # finished_recving; the worker cancels P's push and waits for its ack or the fence.
+        self._aborting.add(rid)
+        self._meta.abort_recv.append(recv.transfer_id)
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            if self._held.pop(rid, None) is not None:
+                self._gauges_dirty = True
+        failed = output.failed_recving or set()
+        for rid in output.finished_recving or ():
+            recv = self._recv.pop(rid, None)
+            if recv is not None:
+                self._gauges_dirty = True
+                if rid not in self._aborting:
+                    ok = rid not in failed
+                    self._received[rid] = {
+                        "transfer_id": recv.transfer_id,
+                        "outcome": "pushed" if ok else "failed",
+                        "blocks": recv.nblocks if ok else 0,
+                        "bytes": recv.nblocks * self.block_bytes if ok else 0,
+                    }
+            self._aborting.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._held or self._aborting or not self._meta.empty())
+
+    def get_stats(self) -> dict[str, Any]:
+        if self._gauges_dirty:
+            self._gauges_dirty = False
+            if self.role == "producer":
+                self.stats.set("kvpush_connector_blocks", ("producer",), sum(self._held.values()))
+            else:
+                reserved = sum(r.nblocks for r in self._recv.values() if r.allocated)
+                self.stats.set("kvpush_connector_blocks", ("consumer",), reserved)
+        return self.stats.drain()

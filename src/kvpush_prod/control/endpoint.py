@@ -1,0 +1,109 @@
+"""A ZMQ control endpoint: a ROUTER that receives, one DEALER per peer that sends.
+
+Single-threaded by design: only the transfer pump thread touches the sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator
+
+import zmq
+
+from kvpush_prod.control.codec import ControlCodec
+from kvpush_prod.core import messages
+from kvpush_prod.errors import ConfigError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+class ControlEndpoint:
+    """Bind ``tcp://host:port``; ``poll`` returns valid inbound messages, counting the rest."""
+
+    def __init__(self, codec: ControlCodec, host: str, port: int) -> None:
+        self._codec = codec
+        self._ctx = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        # A frame bigger than this is dropped by ZMQ itself before we allocate it.
+        self._router.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes + 4096)
+        try:
+            self._router.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._router.close(0)
+            raise ConfigError(
+                f"cannot bind the control endpoint to tcp://{host}:{port}: {exc}. Set "
+                "control.port to a free port (each rank uses port + rank) or control.host "
+                "to an address of this machine"
+            ) from None
+        self.address = f"tcp://{host}:{port}"
+        self._peers: dict[str, zmq.Socket] = {}
+        self.rejected: Counter[str] = Counter()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def wake(self) -> None:
+        """Interrupt a ``poll`` in progress; safe from any thread."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the poller is already awake
+
+    def poll(self, timeout_s: float) -> Iterator[messages.ControlMessage]:
+        """Wait up to ``timeout_s`` for input; yield every valid message that arrived."""
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._router not in events:
+            return
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                yield self._codec.open(frames[1:])  # frame 0 is the ROUTER's peer identity
+            except ProtocolError as exc:
+                self.rejected[exc.reason] += 1
+                logger.warning("kvpush: dropped control message: %s", exc)
+
+    def send(self, address: str, msg: messages.ControlMessage) -> None:
+        """Queue ``msg`` to the endpoint at ``address`` (never blocks)."""
+        sock = self._peers.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.setsockopt(zmq.IMMEDIATE, 0)
+            sock.connect(address)
+            self._peers[address] = sock
+        try:
+            sock.send_multipart(self._codec.seal(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("kvpush: control queue to %s is full; dropped %s", address,
+                           type(msg).__name__)
+
+    def forget(self, address: str) -> None:
+        """Drop the connection to a peer (e.g. after it restarted)."""
+        sock = self._peers.pop(address, None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self) -> None:
+        for sock in self._peers.values():
+            sock.close(0)
+        self._peers.clear()
+        self._router.close(0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+

@@ -1,0 +1,206 @@
+"""Start and stop real engines and the router as child processes (demo, tests, benchmarks, chaos).
+
+Engines are plain children (not new sessions: two CPU engines in separate sessions hang on
+their first P/D request), and each is stopped with its whole process tree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kvpush_prod.tinymodel import write_tiny_model
+
+DEFAULT_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
+    """A base port p such that p..p+n-1 are all free now."""
+    import random
+
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        base = rng.randrange(start, end - n)
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block found")
+
+
+@dataclass
+class EngineSpec:
+    """One vLLM OpenAI server to start."""
+
+    name: str
+    model: str
+    port: int
+    kv_transfer_config: dict[str, Any] | None = None
+    dtype: str = "float32"
+    block_size: int | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int | None = None
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "1"
+    kv_cache_gib: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "kvpush_prod.serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", self.dtype, "--enforce-eager", "--seed", "0",
+            "--max-model-len", str(self.max_model_len),
+            "--served-model-name", "tiny",
+        ]
+        if self.block_size:
+            cmd += ["--block-size", str(self.block_size)]
+        if self.max_num_seqs:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+
+class Proc:
+    """A started child process and its log file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the process
+        self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_tree(self, sig: int) -> None:
+        for p in self.tree():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree (what a crash looks like)."""
+        self.signal_tree(signal.SIGKILL)
+        self.popen.wait(timeout=30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        procs = self.tree()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=10)
+        self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(DEFAULT_ENV)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
+    if spec.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+    env.update(spec.env)
+    return env
+
+
+def start_engine(spec: EngineSpec, log_dir: Path) -> Proc:
+    return Proc(spec.name, spec.command(), engine_env(spec), log_dir / f"{spec.name}.log")
+
+
+def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0) -> None:
+    """Wait for ``url``/health to answer 200; raise with the log tail if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout}s" + (f":\n{proc.tail()}" if proc else ""))
+
+
+def push_kv_config(role: str, profile: str | None, control_port: int,
+                   extra: dict[str, Any] | None = None, engine_id: str | None = None,
+                   kv_load_failure_policy: str | None = None) -> dict[str, Any]:
+    """A ``kv_transfer_config`` that loads PushConnector."""
+    extra_config: dict[str, Any] = {"control": {"port": control_port}}
+    if profile:
+        extra_config["profile"] = profile
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict):
+            extra_config.setdefault(key, {}).update(value)
+        else:
+            extra_config[key] = value
+    cfg: dict[str, Any] = {
+        "kv_connector": "PushConnector",
+        "kv_connector_module_path": "kvpush_prod.connector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": extra_config,
+    }
+    if engine_id:
+        cfg["engine_id"] = engine_id
+    if kv_load_failure_policy:
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
+    return cfg
+
+
+def ensure_model(root: Path) -> str:
+    return str(write_tiny_model(root / "tiny-llama"))

@@ -1,0 +1,182 @@
+"""The NIXL transport: one agent per worker rank, KV regions registered once, block WRITEs/READs.
+
+Not thread-safe by itself: the transfer pump is its only caller after setup.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush_prod.core.messages import Layout
+from kvpush_prod.errors import ConfigError, TransportError
+from kvpush_prod.transport.layout import all_descriptors, descriptor_indices
+
+logger = logging.getLogger(__name__)
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api  # type: ignore[import-not-found]
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ConfigError(
+            "the nixl package is not installed: pip install 'kvpush-prod[cpu]' (or [gpu])"
+        ) from exc
+    return _api
+
+
+def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us: int,
+               num_threads: int = 0) -> Any:
+    """A ``nixl_agent`` whose progress thread sleeps ``progress_delay_us`` between passes.
+
+    nixl's Python API hard-codes ``pthrDelay = 0``, which busy-spins a core per agent. The
+    agent config is only reachable inside ``nixl_agent.__init__``, so for the duration of the
+    constructor its bindings module is swapped for a proxy that overrides that one field.
+    """
+    api = _nixl_api()
+    real = api.nixlBind
+
+    class _Config:
+        def __init__(self) -> None:
+            object.__setattr__(self, "real", real.nixlAgentConfig())
+
+        def __setattr__(self, key: str, value: Any) -> None:
+            if key == "pthrDelay":
+                value = progress_delay_us
+            setattr(self.real, key, value)
+
+    class _Bindings(types.ModuleType):
+        def __getattr__(self, key: str) -> Any:
+            return getattr(real, key)
+
+    proxy = _Bindings("nixl_bindings_proxy")
+    proxy.nixlAgentConfig = _Config  # type: ignore[attr-defined]
+    proxy.nixlAgent = lambda agent_name, cfg: real.nixlAgent(agent_name, cfg.real)  # type: ignore[attr-defined]
+    conf = api.nixl_agent_config(
+        enable_prog_thread=progress_thread, backends=[backend], num_threads=num_threads
+    )
+    api.nixlBind = proxy
+    try:
+        agent = api.nixl_agent(name, conf)
+    finally:
+        api.nixlBind = real
+    if backend not in agent.backends:
+        raise ConfigError(
+            f"NIXL backend {backend!r} could not start on this machine (available plugins: "
+            f"{agent.get_plugin_list()}); set transport.backend to one that works here"
+        )
+    return agent
+
+
+@dataclass
+class RemotePeer:
+    """A connected remote agent and its prepared descriptor list."""
+
+    agent_name: str
+    layout: Layout
+    dlist: Any
+
+
+class NixlTransport:
+    """Moves blocks between this rank's registered KV cache and connected peers."""
+
+    def __init__(self, agent: Any, layout: Layout) -> None:
+        self.agent = agent
+        self.layout = layout
+        descs = all_descriptors(layout)
+        self._reg = agent.register_memory(
+            [(r.base, r.block_stride * (r.num_blocks - 1) + r.block_len, r.dev_id, "")
+             for r in layout.regions],
+            layout.mem_type,
+        )
+        self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, layout.mem_type)
+        self._peers: dict[str, RemotePeer] = {}
+
+    @property
+    def name(self) -> str:
+        return str(self.agent.name)
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def connect(self, agent_meta: bytes, layout: Layout) -> RemotePeer:
+        """Add a remote agent (idempotent by name) and prepare its descriptors."""
+        if layout.compat != self.layout.compat or len(layout.regions) != len(self.layout.regions):
+            raise TransportError(
+                "incompatible",
+                f"peer KV layout {layout.compat} != local {self.layout.compat}: prefill and "
+                "decode must run the same model, dtype, block size and tensor-parallel size",
+            )
+        name = self.agent.add_remote_agent(agent_meta)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        peer = self._peers.get(name)
+        if peer is None:
+            dlist = self.agent.prep_xfer_dlist(name, all_descriptors(layout), layout.mem_type)
+            peer = RemotePeer(name, layout, dlist)
+            self._peers[name] = peer
+        return peer
+
+    def disconnect(self, agent_name: str) -> None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is None:
+            return
+        try:
+            self.agent.release_dlist_handle(peer.dlist)
+        except Exception:  # noqa: BLE001 - best effort on a dead peer
+            logger.debug("release_dlist_handle failed for %s", agent_name, exc_info=True)
+        try:
+            self.agent.remove_remote_agent(agent_name)
+        except Exception:  # noqa: BLE001
+            logger.debug("remove_remote_agent failed for %s", agent_name, exc_info=True)
+
+    def post(self, op: str, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
+             notif: bytes = b"") -> Any:
+        """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks."""
+        if len(local_blocks) != len(remote_blocks):
+            raise TransportError(
+                "invalid_param",
+                f"{len(local_blocks)} local blocks vs {len(remote_blocks)} remote blocks",
+            )
+        handle = self.agent.make_prepped_xfer(
+            op,
+            self._local,
+            descriptor_indices(local_blocks, self.layout),
+            peer.dlist,
+            descriptor_indices(remote_blocks, peer.layout),
+            notif,
+        )
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransportError("post_failed", f"NIXL refused to post a {op} to {peer.agent_name}")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """'DONE', 'PROC' or 'ERR' (an exception from NIXL is mapped to 'ERR:<name>')."""
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception as exc:  # noqa: BLE001 - classified by the caller
+            return f"ERR:{type(exc).__name__}"
+
+    def release(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+            logger.debug("release_xfer_handle failed", exc_info=True)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return dict(self.agent.get_new_notifs())
+
+    def send_notification(self, peer: RemotePeer, payload: bytes) -> None:
+        self.agent.send_notif(peer.agent_name, payload)
+
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.disconnect(name)
+        try:
+            self.agent.release_dlist_handle(self._local)
+            self.agent.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001
+            logger.debug("deregister failed", exc_info=True)
