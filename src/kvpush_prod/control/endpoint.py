@@ -5,6 +5,7 @@ Single-threaded by design: only the transfer pump thread touches the sockets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -50,10 +51,9 @@ class ControlEndpoint:
 
     def wake(self) -> None:
         """Interrupt a ``poll`` in progress; safe from any thread."""
-        try:
+        # A full pipe means the poller is already awake.
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the poller is already awake
 
     def poll(self, timeout_s: float) -> Iterator[messages.ControlMessage]:
         """Wait up to ``timeout_s`` for input; yield every valid message that arrived."""

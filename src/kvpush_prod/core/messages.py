@@ -5,8 +5,6 @@ Shared by the control channel (ZMQ frames) and the DONE notification carried by 
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -140,7 +138,7 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     checksum: int = -1  # crc32 of the blocks P wrote when verification is on, else -1
 
 
-ControlMessage = Union[Register, Heartbeat, Cancel, CancelAck, Failed, Fallback, PullDone]
+ControlMessage = Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)
