@@ -1,0 +1,161 @@
+"""A local P/D cluster on one machine: prefill and decode engines with PushConnector, the
+router, and optionally a plain single engine as the reference. Used by demo, tests, chaos, bench.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush_prod.client import metric_sum, scrape
+from kvpush_prod.launch import (
+    EngineSpec,
+    Proc,
+    free_port,
+    free_port_block,
+    push_kv_config,
+    start_engine,
+    wait_healthy,
+)
+from kvpush_prod.tinymodel import write_tiny_model
+
+PROFILES = Path(__file__).resolve().parent.parent.parent / "configs"
+
+
+def default_profile() -> str:
+    """configs/cpu-loopback.yaml of a source checkout, else the packaged copy."""
+    p = PROFILES / "cpu-loopback.yaml"
+    if p.is_file():
+        return str(p)
+    return str(Path(__file__).resolve().parent / "profiles" / "cpu-loopback.yaml")
+
+
+@dataclass
+class ClusterSpec:
+    """What to start."""
+
+    workdir: Path
+    block_size: int | None = None
+    profile: str | None = None
+    reference: bool = True
+    router: bool = True
+    prefill_kv_gib: int = 1
+    decode_kv_gib: int = 2
+    max_num_seqs: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config overrides
+    prefill_extra: dict[str, Any] = field(default_factory=dict)
+    decode_extra: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str | None = None
+    prefill_env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)
+    router_args: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
+    prefill_engine_id: str | None = None
+    decode_engine_id: str | None = None
+
+
+class Cluster:
+    """Start with ``start()``, stop with ``stop()`` (or use as a context manager)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.model = str(write_tiny_model(spec.workdir / "tiny-llama"))
+        self.log_dir = spec.workdir / "logs"
+        self.procs: dict[str, Proc] = {}
+        self.specs: dict[str, EngineSpec] = {}
+        self.urls: dict[str, str] = {}
+        ports = free_port_block(8)
+        self.p_control, self.d_control = ports, ports + 4
+        self.router_port = free_port()
+
+    def _engine_spec(self, name: str) -> EngineSpec:
+        s = self.spec
+        profile = s.profile or default_profile()
+        common: dict[str, Any] = {"model": self.model, "block_size": s.block_size,
+                                  "max_num_seqs": s.max_num_seqs,
+                                  "extra_args": list(s.engine_args)}
+        if name == "prefill":
+            kv = push_kv_config("kv_producer", profile, self.p_control,
+                                {**s.extra, **s.prefill_extra}, s.prefill_engine_id)
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
+                              kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
+        if name == "decode":
+            kv = push_kv_config("kv_consumer", profile, self.d_control,
+                                {**s.extra, **s.decode_extra}, s.decode_engine_id,
+                                s.kv_load_failure_policy)
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
+                              kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
+        return EngineSpec(name, port=free_port(), cpu_bind="0", **common)
+
+    def start(self, timeout: float = 600.0) -> Cluster:
+        names = ["prefill", "decode"] + (["reference"] if self.spec.reference else [])
+        for name in names:
+            self.start_engine(name, wait=False)
+        try:
+            for name in names:
+                wait_healthy(self.urls[name], self.procs[name], timeout)
+            if self.spec.router:
+                self.start_router()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_engine(self, name: str, wait: bool = True, timeout: float = 600.0) -> None:
+        """(Re)start one engine; a restart keeps its port and engine id."""
+        spec = self.specs.get(name) or self._engine_spec(name)
+        self.specs[name] = spec
+        self.urls[name] = f"http://127.0.0.1:{spec.port}"
+        self.procs[name] = start_engine(spec, self.log_dir)
+        if wait:
+            wait_healthy(self.urls[name], self.procs[name], timeout)
+
+    def start_router(self) -> None:
+        cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
+               "--port", str(self.router_port), "--prefill", self.urls["prefill"],
+               "--decode", self.urls["decode"], *self.spec.router_args]
+        import os
+
+        self.procs["router"] = Proc("router", cmd, dict(os.environ),
+                                    self.log_dir / "router.log")
+        self.urls["router"] = f"http://127.0.0.1:{self.router_port}"
+        wait_healthy(self.urls["router"], self.procs["router"], 120)
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- observation
+    def metrics(self, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return scrape(self.urls[name])
+
+    def block_size(self, name: str = "decode") -> int:
+        """The engine's KV block size, as it reports it (never assumed)."""
+        for (n, labels), _v in self.metrics(name).items():
+            if n == "vllm:cache_config_info":
+                return int(dict(labels)["block_size"])
+        raise RuntimeError(f"{name} does not report vllm:cache_config_info")
+
+    def connector_blocks(self, name: str) -> float:
+        return metric_sum(self.metrics(name), "kvpush_connector_blocks")
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Wait until both engines hold no blocks for the connector; return the last readings."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            last = {n: self.connector_blocks(n) for n in ("prefill", "decode")
+                    if n in self.procs and self.procs[n].alive()}
+            if all(v == 0 for v in last.values()):
+                return last
+            time.sleep(0.5)
+        return last
