@@ -6,7 +6,6 @@ Everything runs in the test's event loop; nothing starts a real vLLM engine.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,14 +46,6 @@ class RouterHandle:
 
     async def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
         return await self.client.post(self.url + path, json=body, **kw)
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

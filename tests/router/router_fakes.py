@@ -52,7 +52,9 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto says TCP, and without it Nagle + delayed ACK add 40 ms to every answer.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
@@ -321,3 +323,12 @@ class FakeVLLM:
         except asyncio.CancelledError:
             seen.disconnected.set()
             raise
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Poll ``cond`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
+        await asyncio.sleep(0.01)

@@ -5,6 +5,7 @@ Also the CLI's exit status and message on a bad config.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,7 @@ def test_main_runs_uvicorn_with_the_settings(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # keep pytest's logging
     rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123"])
     assert rc == 0
     assert (seen["host"], seen["port"], seen["access_log"]) == ("127.0.0.1", 8123, False)

@@ -10,8 +10,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import wait_until
-from router_fakes import MODEL, FakeVLLM, Seen
+from router_fakes import MODEL, FakeVLLM, Seen, wait_until
 from starlette.responses import JSONResponse, Response
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
@@ -505,3 +504,50 @@ async def test_decode_kv_transfer_params_that_are_not_null_are_left_alone(fakes,
     r = await router([p], [d])
     resp = await r.post("/v1/completions", COMPLETION)
     assert resp.json()["kv_transfer_params"] == {"kvpush": {"recomputed": False}}
+
+
+async def test_decode_first_byte_timeout_retries_on_other_decode(fakes, router):
+    p = await fakes("prefill")
+    d1, d2 = await fakes("decode"), await fakes("decode")
+    d1.hang_stream = True
+    r = await router([p], [d1, d2], first_byte_timeout_s=0.3)
+
+    resp = await r.post("/v1/completions", {**COMPLETION, "stream": True})
+
+    assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
+    await asyncio.wait_for(d1.requests[0].disconnected.wait(), 3)
+    assert len(d2.requests) == 1
+    assert r.sample("kvpush_router_retries_total", reason="decode_timeout") == 1
+
+
+async def test_prefill_4xx_is_returned_to_the_client_and_decode_dropped(fakes, router):
+    p1, p2 = await fakes("prefill"), await fakes("prefill")
+    d = await fakes("decode")
+    p1.status = 400
+    d.hang = True
+    r = await router([p1, p2], [d])
+
+    resp = await r.post("/v1/completions", COMPLETION)
+
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "fake prefill failure"
+    assert not p2.requests
+    await asyncio.wait_for(d.requests[0].disconnected.wait(), 3)
+
+
+async def test_client_authorization_is_forwarded_to_both_legs(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d])
+    await r.post("/v1/completions", COMPLETION, headers={"Authorization": "Bearer client-key"})
+    assert p.requests[0].headers["authorization"] == "Bearer client-key"
+    assert d.requests[0].headers["authorization"] == "Bearer client-key"
+
+
+async def test_backend_api_key_is_used_for_probe_and_legs(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], backend_api_key="sekret")
+    await r.post("/v1/completions", COMPLETION, headers={"Authorization": "Bearer client-key"})
+    assert p.probes[0].headers["authorization"] == "Bearer sekret"
+    assert p.requests[0].headers["authorization"] == "Bearer sekret"
+    assert d.requests[0].headers["authorization"] == "Bearer sekret"
+    assert "sekret" not in repr(r.settings)

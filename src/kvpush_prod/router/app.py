@@ -47,6 +47,11 @@ def build_app(
             timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
             limits=limits,
             transport=transport,
+            headers=(
+                {"Authorization": f"Bearer {settings.backend_api_key}"}
+                if settings.backend_api_key
+                else None
+            ),
             # Backends are addressed directly; an HTTP(S)_PROXY in the environment must
             # not capture loopback or cluster-internal traffic.
             trust_env=False,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -58,6 +59,12 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         help="seconds to connect to a backend (default 2)",
     )
     p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
+    p.add_argument(
+        "--backend-api-key",
+        dest="backend_api_key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
+    )
     p.add_argument(
         "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
     )

@@ -98,6 +98,9 @@ class RouterSettings(_Strict):
     # so a client looping on a bad name cannot hammer the engines.
     models_refresh_min_interval_s: float = Field(default=1.0, ge=0)
     max_connections: int = Field(default=4096, ge=1)
+    # Sent as a bearer token on every backend request (vLLM --api-key); without it the
+    # client's own Authorization header is forwarded on both legs.
+    backend_api_key: str | None = Field(default=None, repr=False)
     access_log: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 

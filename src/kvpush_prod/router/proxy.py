@@ -122,6 +122,7 @@ class _Request:
     disconnect: asyncio.Task[None]
     exclude: set[Backend]
     failures: list[LegFailure]
+    authorization: str | None
     attempts: int = 0
 
 
@@ -199,6 +200,9 @@ class Dispatcher:
             disconnect=asyncio.create_task(_wait_disconnect(request.receive)),
             exclude=set(),
             failures=[],
+            authorization=None
+            if self.settings.backend_api_key
+            else request.headers.get("authorization"),
         )
         try:
             return await self._route(req)
@@ -280,6 +284,8 @@ class Dispatcher:
             # Compressing on a datacenter hop costs more latency than it saves.
             "Accept-Encoding": "identity",
         }
+        if req.authorization is not None:
+            headers["Authorization"] = req.authorization
         p_content = dumps(prefill_body(req.body, req.path, tid))
         d_content = dumps(decode_body(req.body, p.identity, tid))
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
