@@ -75,11 +75,13 @@ def build_app(
 
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
-        return await request.app.state.dispatcher.handle(request, COMPLETIONS_PATH)
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        return await dispatcher.handle(request, COMPLETIONS_PATH)
 
     @app.post(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
-        return await request.app.state.dispatcher.handle(request, CHAT_PATH)
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        return await dispatcher.handle(request, CHAT_PATH)
 
     @app.get("/health")
     async def health_endpoint() -> Response:

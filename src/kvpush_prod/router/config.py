@@ -111,14 +111,18 @@ class RouterSettings(_Strict):
 
     @model_validator(mode="after")
     def _unique_urls(self) -> RouterSettings:
-        for role, backends in (("prefill", self.prefill), ("decode", self.decode)):
+        lists = (
+            ("prefill", [b.url for b in self.prefill]),
+            ("decode", [b.url for b in self.decode]),
+        )
+        for role, urls in lists:
             seen: set[str] = set()
-            for i, b in enumerate(backends):
-                if b.url in seen:
+            for i, url in enumerate(urls):
+                if url in seen:
                     raise ValueError(
-                        f"{role}[{i}].url = {b.url!r} is listed twice; list each backend once"
+                        f"{role}[{i}].url = {url!r} is listed twice; list each backend once"
                     )
-                seen.add(b.url)
+                seen.add(url)
         return self
 
 
