@@ -1,0 +1,121 @@
+"""The router's ASGI app: OpenAI endpoints, /health, /v1/models and /metrics.
+
+``build_app(settings)`` wires pool, health monitor, dispatcher and one shared HTTP client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvpush_prod.router.backends import BackendPool
+from kvpush_prod.router.config import RouterSettings
+from kvpush_prod.router.health import HealthMonitor
+from kvpush_prod.router.legs import CHAT_PATH, COMPLETIONS_PATH
+from kvpush_prod.router.metrics import RouterMetrics
+from kvpush_prod.router.proxy import Dispatcher, error_response
+
+
+def build_app(
+    settings: RouterSettings,
+    *,
+    registry: CollectorRegistry | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The router as a FastAPI app; backends are checked once at startup, then polled.
+
+    ``registry`` receives the ``kvpush_router_*`` series (a fresh one if None);
+    ``transport`` replaces the network for tests (e.g. ``httpx.MockTransport``).
+    """
+    metrics = RouterMetrics(registry=registry)
+    pool = BackendPool(settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+            keepalive_expiry=30.0,
+        )
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=settings.connect_timeout_s),
+            limits=limits,
+            transport=transport,
+            headers=(
+                {"Authorization": f"Bearer {settings.backend_api_key}"}
+                if settings.backend_api_key
+                else None
+            ),
+            # Backends are addressed directly; an HTTP(S)_PROXY in the environment must
+            # not capture loopback or cluster-internal traffic.
+            trust_env=False,
+        )
+        health = HealthMonitor(settings, pool, client)
+        dispatcher = Dispatcher(settings, pool, health, client, metrics)
+        app.state.health = health
+        app.state.dispatcher = dispatcher
+        await health.start()
+        try:
+            yield
+        finally:
+            await health.stop()
+            await dispatcher.aclose()
+            await client.aclose()
+
+    app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.pool = pool
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(request: Request) -> Response:
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        return await dispatcher.handle(request, COMPLETIONS_PATH)
+
+    @app.post(CHAT_PATH)
+    async def chat_completions(request: Request) -> Response:
+        dispatcher: Dispatcher = request.app.state.dispatcher
+        return await dispatcher.handle(request, CHAT_PATH)
+
+    @app.get("/health")
+    async def health_endpoint() -> Response:
+        body = {
+            "status": "ok" if pool.ready() else "unavailable",
+            "prefill": [b.describe() for b in pool.prefill],
+            "decode": [b.describe() for b in pool.decode],
+        }
+        return JSONResponse(body, status_code=200 if pool.ready() else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        client: httpx.AsyncClient = request.app.state.dispatcher.client
+        errors = []
+        for b in pool.decode:
+            if not b.up:
+                continue
+            try:
+                r = await client.get(b.url + "/v1/models", timeout=settings.health_timeout_s)
+            except httpx.HTTPError as e:
+                errors.append(f"{b.url}: {type(e).__name__}: {e}")
+                continue
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        down = ", ".join(f"{b.url} ({b.last_error})" for b in pool.decode if not b.up)
+        detail = "; ".join(errors) if errors else f"down: {down}"
+        return error_response(
+            503,
+            f"no healthy decode backend to list models ({detail})",
+            "server_error",
+            "no_backend",
+        )
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

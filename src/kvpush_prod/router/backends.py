@@ -1,0 +1,270 @@
+"""The router's view of its backends: health, prefill identity, served models, legs in flight.
+
+The pool picks (prefill, decode) pairs through a policy and keeps the metrics gauges in step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvpush_prod.router.config import PrefillBackendConfig, RouterSettings
+from kvpush_prod.router.errors import NoBackendError
+from kvpush_prod.router.metrics import RouterMetrics
+from kvpush_prod.router.policy import Policy, make_policy
+
+log = logging.getLogger(__name__)
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class PrefillIdentity:
+    """Where D's connector reaches P: what goes into D's ``kv_transfer_params``."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+_IDENTITY_KEYS = {
+    "engine_id": "remote_engine_id",
+    "host": "remote_host",
+    "port": "remote_port",
+    "tp_size": "tp_size",
+}
+
+
+def resolve_identity(
+    probed: Mapping[str, Any] | None, overrides: PrefillBackendConfig | None
+) -> PrefillIdentity:
+    """Merge probed ``kv_transfer_params`` with YAML overrides (overrides win).
+
+    Raises ValueError naming the fields neither source gave.
+    """
+    probed = probed or {}
+    given: dict[str, Any] = {}
+    if overrides is not None:
+        given = {
+            "engine_id": overrides.engine_id,
+            "host": overrides.control_host,
+            "port": overrides.control_port,
+            "tp_size": overrides.tp_size,
+        }
+    values: dict[str, Any] = {}
+    missing: list[str] = []
+    for name, key in _IDENTITY_KEYS.items():
+        v = given.get(name)
+        if v is None:
+            v = probed.get(key)
+        if v is None:
+            missing.append(key)
+        values[name] = v
+    if missing:
+        raise ValueError(
+            f"kv_transfer_params lacks {', '.join(missing)} (got {dict(probed)!r}); start the "
+            "prefill engine with a push kv connector (kv_role kv_producer or kv_both), or set "
+            "engine_id/control_host/control_port/tp_size for it in the router YAML"
+        )
+    try:
+        return PrefillIdentity(
+            engine_id=str(values["engine_id"]),
+            host=str(values["host"]),
+            port=int(values["port"]),
+            tp_size=int(values["tp_size"]),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"bad identity value in kv_transfer_params {dict(probed)!r}: {e}"
+        ) from None
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine's OpenAI server as the router sees it. Compared by identity, not value."""
+
+    role: Role
+    url: str
+    overrides: PrefillBackendConfig | None = None
+    healthy: bool = False
+    identity: PrefillIdentity | None = None
+    models: tuple[str, ...] = ()
+    models_known: bool = False
+    inflight: int = 0
+    last_error: str | None = "not checked yet"
+    # Bumped by every mark_down, so a health check that started before a leg saw this
+    # backend fail cannot bring it back up with stale results.
+    epoch: int = 0
+    served: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def up(self) -> bool:
+        """Routable: healthy, and for a prefill backend its identity is known."""
+        return self.healthy and (self.role is Role.DECODE or self.identity is not None)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.served
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "url": self.url,
+            "up": self.up,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "models": list(self.models),
+        }
+        if self.role is Role.PREFILL:
+            ident = self.identity
+            out["identity"] = (
+                None
+                if ident is None
+                else {
+                    "engine_id": ident.engine_id,
+                    "control_host": ident.host,
+                    "control_port": ident.port,
+                    "tp_size": ident.tp_size,
+                }
+            )
+        if not self.up:
+            out["error"] = self.last_error
+        return out
+
+
+class BackendPool:
+    """All backends of both roles, the pairing policy and the gauges that mirror them."""
+
+    def __init__(self, settings: RouterSettings, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.prefill = [Backend(Role.PREFILL, b.url, overrides=b) for b in settings.prefill]
+        self.decode = [Backend(Role.DECODE, b.url) for b in settings.decode]
+        self._policy: dict[Role, Policy] = {
+            Role.PREFILL: make_policy(settings.policy),
+            Role.DECODE: make_policy(settings.policy),
+        }
+        for b in self.prefill:
+            if b.overrides is not None and b.overrides.full_identity_given:
+                b.identity = resolve_identity(None, b.overrides)
+        for b in self.all:
+            metrics.set_backend_up(b.role.value, b.url, False)
+            metrics.set_inflight(b.role.value, b.url, 0)
+
+    @property
+    def all(self) -> list[Backend]:
+        return [*self.prefill, *self.decode]
+
+    def by_role(self, role: Role) -> list[Backend]:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+    # -- state changes -----------------------------------------------------------------
+
+    def _publish(self, b: Backend, was_up: bool) -> None:
+        if b.up != was_up:
+            self.metrics.set_backend_up(b.role.value, b.url, b.up)
+            if b.up:
+                log.info("%s backend %s is up", b.role.value, b.url)
+            else:
+                log.warning("%s backend %s is down: %s", b.role.value, b.url, b.last_error)
+
+    def mark_down(self, b: Backend, reason: str) -> None:
+        """Stop routing to ``b`` until a health check brings it back."""
+        was_up = b.up
+        b.epoch += 1
+        b.healthy = False
+        b.last_error = reason
+        if b.role is Role.PREFILL and not (b.overrides and b.overrides.full_identity_given):
+            # A restarted engine has a new engine id and maybe a new control port:
+            # forget the old identity so it is probed again before use.
+            b.identity = None
+        self._publish(b, was_up)
+
+    def mark_healthy(self, b: Backend, epoch: int) -> None:
+        """Record a good health check that started at ``epoch`` (ignored if stale)."""
+        if b.epoch != epoch:
+            return
+        was_up = b.up
+        b.healthy = True
+        if b.up:
+            b.last_error = None
+        elif b.role is Role.PREFILL and b.last_error is None:
+            b.last_error = "identity not probed yet"
+        self._publish(b, was_up)
+
+    def set_identity(self, b: Backend, identity: PrefillIdentity | None, error: str | None) -> None:
+        was_up = b.up
+        b.identity = identity
+        if error is not None:
+            if error != b.last_error:  # a probe failing every poll is logged once
+                log.error("prefill backend %s unusable: %s", b.url, error)
+            b.last_error = error
+        elif b.healthy:
+            b.last_error = None
+        self._publish(b, was_up)
+
+    def set_models(self, b: Backend, models: Iterable[str]) -> None:
+        b.models = tuple(models)
+        b.served = frozenset(b.models)
+        b.models_known = True
+
+    def leg_started(self, b: Backend) -> None:
+        b.inflight += 1
+        self.metrics.set_inflight(b.role.value, b.url, b.inflight)
+
+    def leg_ended(self, b: Backend) -> None:
+        b.inflight -= 1
+        self.metrics.set_inflight(b.role.value, b.url, b.inflight)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def knows_model(self, model: str) -> bool:
+        """Whether any backend, up or not, has listed ``model`` in its ``/v1/models``."""
+        return any(model in b.served for b in self.all)
+
+    def known_models(self) -> list[str]:
+        return sorted({m for b in self.all for m in b.models})
+
+    def ready(self) -> bool:
+        return any(b.up for b in self.prefill) and any(b.up for b in self.decode)
+
+    def _eligible(self, role: Role, model: str | None, exclude: set[Backend]) -> list[Backend]:
+        return [b for b in self.by_role(role) if b.up and b not in exclude and b.serves(model)]
+
+    def has_pair(self, model: str | None, exclude: set[Backend]) -> bool:
+        return bool(self._eligible(Role.PREFILL, model, exclude)) and bool(
+            self._eligible(Role.DECODE, model, exclude)
+        )
+
+    def choose_pair(self, model: str | None, exclude: set[Backend]) -> tuple[Backend, Backend]:
+        """Pick (P, D) among routable backends serving ``model``, not in ``exclude``.
+
+        Raises NoBackendError naming every backend of a role that has none to offer.
+        """
+        chosen: list[Backend] = []
+        missing: list[str] = []
+        for role in (Role.PREFILL, Role.DECODE):
+            eligible = self._eligible(role, model, exclude)
+            if not eligible:
+                missing.append(self._why_none(role, model, exclude))
+                continue
+            chosen.append(self._policy[role].choose(self.by_role(role), eligible))
+        if missing:
+            raise NoBackendError("; ".join(missing))
+        return chosen[0], chosen[1]
+
+    def _why_none(self, role: Role, model: str | None, exclude: set[Backend]) -> str:
+        parts = []
+        for b in self.by_role(role):
+            if b in exclude and b.up:
+                why = "failed on this request"
+            elif not b.up:
+                why = b.last_error or "down"
+            else:
+                why = f"does not serve model {model!r}"
+            parts.append(f"{b.url} ({why})")
+        return f"no healthy {role.value} backend: {', '.join(parts)}"

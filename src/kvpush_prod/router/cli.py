@@ -1,0 +1,123 @@
+"""Command line of the router: ``python -m kvpush_prod.router`` or ``kvpush router``.
+
+Flags override the YAML file given with --config; the merged settings are validated once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from kvpush_prod.errors import ConfigError
+from kvpush_prod.router.config import RouterSettings, read_yaml, settings_from_mapping
+
+
+def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Push-aware P/D proxy: sends each request to a prefill and a decode "
+        "vLLM server at once, with the kv_transfer_params of push mode.",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        metavar="URL",
+        help="prefill server base URL (repeat for several); replaces the YAML list",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        metavar="URL",
+        help="decode server base URL (repeat for several); replaces the YAML list",
+    )
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--policy",
+        choices=["round_robin", "least_loaded"],
+        help="how to pick backends (default round_robin)",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        dest="max_retries",
+        help="retries on another pair before any byte was sent (default 1)",
+    )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        dest="health_interval_s",
+        help="seconds between health polls of each backend (default 2)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        dest="connect_timeout_s",
+        help="seconds to connect to a backend (default 2)",
+    )
+    p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
+    p.add_argument(
+        "--backend-api-key",
+        dest="backend_api_key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.add_argument(
+        "--access-log",
+        dest="access_log",
+        action="store_true",
+        default=None,
+        help="log every request (costs latency under load)",
+    )
+    return p
+
+
+def settings_from_args(
+    argv: list[str] | None = None, *, prog: str = "kvpush router"
+) -> RouterSettings:
+    """Parse flags (and the --config file) into validated settings; raises ConfigError."""
+    args = build_parser(prog).parse_args(argv)
+    data: dict[str, Any] = read_yaml(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    data.update(flags)
+    source = f"{args.config} + command line" if args.config else "command line"
+    if "prefill" not in data or "decode" not in data:
+        raise ConfigError(
+            f"router needs at least one prefill and one decode backend ({source}): "
+            "pass --prefill URL and --decode URL, or list them under prefill:/decode: in --config"
+        )
+    return settings_from_mapping(data, source=source)
+
+
+def main(argv: list[str] | None = None, *, prog: str = "kvpush router") -> int:
+    """Run the router until interrupted; returns the process exit status (2: bad config)."""
+    try:
+        settings = settings_from_args(argv, prog=prog)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from kvpush_prod.router.app import build_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        build_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        # Keep-alive longer than the client pools' so the router is never the side that
+        # closes a connection a client is about to reuse.
+        timeout_keep_alive=75,
+    )
+    return 0

@@ -1,0 +1,200 @@
+"""Router settings: backend lists, policy, timeouts; from CLI flags and/or a YAML file.
+
+Validated with pydantic; every error names the key, the offending value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvpush_prod.errors import ConfigError
+
+PolicyName = Literal["round_robin", "least_loaded"]
+
+
+def _check_url(url: str) -> str:
+    """Normalise a backend base URL (no trailing slash) and reject what httpx cannot reach."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http(s) base URL like http://127.0.0.1:8100")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(
+            "must be a base URL without a path (the router appends /v1/...), "
+            "like http://127.0.0.1:8100"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DecodeBackendConfig(_Strict):
+    """One decode engine's OpenAI server."""
+
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_url(v)
+
+
+class PrefillBackendConfig(_Strict):
+    """One prefill engine's OpenAI server, with optional overrides of its probed identity.
+
+    An override wins over what the identity probe returns; when all four are given the
+    router never probes this backend.
+    """
+
+    url: str
+    control_host: str | None = None
+    control_port: int | None = Field(default=None, ge=1, le=65535)
+    engine_id: str | None = None
+    tp_size: int | None = Field(default=None, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_url(v)
+
+    @property
+    def full_identity_given(self) -> bool:
+        return None not in (self.control_host, self.control_port, self.engine_id, self.tp_size)
+
+
+def _url_or_mapping(v: Any) -> Any:
+    # A bare string in YAML or on the command line is shorthand for {url: <string>}.
+    return {"url": v} if isinstance(v, str) else v
+
+
+class RouterSettings(_Strict):
+    """Everything the router needs; build it with :func:`load_settings` or directly."""
+
+    prefill: list[PrefillBackendConfig] = Field(min_length=1)
+    decode: list[DecodeBackendConfig] = Field(min_length=1)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    policy: PolicyName = "round_robin"
+    # Retries of a whole request on another (P, D) pair, only before any byte reached
+    # the client; 0 disables them.
+    max_retries: int = Field(default=1, ge=0, le=10)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    # P's leg is one token long: a prefill slower than this is a failure worth retrying.
+    prefill_timeout_s: float = Field(default=300.0, gt=0)
+    # From sending D's leg to its first byte (D waits for the KV there); None = no limit.
+    first_byte_timeout_s: float | None = Field(default=600.0, gt=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    probe_timeout_s: float = Field(default=60.0, gt=0)
+    # An unknown model triggers a refresh of the backends' model lists at most this often,
+    # so a client looping on a bad name cannot hammer the engines.
+    models_refresh_min_interval_s: float = Field(default=1.0, ge=0)
+    max_connections: int = Field(default=4096, ge=1)
+    # Sent as a bearer token on every backend request (vLLM --api-key); without it the
+    # client's own Authorization header is forwarded on both legs.
+    backend_api_key: str | None = Field(default=None, repr=False)
+    access_log: bool = False
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("prefill", "decode", mode="before")
+    @classmethod
+    def _bare_urls(cls, v: Any) -> Any:
+        return [_url_or_mapping(x) for x in v] if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _unique_urls(self) -> RouterSettings:
+        lists = (
+            ("prefill", [b.url for b in self.prefill]),
+            ("decode", [b.url for b in self.decode]),
+        )
+        for role, urls in lists:
+            seen: set[str] = set()
+            for i, url in enumerate(urls):
+                if url in seen:
+                    raise ValueError(
+                        f"{role}[{i}].url = {url!r} is listed twice; list each backend once"
+                    )
+                seen.add(url)
+        return self
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _allowed_keys(loc: tuple[int | str, ...]) -> list[str]:
+    model: type[BaseModel] = RouterSettings
+    if loc and loc[0] == "prefill":
+        model = PrefillBackendConfig
+    elif loc and loc[0] == "decode":
+        model = DecodeBackendConfig
+    return list(model.model_fields)
+
+
+def _describe(err: Any) -> str:
+    loc = tuple(err["loc"])
+    key = _loc(loc) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"unknown key {key!r}: {hint}allowed keys here are {', '.join(allowed)}"
+    if err["type"] == "missing":
+        return f"{key}: missing; add it (at least one backend URL)"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not loc:
+        return msg
+    return f"{key} = {err.get('input')!r}: {msg}"
+
+
+def settings_from_mapping(data: Mapping[str, Any], source: str = "settings") -> RouterSettings:
+    """Validate a plain mapping (parsed YAML, merged CLI flags) into :class:`RouterSettings`."""
+    try:
+        return RouterSettings.model_validate(dict(data))
+    except ValidationError as e:
+        lines = "\n  ".join(_describe(err) for err in e.errors())
+        raise ConfigError(f"invalid router config in {source}:\n  {lines}") from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a router YAML file into a mapping, with errors that name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read router config {str(p)!r}: {e.strerror}; check the --config path"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"router config {str(p)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"router config {str(p)!r} must be a mapping of keys (prefill, decode, policy, ...), "
+            f"got a {type(data).__name__}"
+        )
+    return data
+
+
+def load_settings(path: str | Path, **overrides: Any) -> RouterSettings:
+    """Load and validate a router YAML file; keyword overrides (not None) win over the file."""
+    data = read_yaml(path)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return settings_from_mapping(data, source=str(path))

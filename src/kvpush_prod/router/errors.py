@@ -1,0 +1,52 @@
+"""Router-side failures: a leg that failed, a backend's 4xx to pass on, no backend to use.
+
+All derive from kvpush_prod.errors.KvpushError; messages name the backend and what happened.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpush_prod.errors import KvpushError
+
+if TYPE_CHECKING:
+    from kvpush_prod.router.backends import Backend
+
+
+class RouterError(KvpushError):
+    """Base of the router's own errors."""
+
+
+class NoBackendError(RouterError):
+    """No routable backend of some role; the message lists each one and why it is out."""
+
+
+class LegFailure(RouterError):
+    """One leg (P or D) of one attempt failed in a way another (P, D) pair may not.
+
+    ``kind`` is one of connect, timeout, status, disconnect, stream_error; with the role
+    it makes the bounded ``reason`` label of the retries counter.
+    """
+
+    def __init__(self, backend: Backend, kind: str, detail: str) -> None:
+        super().__init__(f"{backend.role.value} backend {backend.url}: {kind}: {detail}")
+        self.backend = backend
+        self.kind = kind
+        self.detail = detail
+
+    @property
+    def reason(self) -> str:
+        return f"{self.backend.role.value}_{self.kind}"
+
+
+class BackendClientError(RouterError):
+    """A backend rejected the request itself (4xx): the client gets that answer, no retry."""
+
+    def __init__(self, backend: Backend, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(
+            f"{backend.role.value} backend {backend.url} rejected the request: HTTP {status}"
+        )
+        self.backend = backend
+        self.status = status
+        self.body = body
+        self.content_type = content_type

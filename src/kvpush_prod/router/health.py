@@ -1,0 +1,170 @@
+"""Background health checks, served-model discovery and prefill identity probes.
+
+All of it runs off the request path: one polling task per backend, plus refresh-on-miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from kvpush_prod.router.backends import Backend, BackendPool, Role, resolve_identity
+from kvpush_prod.router.config import RouterSettings
+from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body
+
+log = logging.getLogger(__name__)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class HealthMonitor:
+    """Keeps each backend's ``healthy``, ``models`` and (for P) ``identity`` current."""
+
+    def __init__(self, settings: RouterSettings, pool: BackendPool, client: httpx.AsyncClient):
+        self.settings = settings
+        self.pool = pool
+        self.client = client
+        self._tasks: list[asyncio.Task[None]] = []
+        self._models_lock = asyncio.Lock()
+        self._models_refreshed_at = float("-inf")
+        t = settings.health_timeout_s
+        self._health_timeout = httpx.Timeout(t, connect=min(t, settings.connect_timeout_s))
+        self._probe_timeout = httpx.Timeout(
+            settings.probe_timeout_s, connect=settings.connect_timeout_s
+        )
+
+    async def start(self) -> None:
+        """Check every backend once (so the router can serve at once), then keep polling."""
+        await asyncio.gather(*(self.check(b) for b in self.pool.all))
+        self._tasks = [asyncio.create_task(self._poll_forever(b)) for b in self.pool.all]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def _poll_forever(self, b: Backend) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                await self.check(b)
+            except Exception:  # a bug here must not end the loop: log it and poll again
+                log.exception("health check of %s backend %s crashed", b.role.value, b.url)
+
+    async def check(self, b: Backend) -> None:
+        """One health round for ``b``: /health, then models and identity when needed."""
+        epoch = b.epoch
+        try:
+            r = await self.client.get(b.url + "/health", timeout=self._health_timeout)
+        except httpx.HTTPError as e:
+            self.pool.mark_down(b, f"GET /health failed: {_err(e)}")
+            return
+        if r.status_code != 200:
+            self.pool.mark_down(b, f"GET /health answered HTTP {r.status_code}")
+            return
+        if not b.healthy or not b.models_known:
+            # Coming (back) up: the engine may have restarted with other served models.
+            try:
+                await self.fetch_models(b)
+            except (httpx.HTTPError, ValueError) as e:
+                self.pool.mark_down(b, f"GET /v1/models failed: {_err(e)}")
+                return
+        if b.role is Role.PREFILL and b.identity is None:
+            await self.probe(b, epoch)
+        self.pool.mark_healthy(b, epoch)
+
+    async def fetch_models(self, b: Backend) -> None:
+        r = await self.client.get(b.url + "/v1/models", timeout=self._health_timeout)
+        r.raise_for_status()
+        data = r.json()
+        try:
+            ids = [str(m["id"]) for m in data["data"]]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"unexpected /v1/models body {data!r}") from e
+        self.pool.set_models(b, ids)
+
+    async def probe(self, b: Backend, epoch: int) -> None:
+        """Learn P's identity from one tiny request; leaves it None (P unused) on failure."""
+        if not b.models:
+            self.pool.set_identity(b, None, "cannot probe identity: /v1/models lists no model")
+            return
+        try:
+            r = await self.client.post(
+                b.url + COMPLETIONS_PATH,
+                content=dumps(probe_body(b.models[0])),
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
+                },
+                timeout=self._probe_timeout,
+            )
+        except httpx.HTTPError as e:
+            self.pool.set_identity(b, None, f"identity probe failed: {_err(e)}")
+            return
+        if b.epoch != epoch:
+            return  # marked down while probing: the next good poll probes again
+        if r.status_code != 200:
+            snippet = r.text[:300]
+            self.pool.set_identity(
+                b, None, f"identity probe answered HTTP {r.status_code}: {snippet}"
+            )
+            return
+        try:
+            params = r.json().get("kv_transfer_params")
+            identity = resolve_identity(params if isinstance(params, dict) else None, b.overrides)
+        except (ValueError, AttributeError) as e:
+            self.pool.set_identity(b, None, f"identity probe: {e}")
+            return
+        log.info("prefill backend %s identity %s", b.url, identity)
+        self.pool.set_identity(b, identity, None)
+
+    def note_prefill_response(self, b: Backend, body: bytes) -> None:
+        """Pick up a changed identity (P restarted between polls) from a P leg's answer."""
+        ident = b.identity
+        if ident is None or b"remote_engine_id" not in body:
+            return
+        if b'"remote_engine_id":"' + ident.engine_id.encode() + b'"' in body:
+            return  # the usual case, same engine: no need to parse
+        try:
+            params: Any = json.loads(body).get("kv_transfer_params")
+            identity = resolve_identity(params, b.overrides)
+        except (ValueError, AttributeError):
+            return
+        if identity != b.identity:
+            log.warning(
+                "prefill backend %s changed identity: %s -> %s", b.url, b.identity, identity
+            )
+            self.pool.set_identity(b, identity, None)
+
+    async def knows_model(self, model: str) -> bool:
+        """Whether some backend serves ``model``; on a miss, refresh the lists once first."""
+        if self.pool.knows_model(model):
+            return True
+        await self.refresh_models()
+        return self.pool.knows_model(model)
+
+    async def refresh_models(self) -> None:
+        async with self._models_lock:
+            now = time.monotonic()
+            if now - self._models_refreshed_at < self.settings.models_refresh_min_interval_s:
+                return
+            self._models_refreshed_at = now
+            targets = [b for b in self.pool.all if b.healthy]
+            results = await asyncio.gather(
+                *(self.fetch_models(b) for b in targets), return_exceptions=True
+            )
+            for b, res in zip(targets, results, strict=True):
+                if isinstance(res, BaseException):
+                    log.warning("refreshing models of %s failed: %s", b.url, _err(res))

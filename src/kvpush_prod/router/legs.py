@@ -1,0 +1,155 @@
+"""What the router sends on each leg and how it reads what comes back, without any I/O.
+
+Body builders for the P and D legs, httpx error classification and response-body helpers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from kvpush_prod.router.backends import Backend, PrefillIdentity
+from kvpush_prod.router.errors import BackendClientError, LegFailure
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+# 408 and 429 say "not now" rather than "bad request": another pair may well take it.
+_RETRYABLE_4XX = frozenset({408, 429})
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as vLLM's own server writes it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
+    """P's leg: the client's request cut to one token, non-streaming, producing KV for D."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if path == CHAT_PATH:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    # min_tokens > 1 would make P reject max_tokens=1 with a 400.
+    out.pop("min_tokens", None)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": transfer_id,
+    }
+    return out
+
+
+def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> dict[str, Any]:
+    """D's leg: the client's request unchanged, told to receive the KV pushed by P."""
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p.engine_id,
+        "remote_host": p.host,
+        "remote_port": p.port,
+        "tp_size": p.tp_size,
+        "transfer_id": transfer_id,
+    }
+    return out
+
+
+def probe_body(model: str) -> dict[str, Any]:
+    """The identity probe: one token on P whose response carries P's kv_transfer_params."""
+    return {
+        "model": model,
+        "prompt": "probe",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "kvpush_probe": True},
+    }
+
+
+def failure_from_exception(b: Backend, e: BaseException) -> LegFailure:
+    """Name an httpx (or timeout) error as a LegFailure kind."""
+    detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return LegFailure(b, "connect", detail)
+    if isinstance(e, (httpx.TimeoutException, TimeoutError)):
+        return LegFailure(b, "timeout", detail)
+    return LegFailure(b, "disconnect", detail)
+
+
+def check_status(b: Backend, status: int, body: bytes, content_type: str) -> None:
+    """Raise for a non-2xx answer: BackendClientError for a 4xx the client caused."""
+    if 200 <= status < 300:
+        return
+    if 400 <= status < 500 and status not in _RETRYABLE_4XX:
+        raise BackendClientError(b, status, body, content_type)
+    snippet = body[:300].decode("utf-8", "replace").strip()
+    raise LegFailure(b, "status", f"HTTP {status}: {snippet}")
+
+
+_ERROR_EVENT_PREFIX = b'data: {"error"'
+
+
+def first_chunk_failure(b: Backend, chunk: bytes) -> LegFailure | None:
+    """A stream whose first event is a server-side error (vLLM: code >= 500) failed D-side.
+
+    Nothing has reached the client yet, so the request can still go to another pair.
+    """
+    if not chunk.startswith(_ERROR_EVENT_PREFIX):
+        return None
+    event, sep, _ = chunk.partition(b"\n\n")
+    if not sep:
+        return None
+    try:
+        err = json.loads(event[len(b"data: ") :])["error"]
+        code = int(err.get("code") or 0)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if code < 500:
+        return None
+    return LegFailure(b, "stream_error", f"error event before any token: {err.get('message')}")
+
+
+_NULL_PARAMS = (b',"kv_transfer_params":null', b'"kv_transfer_params":null,')
+
+
+def strip_null_kv_params(body: bytes) -> bytes:
+    """Drop a ``"kv_transfer_params": null`` member; leave any other body byte for byte.
+
+    vLLM's D answers always carry that null; removing it in the bytes (an unescaped quote
+    cannot occur inside a JSON string, so the pattern is always a real member) avoids
+    re-encoding the common compact form. Other spacings are parsed and re-encoded.
+    """
+    if b'"kv_transfer_params"' not in body:
+        return body
+    for pattern in _NULL_PARAMS:
+        if pattern in body:
+            return body.replace(pattern, b"", 1)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(obj, dict) and "kv_transfer_params" in obj and obj["kv_transfer_params"] is None:
+        del obj["kv_transfer_params"]
+        return dumps(obj)
+    return body
+
+
+def sse_error_event(message: str, code: int = 502) -> bytes:
+    """An OpenAI-style error as one SSE event, for a stream that cannot finish."""
+    return (
+        b"data: "
+        + dumps(
+            {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+        )
+        + b"\n\n"
+    )
+
+
+def error_body(message: str, status: int, err_type: str, code: str | None = None) -> bytes:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    param = "model" if code == "model_not_found" else None
+    return dumps(
+        {"error": {"message": message, "type": err_type, "param": param, "code": code or status}}
+    )

@@ -1,0 +1,111 @@
+"""The router's own Prometheus series, in one place, registered on a registry you pass in.
+
+Labels stay bounded: endpoint (two paths), outcome, reason, role and backend URL (from config).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+# TTFT through P/D spans a few ms (loopback, tiny model) to tens of seconds (long prompts
+# under load), so the buckets are log-spaced over that whole range.
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class Outcome(str, Enum):
+    """How one client request ended; the ``outcome`` label of ``kvpush_router_requests_total``."""
+
+    OK = "ok"
+    RETRIED_OK = "retried_ok"
+    CLIENT_ERROR = "client_error"
+    BACKEND_ERROR = "backend_error"
+    NO_BACKEND = "no_backend"
+    CLIENT_CANCELLED = "client_cancelled"
+
+
+class RouterMetrics:
+    """All ``kvpush_router_*`` series. Pass ``registry=`` (tests use a fresh one each)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvpush_router_requests_total",
+            "Client requests by endpoint and how they ended.",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvpush_router_request_seconds",
+            "Time from receiving a client request to its last byte sent.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "kvpush_router_ttft_seconds",
+            "Time from receiving a client request to the first byte from the decode backend.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvpush_router_retries_total",
+            "Requests retried on another (prefill, decode) pair, by the failure that caused it.",
+            ["reason"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "kvpush_router_backend_up",
+            "1 if the router routes to this backend (healthy, and for prefill: identity known).",
+            ["role", "backend"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvpush_router_inflight",
+            "Legs in flight to this backend.",
+            ["role", "backend"],
+            registry=r,
+        )
+
+    def observe_request(self, endpoint: str, outcome: Outcome, seconds: float) -> None:
+        self.requests.labels(endpoint, outcome.value).inc()
+        self.request_seconds.labels(endpoint).observe(seconds)
+
+    def observe_ttft(self, endpoint: str, seconds: float) -> None:
+        self.ttft_seconds.labels(endpoint).observe(seconds)
+
+    def count_retry(self, reason: str) -> None:
+        self.retries.labels(reason).inc()
+
+    def set_backend_up(self, role: str, backend: str, up: bool) -> None:
+        self.backend_up.labels(role, backend).set(1.0 if up else 0.0)
+
+    def set_inflight(self, role: str, backend: str, n: int) -> None:
+        self.inflight.labels(role, backend).set(n)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

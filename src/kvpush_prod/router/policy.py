@@ -1,0 +1,61 @@
+"""Pairing policies: which of the eligible backends of one role gets the next leg.
+
+Tiny strategy objects, one per role; they only read ``Backend.inflight`` and keep a cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvpush_prod.router.backends import Backend
+
+
+class Policy(Protocol):
+    def choose(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> Backend:
+        """Pick one of ``eligible`` (non-empty, a subset of ``backends``, in its order)."""
+        ...
+
+
+class RoundRobin:
+    """Cycle through the configured order, skipping the ineligible ones."""
+
+    def __init__(self) -> None:
+        # Position in the configured list, not in ``eligible``: when a backend goes down
+        # and comes back the rotation stays fair instead of restarting at the first one.
+        self._next = 0
+
+    def _rotated(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> list[Backend]:
+        n = len(backends)
+        ok = {id(b) for b in eligible}
+        start = self._next % n
+        return [backends[(start + i) % n] for i in range(n) if id(backends[(start + i) % n]) in ok]
+
+    def _advance_past(self, backends: Sequence[Backend], chosen: Backend) -> None:
+        for i, b in enumerate(backends):
+            if b is chosen:
+                self._next = i + 1
+                return
+
+    def choose(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> Backend:
+        chosen = self._rotated(backends, eligible)[0]
+        self._advance_past(backends, chosen)
+        return chosen
+
+
+class LeastLoaded(RoundRobin):
+    """Fewest legs in flight; ties go round robin so idle backends share the load."""
+
+    def choose(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> Backend:
+        chosen = min(self._rotated(backends, eligible), key=lambda b: b.inflight)
+        self._advance_past(backends, chosen)
+        return chosen
+
+
+def make_policy(name: str) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    raise ValueError(f"unknown router policy {name!r}; use round_robin or least_loaded")

@@ -1,0 +1,464 @@
+"""One client request through the router: both legs at once, first byte, retry, stream.
+
+The Dispatcher owns the per-request flow; it holds no policy of its own beyond retry rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_none,
+)
+
+from kvpush_prod.router.backends import Backend, BackendPool
+from kvpush_prod.router.config import RouterSettings
+from kvpush_prod.router.errors import BackendClientError, LegFailure, NoBackendError
+from kvpush_prod.router.health import HealthMonitor
+from kvpush_prod.router.legs import (
+    check_status,
+    decode_body,
+    dumps,
+    error_body,
+    failure_from_exception,
+    first_chunk_failure,
+    prefill_body,
+    sse_error_event,
+    strip_null_kv_params,
+)
+from kvpush_prod.router.metrics import Outcome, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Closed-by-client marker (nginx's 499): nobody reads it, but access logs show it.
+_CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+def error_response(status: int, message: str, err_type: str, code: str | None = None) -> Response:
+    return Response(
+        error_body(message, status, err_type, code), status, media_type="application/json"
+    )
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    # Once the body is read, the server's receive() only returns on disconnect (or when
+    # the response is complete, which cannot happen while this task is alive).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _close_quietly(resp: httpx.Response) -> None:
+    # Shielded: closing an unfinished response drops its connection, which is how the
+    # backend learns to abort; a cancellation arriving here must not skip that.
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await resp.aclose()
+
+
+@dataclass(eq=False)
+class DecodeStart:
+    """D's leg once it produced its first byte: the open response and what came so far."""
+
+    backend: Backend
+    response: httpx.Response
+    first: bytes
+    rest: AsyncIterator[bytes] | None
+    _release: Callable[[], None]
+    _closed: bool = False
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await _close_quietly(self.response)
+        self._release()
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator, so legs end deterministically.
+
+    Without this an abandoned generator is closed whenever the garbage collector gets to it.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+@dataclass(eq=False)
+class _Request:
+    """One client request's state across attempts."""
+
+    path: str
+    body: dict[str, Any]
+    model: str | None
+    stream: bool
+    start: float
+    disconnect: asyncio.Task[None]
+    exclude: set[Backend]
+    failures: list[LegFailure]
+    authorization: str | None
+    attempts: int = 0
+
+
+class Dispatcher:
+    """Routes completions and chat completions through a (P, D) pair, with one retry."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        pool: BackendPool,
+        health: HealthMonitor,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.health = health
+        self.client = client
+        self.metrics = metrics
+        self._prefill_timeout = httpx.Timeout(
+            settings.prefill_timeout_s, connect=settings.connect_timeout_s
+        )
+        # D streams for as long as generation lasts: only connecting is bounded here; the
+        # wait for the first byte is bounded separately (first_byte_timeout_s).
+        self._decode_timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
+        # Detached P legs (D answered first); kept referenced so they are not collected.
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def aclose(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # -- entry point -----------------------------------------------------------------------
+
+    async def handle(self, request: Request, path: str) -> Response:
+        start = time.perf_counter()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            return self._reject(
+                path,
+                start,
+                400,
+                f"request body is not valid JSON ({e}); send a JSON object such as "
+                '{"model": "...", "prompt": "..."}',
+            )
+        if not isinstance(body, dict):
+            return self._reject(
+                path,
+                start,
+                400,
+                f"request body must be a JSON object, got a JSON {type(body).__name__}",
+            )
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return self._reject(path, start, 400, f"`model` must be a string, got {model!r}")
+        if model is not None and not await self.health.knows_model(model):
+            served = ", ".join(self.pool.known_models()) or "none known (are the backends up?)"
+            return self._reject(
+                path,
+                start,
+                404,
+                f"The model `{model}` does not exist; the backends serve: {served}",
+                code="model_not_found",
+            )
+
+        req = _Request(
+            path=path,
+            body=body,
+            model=model,
+            stream=body.get("stream") is True,
+            start=start,
+            disconnect=asyncio.create_task(_wait_disconnect(request.receive)),
+            exclude=set(),
+            failures=[],
+            authorization=None
+            if self.settings.backend_api_key
+            else request.headers.get("authorization"),
+        )
+        try:
+            return await self._route(req)
+        finally:
+            req.disconnect.cancel()
+
+    def _reject(
+        self, path: str, start: float, status: int, message: str, code: str | None = None
+    ) -> Response:
+        self.metrics.observe_request(path, Outcome.CLIENT_ERROR, time.perf_counter() - start)
+        return error_response(status, message, "invalid_request_error", code)
+
+    def _finish(self, req: _Request, outcome: Outcome) -> None:
+        self.metrics.observe_request(req.path, outcome, time.perf_counter() - req.start)
+
+    # -- attempts ---------------------------------------------------------------------------
+
+    async def _route(self, req: _Request) -> Response:
+        def retry_on_other_pair(e: BaseException) -> bool:
+            return isinstance(e, LegFailure) and self.pool.has_pair(req.model, req.exclude)
+
+        def count_retry(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, LegFailure):
+                self.metrics.count_retry(exc.reason)
+                log.warning("retrying on another pair after: %s", exc)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.settings.max_retries + 1),
+            retry=retry_if_exception(retry_on_other_pair),
+            wait=wait_none(),
+            before_sleep=count_retry,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    req.attempts += 1
+                    try:
+                        return await self._attempt(req)
+                    except LegFailure as f:
+                        req.exclude.add(f.backend)
+                        req.failures.append(f)
+                        raise
+        except ClientGone:
+            self._finish(req, Outcome.CLIENT_CANCELLED)
+            return Response(status_code=_CLIENT_CLOSED)
+        except BackendClientError as e:
+            self._finish(req, Outcome.CLIENT_ERROR)
+            return Response(e.body, e.status, media_type=e.content_type)
+        except NoBackendError as e:
+            if req.failures:
+                return self._fail(req, f"no other healthy pair to retry on ({e})")
+            self._finish(req, Outcome.NO_BACKEND)
+            return error_response(503, f"{e}; check GET /health", "server_error", "no_backend")
+        except LegFailure:
+            if self.pool.has_pair(req.model, req.exclude):
+                return self._fail(req, f"gave up after max_retries={self.settings.max_retries}")
+            return self._fail(req, "no other healthy pair to retry on")
+        raise AssertionError("unreachable: tenacity either returns or reraises")
+
+    def _fail(self, req: _Request, why: str) -> Response:
+        tried = (
+            "; ".join(f"attempt {i + 1}: {f}" for i, f in enumerate(req.failures))
+            or "no attempt made"
+        )
+        self._finish(req, Outcome.BACKEND_ERROR)
+        return error_response(
+            502, f"request failed ({tried}); {why}", "server_error", "backend_error"
+        )
+
+    async def _attempt(self, req: _Request) -> Response:
+        p, d = self.pool.choose_pair(req.model, req.exclude)
+        assert p.identity is not None  # choose_pair only returns prefill backends that are up
+        tid = uuid.uuid4().hex
+        headers = {
+            "X-Request-Id": tid,
+            "Content-Type": "application/json",
+            # Compressing on a datacenter hop costs more latency than it saves.
+            "Accept-Encoding": "identity",
+        }
+        if req.authorization is not None:
+            headers["Authorization"] = req.authorization
+        p_content = dumps(prefill_body(req.body, req.path, tid))
+        d_content = dumps(decode_body(req.body, p.identity, tid))
+        p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
+        d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
+        try:
+            while not d_task.done():
+                waiting: set[asyncio.Future[Any]] = {d_task, req.disconnect}
+                if not p_task.done():
+                    waiting.add(p_task)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if req.disconnect.done():
+                    raise ClientGone()
+                if p_task.done() and not d_task.done() and p_task.exception() is not None:
+                    # D has not produced a byte: drop it (closing its connection makes vLLM
+                    # abort it, and the connector cancels the transfer) and let the caller
+                    # retry elsewhere.
+                    raise p_task.exception()  # type: ignore[misc]
+            started = d_task.result()
+        except BaseException:
+            await self._cancel_legs(p_task, d_task)
+            raise
+        self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
+        self._detach_prefill(p_task)
+        outcome = Outcome.OK if req.attempts == 1 else Outcome.RETRIED_OK
+        resp_headers = {"X-Request-Id": tid}
+        if not req.stream:
+            content = strip_null_kv_params(started.first)
+            status = started.response.status_code
+            media = started.response.headers.get("content-type", "application/json")
+            await started.aclose()
+            self._finish(req, outcome)
+            return Response(content, status, headers=resp_headers, media_type=media)
+        req.disconnect.cancel()  # from here the streaming response watches the client
+        media = started.response.headers.get("content-type", "text/event-stream")
+        resp_headers["Cache-Control"] = "no-cache"
+        return _ClosingStreamingResponse(
+            self._relay(req, started, p_task, outcome),
+            started.response.status_code,
+            headers=resp_headers,
+            media_type=media,
+        )
+
+    async def _cancel_legs(self, *tasks: asyncio.Task[Any]) -> None:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if isinstance(r, DecodeStart):  # D finished just as we gave up on it
+                await r.aclose()
+
+    def _detach_prefill(self, p_task: asyncio.Task[None]) -> None:
+        if p_task.done():
+            self._log_late_prefill(p_task)
+            return
+        self._background.add(p_task)
+        p_task.add_done_callback(self._background.discard)
+        p_task.add_done_callback(self._log_late_prefill)
+
+    @staticmethod
+    def _log_late_prefill(t: asyncio.Task[None]) -> None:
+        # D already answered, so a P failure now cannot affect this request; it still
+        # says something about P's health.
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            log.warning("prefill leg failed after decode answered: %s", exc)
+
+    # -- legs ---------------------------------------------------------------------------------
+
+    async def _prefill_leg(
+        self, p: Backend, path: str, content: bytes, headers: dict[str, str]
+    ) -> None:
+        self.pool.leg_started(p)
+        try:
+            r = await self.client.post(
+                p.url + path, content=content, headers=headers, timeout=self._prefill_timeout
+            )
+        except httpx.HTTPError as e:
+            raise self._leg_error(p, e) from None
+        finally:
+            self.pool.leg_ended(p)
+        check_status(p, r.status_code, r.content, r.headers.get("content-type", ""))
+        self.health.note_prefill_response(p, r.content)
+
+    def _leg_error(self, b: Backend, e: BaseException) -> LegFailure:
+        f = failure_from_exception(b, e)
+        if f.kind == "connect":
+            self.pool.mark_down(b, f"leg failed to connect: {f.detail}")
+        return f
+
+    async def _decode_leg(
+        self, d: Backend, path: str, content: bytes, headers: dict[str, str], stream: bool
+    ) -> DecodeStart:
+        self.pool.leg_started(d)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.pool.leg_ended(d)
+
+        try:
+            opening = self._open_decode(d, path, content, headers, stream, release)
+            limit = self.settings.first_byte_timeout_s
+            if limit is None:
+                return await opening
+            try:
+                return await asyncio.wait_for(opening, limit)
+            except asyncio.TimeoutError:
+                raise LegFailure(d, "timeout", f"no first byte within {limit} s") from None
+        except httpx.HTTPError as e:
+            release()
+            raise self._leg_error(d, e) from None
+        except BaseException:
+            release()
+            raise
+
+    async def _open_decode(
+        self,
+        d: Backend,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        release: Callable[[], None],
+    ) -> DecodeStart:
+        req = self.client.build_request(
+            "POST", d.url + path, content=content, headers=headers, timeout=self._decode_timeout
+        )
+        resp = await self.client.send(req, stream=True)
+        try:
+            if not 200 <= resp.status_code < 300:
+                check_status(
+                    d, resp.status_code, await resp.aread(), resp.headers.get("content-type", "")
+                )
+            if not stream:
+                return DecodeStart(d, resp, await resp.aread(), None, release)
+            chunks = resp.aiter_raw()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                raise LegFailure(d, "disconnect", "stream ended before any byte") from None
+            failed = first_chunk_failure(d, first)
+            if failed is not None:
+                raise failed
+            return DecodeStart(d, resp, first, chunks, release)
+        except BaseException:
+            await _close_quietly(resp)
+            raise
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def _relay(
+        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[None], outcome: Outcome
+    ) -> AsyncIterator[bytes]:
+        """D's SSE bytes to the client as they arrive; never retried once begun."""
+        try:
+            yield d.first
+            assert d.rest is not None
+            try:
+                async for chunk in d.rest:
+                    yield chunk
+            except httpx.HTTPError as e:
+                outcome = Outcome.BACKEND_ERROR
+                log.warning("decode backend %s failed mid-stream: %s", d.backend.url, e)
+                yield sse_error_event(
+                    f"decode backend {d.backend.url} failed mid-stream "
+                    f"({type(e).__name__}: {e}); the response is incomplete"
+                )
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = Outcome.CLIENT_CANCELLED
+            p_task.cancel()
+            raise
+        finally:
+            await d.aclose()
+            self._finish(req, outcome)

@@ -1,0 +1,334 @@
+"""Fake vLLM OpenAI servers (prefill and decode) and a uvicorn runner for router tests.
+
+They answer like vLLM (completions and chat, JSON and SSE), record what they got, and can
+hang, fail, die mid-stream or wait for each other, as a test needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+MODEL = "tiny"
+
+
+@dataclass
+class Seen:
+    """One request a fake got."""
+
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+Hook = Callable[["FakeVLLM", Seen], Awaitable[Response | None]]
+
+
+class Server:
+    """A uvicorn server in the test's event loop, on 127.0.0.1 and a chosen or free port."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> None:
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # proto says TCP, and without it Nagle + delayed ACK add 40 ms to every answer.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            log_level="critical",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+            timeout_keep_alive=30,
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("uvicorn exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start within 10 s")
+            await asyncio.sleep(0.005)
+
+    async def stop(self, *, kill: bool = False) -> None:
+        """Stop; ``kill`` drops open connections at once, as when a process dies."""
+        if self._server is None or self._task is None:
+            return
+        if kill:
+            # uvicorn's force_exit leaves requests in progress running; a dead process
+            # would drop their connections, so do that (test-only use of uvicorn internals).
+            for conn in list(self._server.server_state.connections):
+                conn.transport.abort()
+            for t in list(self._server.server_state.tasks):
+                t.cancel()
+        self._server.should_exit = True
+        self._server.force_exit = kill
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self._task, 5)
+        self._server = None
+        self._task = None
+
+
+class FakeVLLM:
+    """One fake engine. Knobs are plain attributes a test sets before sending requests."""
+
+    def __init__(
+        self,
+        role: str,
+        *,
+        models: tuple[str, ...] = (MODEL,),
+        engine_id: str | None = None,
+        control_port: int = 5600,
+    ) -> None:
+        self.role = role
+        self.models = models
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.control_host = "10.0.0.7"
+        self.control_port = control_port
+        self.tp_size = 1
+        self.requests: list[Seen] = []  # completions and chat, probes excluded
+        self.probes: list[Seen] = []
+        self.arrived = asyncio.Event()  # set on the first non-probe request
+        # Behaviour knobs.
+        self.health_status = 200
+        self.status = 200  # for completions/chat (not probes)
+        self.tokens = ["w4", " w5", " w6", " w7"]
+        self.hook: Hook | None = None  # awaited first; a Response it returns is sent as is
+        self.hang = False  # never answer: wait for the client to go away
+        self.hang_stream = False  # send 200 headers, then no byte until the client goes
+        self.die_after_chunks: int | None = None  # raise mid-stream after this many chunks
+        self.chunk_delay = 0.0
+        self.gate: asyncio.Event | None = None  # streamed: wait on it before the last token
+        self.server = Server(self._build())
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def start(self, port: int = 0) -> FakeVLLM:
+        await self.server.start(port)
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop(kill=True)
+
+    async def restart(self, engine_id: str | None = None) -> None:
+        port = self.server.port
+        await self.stop()
+        if engine_id is not None:
+            self.engine_id = engine_id
+        self.server = Server(self._build())
+        await self.server.start(port)
+
+    # -- vLLM-shaped bodies --------------------------------------------------------------
+
+    def identity_params(self, request_id: str) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.control_host,
+            "remote_port": self.control_port,
+            "tp_size": self.tp_size,
+        }
+
+    def full_body(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
+        n = min(int(body.get("max_tokens") or len(self.tokens)), len(self.tokens))
+        text = "".join(self.tokens[:n])
+        ktp = self.identity_params(rid) if self.role == "prefill" else None
+        common = {"created": 1, "model": body.get("model", MODEL)}
+        usage = {"prompt_tokens": 3, "total_tokens": 3 + n, "completion_tokens": n}
+        if path.endswith("/chat/completions"):
+            return {
+                "id": f"chatcmpl-{rid}",
+                "object": "chat.completion",
+                **common,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": usage,
+                "kv_transfer_params": ktp,
+            }
+        return {
+            "id": f"cmpl-{rid}",
+            "object": "text_completion",
+            **common,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": usage,
+            "kv_transfer_params": ktp,
+        }
+
+    def sse_events(self, path: str, body: dict[str, Any], rid: str) -> list[bytes]:
+        chat = path.endswith("/chat/completions")
+        events = []
+        for i, tok in enumerate(self.tokens):
+            last = i == len(self.tokens) - 1
+            if chat:
+                chunk = {
+                    "id": f"chatcmpl-{rid}",
+                    "object": "chat.completion.chunk",
+                    "created": 1,
+                    "model": body.get("model", MODEL),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"content": tok}
+                            if i
+                            else {"role": "assistant", "content": tok},
+                            "finish_reason": "length" if last else None,
+                        }
+                    ],
+                }
+            else:
+                chunk = {
+                    "id": f"cmpl-{rid}",
+                    "object": "text_completion",
+                    "created": 1,
+                    "model": body.get("model", MODEL),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": tok,
+                            "logprobs": None,
+                            "finish_reason": "length" if last else None,
+                        }
+                    ],
+                }
+            events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+        events.append(b"data: [DONE]\n\n")
+        return events
+
+    # -- the app -------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=self.health_status)
+
+        @app.get("/v1/models")
+        async def models() -> Response:
+            data = [
+                {"id": m, "object": "model", "created": 1, "owned_by": "vllm", "root": m}
+                for m in self.models
+            ]
+            return JSONResponse({"object": "list", "data": data})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._generate(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self._generate(request, "/v1/chat/completions")
+
+        return app
+
+    async def _generate(self, request: Request, path: str) -> Response:
+        body = await request.json()
+        seen = Seen(path, dict(request.headers), body)
+        rid = request.headers.get("x-request-id", uuid.uuid4().hex)
+        if (body.get("kv_transfer_params") or {}).get("kvpush_probe"):
+            self.probes.append(seen)
+            return JSONResponse(self.full_body(path, body, rid))
+        self.requests.append(seen)
+        self.arrived.set()
+        if self.hook is not None:
+            answer = await self.hook(self, seen)
+            if answer is not None:
+                return answer
+        if self.hang:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.01)
+            seen.disconnected.set()
+            return Response(status_code=499)
+        if self.status != 200:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"fake {self.role} failure",
+                        "type": "InternalServerError" if self.status >= 500 else "BadRequestError",
+                        "param": None,
+                        "code": self.status,
+                    }
+                },
+                status_code=self.status,
+            )
+        if body.get("stream"):
+            return StreamingResponse(
+                self._stream(path, body, rid, seen), media_type="text/event-stream"
+            )
+        seen.finished.set()
+        return JSONResponse(self.full_body(path, body, rid))
+
+    async def _stream(
+        self, path: str, body: dict[str, Any], rid: str, seen: Seen
+    ) -> AsyncIterator[bytes]:
+        try:
+            if self.hang_stream:
+                await asyncio.Event().wait()
+            events = self.sse_events(path, body, rid)
+            for i, ev in enumerate(events):
+                if self.die_after_chunks is not None and i == self.die_after_chunks:
+                    raise RuntimeError("fake decode engine died mid-stream")
+                if self.gate is not None and i == len(events) - 2:
+                    await self.gate.wait()
+                if self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
+                yield ev
+            seen.finished.set()
+        except asyncio.CancelledError:
+            seen.disconnected.set()
+            raise
+
+
+async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Poll ``cond`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
+        await asyncio.sleep(0.01)

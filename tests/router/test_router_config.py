@@ -1,0 +1,144 @@
+"""Router settings from YAML and flags: valid files load, bad ones name the key and value.
+
+Also the CLI's exit status and message on a bad config.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvpush_prod.errors import ConfigError
+from kvpush_prod.router import load_settings, main, settings_from_args
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "router.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_loads_backends_overrides_and_knobs(tmp_path):
+    p = write(
+        tmp_path,
+        """
+prefill:
+  - http://127.0.0.1:8100/
+  - url: http://10.0.0.2:8100
+    control_host: 10.0.1.2
+    control_port: 5601
+    engine_id: p2
+    tp_size: 2
+decode: [http://127.0.0.1:8200]
+policy: least_loaded
+max_retries: 2
+health_interval_s: 0.5
+first_byte_timeout_s: null
+""",
+    )
+    s = load_settings(p)
+    assert [b.url for b in s.prefill] == ["http://127.0.0.1:8100", "http://10.0.0.2:8100"]
+    assert s.prefill[0].full_identity_given is False
+    assert s.prefill[1].full_identity_given is True and s.prefill[1].control_port == 5601
+    assert s.decode[0].url == "http://127.0.0.1:8200"
+    assert (s.policy, s.max_retries, s.health_interval_s) == ("least_loaded", 2, 0.5)
+    assert s.first_byte_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needles"),
+    [
+        (
+            "prefill: [http://a:1]\ndecode: [http://b:2]\npolcy: round_robin\n",
+            ["unknown key 'polcy'", "did you mean 'policy'"],
+        ),
+        (
+            "prefill: [{url: http://a:1, control_port: 70000}]\ndecode: [http://b:2]\n",
+            ["prefill[0].control_port = 70000", "less than or equal to 65535"],
+        ),
+        (
+            "prefill: [{url: http://a:1, contrl_host: x}]\ndecode: [http://b:2]\n",
+            ["unknown key 'prefill[0].contrl_host'", "did you mean 'control_host'"],
+        ),
+        (
+            "prefill: [http://a:1]\ndecode: [localhost:8200]\n",
+            ["decode[0].url = 'localhost:8200'", "http(s) base URL"],
+        ),
+        (
+            "prefill: [http://a:1/v1]\ndecode: [http://b:2]\n",
+            ["prefill[0].url = 'http://a:1/v1'", "without a path"],
+        ),
+        ("prefill: [http://a:1]\n", ["decode: missing"]),
+        (
+            "prefill: [http://a:1]\ndecode: [http://b:2]\npolicy: fastest\n",
+            ["policy = 'fastest'", "round_robin", "least_loaded"],
+        ),
+        (
+            "prefill: [http://a:1]\ndecode: [http://b:2]\nhealth_interval_s: 0\n",
+            ["health_interval_s = 0", "greater than 0"],
+        ),
+        (
+            "prefill: [http://a:1, http://a:1/]\ndecode: [http://b:2]\n",
+            ["prefill[1].url = 'http://a:1' is listed twice"],
+        ),
+    ],
+)
+def test_bad_yaml_names_key_and_value(tmp_path, yaml_text, needles):
+    p = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as e:
+        load_settings(p)
+    msg = str(e.value)
+    assert str(p) in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("- a\n- b\n", "must be a mapping"), ("prefill: [\n", "not valid YAML")],
+)
+def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(write(tmp_path, text))
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read router config .*nope.yaml"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_flags_override_yaml(tmp_path):
+    p = write(tmp_path, "prefill: [http://a:1]\ndecode: [http://b:2]\nport: 9000\n")
+    s = settings_from_args(
+        ["--config", str(p), "--decode", "http://c:3", "--decode", "http://d:4", "--policy",
+         "least_loaded"]
+    )  # fmt: skip
+    assert [b.url for b in s.prefill] == ["http://a:1"]
+    assert [b.url for b in s.decode] == ["http://c:3", "http://d:4"]
+    assert (s.port, s.policy) == (9000, "least_loaded")
+
+
+def test_cli_without_backends_says_which_flags_to_pass():
+    with pytest.raises(ConfigError, match="pass --prefill URL and --decode URL"):
+        settings_from_args(["--prefill", "http://a:1"])
+
+
+def test_main_returns_2_and_prints_the_bad_key(tmp_path, capsys):
+    p = write(tmp_path, "prefill: [http://a:1]\ndecode: [http://b:2]\nmax_retries: -1\n")
+    assert main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "kvpush router: error:" in err and "max_retries = -1" in err
+
+
+def test_main_runs_uvicorn_with_the_settings(monkeypatch):
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # keep pytest's logging
+    rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123"])
+    assert rc == 0
+    assert (seen["host"], seen["port"], seen["access_log"]) == ("127.0.0.1", 8123, False)
+    assert seen["app"].state.settings.prefill[0].url == "http://a:1"
