@@ -25,6 +25,7 @@ class Result:
     latency: float = 0.0
     kv_transfer_params: dict[str, Any] | None = None
     finish_reason: str | None = None
+    prompt_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -75,6 +76,7 @@ async def request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
             res.ttft = res.latency
             res.kv_transfer_params = data.get("kv_transfer_params")
             res.finish_reason = (data.get("choices") or [{}])[0].get("finish_reason")
+            res.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
             return res
         async with client.stream("POST", url, json=body, headers=headers,
                                  timeout=timeout) as r:
@@ -94,6 +96,8 @@ async def request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
                     res.error = json.dumps(obj["error"])[:500]
                     break
                 piece = _piece(obj, chat)
+                if obj.get("usage"):
+                    res.prompt_tokens = obj["usage"].get("prompt_tokens")
                 if obj.get("kv_transfer_params"):
                     res.kv_transfer_params = obj["kv_transfer_params"]
                 fr = (obj.get("choices") or [{}])[0].get("finish_reason")

@@ -224,6 +224,9 @@ class SchedulerSide:
                 self._gauges_dirty = True
                 if rid not in self._aborting:
                     ok = rid not in failed
+                    if ok:
+                        self.stats.inc("kvpush_transfer_bytes", ("consumer",),
+                                       recv.nblocks * self.block_bytes)
                     self._received[rid] = {
                         "transfer_id": recv.transfer_id,
                         "outcome": "pushed" if ok else "failed",

@@ -1,0 +1,42 @@
+"""Real engines for end-to-end tests: one P/D pair (+ router + plain reference engine) per
+block size, started once per session and shared by every test that asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpush_prod.cluster import Cluster, ClusterSpec
+
+pytestmark = pytest.mark.e2e
+
+# The engines' default block size (128 on the CPU backend) and a second size.
+BLOCK_SIZES = [None, 32]
+
+
+def _workdir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    root = os.environ.get("KVPUSH_TEST_WORKDIR")
+    if root:
+        path = Path(root) / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp(name)
+
+
+@pytest.fixture(scope="session", params=BLOCK_SIZES, ids=lambda b: f"B{b or 'default'}")
+def cluster(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """P (1 GiB KV) and D (2 GiB KV: the two engines differ in KV-cache size), router, reference."""
+    block_size = request.param
+    spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
+                       block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
+    c = Cluster(spec)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
