@@ -230,7 +230,9 @@ TestLedgerInvariants.settings = settings(CORE, stateful_step_count=40)
     aging=st.integers(0, 4),
     hold_max=st.integers(1, 5),
     arrivals=st.lists(
-        st.tuples(st.integers(0, 15), st.sampled_from("abc"), st.integers(1, 12), st.integers(1, 5)),
+        st.tuples(
+            st.integers(0, 15), st.sampled_from("abc"), st.integers(1, 12), st.integers(1, 5)
+        ),
         min_size=1,
         max_size=25,
     ),

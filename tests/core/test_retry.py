@@ -114,7 +114,9 @@ class TopOfWindow:
 
 
 def test_the_backoff_window_doubles_up_to_its_max() -> None:
-    settings_ = RetrySettings(max_attempts=10, max_delay_s=100.0, backoff_base_s=0.1, backoff_max_s=0.5)
+    settings_ = RetrySettings(
+        max_attempts=10, max_delay_s=100.0, backoff_base_s=0.1, backoff_max_s=0.5
+    )
     policy = RetryPolicy.from_settings(settings_, TopOfWindow())
     waits = [policy.next_attempt_at(n, 0.0, 0.0) for n in range(1, 6)]
     assert waits == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
@@ -161,7 +163,9 @@ def test_gives_up_once_max_delay_has_passed_since_the_first_attempt() -> None:
 
 def test_any_tenacity_strategies_compose_into_a_policy() -> None:
     # stop_before_delay sees the upcoming wait, as in tenacity's own loop
-    policy = RetryPolicy(stop=stop_any(stop_after_attempt(10), stop_before_delay(1.0)), wait=wait_fixed(0.4))
+    policy = RetryPolicy(
+        stop=stop_any(stop_after_attempt(10), stop_before_delay(1.0)), wait=wait_fixed(0.4)
+    )
     assert policy.next_attempt_at(1, 0.0, 0.5) == pytest.approx(0.9)
     assert policy.next_attempt_at(2, 0.0, 0.7) is None  # 0.7 + 0.4 > 1.0
 
@@ -238,7 +242,13 @@ def test_invalid_budget_settings_are_config_errors() -> None:
 def _decide(error: str, attempt: int, budget: RetryBudget, now: float = 1.0) -> ErrorClass:
     policy = RetryPolicy.from_settings(RetrySettings(max_attempts=3), random.Random(0))
     return decide(
-        error, attempt=attempt, first_attempt_at=0.0, now=now, policy=policy, budget=budget, peer="p"
+        error,
+        attempt=attempt,
+        first_attempt_at=0.0,
+        now=now,
+        policy=policy,
+        budget=budget,
+        peer="p",
     ).action
 
 

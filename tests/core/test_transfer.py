@@ -175,5 +175,5 @@ def test_the_state_table_in_docs_core_md_matches_the_code() -> None:
     assert found.group(1) == transition_table_markdown(), (
         "docs/core.md's transfer table drifted from core/transfer.py; regenerate it with "
         "`python -c 'from kvpush_prod.core.transfer import transition_table_markdown as t;"
-        " print(t(), end=\"\")'`"
+        ' print(t(), end="")\'`'
     )

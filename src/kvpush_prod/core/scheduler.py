@@ -380,12 +380,15 @@ class PushScheduler:
             if give_up:
                 self._end(t)
                 self._transfers_cancelled += 1
+            elif t.cutoff <= now:
+                self._expire(t)  # it could never be posted again
             else:
                 self._requeue(t, chunk, now, retry_at)
         self._wake(lk)
 
     def take_expired(self) -> list[TransferId]:
-        """Transfers dropped because their permit came within the stop margin, since last call."""
+        """Transfers dropped since the last call because their permit came within the stop
+        margin while they still had chunks to post (their chunks in flight stay accounted)."""
         out, self._expired_out = self._expired_out, []
         return out
 
@@ -494,10 +497,15 @@ class PushScheduler:
         heap = self._cutoffs
         while heap and heap[0][0] <= now:
             _, seq, t = heapq.heappop(heap)
-            if t.alive and t.cutoff_seq == seq:
-                self._end(t)
-                self._expired_out.append(t.tid)
-                self._transfers_expired += 1
+            if t.alive and t.cutoff_seq == seq and t.queued_chunks:
+                # With everything posted there is nothing to stop: chunks posted before
+                # the cut-off may still land; one that fails after it expires it then.
+                self._expire(t)
+
+    def _expire(self, t: _Transfer) -> None:
+        self._end(t)
+        self._expired_out.append(t.tid)
+        self._transfers_expired += 1
 
     def _release_delayed(self, now: float) -> None:
         heap = self._delayed
@@ -548,9 +556,7 @@ class PushScheduler:
             if t.cutoff <= now:
                 # The cut-off heap normally catches this first; never post past it anyway.
                 heapq.heappop(heap)
-                self._end(t)
-                self._expired_out.append(t.tid)
-                self._transfers_expired += 1
+                self._expire(t)
                 continue
             nxt = t.peek()
             if nxt is None:
