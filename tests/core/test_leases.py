@@ -223,3 +223,15 @@ def test_the_holder_has_stopped_whenever_the_grantor_may_reuse(
                 f"at {probe}: grantor may reuse (lease ends {t.get('k')}) but the holder's "
                 f"permit still runs to {permit.stop_at}"
             )
+
+
+def test_many_renewals_keep_the_expiry_heap_small_and_expiry_exact() -> None:
+    t = table()
+    ga = t.grant("a", 0.0, 5.0).generation
+    t.grant("b", 0.0, 5.0)
+    for i in range(1, 2001):
+        assert t.renew("a", ga, i * 0.001).ok
+    assert len(t._expiry) <= 2 * len(t) + 64  # internal: stale entries were compacted
+    assert t.expire(5.0) == ["b"]
+    assert t.expire(6.999) == []
+    assert t.expire(7.0) == ["a"]

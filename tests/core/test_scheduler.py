@@ -620,3 +620,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerRules = SchedulerMachine.TestCase
 TestSchedulerRules.settings = settings(CORE, stateful_step_count=50)
+
+
+def test_many_renewals_keep_the_cut_off_heap_small_and_cut_off_exact() -> None:
+    s = sched(stop=0.5)
+    s.add("t", "L", 100, 50, permit_deadline=10.0, now=0.0)
+    s.add("u", "L", 100, 50, permit_deadline=10.0, now=0.0)
+    for i in range(1, 2001):
+        s.renew("t", 10.0 + i * 0.01)
+    assert len(s._cutoffs) <= 2 * s.transfers + 64  # internal: stale entries were compacted
+    assert s.expire(9.5) == ["u"]
+    assert s.expire(29.49) == []
+    assert s.expire(29.5) == ["t"]

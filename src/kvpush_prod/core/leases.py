@@ -128,7 +128,7 @@ class LeaseTable(Generic[K]):
         self._next_generation += 1
         lease = Lease(key, generation, now + ttl)
         self._entries[key] = _Entry(lease, ttl, LeaseState.LIVE)
-        heapq.heappush(self._expiry, (lease.expires_at, generation, key))
+        self._push_expiry(lease)
         self._granted += 1
         return lease
 
@@ -161,7 +161,7 @@ class LeaseTable(Generic[K]):
         expires_at = now + term
         if expires_at > entry.lease.expires_at:
             entry.lease = replace(entry.lease, expires_at=expires_at)
-            heapq.heappush(self._expiry, (expires_at, generation, key))
+            self._push_expiry(entry.lease)
         self._renewed += 1
         return LeaseCheck.OK
 
@@ -269,6 +269,17 @@ class LeaseTable(Generic[K]):
             self._rejected_stale += 1
             return None, LeaseCheck.STALE
         return entry, LeaseCheck.OK
+
+    def _push_expiry(self, lease: Lease[K]) -> None:
+        heapq.heappush(self._expiry, (lease.expires_at, lease.generation, lease.key))
+        if len(self._expiry) > 2 * len(self._entries) + 64:
+            # Every renewal leaves a stale entry behind: rebuild (amortised O(1)).
+            self._expiry = [
+                (e.lease.expires_at, e.lease.generation, e.lease.key)
+                for e in self._entries.values()
+                if e.state in (LeaseState.LIVE, LeaseState.RELEASED)
+            ]
+            heapq.heapify(self._expiry)
 
     def _mark_expired(self, entry: _Entry[K]) -> None:
         entry.state = LeaseState.EXPIRED

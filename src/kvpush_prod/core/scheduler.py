@@ -480,6 +480,10 @@ class PushScheduler:
         seq = next(self._seq)
         t.cutoff_seq = seq
         heapq.heappush(self._cutoffs, (t.cutoff, seq, t))
+        if len(self._cutoffs) > 2 * len(self._transfers) + 64:
+            # Renewals and ended transfers leave stale entries: rebuild (amortised O(1)).
+            self._cutoffs = [(x.cutoff, x.cutoff_seq, x) for x in self._transfers.values()]
+            heapq.heapify(self._cutoffs)
 
     def _wake(self, lk: _Link) -> None:
         if not lk.active and lk.heap and lk.inflight_bytes < lk.cap:
