@@ -81,6 +81,11 @@ def test_exception_name_and_status_name_of_a_row_classify_alike() -> None:
                 assert classify(name).action is action
 
 
+def test_status_strings_classify_in_any_case() -> None:
+    assert classify("timeout").kind == "TIMEOUT"
+    assert classify(" err ").kind == "ERR"
+
+
 def test_an_unknown_name_falls_back_rather_than_retrying_blindly() -> None:
     assert classify("SOMETHING_NEW") is UNCLASSIFIED
     assert UNCLASSIFIED.action is ErrorClass.FALLBACK

@@ -399,6 +399,7 @@ def test_a_failed_chunk_is_posted_again_before_the_last_chunk() -> None:
     s.on_chunk_failed(b.id, 0.1)
     [again] = s.next_chunks(0.1)
     assert (again.start, again.end, again.attempt, again.is_last) == (10, 20, 1, False)
+    assert again.first_posted_at == 0.0
     s.on_chunk_done(again.id, 0.2)
     [last] = s.next_chunks(0.2)
     assert last.is_last and last.start == 20
@@ -417,6 +418,7 @@ def test_a_retry_waits_for_its_retry_time() -> None:
     assert s.next_chunks(0.4) == []
     [again] = s.next_chunks(0.5)
     assert again.attempt == 1 and again.is_last
+    assert (again.posted_at, again.first_posted_at) == (0.5, 0.0)
     assert s.pending_retries("t") == 0
 
 

@@ -112,7 +112,9 @@ def classify(error: str | BaseException) -> Classification:
             if found is not None:
                 return found
         return UNCLASSIFIED
-    return CLASSIFICATION.get(error.strip(), UNCLASSIFIED)
+    name = error.strip()
+    # Status strings are upper case ("timeout" and "err" come from logs and completions too).
+    return CLASSIFICATION.get(name) or CLASSIFICATION.get(name.upper(), UNCLASSIFIED)
 
 
 def classification_rows() -> list[tuple[str, str, str, ErrorClass, bool, str]]:

@@ -73,7 +73,8 @@ class Chunk:
     """One WRITE to post: blocks ``[start, end)`` of the transfer's block list.
 
     ``is_last``: the final chunk, emitted only after all others completed; it carries the
-    DONE notification. ``attempt``: 0 on the first post, n on the n-th re-post.
+    DONE notification. ``attempt``: 0 on the first post, n on the n-th re-post;
+    ``first_posted_at``: when attempt 0 was posted (what a retry policy's delay counts from).
     """
 
     id: int
@@ -85,6 +86,7 @@ class Chunk:
     is_last: bool
     attempt: int
     posted_at: float
+    first_posted_at: float
 
     @property
     def blocks(self) -> range:
@@ -109,6 +111,7 @@ class _Transfer:
     __slots__ = (
         "tid", "link", "block_bytes", "num_blocks", "cutoff", "added_at", "chunk_blocks",
         "last_start", "cursor", "retry", "delayed", "inflight", "last", "last_attempt",
+        "last_first_at",
         "queued_bytes", "queued_chunks", "heap_seq", "cutoff_seq", "alive",
     )  # fmt: skip
 
@@ -126,26 +129,30 @@ class _Transfer:
         total = max(1, -(-num_blocks // chunk_blocks))
         self.last_start = (total - 1) * chunk_blocks
         self.cursor = 0  # next never-posted block below last_start
-        self.retry: list[tuple[int, int, int]] = []  # failed (start, end, attempt), ready
+        # failed chunks ready to go again: (start, end, attempt, first_posted_at)
+        self.retry: list[tuple[int, int, int, float]] = []
         self.delayed = 0  # failed chunks waiting for their retry time
         self.inflight: set[int] = set()
         self.last = _LAST_PENDING
         self.last_attempt = 0
+        self.last_first_at = 0.0
         self.queued_bytes = num_blocks * block_bytes
         self.queued_chunks = total
         self.heap_seq = 0  # seq of its one current entry in the link heap, 0: not queued
         self.cutoff_seq = 0
         self.alive = True
 
-    def peek(self) -> tuple[int, int, bool, int] | None:
-        """The next chunk it could post now: (start, end, is_last, attempt), or None."""
+    def peek(self) -> tuple[int, int, bool, int, float] | None:
+        """The next chunk it could post now, or None:
+        (start, end, is_last, attempt, first_posted_at; meaningless for attempt 0)."""
         if self.retry:
-            start, end, attempt = self.retry[-1]
-            return start, end, False, attempt
+            start, end, attempt, first_at = self.retry[-1]
+            return start, end, False, attempt, first_at
         if self.cursor < self.last_start:
-            return self.cursor, min(self.cursor + self.chunk_blocks, self.last_start), False, 0
+            end = min(self.cursor + self.chunk_blocks, self.last_start)
+            return self.cursor, end, False, 0, 0.0
         if self.last == _LAST_PENDING and not self.inflight and not self.delayed:
-            return self.last_start, self.num_blocks, True, self.last_attempt
+            return self.last_start, self.num_blocks, True, self.last_attempt, self.last_first_at
         return None
 
     def take(self, is_last: bool) -> None:
@@ -201,8 +208,8 @@ class PushScheduler:
         self._inflight: dict[int, tuple[Chunk, _Transfer, _Link]] = {}
         self._active: deque[_Link] = deque()
         self._cutoffs: list[tuple[float, int, _Transfer]] = []
-        # (retry_at, seq, transfer, start, end, is_last, attempt)
-        self._delayed: list[tuple[float, int, _Transfer, int, int, bool, int]] = []
+        # (retry_at, seq, transfer, start, end, is_last, attempt, first_posted_at)
+        self._delayed: list[tuple[float, int, _Transfer, int, int, bool, int, float]] = []
         self._seq = itertools.count(1)
         self._next_chunk_id = 1
         self._expired_out: list[TransferId] = []
@@ -514,15 +521,16 @@ class PushScheduler:
     def _release_delayed(self, now: float) -> None:
         heap = self._delayed
         while heap and heap[0][0] <= now:
-            _, _, t, start, end, is_last, attempt = heapq.heappop(heap)
+            _, _, t, start, end, is_last, attempt, first_at = heapq.heappop(heap)
             if not t.alive:
                 continue
             t.delayed -= 1
             if is_last:
                 t.last = _LAST_PENDING
                 t.last_attempt = attempt
+                t.last_first_at = first_at
             else:
-                t.retry.append((start, end, attempt))
+                t.retry.append((start, end, attempt, first_at))
             if t.heap_seq == 0 and t.peek() is not None:
                 self._push(t)
                 self._wake(t.link)
@@ -539,14 +547,24 @@ class PushScheduler:
                 t.last = _LAST_DELAYED
             heapq.heappush(
                 self._delayed,
-                (retry_at, next(self._seq), t, chunk.start, chunk.end, chunk.is_last, attempt),
+                (
+                    retry_at,
+                    next(self._seq),
+                    t,
+                    chunk.start,
+                    chunk.end,
+                    chunk.is_last,
+                    attempt,
+                    chunk.first_posted_at,
+                ),  # fmt: skip
             )
             return
         if chunk.is_last:
             t.last = _LAST_PENDING
             t.last_attempt = attempt
+            t.last_first_at = chunk.first_posted_at
         else:
-            t.retry.append((chunk.start, chunk.end, attempt))
+            t.retry.append((chunk.start, chunk.end, attempt, chunk.first_posted_at))
         if t.peek() is not None:
             self._push(t)  # its queued bytes grew: a new key
 
@@ -567,7 +585,7 @@ class PushScheduler:
                 heapq.heappop(heap)  # waiting on its own chunks; re-queued when they land
                 t.heap_seq = 0
                 continue
-            start, end, is_last, attempt = nxt
+            start, end, is_last, attempt, first_at = nxt
             nbytes = (end - start) * t.block_bytes
             if lk.inflight_chunks and lk.inflight_bytes + nbytes > lk.cap:
                 return None  # full; a completion on this link wakes it again
@@ -579,7 +597,8 @@ class PushScheduler:
             self._queued_chunks -= 1
             cid = self._next_chunk_id
             self._next_chunk_id = cid + 1
-            chunk = Chunk(cid, t.tid, lk.id, start, end, nbytes, is_last, attempt, now)
+            first = now if attempt == 0 else first_at
+            chunk = Chunk(cid, t.tid, lk.id, start, end, nbytes, is_last, attempt, now, first)
             t.inflight.add(cid)
             self._inflight[cid] = (chunk, t, lk)
             lk.inflight_bytes += nbytes

@@ -103,14 +103,15 @@ def next_state(state: TransferState, event: TransferEvent) -> TransferState:
     """
     if state in TERMINAL:
         return state
-    try:
-        return TRANSITIONS[(state, event)]
-    except KeyError:
-        allowed = sorted(e.value for (s, e) in TRANSITIONS if s is state)
-        raise ProtocolError(
-            "event not allowed",
-            f"event {event.value} in state {state.value}; allowed there: {', '.join(allowed)}",
-        ) from None
+    target = TRANSITIONS.get((state, event))
+    if target is None:
+        raise ProtocolError("event not allowed", _not_allowed(state, event))
+    return target
+
+
+def _not_allowed(state: TransferState, event: TransferEvent) -> str:
+    allowed = [e.value for e in TransferEvent if (state, e) in TRANSITIONS]
+    return f"event {event.value} in state {state.value}; allowed there: {', '.join(allowed)}"
 
 
 def transition_table_markdown() -> str:
@@ -199,10 +200,12 @@ class TransferMachine:
         if self.state in TERMINAL:
             self.ignored += 1
             return False
-        try:
-            target = next_state(self.state, event)
-        except ProtocolError as exc:
-            raise ProtocolError(exc.reason, f"transfer {self.transfer_id!r}: {exc}") from None
+        target = TRANSITIONS.get((self.state, event))
+        if target is None:
+            raise ProtocolError(
+                "event not allowed",
+                f"transfer {self.transfer_id!r}: {_not_allowed(self.state, event)}",
+            )
         if target is not self.state:
             self.state = target
             self.entered_at = now
