@@ -1,0 +1,632 @@
+"""P's push scheduler: chunks each transfer, orders and paces chunks per link, never late.
+
+Least queued bytes first with aging on each link, round robin across links, in-flight caps
+from each link's measured bandwidth, and no chunk within ``stop_margin_s`` of a permit's end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from kvpush_prod.errors import ConfigError, ProtocolError
+
+TransferId = str
+LinkId = str
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    """Knobs of the push scheduler.
+
+    ``chunk_bytes``: the largest chunk (a single block larger than this is still one
+    chunk). ``target_latency_s``: a link's in-flight cap is ``max(chunk_bytes,
+    bandwidth * target_latency_s)``. ``stop_margin_s``: no chunk is posted this close to
+    its permit's deadline (the chunk must land before the permit ends).
+    ``aging_bytes_per_s``: a transfer's queued bytes count as ``queued / aging`` seconds
+    of lateness, so one added more than that later can no longer overtake it; ``inf``
+    gives pure least-queued-bytes-first (which can starve big transfers).
+    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate.
+    """
+
+    chunk_bytes: int = 4 * 1024 * 1024
+    target_latency_s: float = 0.005
+    stop_margin_s: float = 0.5
+    aging_bytes_per_s: float = 1024.0**3
+    ewma_alpha: float = 0.25
+    initial_bandwidth_bytes_per_s: float = 1e9
+    min_sample_s: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise ConfigError(f"scheduler chunk_bytes must be >= 1, got {self.chunk_bytes}")
+        if not (self.target_latency_s >= 0 and math.isfinite(self.target_latency_s)):
+            raise ConfigError(
+                f"scheduler target_latency_s must be >= 0, got {self.target_latency_s}"
+            )
+        if not (self.stop_margin_s >= 0 and math.isfinite(self.stop_margin_s)):
+            raise ConfigError(f"scheduler stop_margin_s must be >= 0, got {self.stop_margin_s}")
+        if not self.aging_bytes_per_s > 0:
+            raise ConfigError(
+                f"scheduler aging_bytes_per_s must be > 0 (inf: no aging), "
+                f"got {self.aging_bytes_per_s}"
+            )
+        if not 0 < self.ewma_alpha <= 1:
+            raise ConfigError(f"scheduler ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if not (
+            self.initial_bandwidth_bytes_per_s > 0
+            and math.isfinite(self.initial_bandwidth_bytes_per_s)
+        ):
+            raise ConfigError(
+                "scheduler initial_bandwidth_bytes_per_s must be a finite > 0, "
+                f"got {self.initial_bandwidth_bytes_per_s}"
+            )
+        if not self.min_sample_s > 0:
+            raise ConfigError(f"scheduler min_sample_s must be > 0, got {self.min_sample_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One WRITE to post: blocks ``[start, end)`` of the transfer's block list.
+
+    ``is_last``: the final chunk, emitted only after all others completed; it carries the
+    DONE notification. ``attempt``: 0 on the first post, n on the n-th re-post;
+    ``first_posted_at``: when attempt 0 was posted (what a retry policy's delay counts from).
+    """
+
+    id: int
+    transfer_id: TransferId
+    link: LinkId
+    start: int
+    end: int
+    nbytes: int
+    is_last: bool
+    attempt: int
+    posted_at: float
+    first_posted_at: float
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    chunks_posted: int
+    chunks_done: int
+    chunks_failed: int
+    transfers_done: int
+    transfers_expired: int
+    transfers_cancelled: int
+
+
+# The last chunk's life: it waits for the others, then flies, may wait for a retry, lands.
+_LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE = range(4)
+
+
+class _Transfer:
+    __slots__ = (
+        "tid", "link", "block_bytes", "num_blocks", "cutoff", "added_at", "chunk_blocks",
+        "last_start", "cursor", "retry", "delayed", "inflight", "last", "last_attempt",
+        "last_first_at",
+        "queued_bytes", "queued_chunks", "heap_seq", "cutoff_seq", "alive",
+    )  # fmt: skip
+
+    def __init__(
+        self, tid: TransferId, link: _Link, block_bytes: int, num_blocks: int,
+        cutoff: float, added_at: float, chunk_blocks: int,
+    ) -> None:  # fmt: skip
+        self.tid = tid
+        self.link = link
+        self.block_bytes = block_bytes
+        self.num_blocks = num_blocks
+        self.cutoff = cutoff  # permit deadline minus the stop margin
+        self.added_at = added_at
+        self.chunk_blocks = chunk_blocks
+        total = max(1, -(-num_blocks // chunk_blocks))
+        self.last_start = (total - 1) * chunk_blocks
+        self.cursor = 0  # next never-posted block below last_start
+        # failed chunks ready to go again: (start, end, attempt, first_posted_at)
+        self.retry: list[tuple[int, int, int, float]] = []
+        self.delayed = 0  # failed chunks waiting for their retry time
+        self.inflight: set[int] = set()
+        self.last = _LAST_PENDING
+        self.last_attempt = 0
+        self.last_first_at = 0.0
+        self.queued_bytes = num_blocks * block_bytes
+        self.queued_chunks = total
+        self.heap_seq = 0  # seq of its one current entry in the link heap, 0: not queued
+        self.cutoff_seq = 0
+        self.alive = True
+
+    def peek(self) -> tuple[int, int, bool, int, float] | None:
+        """The next chunk it could post now, or None:
+        (start, end, is_last, attempt, first_posted_at; meaningless for attempt 0)."""
+        if self.retry:
+            start, end, attempt, first_at = self.retry[-1]
+            return start, end, False, attempt, first_at
+        if self.cursor < self.last_start:
+            end = min(self.cursor + self.chunk_blocks, self.last_start)
+            return self.cursor, end, False, 0, 0.0
+        if self.last == _LAST_PENDING and not self.inflight and not self.delayed:
+            return self.last_start, self.num_blocks, True, self.last_attempt, self.last_first_at
+        return None
+
+    def take(self, is_last: bool) -> None:
+        """Mark what ``peek`` returned as posted."""
+        if self.retry:
+            self.retry.pop()
+        elif is_last:
+            self.last = _LAST_INFLIGHT
+        else:
+            self.cursor = min(self.cursor + self.chunk_blocks, self.last_start)
+
+
+class _Link:
+    __slots__ = (
+        "id", "heap", "inflight_bytes", "inflight_chunks", "ewma_bytes", "ewma_time",
+        "bandwidth", "cap", "last_done_at", "active",
+    )  # fmt: skip
+
+    def __init__(self, link_id: LinkId, bandwidth: float, cap: float) -> None:
+        self.id = link_id
+        self.heap: list[tuple[float, int, _Transfer]] = []
+        self.inflight_bytes = 0
+        self.inflight_chunks = 0
+        self.ewma_bytes = 0.0  # 0 until the first sample
+        self.ewma_time = 0.0
+        self.bandwidth = bandwidth
+        self.cap = cap
+        self.last_done_at = -math.inf
+        self.active = False  # in the round-robin queue
+
+
+class PushScheduler:
+    """Decides which chunk P posts next on which link.
+
+    Guarantees: on each link, chunks go least-queued-bytes-first with aging (a transfer is
+    overtaken only by transfers added less than ``queued / aging_bytes_per_s`` after it);
+    links with ready work take turns; a link's in-flight bytes stay within its cap (or one
+    chunk); no chunk of a transfer within ``stop_margin_s`` of its permit deadline (it is
+    reported expired instead); a transfer's last chunk only after its others completed.
+    Each decision is O(log n) in the queued transfers.
+    """
+
+    def __init__(self, settings: SchedulerSettings | None = None) -> None:
+        self._s = settings if settings is not None else SchedulerSettings()
+        s = self._s
+        self._no_aging = math.isinf(s.aging_bytes_per_s)
+        self._inv_aging = 0.0 if self._no_aging else 1.0 / s.aging_bytes_per_s
+        self._initial_cap = max(
+            float(s.chunk_bytes), s.initial_bandwidth_bytes_per_s * s.target_latency_s
+        )
+        self._links: dict[LinkId, _Link] = {}
+        self._transfers: dict[TransferId, _Transfer] = {}
+        self._inflight: dict[int, tuple[Chunk, _Transfer, _Link]] = {}
+        self._active: deque[_Link] = deque()
+        self._cutoffs: list[tuple[float, int, _Transfer]] = []
+        # (retry_at, seq, transfer, start, end, is_last, attempt, first_posted_at)
+        self._delayed: list[tuple[float, int, _Transfer, int, int, bool, int, float]] = []
+        self._seq = itertools.count(1)
+        self._next_chunk_id = 1
+        self._expired_out: list[TransferId] = []
+        self._queued_chunks = 0
+        self._queued_bytes = 0
+        self._posted = 0
+        self._done = 0
+        self._failed = 0
+        self._transfers_done = 0
+        self._transfers_expired = 0
+        self._transfers_cancelled = 0
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self._s
+
+    # -- feeding it -----------------------------------------------------------------------
+
+    def add(
+        self,
+        transfer_id: TransferId,
+        link: LinkId,
+        block_bytes: int,
+        num_blocks: int,
+        permit_deadline: float,
+        now: float,
+    ) -> None:
+        """Queue a transfer of ``num_blocks`` blocks of ``block_bytes`` each over ``link``.
+
+        ``permit_deadline``: when D's write permit ends (holder clock). A transfer already
+        within the stop margin is not queued but reported by ``take_expired``. A transfer
+        of 0 blocks is one empty last chunk: the shell sends its DONE as a bare notification.
+        """
+        if transfer_id in self._transfers:
+            raise ProtocolError(
+                "duplicate transfer", f"transfer {transfer_id!r} is already queued; cancel it first"
+            )
+        if block_bytes < 1:
+            raise ProtocolError(
+                "bad block size",
+                f"transfer {transfer_id!r}: block_bytes must be >= 1, got {block_bytes}",
+            )
+        if num_blocks < 0:
+            raise ProtocolError(
+                "bad block count",
+                f"transfer {transfer_id!r}: num_blocks must be >= 0, got {num_blocks}",
+            )
+        s = self._s
+        lk = self._links.get(link)
+        if lk is None:
+            lk = self._links[link] = _Link(link, s.initial_bandwidth_bytes_per_s, self._initial_cap)
+        cutoff = permit_deadline - s.stop_margin_s
+        if not cutoff > now:
+            self._expired_out.append(transfer_id)
+            self._transfers_expired += 1
+            return
+        t = _Transfer(
+            transfer_id,
+            lk,
+            block_bytes,
+            num_blocks,
+            cutoff,
+            now,
+            max(1, s.chunk_bytes // block_bytes),
+        )
+        self._transfers[transfer_id] = t
+        self._queued_chunks += t.queued_chunks
+        self._queued_bytes += t.queued_bytes
+        self._push_cutoff(t)
+        self._push(t)
+        self._wake(lk)
+
+    def renew(self, transfer_id: TransferId, new_deadline: float) -> bool:
+        """Move a queued transfer's permit deadline later (never earlier); False if unknown."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return False
+        cutoff = new_deadline - self._s.stop_margin_s
+        if cutoff > t.cutoff:
+            t.cutoff = cutoff
+            self._push_cutoff(t)
+        return True
+
+    def cancel(self, transfer_id: TransferId) -> list[int]:
+        """Drop a transfer's queued chunks; returns its chunk ids still in flight.
+
+        Those chunks still complete or fail through ``on_chunk_done`` / ``on_chunk_failed``
+        (only their bytes are accounted). Unknown or finished transfers: [] (idempotent).
+        """
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return []
+        self._end(t)
+        self._transfers_cancelled += 1
+        return sorted(t.inflight)
+
+    # -- deciding ---------------------------------------------------------------------------
+
+    def next_chunks(self, now: float, limit: int | None = None) -> list[Chunk]:
+        """The chunks to post now, at most ``limit``, links taking turns.
+
+        First expires transfers past their cut-off (see ``take_expired``) and releases
+        retries whose time has come.
+        """
+        if limit is not None and limit <= 0:
+            return []
+        if self._cutoffs and self._cutoffs[0][0] <= now:
+            self._expire_due(now)
+        if self._delayed and self._delayed[0][0] <= now:
+            self._release_delayed(now)
+        out: list[Chunk] = []
+        active = self._active
+        while active:
+            lk = active.popleft()
+            lk.active = False
+            chunk = self._emit_one(lk, now)
+            if chunk is None:
+                continue  # no ready work or no room: it rejoins when that changes
+            out.append(chunk)
+            self._wake(lk)  # back to the end of the round
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def on_chunk_done(self, chunk_id: int, now: float) -> bool:
+        """A chunk landed; True when that completed its transfer (its last chunk landed)."""
+        rec = self._inflight.pop(chunk_id, None)
+        if rec is None:
+            raise ProtocolError(
+                "unknown chunk",
+                f"chunk {chunk_id} is not in flight (already completed, failed or never posted)",
+            )
+        chunk, t, lk = rec
+        lk.inflight_bytes -= chunk.nbytes
+        lk.inflight_chunks -= 1
+        self._done += 1
+        if chunk.nbytes:
+            self._sample(lk, chunk, now)
+        completed = False
+        if t.alive:
+            t.inflight.discard(chunk_id)
+            if chunk.is_last:
+                t.last = _LAST_DONE
+                self._end(t)
+                self._transfers_done += 1
+                completed = True
+            elif t.heap_seq == 0 and t.peek() is not None:
+                self._push(t)  # e.g. its last chunk was waiting for this one
+        self._wake(lk)
+        return completed
+
+    def on_chunk_failed(
+        self,
+        chunk_id: int,
+        now: float,
+        *,
+        retry_at: float | None = None,
+        give_up: bool = False,
+    ) -> None:
+        """A chunk failed. It is queued again (from ``retry_at`` if later than ``now``),
+        or with ``give_up`` its transfer is dropped like ``cancel`` (the shell falls back).
+        """
+        rec = self._inflight.pop(chunk_id, None)
+        if rec is None:
+            raise ProtocolError(
+                "unknown chunk",
+                f"chunk {chunk_id} is not in flight (already completed, failed or never posted)",
+            )
+        chunk, t, lk = rec
+        lk.inflight_bytes -= chunk.nbytes
+        lk.inflight_chunks -= 1
+        self._failed += 1
+        if t.alive:
+            t.inflight.discard(chunk_id)
+            if give_up:
+                self._end(t)
+                self._transfers_cancelled += 1
+            elif t.cutoff <= now:
+                self._expire(t)  # it could never be posted again
+            else:
+                self._requeue(t, chunk, now, retry_at)
+        self._wake(lk)
+
+    def take_expired(self) -> list[TransferId]:
+        """Transfers dropped since the last call because their permit came within the stop
+        margin while they still had chunks to post (their chunks in flight stay accounted)."""
+        out, self._expired_out = self._expired_out, []
+        return out
+
+    def expire(self, now: float) -> list[TransferId]:
+        """Expire what is due at ``now`` without scheduling, then ``take_expired``."""
+        self._expire_due(now)
+        return self.take_expired()
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Chunks not posted yet (gated last chunks and retries waiting included)."""
+        return self._queued_chunks
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    @property
+    def transfers(self) -> int:
+        return len(self._transfers)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def has_transfer(self, transfer_id: TransferId) -> bool:
+        return transfer_id in self._transfers
+
+    def inflight_bytes(self, link: LinkId) -> int:
+        lk = self._links.get(link)
+        return 0 if lk is None else lk.inflight_bytes
+
+    def inflight_chunks(self, transfer_id: TransferId) -> list[int]:
+        t = self._transfers.get(transfer_id)
+        return [] if t is None else sorted(t.inflight)
+
+    def pending_retries(self, transfer_id: TransferId) -> int:
+        """Failed chunks of the transfer not posted again yet (0: fire RETRY)."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return 0
+        # ``delayed`` already counts a last chunk waiting for its retry time.
+        last_ready_again = t.last == _LAST_PENDING and t.last_attempt > 0
+        return len(t.retry) + t.delayed + int(last_ready_again)
+
+    def bandwidth(self, link: LinkId) -> float:
+        """The link's estimated bandwidth in bytes/s (the initial guess before any sample)."""
+        lk = self._links.get(link)
+        return self._s.initial_bandwidth_bytes_per_s if lk is None else lk.bandwidth
+
+    def cap_bytes(self, link: LinkId) -> float:
+        """The link's in-flight cap: max(chunk_bytes, bandwidth * target_latency_s)."""
+        lk = self._links.get(link)
+        return self._initial_cap if lk is None else lk.cap
+
+    def links(self) -> list[LinkId]:
+        return list(self._links)
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time a cut-off or a delayed retry is due (may be early, never late)."""
+        times = [h[0][0] for h in (self._cutoffs, self._delayed) if h]
+        return min(times) if times else None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            chunks_posted=self._posted,
+            chunks_done=self._done,
+            chunks_failed=self._failed,
+            transfers_done=self._transfers_done,
+            transfers_expired=self._transfers_expired,
+            transfers_cancelled=self._transfers_cancelled,
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _push(self, t: _Transfer) -> None:
+        """(Re)queue ``t`` in its link heap under its current key; older entries go stale."""
+        seq = next(self._seq)
+        t.heap_seq = seq
+        if self._no_aging:
+            key = float(t.queued_bytes)
+        else:
+            key = t.added_at + t.queued_bytes * self._inv_aging
+        heapq.heappush(t.link.heap, (key, seq, t))
+
+    def _push_cutoff(self, t: _Transfer) -> None:
+        seq = next(self._seq)
+        t.cutoff_seq = seq
+        heapq.heappush(self._cutoffs, (t.cutoff, seq, t))
+        if len(self._cutoffs) > 2 * len(self._transfers) + 64:
+            # Renewals and ended transfers leave stale entries: rebuild (amortised O(1)).
+            self._cutoffs = [(x.cutoff, x.cutoff_seq, x) for x in self._transfers.values()]
+            heapq.heapify(self._cutoffs)
+
+    def _wake(self, lk: _Link) -> None:
+        if not lk.active and lk.heap and lk.inflight_bytes < lk.cap:
+            lk.active = True
+            self._active.append(lk)
+
+    def _end(self, t: _Transfer) -> None:
+        """Forget a transfer's queued work; its in-flight chunks stay accounted."""
+        t.alive = False
+        del self._transfers[t.tid]
+        self._queued_chunks -= t.queued_chunks
+        self._queued_bytes -= t.queued_bytes
+
+    def _expire_due(self, now: float) -> None:
+        heap = self._cutoffs
+        while heap and heap[0][0] <= now:
+            _, seq, t = heapq.heappop(heap)
+            if t.alive and t.cutoff_seq == seq and t.queued_chunks:
+                # With everything posted there is nothing to stop: chunks posted before
+                # the cut-off may still land; one that fails after it expires it then.
+                self._expire(t)
+
+    def _expire(self, t: _Transfer) -> None:
+        self._end(t)
+        self._expired_out.append(t.tid)
+        self._transfers_expired += 1
+
+    def _release_delayed(self, now: float) -> None:
+        heap = self._delayed
+        while heap and heap[0][0] <= now:
+            _, _, t, start, end, is_last, attempt, first_at = heapq.heappop(heap)
+            if not t.alive:
+                continue
+            t.delayed -= 1
+            if is_last:
+                t.last = _LAST_PENDING
+                t.last_attempt = attempt
+                t.last_first_at = first_at
+            else:
+                t.retry.append((start, end, attempt, first_at))
+            if t.heap_seq == 0 and t.peek() is not None:
+                self._push(t)
+                self._wake(t.link)
+
+    def _requeue(self, t: _Transfer, chunk: Chunk, now: float, retry_at: float | None) -> None:
+        attempt = chunk.attempt + 1
+        t.queued_bytes += chunk.nbytes
+        t.queued_chunks += 1
+        self._queued_bytes += chunk.nbytes
+        self._queued_chunks += 1
+        if retry_at is not None and retry_at > now:
+            t.delayed += 1
+            if chunk.is_last:
+                t.last = _LAST_DELAYED
+            heapq.heappush(
+                self._delayed,
+                (
+                    retry_at,
+                    next(self._seq),
+                    t,
+                    chunk.start,
+                    chunk.end,
+                    chunk.is_last,
+                    attempt,
+                    chunk.first_posted_at,
+                ),  # fmt: skip
+            )
+            return
+        if chunk.is_last:
+            t.last = _LAST_PENDING
+            t.last_attempt = attempt
+            t.last_first_at = chunk.first_posted_at
+        else:
+            t.retry.append((chunk.start, chunk.end, attempt, chunk.first_posted_at))
+        if t.peek() is not None:
+            self._push(t)  # its queued bytes grew: a new key
+
+    def _emit_one(self, lk: _Link, now: float) -> Chunk | None:
+        heap = lk.heap
+        while heap:
+            _, seq, t = heap[0]
+            if not t.alive or t.heap_seq != seq:
+                heapq.heappop(heap)  # stale: re-keyed, ended or already taken
+                continue
+            if t.cutoff <= now:
+                # The cut-off heap normally catches this first; never post past it anyway.
+                heapq.heappop(heap)
+                self._expire(t)
+                continue
+            nxt = t.peek()
+            if nxt is None:
+                heapq.heappop(heap)  # waiting on its own chunks; re-queued when they land
+                t.heap_seq = 0
+                continue
+            start, end, is_last, attempt, first_at = nxt
+            nbytes = (end - start) * t.block_bytes
+            if lk.inflight_chunks and lk.inflight_bytes + nbytes > lk.cap:
+                return None  # full; a completion on this link wakes it again
+            heapq.heappop(heap)
+            t.take(is_last)
+            t.queued_bytes -= nbytes
+            t.queued_chunks -= 1
+            self._queued_bytes -= nbytes
+            self._queued_chunks -= 1
+            cid = self._next_chunk_id
+            self._next_chunk_id = cid + 1
+            first = now if attempt == 0 else first_at
+            chunk = Chunk(cid, t.tid, lk.id, start, end, nbytes, is_last, attempt, now, first)
+            t.inflight.add(cid)
+            self._inflight[cid] = (chunk, t, lk)
+            lk.inflight_bytes += nbytes
+            lk.inflight_chunks += 1
+            self._posted += 1
+            if t.peek() is not None:
+                self._push(t)
+            else:
+                t.heap_seq = 0
+            return chunk
+        return None
+
+    def _sample(self, lk: _Link, chunk: Chunk, now: float) -> None:
+        """Fold one completion into the link's bandwidth estimate.
+
+        The chunk's service time runs from when it was posted or from the link's previous
+        completion, whichever is later, so chunks that shared the link are not each charged
+        the whole time. The estimate is EWMA(bytes) / EWMA(service time).
+        """
+        service = max(now - max(chunk.posted_at, lk.last_done_at), self._s.min_sample_s)
+        if now > lk.last_done_at:
+            lk.last_done_at = now
+        a = self._s.ewma_alpha
+        if lk.ewma_time == 0.0:
+            lk.ewma_bytes = float(chunk.nbytes)
+            lk.ewma_time = service
+        else:
+            lk.ewma_bytes += a * (chunk.nbytes - lk.ewma_bytes)
+            lk.ewma_time += a * (service - lk.ewma_time)
+        lk.bandwidth = lk.ewma_bytes / lk.ewma_time
+        lk.cap = max(float(self._s.chunk_bytes), lk.bandwidth * self._s.target_latency_s)
