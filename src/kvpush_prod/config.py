@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.transport.faults import FaultSettings
 
 SECRET_ENV = "KVPUSH_SECRET"
 PROFILE_ENV = "KVPUSH_PROFILE"
@@ -80,6 +81,9 @@ class PushSettings(_Section):
         2.0, gt=0, le=10_000, description="In-flight bytes per link = bandwidth x this."
     )
     max_inflight_chunks: int = Field(64, ge=1, le=100_000, description="Cap per link.")
+    chunk_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A chunk still in flight after this has failed (TIMEOUT)."
+    )
 
 
 class CreditSettings(_Section):
@@ -96,7 +100,9 @@ class CreditSettings(_Section):
 class LeaseSettings(_Section):
     """Permits (D lets P write) and send leases (P holds blocks for D)."""
 
-    permit_ttl_s: float = Field(30.0, gt=0, le=3600, description="Write permit term.")
+    permit_ttl_s: float = Field(
+        5.0, gt=0, le=3600, description="Write permit term (renewed while P is alive)."
+    )
     send_lease_ttl_s: float = Field(
         60.0, gt=0, le=3600, description="How long P holds finished blocks for D without news."
     )
@@ -106,6 +112,12 @@ class LeaseSettings(_Section):
     )
     skew_margin_s: float = Field(
         1.0, ge=0, le=600, description="D reuses blocks only this long after permit expiry."
+    )
+    peer_timeout_s: float = Field(
+        3.0, gt=0, le=600, description="A peer unheard this long is presumed dead (no renewals)."
+    )
+    transfer_timeout_s: float = Field(
+        120.0, gt=0, le=86_400, description="Hard bound on one transfer, queueing included."
     )
 
     @model_validator(mode="after")
@@ -146,6 +158,9 @@ class FallbackSettings(_Section):
     """What happens when a push cannot complete."""
 
     pull: bool = Field(True, description="Let D pull (READ) the KV when the push fails.")
+    pull_permit_s: float = Field(
+        30.0, gt=0, le=3600, description="How long D may READ P's blocks after a FALLBACK."
+    )
 
 
 class VerifySettings(_Section):
@@ -168,6 +183,7 @@ class KvpushConfig(_Section):
     breaker: BreakerSettings = BreakerSettings()
     fallback: FallbackSettings = FallbackSettings()
     verify: VerifySettings = VerifySettings()
+    faults: FaultSettings = FaultSettings()
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

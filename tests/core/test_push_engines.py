@@ -1,145 +1,251 @@
-"""Sender (P) and Receiver (D) engines: pairing, chunking, cancel, expiry, stale input."""
+"""Sender (P) and Receiver (D) engines: pairing, chunking, retries, fallback, cancel, leases."""
 
 from __future__ import annotations
 
+import random
+
 from kvpush_prod.core import messages as m
-from kvpush_prod.core.push import (
-    FinishRecv,
-    FinishSend,
+from kvpush_prod.core.actions import (
+    ConnectPeer,
+    Note,
+    PostRead,
     PostWrite,
-    PushSettings,
-    Receiver,
-    Rejected,
-    Sender,
+    ReleaseSend,
+    ReportFailed,
+    ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.retry import BreakerSettings, RetrySettings
+from kvpush_prod.core.scheduler import SchedulerSettings
+from kvpush_prod.core.sender import Sender, SenderSettings
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
-P = m.PeerInfo("P", 1, 0, "tcp://p:1", "agent-p", b"", LAYOUT)
-D = m.PeerInfo("D", 2, 0, "tcp://d:1", "agent-d", b"", LAYOUT)
-S = PushSettings(block_bytes=100, chunk_blocks=2, send_lease_s=10, stop_margin_s=1,
-                 permit_ttl_s=5, skew_margin_s=1)
+P = m.PeerInfo("P", 1, 0, "tcp://p:1", "agent-p", b"meta", LAYOUT)
+D = m.PeerInfo("D", 2, 0, "tcp://d:1", "agent-d", b"meta", LAYOUT)
+SCHED = SchedulerSettings(chunk_bytes=200, stop_margin_s=1.0)
+SS = SenderSettings(block_bytes=100, scheduler=SCHED, send_lease_s=10, stop_margin_s=1,
+                    retry=RetrySettings(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02),
+                    breaker=BreakerSettings(failure_threshold=2, window_s=10, cooldown_s=5,
+                                            max_cooldown_s=10))
+RS = ReceiverSettings(block_bytes=100, permit_ttl_s=5, skew_margin_s=1, stop_margin_s=1,
+                      scheduler=SCHED, peer_timeout_s=3)
+
+
+def sender() -> Sender:
+    return Sender(P, SS, random.Random(0))
+
+
+def receiver() -> Receiver:
+    return Receiver(D, RS, random.Random(0))
 
 
 def register(tid: str = "t", blocks: list[int] | None = None, first: int = 0, gen: int = 1,
-             ttl_ms: int = 5000) -> m.Register:
-    return m.Register(m.PROTOCOL_VERSION, tid, D, blocks if blocks is not None else [10, 11, 12],
-                      first, 300, gen, ttl_ms)
+             ttl_ms: int = 5000, sender_info: m.PeerInfo = D) -> m.Register:
+    return m.Register(m.PROTOCOL_VERSION, tid, sender_info,
+                      blocks if blocks is not None else [10, 11, 12], first, 300, gen, ttl_ms)
 
 
-def writes(actions: list) -> list[PostWrite]:
-    return [a for a in actions if isinstance(a, PostWrite)]
+def of(actions: list, kind: type) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def msgs(actions: list, kind: type) -> list:
+    return [a.message for a in actions if isinstance(a, SendMessage)
+            and isinstance(a.message, kind)]
 
 
 def test_push_starts_when_blocks_and_register_meet_in_either_order() -> None:
     for blocks_first in (True, False):
-        s = Sender(P, S)
-        first = (s.blocks_ready("t", "req", [1, 2, 3], 0.0) if blocks_first
+        s = sender()
+        first = (s.blocks_ready("t", [1, 2, 3], 0.0) if blocks_first
                  else s.on_message(register(), 0.0))
-        assert writes(first) == []
+        assert of(first, PostWrite) == []
         second = (s.on_message(register(), 0.0) if blocks_first
-                  else s.blocks_ready("t", "req", [1, 2, 3], 0.0))
-        posted = writes(second)
+                  else s.blocks_ready("t", [1, 2, 3], 0.0))
+        posted = of(second, PostWrite)
         # Two chunks of at most 2 blocks; the last (with DONE) waits for the first.
-        assert [w.local_blocks for w in posted] == [[1, 2]]
-        assert posted[0].remote_blocks == [10, 11] and posted[0].done is None
+        assert [w.src_blocks for w in posted] == [(1, 2)]
+        assert posted[0].dst_blocks == (10, 11) and posted[0].done is None
 
 
-def test_last_chunk_carries_done_and_leaves_after_the_others() -> None:
-    s = Sender(P, S)
-    s.blocks_ready("t", "req", [1, 2, 3], 0.0)
-    (w1,) = writes(s.on_message(register(), 0.0))
-    (w2,) = writes(s.on_chunk(w1.chunk_id, True, "", 0.1))
-    assert w2.local_blocks == [3] and w2.remote_blocks == [12]
+def test_first_register_connects_to_the_decode_agent() -> None:
+    s = sender()
+    (connect,) = of(s.on_message(register(), 0.0), ConnectPeer)
+    assert connect.info.agent_name == "agent-d" and connect.replaces == ""
+
+
+def test_last_chunk_carries_done_and_release_waits_for_the_request_to_finish() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    (w1,) = of(s.on_message(register(), 0.0), PostWrite)
+    (w2,) = of(s.on_chunk(w1.chunk_id, True, "", 0.1), PostWrite)
+    assert w2.src_blocks == (3,) and w2.dst_blocks == (12,)
     assert w2.done is not None and w2.done.generation == 1 and w2.done.num_blocks == 3
-    assert w2.transfer_blocks == [1, 2, 3]
-    # Blocks are freed only once the scheduler handed them over (request finished).
+    assert w2.all_src == (1, 2, 3)
     assert s.on_chunk(w2.chunk_id, True, "", 0.2) == []
-    (fin,) = s.hold("t")
-    assert fin == FinishSend("req", "t", "pushed", 300)
+    assert s.hold("t") == [ReleaseSend("t", "pushed", 300)]
 
 
 def test_prefix_hit_on_decode_writes_only_the_missing_blocks() -> None:
-    s = Sender(P, S)
-    s.blocks_ready("t", "req", [1, 2, 3, 4], 0.0)
-    (w,) = writes(s.on_message(register(blocks=[20], first=3), 0.0))
-    assert w.local_blocks == [4] and w.remote_blocks == [20] and w.done is not None
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3, 4], 0.0)
+    (w,) = of(s.on_message(register(blocks=[20], first=3), 0.0), PostWrite)
+    assert w.src_blocks == (4,) and w.dst_blocks == (20,) and w.done is not None
 
 
 def test_register_with_out_of_range_or_miscounted_blocks_writes_nothing() -> None:
     for reg in (register(blocks=[10, 11, 64]), register(blocks=[10, 11])):
-        s = Sender(P, S)
-        s.blocks_ready("t", "req", [1, 2, 3], 0.0)
+        s = sender()
+        s.blocks_ready("t", [1, 2, 3], 0.0)
         out = s.on_message(reg, 0.0)
-        assert writes(out) == []
-        failed = [a for a in out if isinstance(a, SendMessage)]
-        assert isinstance(failed[0].msg, m.Failed) and failed[0].msg.reason == "bad_blocks"
-        assert s.hold("t") == [FinishSend("req", "t", "failed", 0)]
+        assert of(out, PostWrite) == []
+        (failed,) = msgs(out, m.Failed)
+        assert failed.reason == "bad_blocks"
+        assert s.hold("t") == [ReleaseSend("t", "failed", 0)]
 
 
-def test_duplicate_register_is_idempotent_and_a_stale_one_is_rejected() -> None:
-    s = Sender(P, S)
+def test_duplicate_register_is_idempotent_and_a_stale_one_is_fenced() -> None:
+    s = sender()
     s.on_message(register(gen=2), 0.0)
-    assert s.on_message(register(gen=2), 0.0) == []
-    (rej,) = s.on_message(register(gen=1), 0.0)
-    assert isinstance(rej, Rejected) and rej.reason == "stale_generation"
+    assert of(s.on_message(register(gen=2), 0.0), Note) == []
+    (note,) = of(s.on_message(register(gen=1), 0.0), Note)
+    assert note.kind == "fenced"
 
 
 def test_cancel_before_blocks_frees_them_on_arrival_without_writing() -> None:
-    s = Sender(P, S)
-    (ack,) = s.on_message(m.Cancel(1, "t", 0, D, "not_needed"), 0.0)
-    assert isinstance(ack.msg, m.CancelAck)
-    assert writes(s.blocks_ready("t", "req", [1, 2, 3], 0.1)) == []
-    assert s.hold("t") == [FinishSend("req", "t", "cancelled", 0)]
+    s = sender()
+    (ack,) = msgs(s.on_message(m.Cancel(1, "t", 0, D, "not_needed"), 0.0), m.CancelAck)
+    assert ack.transfer_id == "t"
+    assert of(s.blocks_ready("t", [1, 2, 3], 0.1), PostWrite) == []
+    assert s.hold("t") == [ReleaseSend("t", "cancelled", 0)]
 
 
 def test_cancel_during_push_acks_only_after_in_flight_chunks_drain() -> None:
-    s = Sender(P, S)
-    s.blocks_ready("t", "req", [1, 2, 3], 0.0)
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
     s.hold("t")
-    (w1,) = writes(s.on_message(register(), 0.0))
+    (w1,) = of(s.on_message(register(), 0.0), PostWrite)
     assert s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.1) == []
     out = s.on_chunk(w1.chunk_id, True, "", 0.2)
-    assert writes(out) == []  # nothing more is posted after a cancel
-    kinds = [type(a.msg).__name__ if isinstance(a, SendMessage) else type(a).__name__
-             for a in out]
-    assert kinds == ["CancelAck", "FinishSend"]
+    assert of(out, PostWrite) == []  # nothing more is posted after a cancel
+    assert len(msgs(out, m.CancelAck)) == 1
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "cancelled", 0)]
 
 
-def test_failed_chunk_tells_decode_after_draining_and_frees() -> None:
-    s = Sender(P, S)
-    s.blocks_ready("t", "req", [1, 2, 3], 0.0)
+def test_retryable_chunk_error_is_retried_and_counted() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
     s.hold("t")
-    (w1,) = writes(s.on_message(register(), 0.0))
+    (w1,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
     out = s.on_chunk(w1.chunk_id, False, "ERR:nixlBackendError", 0.1)
-    msgs = [a.msg for a in out if isinstance(a, SendMessage)]
-    assert isinstance(msgs[0], m.Failed) and msgs[0].reason == "ERR:nixlBackendError"
-    assert FinishSend("req", "t", "failed", 0) in out
+    assert [n.kind for n in of(out, Note)] == ["retry"]
+    (w2,) = of(s.poll(0.2), PostWrite)  # after the jittered backoff
+    assert w2.src_blocks == (1,) and w2.done is not None
+    assert s.on_chunk(w2.chunk_id, True, "", 0.3) == [ReleaseSend("t", "retried", 100)]
+
+
+def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    now, fallback = 0.1, []
+    for _ in range(5):
+        out = s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now)
+        fallback = msgs(out, m.Fallback)
+        if fallback:
+            break
+        now += 0.05
+        (w,) = of(s.poll(now), PostWrite)
+    (fb,) = fallback
+    assert fb.block_ids == [1] and fb.sender.agent_meta == b"meta"
+    # P keeps its blocks until D says the pull is over.
+    assert of(s.tick(now + 1), ReleaseSend) == []
+    done = m.PullDone(1, "t", 1, D, True)
+    assert s.on_message(done, now + 2) == [ReleaseSend("t", "pull_fallback", 0)]
+
+
+def test_fatal_error_fails_the_transfer_without_fallback() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    out = s.on_chunk(w.chunk_id, False, "NIXL_ERR_INVALID_PARAM", 0.1)
+    assert msgs(out, m.Fallback) == []
+    assert len(msgs(out, m.Failed)) == 1 and ReleaseSend("t", "failed", 0) in out
+
+
+def test_open_breaker_sends_new_transfers_straight_to_pull() -> None:
+    s = sender()
+    for i in range(2):  # two fatal-to-the-push failures trip the breaker (threshold 2)
+        tid = f"t{i}"
+        s.blocks_ready(tid, [1], 0.0)
+        (w,) = of(s.on_message(register(tid, blocks=[10 + i]), 0.0), PostWrite)
+        s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 0.1)
+    s.blocks_ready("t9", [1], 0.2)
+    out = s.on_message(register("t9", blocks=[30]), 0.2)
+    assert of(out, PostWrite) == [] and len(msgs(out, m.Fallback)) == 1
 
 
 def test_no_write_is_posted_inside_the_stop_margin_of_the_permit() -> None:
-    s = Sender(P, S)
+    s = sender()
     s.on_message(register(ttl_ms=5000), 0.0)
     # Blocks arrive 4.5 s later: permit ends at 5 s, stop margin 1 s -> too late to write.
-    assert writes(s.blocks_ready("t", "req", [1, 2, 3], 4.5)) == []
+    assert of(s.blocks_ready("t", [1, 2, 3], 4.5), PostWrite) == []
 
 
-def test_send_lease_expires_when_decode_never_registers() -> None:
-    s = Sender(P, S)
-    s.blocks_ready("t", "req", [1, 2, 3], 0.0)
+def test_permit_counts_from_when_decode_granted_it_not_when_it_arrived() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 10.0)
+    # The REGISTER waited 4.5 s in a queue (e.g. P was stopped): only 0.5 s of term left.
+    assert of(s.on_message(register(ttl_ms=5000), 10.0, age=4.5), PostWrite) == []
+
+
+def test_heartbeat_from_decode_renews_the_permit_and_the_send_lease() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
     s.hold("t")
-    assert s.tick(5.0) == []
-    assert s.tick(10.5) == [FinishSend("req", "t", "expired", 0)]
+    s.on_message(register(blocks=[10], ttl_ms=5000), 0.0)  # posts the only chunk
+    hb = m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000)
+    s.on_message(hb, 4.0)
+    # Still within the renewed permit at 7 s (would have ended at 5 s).
+    assert msgs(s.tick(7.0), m.Failed) == []
+
+
+def test_send_lease_expires_when_decode_never_registers_nor_asks_to_wait() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    assert of(s.tick(5.0), ReleaseSend) == []
+    # D waiting for credit (generation 0) keeps the lease alive.
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 0)], 5000), 8.0)
+    assert of(s.tick(12.0), ReleaseSend) == []
+    assert of(s.tick(18.5), ReleaseSend) == [ReleaseSend("t", "expired", 0)]
 
 
 def test_prefill_abort_fails_a_waiting_decode_at_once() -> None:
-    s = Sender(P, S)
+    s = sender()
     s.on_message(register(), 0.0)
-    (msg,) = s.abort("t", 0.1)
-    assert isinstance(msg.msg, m.Failed) and msg.msg.reason == "prefill_aborted"
+    (failed,) = msgs(s.abort("t", 0.1), m.Failed)
+    assert failed.reason == "prefill_aborted"
     # A REGISTER that arrives later for the aborted transfer is answered the same way.
-    (late,) = s.on_message(register(tid="t", gen=2), 0.2)
-    assert isinstance(late.msg, m.Failed)
+    assert len(msgs(s.on_message(register(gen=2), 0.2), m.Failed)) == 1
+
+
+def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", "agent-d2", b"meta", LAYOUT)
+    out = s.on_message(register("u", blocks=[11], sender_info=d2), 1.0)
+    (connect,) = of(out, ConnectPeer)
+    assert connect.replaces == "agent-d"
+    assert [n.kind for n in of(out, Note)] == ["peer_restart"]
+    # The in-flight chunk to the dead process drains, then the blocks are freed.
+    assert s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 1.1) == [
+        ReleaseSend("t", "failed", 0)]
 
 
 # -------------------------------------------------------------------------------- receiver
@@ -150,53 +256,98 @@ def done(tid: str = "t", gen: int = 1) -> m.Done:
 
 
 def test_receiver_registers_with_a_fresh_generation_and_finishes_on_done() -> None:
-    r = Receiver(D, S)
-    (send,) = r.expect("t", "req", "tcp://p:1", [10, 11, 12], 0, 300, 0.0)
-    assert isinstance(send.msg, m.Register) and send.msg.generation == 1
-    assert send.msg.permit_ttl_ms == 5000
-    assert r.on_done(done(), 0.1) == [FinishRecv("req", "t", True, "pushed")]
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
+    assert reg.generation >= 1 and reg.permit_ttl_ms == 5000
+    assert r.on_done(done(gen=reg.generation), 0.1) == [ReportFinished("t", "pushed")]
     assert r.active == 0
 
 
 def test_done_with_unknown_id_or_stale_generation_is_rejected() -> None:
-    r = Receiver(D, S)
-    r.expect("t", "req", "tcp://p:1", [10], 0, 10, 0.0)
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     (a,) = r.on_done(done("other"), 0.1)
-    (b,) = r.on_done(done("t", gen=7), 0.1)
-    assert (a.reason, b.reason) == ("unknown_transfer", "stale_generation")
+    (b,) = r.on_done(done("t", gen=reg.generation + 7), 0.1)
+    assert (a.kind, a.reason) == ("rejected", "unknown_transfer")
+    assert (b.kind, b.reason) == ("fenced", "stale_generation")
     assert r.active == 1
 
 
 def test_checksum_mismatch_fails_the_receive() -> None:
-    r = Receiver(D, S)
-    r.expect("t", "req", "tcp://p:1", [10], 0, 10, 0.0)
-    (fin,) = r.on_done(done(), 0.1, verified=False)
-    assert not fin.ok and fin.reason == "checksum_mismatch"
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (fin,) = r.on_done(done(gen=reg.generation), 0.1, verified=False)
+    assert isinstance(fin, ReportFailed) and fin.reason == "checksum_mismatch"
 
 
-def test_receive_fails_only_after_permit_expiry_plus_skew() -> None:
-    r = Receiver(D, S)
-    r.expect("t", "req", "tcp://p:1", [10], 0, 10, 0.0)
-    assert r.tick(5.5) == []  # permit over, but P might still write within the skew margin
-    (fin,) = r.tick(6.0)
-    assert fin == FinishRecv("req", "t", False, "expired", "permit_expired")
+def test_silent_prefill_fails_the_receive_only_after_permit_expiry_plus_skew() -> None:
+    r = receiver()
+    r.expect("t", "tcp://p:1", [10], 0, 10, 0.0)
+    assert of(r.tick(5.5), ReportFailed) == []  # permit over, P may still write: skew margin
+    (fin,) = of(r.tick(6.1), ReportFailed)
+    assert fin.reason == "permit_expired"
+
+
+def test_live_prefill_keeps_the_permit_renewed() -> None:
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    now = 0.0
+    while now < 20.0:
+        hb = m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)])
+        r.on_message(hb, now)
+        assert of(r.tick(now), ReportFailed) == []
+        now += 0.5
+    assert r.active == 1
 
 
 def test_abort_releases_blocks_only_after_cancel_ack_or_fence() -> None:
-    r = Receiver(D, S)
-    r.expect("t", "req", "tcp://p:1", [10], 0, 10, 0.0)
-    (cancel,) = r.abort("t", 0.1)
-    assert isinstance(cancel.msg, m.Cancel) and cancel.msg.generation == 1
-    assert r.tick(1.0) == []
-    ack = m.CancelAck(1, "t", 1, P)
-    assert r.on_message(ack, 1.1) == [FinishRecv("req", "t", True, "aborted")]
-    r.expect("u", "req2", "tcp://p:1", [11], 0, 10, 2.0)
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (cancel,) = msgs(r.abort("t", 0.1), m.Cancel)
+    assert cancel.generation == reg.generation
+    assert of(r.tick(1.0), ReportFinished) == []
+    ack = m.CancelAck(1, "t", reg.generation, P)
+    assert of(r.on_message(ack, 1.1), ReportFinished) == [ReportFinished("t", "aborted")]
+    r.expect("u", "tcp://p:1", [11], 0, 10, 2.0)
     r.abort("u", 2.0)
-    assert r.tick(8.0) == [FinishRecv("req2", "u", True, "aborted")]
+    assert of(r.tick(6.5), ReportFinished) == []
+    assert of(r.tick(8.1), ReportFinished) == [ReportFinished("u", "aborted")]
 
 
 def test_failed_notice_from_prefill_fails_the_receive_at_once() -> None:
-    r = Receiver(D, S)
-    r.expect("t", "req", "tcp://p:1", [10], 0, 10, 0.0)
-    out = r.on_message(m.Failed(1, "t", 1, P, "prefill_aborted"), 0.1)
-    assert out == [FinishRecv("req", "t", False, "failed", "prefill_aborted")]
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    out = r.on_message(m.Failed(1, "t", reg.generation, P, "prefill_aborted"), 0.1)
+    assert of(out, ReportFailed) == [ReportFailed("t", "prefill_aborted", "")]
+
+
+def test_fallback_pulls_every_block_then_tells_prefill() -> None:
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
+    fb = m.Fallback(1, "t", reg.generation, P, [1, 2, 3], 0, "push_failed", 30_000)
+    out = r.on_message(fb, 0.1)
+    assert len(of(out, ConnectPeer)) == 1
+    reads = of(out, PostRead)
+    assert [(x.local_blocks, x.remote_blocks) for x in reads] == [((10, 11), (1, 2))]
+    out = r.on_chunk(reads[0].chunk_id, True, "", 0.2)
+    (last,) = of(out, PostRead)
+    out = r.on_chunk(last.chunk_id, True, "", 0.3)
+    (pull_done,) = msgs(out, m.PullDone)
+    assert pull_done.ok
+    assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1)]
+
+
+def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
+    r = receiver()
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    r.on_message(m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)]), 0.5)
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    out = r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 1.0)
+    assert of(out, ReportFailed) == [ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")]
+
+
+def test_waiting_for_credit_is_announced_to_prefill_with_generation_zero() -> None:
+    r = receiver()
+    r.await_admission("t", "tcp://p:1")
+    (hb,) = msgs(r.tick(0.0), m.Heartbeat)
+    assert hb.live == [("t", 0)]

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.metadata import PushMetadata
+from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
 from kvpush_prod.connector.scheduler import SchedulerSide
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
 from kvpush_prod.connector.worker import WorkerSide
@@ -88,6 +88,8 @@ class PushConnector(KVConnectorBase_V1):
                 block_bytes=spec.page_size_bytes * num_layers,
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=parallel.data_parallel_index,
+                num_blocks=kv_cache_config.num_blocks,
+                recompute_on_failure=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -151,6 +153,13 @@ class PushConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    def build_connector_worker_meta(self) -> PushWorkerMeta | None:
+        """Worker: how this step's finished receives ended, for the decode reply."""
+        if self._worker is None:
+            return None
+        outcomes = self._worker.take_outcomes()
+        return PushWorkerMeta(outcomes) if outcomes else None
 
     def get_kv_connector_stats(self) -> KvpushStats | None:
         """Both sides: what happened since the last call, for vLLM's /metrics."""

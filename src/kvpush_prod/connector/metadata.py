@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-except ImportError:  # pragma: no cover - unit tests of the pure parts run without vLLM
-    class KVConnectorMetadata:  # type: ignore[no-redef]
-        pass
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -49,13 +48,31 @@ class PeerRef:
 class PushMetadata(KVConnectorMetadata):
     """One step's worth of connector work for the workers."""
 
+    # consumer
+    wait_admission: list[PeerRef] = field(default_factory=list)  # no credit yet: P, keep blocks
+    admission_over: list[str] = field(default_factory=list)  # transfer ids
     recv: list[RecvSpec] = field(default_factory=list)
     not_needed: list[PeerRef] = field(default_factory=list)
     abort_recv: list[str] = field(default_factory=list)  # transfer ids
+    # producer
+    expect_send: list[str] = field(default_factory=list)  # prefill queued: blocks will come
     send: list[SendSpec] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)  # transfer ids whose request finished
     abort_send: list[str] = field(default_factory=list)  # transfer ids
 
     def empty(self) -> bool:
-        return not (self.recv or self.not_needed or self.abort_recv or self.send or self.hold
+        return not (self.wait_admission or self.admission_over or self.recv or self.not_needed
+                    or self.abort_recv or self.expect_send or self.send or self.hold
                     or self.abort_send)
+
+
+class PushWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: how each finished receive ended (pushed, retried, pull_fallback)."""
+
+    def __init__(self, outcomes: dict[str, str]) -> None:
+        self.outcomes = outcomes
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.outcomes)
+        merged.update(getattr(other, "outcomes", {}))
+        return PushWorkerMeta(merged)

@@ -1,11 +1,14 @@
 """Scheduler-side half of the PushConnector (runs in vLLM's EngineCore process).
 
-Decides which requests receive (D) or send (P) KV, and tells the workers through metadata.
+D admits inbound transfers within its credit budget and registers reserved blocks; P marks
+the requests whose prompt completes in a step; both tell their workers through metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +21,7 @@ from kvpush_prod.connector.params import (
     parse_remote_prefill,
     transfer_id_of,
 )
+from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
 
@@ -38,15 +42,25 @@ def cdiv(a: int, b: int) -> int:
 class _Recv:
     transfer_id: str
     remote: RemotePrefill
-    nblocks: int
+    nblocks: int = 0
     allocated: bool = False
+    waiting: bool = False  # told LATER by the credit ledger
+    admitted: bool = False
+
+    @property
+    def peer(self) -> str:
+        return f"{self.remote.host}:{self.remote.port}"
+
+    def ref(self) -> PeerRef:
+        return PeerRef(self.transfer_id, self.remote.host, self.remote.port)
 
 
 class SchedulerSide:
     """Both roles' scheduler logic; the role decides which half is used."""
 
     def __init__(self, cfg: KvpushConfig, role: str, engine_id: str, block_size: int,
-                 block_bytes: int, tp_size: int, dp_index: int) -> None:
+                 block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
+                 recompute_on_failure: bool = False) -> None:
         self.cfg = cfg
         self.role = role  # "producer" | "consumer"
         self.engine_id = engine_id
@@ -55,13 +69,20 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.control_host = cfg.control.advertise_host or cfg.control.host
         self.control_port = cfg.control.port + dp_index * tp_size
+        self.recompute_on_failure = recompute_on_failure
         self.stats = StatsBuffer()
         self._kv_cache_manager: Any = None
         # consumer
+        budget = max(1, int(cfg.credits.budget_fraction * num_blocks))
+        self.credits = CreditLedger(CreditSettings(
+            budget_blocks=budget,
+            per_peer_cap_blocks=max(1, int(cfg.credits.per_peer_fraction * budget)),
+        ))
         self._recv: dict[str, _Recv] = {}  # request id -> receive in progress
         self._consumed: set[str] = set()  # request ids whose transfer is over (no re-register)
         self._aborting: set[str] = set()
         self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
+        self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
         # producer
         self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
@@ -102,7 +123,7 @@ class SchedulerSide:
                 return 0, False
             if remote is None:
                 return 0, False
-            recv = _Recv(remote.transfer_id, remote, 0)
+            recv = _Recv(remote.transfer_id, remote)
             self._recv[rid] = recv
         num_prompt = request.num_prompt_tokens
         count = num_prompt - num_computed_tokens
@@ -110,13 +131,38 @@ class SchedulerSide:
             # Everything is in D's prefix cache already: P can free its blocks now.
             self._give_up(rid, recv, "prefix_hit")
             return 0, False
-        return count, True
+        nblocks = cdiv(num_prompt, self.block_size) - num_computed_tokens // self.block_size
+        admission = self.credits.request(recv.transfer_id, recv.peer, nblocks, time.monotonic())
+        self._gauges_dirty = True
+        if admission.decision is Decision.ADMIT:
+            if not recv.admitted:
+                recv.admitted = True
+                self.stats.inc("kvpush_admissions", ("consumer", "admit"))
+                self.stats.inc("kvpush_credits_granted_blocks", ("consumer",), nblocks)
+            if recv.waiting:
+                recv.waiting = False
+                self._meta.admission_over.append(recv.transfer_id)
+            return count, True
+        if admission.decision is Decision.LATER:
+            if not recv.waiting:
+                recv.waiting = True
+                self.stats.inc("kvpush_admissions", ("consumer", "later"))
+                # Until it is admitted, P must keep its finished blocks for us.
+                self._meta.wait_admission.append(recv.ref())
+            return None, False
+        logger.warning("kvpush: request %s needs %d blocks, more than the credit budget (%s); "
+                       "computing its prompt locally", rid, nblocks, admission.reason)
+        self.stats.inc("kvpush_admissions", ("consumer", "refuse"))
+        self._give_up(rid, recv, "recompute")
+        return 0, False
 
     def _give_up(self, rid: str, recv: _Recv, outcome: str) -> None:
         self._recv.pop(rid, None)
         self._consumed.add(rid)
-        self._meta.not_needed.append(PeerRef(recv.transfer_id, recv.remote.host, recv.remote.port))
+        self.credits.release(recv.transfer_id)
+        self._meta.not_needed.append(recv.ref())
         self.stats.inc("kvpush_transfers", ("consumer", outcome))
+        self._gauges_dirty = True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -143,9 +189,13 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ producer (P)
     def on_new_request(self, request: Request) -> None:
-        if self.role == "producer" and is_remote_decode(request.kv_transfer_params) \
-                and not is_probe(request.kv_transfer_params):
-            self._requests[request.request_id] = request
+        params = request.kv_transfer_params
+        if self.role != "producer" or not is_remote_decode(params) or is_probe(params):
+            return
+        self._requests[request.request_id] = request
+        # A malformed transfer_id is reported when the prompt completes.
+        with contextlib.suppress(KVTransferParamsError):
+            self._meta.expect_send.append(transfer_id_of(request.request_id, params or {}))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
         if self.role == "producer" and self._requests:
@@ -217,23 +267,32 @@ class SchedulerSide:
         for rid in output.finished_sending or ():
             if self._held.pop(rid, None) is not None:
                 self._gauges_dirty = True
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if worker_meta is not None and hasattr(worker_meta, "outcomes"):
+            self._outcomes.update(worker_meta.outcomes)
         failed = output.failed_recving or set()
         for rid in output.finished_recving or ():
             recv = self._recv.pop(rid, None)
-            if recv is not None:
-                self._gauges_dirty = True
-                if rid not in self._aborting:
-                    ok = rid not in failed
-                    if ok:
-                        self.stats.inc("kvpush_transfer_bytes", ("consumer",),
-                                       recv.nblocks * self.block_bytes)
-                    self._received[rid] = {
-                        "transfer_id": recv.transfer_id,
-                        "outcome": "pushed" if ok else "failed",
-                        "blocks": recv.nblocks if ok else 0,
-                        "bytes": recv.nblocks * self.block_bytes if ok else 0,
-                    }
-            self._aborting.discard(rid)
+            outcome = self._outcomes.pop(rid, "")
+            if recv is None:
+                continue
+            self.credits.release(recv.transfer_id)
+            self._gauges_dirty = True
+            if rid in self._aborting:
+                self._aborting.discard(rid)
+                continue
+            ok = rid not in failed
+            if ok:
+                self.stats.inc("kvpush_transfer_bytes", ("consumer",),
+                               recv.nblocks * self.block_bytes)
+            elif self.recompute_on_failure:
+                self.stats.inc("kvpush_transfers", ("consumer", "recompute"))
+            self._received[rid] = {
+                "transfer_id": recv.transfer_id,
+                "outcome": (outcome or "pushed") if ok else "failed",
+                "blocks": recv.nblocks if ok else 0,
+                "bytes": recv.nblocks * self.block_bytes if ok else 0,
+            }
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._aborting or not self._meta.empty())
@@ -246,4 +305,9 @@ class SchedulerSide:
             else:
                 reserved = sum(r.nblocks for r in self._recv.values() if r.allocated)
                 self.stats.set("kvpush_connector_blocks", ("consumer",), reserved)
+                self.stats.set("kvpush_credits_budget_blocks", ("consumer",),
+                               self.credits.in_use + self.credits.free)
+                self.stats.set("kvpush_credits_in_use_blocks", ("consumer",), self.credits.in_use)
+                self.stats.set("kvpush_credits_waiting_transfers", ("consumer",),
+                               self.credits.waiting)
         return self.stats.drain()

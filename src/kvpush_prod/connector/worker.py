@@ -1,6 +1,7 @@
 """Worker-side half of the PushConnector (runs in each vLLM worker process, one per rank).
 
-Owns this rank's NIXL agent and control endpoint, driven by one transfer pump thread.
+Owns this rank's NIXL agent and control endpoint, driven by one transfer pump thread that
+feeds events to the core (Sender on P, Receiver on D) and carries out the actions it returns.
 """
 
 from __future__ import annotations
@@ -22,18 +23,24 @@ from kvpush_prod.config import KvpushConfig
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.core import messages
-from kvpush_prod.core.push import (
+from kvpush_prod.core.actions import (
     Action,
-    FinishRecv,
-    FinishSend,
+    ConnectPeer,
+    Note,
+    PostRead,
     PostWrite,
-    PushSettings,
-    Receiver,
-    Rejected,
-    Sender,
+    ReleaseSend,
+    ReportFailed,
+    ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.retry import BreakerSettings, BreakerState, BudgetSettings, RetrySettings
+from kvpush_prod.core.scheduler import SchedulerSettings
+from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.core.transfer import TransferTimeouts
 from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.transport.faults import FaultyTransport, fault_settings
 from kvpush_prod.transport.layout import layout_from_kv_caches
 from kvpush_prod.transport.nixl import NixlTransport, RemotePeer, make_agent
 
@@ -41,6 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+_BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 @dataclass
@@ -51,12 +60,42 @@ class _Results:
     sending: set[str] = field(default_factory=set)
     recving: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    outcomes: dict[str, str] = field(default_factory=dict)  # request id -> how it was received
 
     def take(self) -> tuple[set[str], set[str], set[str]]:
         with self.lock:
             out = (self.sending, self.recving, self.failed)
             self.sending, self.recving, self.failed = set(), set(), set()
             return out
+
+    def take_outcomes(self) -> dict[str, str]:
+        with self.lock:
+            out, self.outcomes = self.outcomes, {}
+            return out
+
+
+def _core_settings(cfg: KvpushConfig, block_bytes: int) -> dict[str, Any]:
+    """The parts of the YAML config both sides' core engines share."""
+    leases = cfg.leases
+    total = leases.transfer_timeout_s
+    return {
+        "scheduler": SchedulerSettings(
+            chunk_bytes=cfg.push.chunk_bytes,
+            target_latency_s=cfg.push.target_latency_ms / 1000.0,
+            stop_margin_s=leases.stop_margin_s,
+        ),
+        "retry": RetrySettings(
+            max_attempts=cfg.retry.max_attempts,
+            backoff_base_s=cfg.retry.base_backoff_ms / 1000.0,
+            backoff_max_s=max(cfg.retry.max_backoff_ms, cfg.retry.base_backoff_ms) / 1000.0,
+        ),
+        "budget": BudgetSettings(rate_per_s=cfg.retry.budget_per_s, burst=cfg.retry.budget_burst),
+        # Per-state limits are the whole-transfer bound: leases end stuck phases sooner.
+        "timeouts": TransferTimeouts(new_s=total, waiting_s=total, registered_s=total,
+                                     pushing_s=total, retrying_s=total,
+                                     fallback_s=cfg.fallback.pull_permit_s + total / 4,
+                                     total_s=total),
+    }
 
 
 class WorkerSide:
@@ -87,7 +126,10 @@ class WorkerSide:
         t = self.cfg.transport
         name = f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}"
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
-        transport = NixlTransport(agent, layout)
+        transport: Any = NixlTransport(agent, layout)
+        faults = fault_settings(self.cfg.faults.model_dump())
+        if faults.enabled:
+            transport = FaultyTransport(transport, faults)
         host = self.cfg.control.advertise_host or self.cfg.control.host
         me = messages.PeerInfo(
             engine_id=self.engine_id,
@@ -99,21 +141,41 @@ class WorkerSide:
             layout=layout,
         )
         block_bytes = sum(r.block_len for r in layout.regions)
-        settings = PushSettings(
-            block_bytes=block_bytes,
-            chunk_blocks=max(1, self.cfg.push.chunk_bytes // max(1, block_bytes)),
-            send_lease_s=self.cfg.leases.send_lease_ttl_s,
-            stop_margin_s=self.cfg.leases.stop_margin_s,
-            permit_ttl_s=self.cfg.leases.permit_ttl_s,
-            skew_margin_s=self.cfg.leases.skew_margin_s,
-        )
+        shared = _core_settings(self.cfg, block_bytes)
+        leases = self.cfg.leases
+        rng = random.Random(self.incarnation)
+        protocol: Sender | Receiver
+        if self.role == "producer":
+            protocol = Sender(me, SenderSettings(
+                block_bytes=block_bytes,
+                breaker=BreakerSettings(
+                    failure_threshold=self.cfg.breaker.failure_threshold,
+                    window_s=self.cfg.breaker.window_s,
+                    cooldown_s=self.cfg.breaker.cooldown_s,
+                    max_cooldown_s=self.cfg.breaker.max_cooldown_s,
+                ),
+                send_lease_s=leases.send_lease_ttl_s,
+                stop_margin_s=leases.stop_margin_s,
+                skew_margin_s=leases.skew_margin_s,
+                heartbeat_s=leases.heartbeat_interval_s,
+                fallback=self.cfg.fallback.pull,
+                pull_permit_s=self.cfg.fallback.pull_permit_s,
+                **shared,
+            ), rng)
+        else:
+            protocol = Receiver(me, ReceiverSettings(
+                block_bytes=block_bytes,
+                permit_ttl_s=leases.permit_ttl_s,
+                skew_margin_s=leases.skew_margin_s,
+                stop_margin_s=leases.stop_margin_s,
+                heartbeat_s=leases.heartbeat_interval_s,
+                peer_timeout_s=leases.peer_timeout_s,
+                **shared,
+            ), rng)
         endpoint = ControlEndpoint(
             ControlCodec(self.cfg.control.secret, self.cfg.control.max_message_bytes),
             self.cfg.control.host,
             self.port,
-        )
-        protocol: Sender | Receiver = (
-            Sender(me, settings) if self.role == "producer" else Receiver(me, settings)
         )
         self._pump = TransferPump(self.cfg, self.role, transport, endpoint, protocol,
                                   self.results, self.stats)
@@ -125,23 +187,34 @@ class WorkerSide:
     def on_metadata(self, meta: PushMetadata) -> None:
         """Before the forward: D registers reserved blocks at once (REGISTER leaves early)."""
         pump = self._pump
-        if pump is None:
+        if pump is None or meta.empty():
             return
+        for ref in meta.wait_admission:
+            address = self._address(ref.p_host, ref.p_port)
+            pump.submit(lambda r, t=ref.transfer_id, a=address: r.await_admission(t, a))
+        for tid in meta.admission_over:
+            pump.submit(lambda r, t=tid: r.admission_over(t))
         for spec in meta.recv:
-            address = f"tcp://{spec.p_host}:{spec.p_port + self.tp_rank}"
+            pump.request_of[spec.transfer_id] = spec.request_id
+            pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
+            address = self._address(spec.p_host, spec.p_port)
             pump.submit(lambda r, s=spec, a=address: r.expect(
-                s.transfer_id, s.request_id, a, s.block_ids, s.first_block, s.num_tokens,
-                time.monotonic()))
+                s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic()))
         for ref in meta.not_needed:
-            address = f"tcp://{ref.p_host}:{ref.p_port + self.tp_rank}"
-            pump.submit(lambda r, tid=ref.transfer_id, a=address: r.not_needed(tid, a))
+            address = self._address(ref.p_host, ref.p_port)
+            pump.submit(lambda r, t=ref.transfer_id, a=address: r.not_needed(t, a))
         for tid in meta.abort_recv:
             pump.submit(lambda r, t=tid: r.abort(t, time.monotonic()))
+        for tid in meta.expect_send:
+            pump.submit(lambda s, t=tid: s.expect(t, time.monotonic()))
         for tid in meta.abort_send:
             pump.submit(lambda s, t=tid: s.abort(t, time.monotonic()))
         for tid in meta.hold:
             pump.submit(lambda s, t=tid: s.hold(t))
         self._pending_sends.extend(meta.send)
+
+    def _address(self, host: str, port: int) -> str:
+        return f"tcp://{host}:{port + self.tp_rank}"
 
     def after_forward(self) -> None:
         """P: this step's prompts are computed; hand their blocks to the pump."""
@@ -153,11 +226,15 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
         sends, self._pending_sends = self._pending_sends, []
         for spec in sends:
+            self._pump.request_of[spec.transfer_id] = spec.request_id
             self._pump.submit(lambda s, sp=spec: s.blocks_ready(
-                sp.transfer_id, sp.request_id, sp.block_ids, time.monotonic()))
+                sp.transfer_id, sp.block_ids, time.monotonic()))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         return self.results.take()
+
+    def take_outcomes(self) -> dict[str, str]:
+        return self.results.take_outcomes()
 
     def get_stats(self) -> dict[str, Any]:
         return self.stats.drain()
@@ -175,7 +252,7 @@ class TransferPump(threading.Thread):
     ``active_poll_us`` while chunks or receives are in flight.
     """
 
-    def __init__(self, cfg: KvpushConfig, role: str, transport: NixlTransport,
+    def __init__(self, cfg: KvpushConfig, role: str, transport: Any,
                  endpoint: ControlEndpoint, protocol: Sender | Receiver, results: _Results,
                  stats: StatsBuffer) -> None:
         super().__init__(name=f"kvpush-pump-{role}", daemon=True)
@@ -186,14 +263,17 @@ class TransferPump(threading.Thread):
         self.protocol = protocol
         self.results = results
         self.stats = stats
+        self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
+        self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
+        self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
         self._commands: queue.SimpleQueue[Callable[[Any], list[Action]]] = queue.SimpleQueue()
         self._halt = threading.Event()
-        self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
+        self._handles: dict[int, tuple[Any, float, str]] = {}  # chunk -> (handle, posted, tid)
         self._peers: dict[str, RemotePeer] = {}  # agent name -> connected peer
-        self._peer_of_rank: dict[tuple[str, int], str] = {}  # (engine, rank) -> agent name
-        self._began: dict[str, float] = {}  # transfer id -> start time (for latency)
+        self._began: dict[str, float] = {}  # transfer id -> first post (for latency)
         self._labels = (role,)
         self._verify = cfg.verify.checksums
+        self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._reported_rejects: dict[str, int] = {}
 
@@ -213,13 +293,16 @@ class TransferPump(threading.Thread):
     def run(self) -> None:
         active_poll = self.cfg.transport.active_poll_us / 1e6
         idle_poll = self.cfg.transport.idle_poll_ms / 1e3
+        receiver = self.protocol if isinstance(self.protocol, Receiver) else None
         while not self._halt.is_set():
-            busy = bool(self._handles) or (
-                isinstance(self.protocol, Receiver) and self.protocol.active > 0)
+            busy = bool(self._handles) or self.protocol.busy or (
+                receiver is not None and receiver.active > 0)
             try:
                 actions: list[Action] = []
                 for msg in self.endpoint.poll(active_poll if busy else idle_poll):
-                    actions += self.protocol.on_message(msg, time.monotonic())
+                    sent_at = getattr(msg, "sent_at", 0.0)
+                    age = max(0.0, time.time() - sent_at) if sent_at else 0.0
+                    actions += self.protocol.on_message(msg, time.monotonic(), age)
                 while True:
                     try:
                         command = self._commands.get_nowait()
@@ -229,13 +312,15 @@ class TransferPump(threading.Thread):
                 self._execute(actions)
                 if self._handles:
                     self._check_chunks()
-                if isinstance(self.protocol, Receiver) and self.protocol.active > 0:
-                    self._check_notifications()
+                if receiver is not None and receiver.active > 0:
+                    self._check_notifications(receiver)
                 now = time.monotonic()
+                if self.protocol.busy:
+                    self._execute(self.protocol.poll(now))
                 if now - self._last_tick >= 0.05:
                     self._last_tick = now
                     self._execute(self.protocol.tick(now))
-                    self._count_endpoint_rejects()
+                    self._report_gauges(now)
             except Exception:  # noqa: BLE001 - the pump must survive to keep leases honest
                 logger.exception("kvpush: transfer pump error (continuing)")
                 time.sleep(0.01)
@@ -243,82 +328,79 @@ class TransferPump(threading.Thread):
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, SendMessage):
-                self.endpoint.send(action.address, action.msg)
+                msg = action.message
+                if hasattr(msg, "sent_at"):
+                    msg = msgspec.structs.replace(msg, sent_at=time.time())  # type: ignore[type-var]
+                self.endpoint.send(action.peer, msg)
             elif isinstance(action, PostWrite):
-                self._post_write(action)
-            elif isinstance(action, FinishSend):
-                with self.results.lock:
-                    self.results.sending.add(action.request_id)
-                self._finish(action.transfer_id, action.outcome, action.nbytes)
-            elif isinstance(action, FinishRecv):
-                with self.results.lock:
-                    self.results.recving.add(action.request_id)
-                    if not action.ok:
-                        self.results.failed.add(action.request_id)
-                if action.reason:
-                    logger.warning("kvpush: receive of %s ended %s: %s", action.transfer_id,
-                                   action.outcome, action.reason)
-                self._finish(action.transfer_id, action.outcome, 0)
-            elif isinstance(action, Rejected):
-                self.stats.inc("kvpush_control_messages_rejected", (self.role, action.reason))
-                logger.warning("kvpush: rejected: %s", action.detail)
+                self._post(action.chunk_id, action.transfer_id, "WRITE", action.peer,
+                           action.src_blocks, action.dst_blocks, self._done_notif(action))
+            elif isinstance(action, PostRead):
+                self._post(action.chunk_id, action.transfer_id, "READ", action.peer,
+                           action.local_blocks, action.remote_blocks, b"")
+            elif isinstance(action, ConnectPeer):
+                self._connect(action)
+            elif isinstance(action, ReleaseSend):
+                self._release_send(action)
+            elif isinstance(action, ReportFinished):
+                self._report_finished(action)
+            elif isinstance(action, ReportFailed):
+                self._report(action.transfer_id, ok=False, outcome="failed")
+                logger.warning("kvpush: receive of %s failed: %s %s", action.transfer_id,
+                               action.reason, action.detail)
+            elif isinstance(action, Note):
+                self._note(action)
 
-    def _finish(self, transfer_id: str, outcome: str, nbytes: int) -> None:
-        self.stats.inc("kvpush_transfers", (self.role, outcome))
-        started = self._began.pop(transfer_id, None)
-        if outcome == "pushed" and started is not None:
-            self.stats.observe("kvpush_transfer_seconds", self._labels,
-                               time.monotonic() - started)
-        if nbytes:
-            self.stats.inc("kvpush_transfer_bytes", self._labels, nbytes)
-
-    def _connect(self, peer: messages.PeerInfo) -> RemotePeer:
-        remote = self._peers.get(peer.agent_name)
-        if remote is not None:
-            return remote
-        assert peer.layout is not None
-        key = (peer.engine_id, peer.rank)
-        old = self._peer_of_rank.get(key)
-        if old is not None and old != peer.agent_name:
-            # Same engine and rank, new process: drop the stale agent before using the new one.
-            logger.info("kvpush: peer %s rank %d restarted; reconnecting", *key)
-            self.transport.disconnect(old)
-            self._peers.pop(old, None)
-        remote = self.transport.connect(peer.agent_meta, peer.layout)
-        self._peers[peer.agent_name] = remote
-        self._peer_of_rank[key] = peer.agent_name
-        return remote
-
-    def _post_write(self, action: PostWrite) -> None:
-        t0 = time.monotonic()
-        self._began.setdefault(action.transfer_id, t0)
-        try:
-            remote = self._connect(action.peer)
-            notif = b""
-            if action.done is not None:
-                done = action.done
-                if self._verify:
-                    done = msgspec.structs.replace(done, checksum=self._checksum(
-                        self.transport.layout, action.transfer_blocks or action.local_blocks))
-                notif = messages.encode_done(done)
-            handle = self.transport.post("WRITE", remote, action.local_blocks,
-                                         action.remote_blocks, notif)
-        except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
-            logger.warning("kvpush: WRITE for %s failed to post: %s", action.transfer_id, exc)
-            self.stats.inc("kvpush_chunks", (self.role, "post_failed"))
-            self._execute(self.protocol.on_chunk(action.chunk_id, False,
-                                                 type(exc).__name__, time.monotonic()))
+    # -- actions
+    def _connect(self, action: ConnectPeer) -> None:
+        if action.replaces:
+            self.transport.disconnect(action.replaces)
+            self._peers.pop(action.replaces, None)
+        info = action.info
+        self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
+        if info.agent_name in self._peers or info.layout is None:
             return
-        nbytes = len(action.local_blocks) * sum(r.block_len for r in self.transport.layout.regions)
-        self._handles[action.chunk_id] = (handle, t0, nbytes)
+        try:
+            self._peers[info.agent_name] = self.transport.connect(info.agent_meta, info.layout)
+        except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
+            logger.error("kvpush: cannot connect to %s (%s): %s", info.agent_name,
+                         info.engine_id, exc)
+
+    def _done_notif(self, action: PostWrite) -> bytes:
+        if action.done is None:
+            return b""
+        done = action.done
+        if self._verify:
+            blocks = list(action.all_src or action.src_blocks)
+            done = msgspec.structs.replace(done, checksum=self._checksum(blocks))
+        return messages.encode_done(done)
+
+    def _post(self, chunk_id: int, tid: str, op: str, peer_name: str,
+              local: tuple[int, ...], remote: tuple[int, ...], notif: bytes) -> None:
+        t0 = time.monotonic()
+        self._began.setdefault(tid, t0)
+        peer = self._peers.get(peer_name)
+        try:
+            if peer is None:
+                raise RuntimeError(f"NIXL_ERR_NOT_FOUND: no connection to agent {peer_name}")
+            handle = self.transport.post(op, peer, list(local), list(remote), notif)
+        except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
+            logger.warning("kvpush: %s for %s failed to post: %s", op, tid, exc)
+            self.stats.inc("kvpush_chunks", (self.role, "post_failed"))
+            self._execute(self.protocol.on_chunk(chunk_id, False, f"{type(exc).__name__}: {exc}",
+                                                 time.monotonic()))
+            return
+        self._handles[chunk_id] = (handle, t0, tid)
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
 
     def _check_chunks(self) -> None:
         now = time.monotonic()
-        for cid, (handle, _posted, _nbytes) in list(self._handles.items()):
+        for cid, (handle, posted, _tid) in list(self._handles.items()):
             state = self.transport.state(handle)
             if state == "PROC":
-                continue
+                if now - posted < self._chunk_timeout:
+                    continue
+                state = "TIMEOUT"
             del self._handles[cid]
             self.transport.release(handle)
             ok = state == "DONE"
@@ -327,15 +409,13 @@ class TransferPump(threading.Thread):
                 logger.warning("kvpush: chunk %d failed: %s", cid, state)
             self._execute(self.protocol.on_chunk(cid, ok, "" if ok else state, now))
 
-    def _check_notifications(self) -> None:
-        receiver = self.protocol
-        assert isinstance(receiver, Receiver)
+    def _check_notifications(self, receiver: Receiver) -> None:
         for _agent, notifs in self.transport.notifications().items():
             for raw in notifs:
                 try:
                     done = messages.decode_done(raw)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    self._execute([Rejected("malformed", f"bad DONE notification: {exc}")])
+                    self._note(Note("rejected", "malformed", f"bad DONE notification: {exc}"))
                     continue
                 if done is None:
                     continue
@@ -343,23 +423,101 @@ class TransferPump(threading.Thread):
                 if done.checksum >= 0:
                     blocks = receiver.blocks_of(done.transfer_id)
                     if blocks is not None:
-                        verified = self._checksum(self.transport.layout, blocks) == done.checksum
+                        verified = self._checksum(blocks) == done.checksum
                         if not verified:
                             logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
                 self._execute(receiver.on_done(done, time.monotonic(), verified))
 
-    @staticmethod
-    def _checksum(layout: messages.Layout, blocks: list[int]) -> int:
+    def _release_send(self, action: ReleaseSend) -> None:
+        rid = self.request_of.pop(action.transfer_id, None)
+        if rid is None:
+            logger.error("kvpush: release of unknown transfer %s", action.transfer_id)
+            return
+        with self.results.lock:
+            self.results.sending.add(rid)
+        self._count_end(action.transfer_id, action.outcome, action.nbytes)
+
+    def _report_finished(self, action: ReportFinished) -> None:
+        ok = True
+        blocks = self.recv_blocks.get(action.transfer_id)
+        if action.checksum >= 0 and blocks is not None:
+            ok = self._checksum(blocks) == action.checksum
+            if not ok:
+                logger.error("kvpush: checksum mismatch on pulled %s", action.transfer_id)
+        self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else "failed")
+
+    def _report(self, tid: str, ok: bool, outcome: str) -> None:
+        self.recv_blocks.pop(tid, None)
+        rid = self.request_of.pop(tid, None)
+        if rid is None:
+            logger.error("kvpush: report for unknown transfer %s", tid)
+            return
+        with self.results.lock:
+            self.results.recving.add(rid)
+            self.results.outcomes[rid] = outcome
+            if not ok:
+                self.results.failed.add(rid)
+        self._count_end(tid, outcome, 0)
+
+    def _count_end(self, tid: str, outcome: str, nbytes: int) -> None:
+        self.stats.inc("kvpush_transfers", (self.role, outcome))
+        began = self._began.pop(tid, None)
+        if outcome in ("pushed", "retried", "pull_fallback") and began is not None:
+            self.stats.observe("kvpush_transfer_seconds", self._labels, time.monotonic() - began)
+        if nbytes:
+            self.stats.inc("kvpush_transfer_bytes", self._labels, nbytes)
+
+    def _note(self, note: Note) -> None:
+        kind = note.kind
+        if kind == "rejected":
+            self.stats.inc("kvpush_control_messages_rejected", (self.role, note.reason))
+            logger.warning("kvpush: rejected (%s): %s", note.reason, note.detail)
+        elif kind == "fenced":
+            self.stats.inc("kvpush_leases_fenced", self._labels)
+            logger.info("kvpush: fenced: %s", note.detail)
+        elif kind == "retry":
+            self.stats.inc("kvpush_retries", (self.role, note.reason))
+        elif kind == "fallback":
+            self.stats.inc("kvpush_fallbacks", (self.role, note.reason))
+            logger.warning("kvpush: falling back to pull: %s", note.detail)
+        elif kind == "lease_expired":
+            self.stats.inc("kvpush_leases_expired", (self.role, note.reason))
+        elif kind == "breaker_trip":
+            self.stats.inc("kvpush_breaker_trips",
+                           (self.role, self._peer_label.get(note.reason, note.reason)))
+            logger.warning("kvpush: circuit breaker to %s opened: %s", note.reason, note.detail)
+        elif kind == "peer_restart":
+            self.stats.inc("kvpush_peer_restarts", self._labels)
+            logger.warning("kvpush: peer restarted: %s", note.detail)
+
+    def _checksum(self, blocks: list[int]) -> int:
         crc = 0
-        for region in layout.regions:
+        for region in self.transport.layout.regions:
             for b in blocks:
                 addr = region.base + b * region.block_stride
                 crc = zlib.crc32(ctypes.string_at(addr, region.block_len), crc)
         return crc
 
-    def _count_endpoint_rejects(self) -> None:
+    def _report_gauges(self, now: float) -> None:
         for reason, n in self.endpoint.rejected.items():
             seen = self._reported_rejects.get(reason, 0)
             if n > seen:
                 self.stats.inc("kvpush_control_messages_rejected", (self.role, reason), n - seen)
                 self._reported_rejects[reason] = n
+        p = self.protocol
+        self.stats.set("kvpush_transfers_active", self._labels, p.active)
+        inflight = 0
+        if isinstance(p, Sender):
+            self.stats.set("kvpush_leases_active", (self.role, "send"), p.active)
+            for link in p.sched.links():
+                inflight += p.sched.inflight_bytes(link)
+                self.stats.set("kvpush_link_bandwidth_bytes_per_second",
+                               (self.role, self._peer_label.get(link, link)), p.sched.bandwidth(link))
+            for peer, state in p.breaker_states(now).items():
+                self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
+                               _BREAKER_VALUE[state])
+        else:
+            self.stats.set("kvpush_leases_active", (self.role, "permit"), p.live_permits())
+            for link in p.reads.links():
+                inflight += p.reads.inflight_bytes(link)
+        self.stats.set("kvpush_inflight_bytes", self._labels, inflight)

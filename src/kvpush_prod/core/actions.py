@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush_prod.core.messages import ControlMessage, Done
+from kvpush_prod.core.messages import ControlMessage, Done, PeerInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectPeer:
+    """Make ``info``'s NIXL agent reachable (idempotent by agent name); drop ``replaces``
+    (the agent of an earlier incarnation of the same engine rank) if given."""
+
+    info: PeerInfo
+    replaces: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,17 +25,19 @@ class PostWrite:
     """P: post one chunk as a NIXL WRITE from P's ``src_blocks`` into D's ``dst_blocks``.
 
     ``done`` is set only on the last chunk of a transfer: the WRITE carries it as its
-    notification, posted after every other chunk of the transfer completed.
+    notification, posted after every other chunk of the transfer completed; ``all_src``
+    then lists every block of the transfer (for an optional checksum).
     """
 
     transfer_id: str
     generation: int
     chunk_id: int
-    peer: str
+    peer: str  # agent name
     src_blocks: tuple[int, ...]
     dst_blocks: tuple[int, ...]
     nbytes: int
     done: Done | None = None
+    all_src: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,43 +47,18 @@ class PostRead:
     transfer_id: str
     generation: int
     chunk_id: int
-    peer: str
+    peer: str  # agent name
     local_blocks: tuple[int, ...]
     remote_blocks: tuple[int, ...]
     nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
-class SendNotif:
-    """P: send ``done`` as a bare NIXL notification (a transfer with no block to write)."""
-
-    peer: str
-    done: Done
-
-
-@dataclass(frozen=True, slots=True)
 class SendMessage:
-    """Either side: send a control message (REGISTER, heartbeat, CANCEL, FALLBACK, ...)."""
+    """Either side: send a control message to the endpoint at ``peer`` (an address)."""
 
     peer: str
     message: ControlMessage
-
-
-@dataclass(frozen=True, slots=True)
-class AbortChunk:
-    """Either side: release the transfer handle of an in-flight chunk (best effort)."""
-
-    chunk_id: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class FreeBlocks:
-    """D: give reserved blocks back to vLLM; only once no permit on them is live."""
-
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,33 +66,47 @@ class ReleaseSend:
     """P: end the send lease: report ``finished_sending`` so vLLM frees P's blocks."""
 
     transfer_id: str
-    reason: str
+    outcome: str  # pushed | retried | pull_fallback | failed | expired | cancelled
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ReportFinished:
-    """D: report ``finished_recving``: every block of the transfer landed and was checked."""
+    """D: report ``finished_recving``: the KV arrived (or the aborted request may free)."""
 
     transfer_id: str
+    outcome: str  # pushed | retried | pull_fallback | aborted
+    checksum: int = -1  # pulled blocks: crc32 P computed, for the shell to check (-1: none)
 
 
 @dataclass(frozen=True, slots=True)
 class ReportFailed:
-    """D: report the receive in ``failed_recving``; vLLM's ``kv_load_failure_policy`` applies."""
+    """D: report the receive in ``failed_recving``; vLLM's ``kv_load_failure_policy`` applies.
+
+    Only emitted once no WRITE or READ can still land in the transfer's blocks.
+    """
 
     transfer_id: str
     reason: str
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something an operator counts: ``kind`` names the counter, ``reason`` its label."""
+
+    kind: str  # rejected | retry | fallback | lease_expired | fenced | breaker_trip | peer_restart
+    reason: str
+    detail: str = ""
+
+
 Action = (
-    PostWrite
+    ConnectPeer
+    | PostWrite
     | PostRead
-    | SendNotif
     | SendMessage
-    | AbortChunk
-    | FreeBlocks
     | ReleaseSend
     | ReportFinished
     | ReportFailed
+    | Note
 )

@@ -61,6 +61,7 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     num_tokens: int
     generation: int
     permit_ttl_ms: int
+    sent_at: float = 0.0  # sender's wall clock when sent: the receiver subtracts the message's age
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -74,6 +75,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     sender: PeerInfo
     peer_incarnation: int
     live: list[tuple[str, int]]
+    permit_ttl_ms: int = 0  # from D: the permits of ``live`` are renewed for this long
+    sent_at: float = 0.0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
@@ -116,6 +119,9 @@ class Fallback(msgspec.Struct, tag="fallback", frozen=True):
     block_ids: list[int]
     first_block: int
     reason: str
+    permit_ttl_ms: int = 30_000  # D may READ P's blocks for this long
+    checksum: int = -1
+    sent_at: float = 0.0
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):

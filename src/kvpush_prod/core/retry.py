@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -106,15 +107,25 @@ def classify(error: str | BaseException) -> Classification:
             found = CLASSIFICATION.get(cls.__name__)
             if found is not None:
                 return found
-        text = str(error)
-        for token in text.replace(":", " ").replace(",", " ").split():
-            found = CLASSIFICATION.get(token)
-            if found is not None:
-                return found
-        return UNCLASSIFIED
+        return _from_text(str(error))
     name = error.strip()
     # Status strings are upper case ("timeout" and "err" come from logs and completions too).
-    return CLASSIFICATION.get(name) or CLASSIFICATION.get(name.upper(), UNCLASSIFIED)
+    found = CLASSIFICATION.get(name) or CLASSIFICATION.get(name.upper())
+    return found if found is not None else _from_text(name)
+
+
+def _from_text(text: str) -> Classification:
+    """The first known name inside a message such as "ERR:nixlBackendError" (else
+    UNCLASSIFIED); the most specific token wins over the bare completion state "ERR"."""
+    fallback: Classification | None = None
+    for token in re.split(r"[\s:,()\[\]'\"]+", text):
+        found = CLASSIFICATION.get(token)
+        if found is None:
+            continue
+        if found.kind != "ERR":
+            return found
+        fallback = fallback or found
+    return fallback or UNCLASSIFIED
 
 
 def classification_rows() -> list[tuple[str, str, str, ErrorClass, bool, str]]:

@@ -1,0 +1,410 @@
+"""The decode side (D) of one worker rank: grant P write permits on reserved blocks, renew
+them while P is alive, wait for DONE, pull on FALLBACK, and release blocks only when fenced.
+
+Sans-IO: events in (with ``now``), actions out. A block is handed back to vLLM only after
+P acknowledged (DONE, Failed, CancelAck, FALLBACK) or the permit expired plus the skew margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush_prod.core.actions import (
+    Action,
+    ConnectPeer,
+    Note,
+    PostRead,
+    ReportFailed,
+    ReportFinished,
+    SendMessage,
+)
+from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit
+from kvpush_prod.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    ControlMessage,
+    Done,
+    Failed,
+    Fallback,
+    Heartbeat,
+    PeerInfo,
+    PullDone,
+    Register,
+)
+from kvpush_prod.core.retry import (
+    BudgetSettings,
+    ErrorClass,
+    RandomLike,
+    RetryBudget,
+    RetryPolicy,
+    RetrySettings,
+    decide,
+)
+from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
+from kvpush_prod.core.transfer import TransferEvent as E
+from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
+
+S = TransferState
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverSettings:
+    """The numbers D's protocol runs on."""
+
+    block_bytes: int
+    permit_ttl_s: float = 10.0
+    skew_margin_s: float = 1.0
+    stop_margin_s: float = 1.0  # for D's own READs under P's read permit
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 3.0  # P unheard this long: stop renewing its permits
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    timeouts: TransferTimeouts = field(default_factory=TransferTimeouts)
+
+
+@dataclass(eq=False)
+class _In:
+    tid: str
+    machine: TransferMachine
+    address: str  # P's control endpoint
+    blocks: list[int]
+    generation: int
+    registered_at: float
+    listed_at: float  # last time P said it still holds this transfer
+    p_incarnation: int | None  # the P process this was registered with, when known
+    cancelling: bool = False
+    renew: bool = True
+    fallback: Fallback | None = None
+    read_permit: Permit | None = None
+    reads: set[int] = field(default_factory=set)
+    read_failed: str = ""  # set once the pull is given up
+    checksum: int = -1
+
+
+@dataclass
+class _Peer:
+    last_heard: float = -1e18
+    incarnation: int | None = None
+
+
+class Receiver:
+    """D side of one rank."""
+
+    def __init__(self, me: PeerInfo, settings: ReceiverSettings, rng: RandomLike) -> None:
+        self.me = me
+        self.slim = PeerInfo(me.engine_id, me.incarnation, me.rank, me.control, me.agent_name)
+        self.s = settings
+        self.leases: LeaseTable[str] = LeaseTable(LeaseSettings(skew_margin_s=settings.skew_margin_s))
+        self.reads = PushScheduler(settings.scheduler)
+        self.policy = RetryPolicy.from_settings(settings.retry, rng)
+        self.budget = RetryBudget(settings.budget)
+        self._in: dict[str, _In] = {}
+        self._waiting: dict[str, str] = {}  # transfer waiting for credit -> P address
+        self._peers: dict[str, _Peer] = {}  # P address -> liveness
+        self._chunks: dict[int, tuple[Chunk, str]] = {}
+        self._next_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def active(self) -> int:
+        return len(self._in)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._chunks) or self.reads.queued > 0
+
+    def reserved_blocks(self) -> int:
+        return sum(len(i.blocks) for i in self._in.values())
+
+    def blocks_of(self, tid: str) -> list[int] | None:
+        inc = self._in.get(tid)
+        return None if inc is None else inc.blocks
+
+    def live_permits(self) -> int:
+        return sum(1 for i in self._in.values() if i.fallback is None)
+
+    # ------------------------------------------------------------------ engine events
+    def await_admission(self, tid: str, address: str) -> list[Action]:
+        """D has no credit for ``tid`` yet: ask P (in heartbeats) to keep its blocks."""
+        self._waiting[tid] = address
+        return []
+
+    def admission_over(self, tid: str) -> list[Action]:
+        self._waiting.pop(tid, None)
+        return []
+
+    def expect(self, tid: str, address: str, blocks: list[int], first_block: int,
+               num_tokens: int, now: float) -> list[Action]:
+        """D reserved ``blocks`` for ``tid``: grant P a write permit on them."""
+        self._waiting.pop(tid, None)
+        if tid in self._in:
+            return [Note("rejected", "duplicate", f"transfer {tid} is already being received")]
+        lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
+        peer = self._peers.get(address)
+        inc = _In(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
+                  lease.generation, now, now, peer.incarnation if peer else None)
+        inc.machine.fire(E.REGISTER, now)
+        inc.machine.fire(E.BLOCKS_READY, now)
+        self._in[tid] = inc
+        reg = Register(PROTOCOL_VERSION, tid, self.me, list(blocks), first_block, num_tokens,
+                       lease.generation, int(self.s.permit_ttl_s * 1000))
+        return [SendMessage(address, reg)]
+
+    def not_needed(self, tid: str, address: str) -> list[Action]:
+        """D will not receive ``tid`` (it computes locally): P may free its blocks now."""
+        self._waiting.pop(tid, None)
+        return [SendMessage(address, Cancel(PROTOCOL_VERSION, tid, 0, self.slim, "not_needed"))]
+
+    def abort(self, tid: str, now: float) -> list[Action]:
+        """D's request was aborted while receiving: stop P; free only once fenced."""
+        inc = self._in.get(tid)
+        if inc is None or inc.cancelling:
+            return []
+        inc.cancelling, inc.renew = True, False
+        if inc.fallback is not None:
+            self.reads.cancel(tid)
+            return self._finish_pull(inc, now)
+        return [SendMessage(inc.address, Cancel(PROTOCOL_VERSION, tid, inc.generation,
+                                                self.slim, "aborted"))]
+
+    # ------------------------------------------------------------------ network events
+    def on_done(self, done: Done, now: float, verified: bool = True) -> list[Action]:
+        inc = self._in.get(done.transfer_id)
+        if inc is None:
+            return [Note("rejected", "unknown_transfer", f"DONE for {done.transfer_id}")]
+        if done.generation != inc.generation or inc.fallback is not None:
+            return [Note("fenced", "stale_generation",
+                         f"DONE {done.transfer_id} gen {done.generation}, expected "
+                         f"{inc.generation}")]
+        self.leases.ack(inc.tid, inc.generation)  # the last WRITE landed: P is done with them
+        if inc.cancelling:
+            return self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+        if not verified:
+            return self._end(inc, now, ReportFailed(inc.tid, "checksum_mismatch",
+                                                    "the pushed blocks differ from P's"))
+        inc.machine.fire(E.DONE, now)
+        return self._end(inc, now, ReportFinished(inc.tid, "pushed"))
+
+    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0) -> list[Action]:
+        if isinstance(msg, Heartbeat):
+            return self._on_heartbeat(msg, now)
+        if not isinstance(msg, (Failed, CancelAck, Fallback)):
+            return [Note("rejected", "unexpected",
+                         f"{type(msg).__name__} is not for a decode engine")]
+        out = self._note_peer(msg.sender, now)
+        inc = self._in.get(msg.transfer_id)
+        if inc is None:
+            return [*out, Note("rejected", "unknown_transfer",
+                               f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
+        if msg.generation != inc.generation:
+            return [*out, Note("fenced", "stale_generation",
+                               f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
+                               f"expected {inc.generation}")]
+        if isinstance(msg, Fallback):
+            return out + self._on_fallback(inc, msg, now, age)
+        if inc.fallback is not None:
+            return [*out, Note("rejected", "unexpected", f"{type(msg).__name__} while pulling")]
+        # Failed and CancelAck both promise that no WRITE is or will be in flight.
+        self.leases.ack(inc.tid, inc.generation)
+        if inc.cancelling:
+            return out + self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+        if isinstance(msg, Failed):
+            inc.machine.fire(E.FAIL, now)
+            return out + self._end(inc, now, ReportFailed(inc.tid, msg.reason, msg.detail))
+        return out + self._end(inc, now, ReportFailed(inc.tid, "cancelled_by_peer"))
+
+    def _on_heartbeat(self, hb: Heartbeat, now: float) -> list[Action]:
+        out = self._note_peer(hb.sender, now)
+        for tid, gen in hb.live:
+            inc = self._in.get(tid)
+            if inc is not None and inc.address == hb.sender.control and gen == inc.generation:
+                inc.listed_at = now
+        return out
+
+    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action]:
+        """Track P's liveness; a new incarnation at the same address means P restarted."""
+        peer = self._peers.setdefault(sender.control, _Peer())
+        peer.last_heard = now
+        if peer.incarnation == sender.incarnation:
+            return []
+        old, peer.incarnation = peer.incarnation, sender.incarnation
+        out: list[Action] = []
+        for inc in list(self._in.values()):
+            if inc.address != sender.control:
+                continue
+            if inc.p_incarnation is None:
+                inc.p_incarnation = sender.incarnation
+                continue
+            if inc.p_incarnation != sender.incarnation and inc.fallback is None:
+                # The process that had this transfer is gone (its port is taken by a new
+                # one): nothing of it can still be written, and it will never finish.
+                self.leases.ack(inc.tid, inc.generation)
+                inc.machine.fire(E.FAIL, now)
+                if inc.cancelling:
+                    out += self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+                else:
+                    out += self._end(inc, now, ReportFailed(inc.tid, "peer_restarted",
+                                                            f"prefill {sender.control} restarted"))
+        if old is not None:
+            out.append(Note("peer_restart", "prefill", f"{sender.control} -> {sender.incarnation}"))
+        return out
+
+    def _on_fallback(self, inc: _In, msg: Fallback, now: float, age: float) -> list[Action]:
+        if inc.fallback is not None:
+            return []  # duplicate
+        # P drained its WRITEs before sending FALLBACK: the write permit is over.
+        self.leases.ack(inc.tid, inc.generation)
+        if inc.cancelling:
+            ack = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, False)
+            return [SendMessage(inc.address, ack),
+                    *self._end(inc, now, ReportFinished(inc.tid, "aborted"))]
+        if len(msg.block_ids) != len(inc.blocks) or msg.permit_ttl_ms <= 0 \
+                or msg.sender.layout is None:
+            inc.fallback = msg
+            inc.read_failed = "bad_fallback"
+            return [Note("rejected", "bad_blocks", f"FALLBACK {inc.tid}: {len(msg.block_ids)} "
+                                                   f"blocks for {len(inc.blocks)}"),
+                    *self._finish_pull(inc, now)]
+        inc.machine.fire(E.FALLBACK, now)
+        inc.fallback, inc.renew, inc.checksum = msg, False, msg.checksum
+        inc.read_permit = Permit.from_ttl(inc.tid, inc.generation, msg.permit_ttl_ms / 1000.0,
+                                          now - age, self.s.stop_margin_s)
+        out: list[Action] = [ConnectPeer(msg.sender), Note("fallback", msg.reason.split(":")[0]
+                                                           or "push_failed", msg.reason)]
+        self.reads.add(inc.tid, msg.sender.agent_name, self.s.block_bytes, len(inc.blocks),
+                       inc.read_permit.expires_at, now)
+        return out + self.poll(now)
+
+    def on_chunk(self, chunk_id: int, ok: bool, error: str, now: float) -> list[Action]:
+        """A READ posted during a fallback completed or failed."""
+        rec = self._chunks.pop(chunk_id, None)
+        if rec is None:
+            return []
+        chunk, tid = rec
+        inc = self._in.get(tid)
+        if inc is not None:
+            inc.reads.discard(chunk_id)
+        if ok:
+            completed = self.reads.on_chunk_done(chunk_id, now)
+            if inc is None:
+                return []
+            if completed:
+                return self._finish_pull(inc, now)
+            if inc.read_failed or inc.cancelling:
+                return self._finish_pull(inc, now)
+            return self.poll(now)
+        if inc is None or inc.read_failed or inc.cancelling:
+            self.reads.on_chunk_failed(chunk_id, now, give_up=True)
+            return self._finish_pull(inc, now) if inc is not None else []
+        decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
+                          now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
+        if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
+            self.reads.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
+            return [Note("retry", decision.classification.kind, decision.reason)]
+        self.reads.on_chunk_failed(chunk_id, now, give_up=True)
+        inc.read_failed = decision.reason or "pull_failed"
+        return self._finish_pull(inc, now)
+
+    # ------------------------------------------------------------------ time
+    def poll(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        for chunk in self.reads.next_chunks(now):
+            inc = self._in.get(chunk.transfer_id)
+            if inc is None or inc.fallback is None:
+                self.reads.on_chunk_failed(chunk.id, now, give_up=True)
+                continue
+            self._chunks[chunk.id] = (chunk, inc.tid)
+            inc.reads.add(chunk.id)
+            out.append(PostRead(inc.tid, inc.generation, chunk.id, inc.fallback.sender.agent_name,
+                                tuple(inc.blocks[chunk.start:chunk.end]),
+                                tuple(inc.fallback.block_ids[chunk.start:chunk.end]),
+                                chunk.nbytes))
+        for tid in self.reads.take_expired():
+            inc = self._in.get(tid)
+            if inc is not None and not inc.read_failed:
+                inc.read_failed = "pull_permit_expired"
+                out.append(Note("lease_expired", "pull", tid))
+                out += self._finish_pull(inc, now)
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        out = self.poll(now)
+        for inc in list(self._in.values()):
+            if inc.fallback is not None:
+                if inc.machine.expired(now) and not inc.read_failed:
+                    self.reads.cancel(inc.tid)
+                    inc.read_failed = "timeout"
+                    out += self._finish_pull(inc, now)
+                continue
+            if inc.machine.expired(now):
+                inc.renew = False  # bounded: the permit now runs out and fences the blocks
+            lease = self.leases.get(inc.tid)
+            if lease is not None and now >= lease.expires_at and self.leases.reusable(inc.tid, now):
+                # Past expiry plus the skew margin: P has stopped writing into these blocks.
+                out.append(Note("lease_expired", "permit", inc.tid))
+                if inc.cancelling:
+                    out += self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+                else:
+                    inc.machine.fire(E.EXPIRE, now)
+                    out += self._end(inc, now, ReportFailed(inc.tid, "permit_expired",
+                                                            "no DONE before the permit ran out"))
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.s.heartbeat_s
+            out += self._heartbeats(now)
+            for key in self.leases.keys():  # noqa: SIM118 - a snapshot list, not a dict view
+                if key not in self._in and self.leases.reusable(key, now):
+                    self.leases.forget(key, now)
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _heartbeats(self, now: float) -> list[Action]:
+        """Renew the permits of transfers whose P is alive and still holds them."""
+        per_peer: dict[str, list[tuple[str, int]]] = {}
+        for tid, address in self._waiting.items():
+            per_peer.setdefault(address, []).append((tid, 0))
+        for inc in self._in.values():
+            if not inc.renew or inc.fallback is not None:
+                continue
+            peer = self._peers.get(inc.address)
+            alive = peer is not None and now - peer.last_heard < self.s.peer_timeout_s
+            fresh = now - inc.registered_at < self.s.peer_timeout_s
+            listed = now - inc.listed_at < self.s.peer_timeout_s
+            if not (fresh or (alive and listed)):
+                continue
+            if self.leases.renew(inc.tid, inc.generation, now) is LeaseCheck.OK:
+                per_peer.setdefault(inc.address, []).append((inc.tid, inc.generation))
+        out: list[Action] = []
+        for address, live in per_peer.items():
+            peer = self._peers.get(address)
+            hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
+                           peer.incarnation is not None else 0, live,
+                           int(self.s.permit_ttl_s * 1000))
+            out.append(SendMessage(address, hb))
+        return out
+
+    def _finish_pull(self, inc: _In, now: float) -> list[Action]:
+        """End a fallback once no READ is in flight: report, and tell P it may free."""
+        if inc.reads:
+            return []
+        if not (inc.read_failed or inc.cancelling) and self.reads.has_transfer(inc.tid):
+            return []
+        ok = not inc.read_failed and not inc.cancelling
+        msg = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, ok)
+        out: list[Action] = [SendMessage(inc.address, msg)]
+        if inc.cancelling:
+            return out + self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+        if ok:
+            inc.machine.fire(E.PULL_DONE, now)
+            return out + self._end(inc, now, ReportFinished(inc.tid, "pull_fallback",
+                                                            inc.checksum))
+        inc.machine.fire(E.FAIL, now)
+        return out + self._end(inc, now, ReportFailed(inc.tid, "pull_failed", inc.read_failed))
+
+    def _end(self, inc: _In, now: float, report: Action) -> list[Action]:
+        self._in.pop(inc.tid, None)
+        self.reads.cancel(inc.tid)
+        if self.leases.reusable(inc.tid, now):
+            self.leases.forget(inc.tid, now)
+        return [report]

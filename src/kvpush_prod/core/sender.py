@@ -1,0 +1,499 @@
+"""The prefill side (P) of one worker rank: pair finished blocks with D's REGISTERs, push them
+through the push scheduler, retry, fall back to D pulling, and say when blocks may be freed.
+
+Sans-IO: events in (with ``now``), actions out. Time comes from the shell; a message's
+``age`` (how long it travelled, from its ``sent_at``) is subtracted from any term it grants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush_prod.core.actions import (
+    Action,
+    ConnectPeer,
+    Note,
+    PostWrite,
+    ReleaseSend,
+    SendMessage,
+)
+from kvpush_prod.core.leases import Permit
+from kvpush_prod.core.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    ControlMessage,
+    Done,
+    Failed,
+    Fallback,
+    Heartbeat,
+    PeerInfo,
+    PullDone,
+    Register,
+)
+from kvpush_prod.core.retry import BreakerSettings as CoreBreakerSettings
+from kvpush_prod.core.retry import (
+    BreakerState,
+    BudgetSettings,
+    ErrorClass,
+    PeerBreakers,
+    RandomLike,
+    RetryBudget,
+    RetryPolicy,
+    RetrySettings,
+    decide,
+)
+from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
+from kvpush_prod.core.transfer import TransferEvent as E
+from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
+
+S = TransferState
+
+
+@dataclass(frozen=True, slots=True)
+class SenderSettings:
+    """The numbers P's protocol runs on (the shell maps the YAML config onto them)."""
+
+    block_bytes: int  # one block of this rank, all regions
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    breaker: CoreBreakerSettings = field(default_factory=CoreBreakerSettings)
+    timeouts: TransferTimeouts = field(default_factory=TransferTimeouts)
+    send_lease_s: float = 60.0  # finished blocks held without news from D
+    stop_margin_s: float = 1.0  # no WRITE this close to the permit's end
+    skew_margin_s: float = 1.0
+    heartbeat_s: float = 1.0
+    fallback: bool = True  # let D pull when the push fails
+    pull_permit_s: float = 30.0  # how long D may READ P's blocks after a FALLBACK
+    tombstone_s: float = 300.0  # how long a cancelled/aborted transfer id is remembered
+
+
+@dataclass(eq=False)
+class _Out:
+    tid: str
+    machine: TransferMachine
+    blocks: list[int] | None = None
+    held: bool = False  # the scheduler left the blocks to us until ReleaseSend
+    expected: bool = False  # P's scheduler has the request: blocks will come
+    reg: Register | None = None
+    peer: str = ""  # D's agent name
+    permit: Permit | None = None
+    lease_until: float = 0.0  # send lease: blocks held without a registration
+    queued: bool = False  # in the push scheduler
+    inflight: set[int] = field(default_factory=set)
+    retried: bool = False
+    drain_then: str = ""  # after in-flight chunks land: "ack" | "fallback" | "failed" | "expired"
+    reason: str = ""
+    pull_until: float = 0.0  # D may read our blocks until then (+ skew)
+    outcome: str = ""  # set when the transfer is over; ReleaseSend once held
+    released: bool = False
+    pushed_bytes: int = 0
+
+
+class Sender:
+    """P side of one rank."""
+
+    def __init__(self, me: PeerInfo, settings: SenderSettings, rng: RandomLike) -> None:
+        self.me = me
+        self.slim = PeerInfo(me.engine_id, me.incarnation, me.rank, me.control, me.agent_name)
+        self.s = settings
+        self.sched = PushScheduler(settings.scheduler)
+        self.policy = RetryPolicy.from_settings(settings.retry, rng)
+        self.budget = RetryBudget(settings.budget)
+        self.breakers = PeerBreakers(settings.breaker)
+        self._out: dict[str, _Out] = {}
+        self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
+        self._tombstones: dict[str, float] = {}
+        self._peers: dict[tuple[str, int], PeerInfo] = {}  # D (engine, rank) -> latest info
+        self._next_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def active(self) -> int:
+        return len(self._out)
+
+    @property
+    def busy(self) -> bool:
+        """Chunks in flight or queued: the shell should poll often."""
+        return bool(self._chunks) or self.sched.queued > 0
+
+    def held_blocks(self) -> int:
+        return sum(len(o.blocks or ()) for o in self._out.values() if o.held and not o.released)
+
+    def breaker_states(self, now: float) -> dict[str, BreakerState]:
+        return {str(k): v for k, v in self.breakers.states(now).items()}
+
+    # ------------------------------------------------------------------ engine events
+    def expect(self, tid: str, now: float) -> list[Action]:
+        """P's scheduler has the request: its blocks will come (keeps D's permit renewed)."""
+        o = self._get(tid, now)
+        o.expected = True
+        return []
+
+    def blocks_ready(self, tid: str, blocks: list[int], now: float) -> list[Action]:
+        """The prompt's KV is in ``blocks`` (this step's forward has finished)."""
+        o = self._get(tid, now)
+        o.blocks, o.expected = list(blocks), True
+        o.lease_until = now + self.s.send_lease_s
+        if tid in self._tombstones:
+            # D does not want it (or P aborted it): free once the scheduler hands it over.
+            self._fire(o, E.CANCEL, now)
+            return self._close(o, "cancelled")
+        self._fire(o, E.BLOCKS_READY, now)
+        return self._maybe_start(o, now)
+
+    def hold(self, tid: str) -> list[Action]:
+        """The request finished; its blocks are ours until ReleaseSend."""
+        o = self._out.get(tid)
+        if o is None:
+            return []
+        o.held = True
+        return self._maybe_release(o)
+
+    def abort(self, tid: str, now: float) -> list[Action]:
+        """P's request ended before its KV was computed: the transfer can never happen."""
+        self._tombstones[tid] = now + self.s.tombstone_s
+        o = self._out.pop(tid, None)
+        if o is not None and o.reg is not None:
+            return [self._failed(o.reg, "prefill_aborted", "the prefill request ended early")]
+        return []
+
+    # ------------------------------------------------------------------ network events
+    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0) -> list[Action]:
+        if isinstance(msg, Register):
+            return self._on_register(msg, now, age)
+        if isinstance(msg, Heartbeat):
+            return self._on_heartbeat(msg, now, age)
+        if isinstance(msg, Cancel):
+            return self._on_cancel(msg, now)
+        if isinstance(msg, PullDone):
+            return self._on_pull_done(msg, now)
+        return [Note("rejected", "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
+
+    def _on_register(self, reg: Register, now: float, age: float) -> list[Action]:
+        out = self._learn_peer(reg.sender, now)
+        if reg.transfer_id in self._tombstones:
+            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
+        o = self._get(reg.transfer_id, now)
+        if o.reg is not None:
+            if reg.generation == o.reg.generation:
+                return out  # a duplicate: idempotent
+            if reg.generation < o.reg.generation or o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
+                return [*out, Note("fenced", "stale_generation",
+                                   f"REGISTER {reg.transfer_id} gen {reg.generation} after "
+                                   f"{o.reg.generation}")]
+        ttl = reg.permit_ttl_ms / 1000.0
+        if ttl <= 0:
+            return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
+        o.reg, o.peer = reg, reg.sender.agent_name
+        # The term counts from when D granted it: subtract how long the message travelled.
+        o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, ttl, now - age,
+                                   self.s.stop_margin_s)
+        if o.machine.state in (S.NEW, S.WAITING_REGISTER):
+            self._fire(o, E.REGISTER, now)
+        return out + self._maybe_start(o, now)
+
+    def _on_heartbeat(self, hb: Heartbeat, now: float, age: float) -> list[Action]:
+        out = self._learn_peer(hb.sender, now)
+        ttl = hb.permit_ttl_ms / 1000.0
+        for tid, gen in hb.live:
+            o = self._out.get(tid)
+            if o is None:
+                continue
+            if gen == 0:
+                # D still waits for credit to admit it: keep the blocks.
+                o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
+            elif o.reg is not None and o.permit is not None and gen == o.reg.generation:
+                if ttl > 0:
+                    o.permit = o.permit.renewed(gen, now - age + ttl)
+                    if o.queued:
+                        self.sched.renew(tid, o.permit.expires_at)
+                o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
+            elif o.reg is not None:
+                out.append(Note("fenced", "stale_generation",
+                                f"heartbeat for {tid} gen {gen}, current {o.reg.generation}"))
+        return out
+
+    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
+        ack = SendMessage(msg.sender.control, CancelAck(PROTOCOL_VERSION, msg.transfer_id,
+                                                        msg.generation, self.slim))
+        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
+        o = self._out.get(msg.transfer_id)
+        if o is None:
+            return [ack]  # blocks that still come are freed unpushed (tombstone)
+        if o.reg is not None and msg.generation not in (0, o.reg.generation):
+            return [Note("fenced", "stale_generation",
+                         f"CANCEL {msg.transfer_id} gen {msg.generation}, "
+                         f"current {o.reg.generation}")]
+        self._fire(o, E.CANCEL, now)
+        if o.queued:
+            self.sched.cancel(o.tid)
+            o.queued = False
+        if o.inflight:
+            o.drain_then = "ack"  # the ack promises nothing is in flight any more
+            return []
+        return [ack, *self._close(o, "cancelled")]
+
+    def _on_pull_done(self, msg: PullDone, now: float) -> list[Action]:
+        o = self._out.get(msg.transfer_id)
+        if o is None or o.reg is None or msg.generation != o.reg.generation:
+            return [Note("rejected", "unknown_transfer", f"PullDone for {msg.transfer_id}")]
+        if msg.ok:
+            self._fire(o, E.PULL_DONE, now)
+            return self._close(o, "pull_fallback")
+        self._fire(o, E.FAIL, now)
+        return self._close(o, "failed")
+
+    def on_chunk(self, chunk_id: int, ok: bool, error: str, now: float) -> list[Action]:
+        """A posted chunk completed (``ok``) or failed with transport error ``error``."""
+        rec = self._chunks.pop(chunk_id, None)
+        if rec is None:
+            return []
+        chunk, tid = rec
+        o = self._out.get(tid)
+        if o is not None:
+            o.inflight.discard(chunk_id)
+        if ok:
+            self.breakers.record_success(chunk.link, now)
+            completed = self.sched.on_chunk_done(chunk_id, now)
+            if o is None:
+                return []
+            o.pushed_bytes += chunk.nbytes
+            if completed:
+                self._fire(o, E.DONE, now)
+                return self._close(o, "retried" if o.retried else "pushed")
+            return self._after_drain(o, now) + self.poll(now)
+        # A failed chunk.
+        before = self.breakers[chunk.link].state(now)
+        self.breakers.record_failure(chunk.link, now)
+        out: list[Action] = []
+        if before is not BreakerState.OPEN and self.breakers[chunk.link].state(now) is BreakerState.OPEN:
+            out.append(Note("breaker_trip", chunk.link, error))
+        if o is None or not o.queued:
+            self.sched.on_chunk_failed(chunk_id, now, give_up=True)
+            return out + (self._after_drain(o, now) if o is not None else [])
+        decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
+                          now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
+        if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
+            self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
+            o.retried = True
+            self._fire(o, E.CHUNK_ERROR, now)
+            out.append(Note("retry", decision.classification.kind, decision.reason))
+            return out
+        # Give up the push: stop posting, let the rest drain, then fall back or fail.
+        self.sched.on_chunk_failed(chunk_id, now, give_up=True)
+        o.queued = False
+        self._fire(o, E.CHUNK_ERROR, now)
+        fallback = decision.action is ErrorClass.FALLBACK and self.s.fallback
+        o.drain_then, o.reason = ("fallback" if fallback else "failed"), decision.reason
+        return out + self._after_drain(o, now)
+
+    # ------------------------------------------------------------------ time
+    def poll(self, now: float) -> list[Action]:
+        """Chunks the scheduler lets out now (call often while ``busy``)."""
+        out: list[Action] = []
+        for chunk in self.sched.next_chunks(now):
+            o = self._out.get(chunk.transfer_id)
+            if o is None or o.reg is None or o.blocks is None:
+                self.sched.on_chunk_failed(chunk.id, now, give_up=True)
+                continue
+            reg = o.reg
+            first = reg.first_block
+            done = None
+            if chunk.is_last:
+                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(reg.block_ids))
+            self._chunks[chunk.id] = (chunk, o.tid)
+            o.inflight.add(chunk.id)
+            if o.machine.state is S.RETRYING:
+                self._fire(o, E.RETRY, now)
+            self._fire(o, E.CHUNK_POSTED, now)
+            out.append(PostWrite(
+                o.tid, reg.generation, chunk.id, o.peer,
+                tuple(o.blocks[first + chunk.start:first + chunk.end]),
+                tuple(reg.block_ids[chunk.start:chunk.end]),
+                chunk.nbytes, done,
+                tuple(o.blocks[first:]) if chunk.is_last else (),
+            ))
+        for tid in self.sched.take_expired():
+            o = self._out.get(tid)
+            if o is not None:
+                o.queued = False
+                out.append(Note("lease_expired", "permit", f"permit of {tid} ran out mid-push"))
+                o.drain_then, o.reason = "expired", "permit_expired"
+                out += self._after_drain(o, now)
+        return out
+
+    def tick(self, now: float) -> list[Action]:
+        """Leases, deadlines, heartbeats and tombstones (call every few tens of ms)."""
+        out = self.poll(now)
+        for tid in [t for t, at in self._tombstones.items() if at <= now]:
+            del self._tombstones[tid]
+        for o in list(self._out.values()):
+            if o.outcome:
+                continue
+            st = o.machine.state
+            if st is S.WAITING_REGISTER and now >= o.lease_until:
+                # D never registered nor asked us to wait: the send lease is over.
+                out.append(Note("lease_expired", "send", o.tid))
+                self._fire(o, E.EXPIRE, now)
+                out += self._close(o, "expired")
+            elif st is S.WAITING_BLOCKS and o.permit is not None and not o.permit.usable(now):
+                # The permit ran out before our blocks did: D fails the receive itself, and
+                # blocks that still come are freed unpushed.
+                self._tombstones[o.tid] = now + self.s.tombstone_s
+                self._fire(o, E.EXPIRE, now)
+                out += self._close(o, "expired")
+            elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
+                # D's read permit is over: D no longer reads our blocks.
+                out.append(Note("lease_expired", "pull", o.tid))
+                self._fire(o, E.EXPIRE, now)
+                out += self._close(o, "failed")
+            elif o.machine.expired(now) and not o.inflight:
+                self._fire(o, E.EXPIRE, now)
+                if o.queued:
+                    self.sched.cancel(o.tid)
+                    o.queued = False
+                if o.reg is not None and st is not S.FALLBACK:
+                    out.append(self._failed(o.reg, "timeout", f"transfer stuck in {st.value}"))
+                out += self._close(o, "expired")
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.s.heartbeat_s
+            out += self._heartbeats()
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, tid: str, now: float) -> _Out:
+        o = self._out.get(tid)
+        if o is None:
+            o = self._out[tid] = _Out(tid, TransferMachine(tid, now, self.s.timeouts))
+        return o
+
+    def _fire(self, o: _Out, event: E, now: float) -> bool:
+        if not o.machine.can_fire(event):
+            return False
+        return o.machine.fire(event, now)
+
+    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action]:
+        """Connect to a D rank on first sight; a new incarnation supersedes the old one."""
+        key = (info.engine_id, info.rank)
+        known = self._peers.get(key)
+        if known is not None and known.incarnation == info.incarnation:
+            return []
+        if info.layout is None or not info.agent_meta:
+            return []  # a slim message (heartbeat) of a rank we have not met: nothing to do
+        self._peers[key] = info
+        out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
+        if known is not None:
+            out.append(Note("peer_restart", "decode", f"{key} incarnation {info.incarnation}"))
+            # Transfers to the old process: its blocks are gone; stop and free ours.
+            for o in list(self._out.values()):
+                if o.peer == known.agent_name and not o.outcome:
+                    self._fire(o, E.FAIL, now)
+                    if o.queued:
+                        self.sched.cancel(o.tid)
+                        o.queued = False
+                    if o.inflight:
+                        o.drain_then, o.reason = "dropped", "peer_restarted"
+                    else:
+                        out += self._close(o, "failed")
+        return out
+
+    def _maybe_start(self, o: _Out, now: float) -> list[Action]:
+        if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
+            return []
+        reg = o.reg
+        problem = self._check(o.blocks, reg)
+        if problem:
+            self._fire(o, E.FAIL, now)
+            return [Note("rejected", "bad_blocks", problem),
+                    self._failed(reg, "bad_blocks", problem), *self._close(o, "failed")]
+        assert o.permit is not None
+        if not o.permit.usable(now):
+            self._fire(o, E.EXPIRE, now)
+            return self._close(o, "expired")
+        if self.s.fallback and not self.breakers.allow(o.peer, now):
+            # Repeated failures to this D: straight to pull until a probe push succeeds.
+            return [Note("fallback", "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
+        self.sched.add(o.tid, o.peer, self.s.block_bytes, len(reg.block_ids),
+                       o.permit.expires_at, now)
+        o.queued = True
+        return self.poll(now)
+
+    def _check(self, blocks: list[int], reg: Register) -> str:
+        layout = reg.sender.layout
+        limit = layout.regions[0].num_blocks if layout and layout.regions else 0
+        if reg.first_block < 0 or reg.first_block + len(reg.block_ids) != len(blocks):
+            return (f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
+                    f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here")
+        bad = [b for b in reg.block_ids if b < 0 or b >= limit]
+        if bad:
+            return f"block ids {bad[:5]} outside the decode KV cache of {limit} blocks"
+        return ""
+
+    def _after_drain(self, o: _Out, now: float) -> list[Action]:
+        if o.inflight:
+            return []
+        if not o.drain_then:
+            return self._maybe_release(o)
+        then, o.drain_then = o.drain_then, ""
+        if then == "ack" and o.reg is not None:
+            ack = CancelAck(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim)
+            return [SendMessage(o.reg.sender.control, ack), *self._close(o, "cancelled")]
+        if then == "fallback":
+            out: list[Action] = [Note("fallback", o.reason.split(":")[0] or "push_failed", o.reason)]
+            return out + self._fallback(o, now, o.reason)
+        if then == "dropped":
+            return self._close(o, "failed")
+        assert o.reg is not None
+        self._fire(o, E.FAIL if then == "failed" else E.EXPIRE, now)
+        return [self._failed(o.reg, o.reason or then, "the push could not complete"),
+                *self._close(o, "failed" if then == "failed" else "expired")]
+
+    def _fallback(self, o: _Out, now: float, reason: str) -> list[Action]:
+        assert o.reg is not None and o.blocks is not None
+        self._fire(o, E.FALLBACK, now)
+        o.pull_until = now + self.s.pull_permit_s
+        reg = o.reg
+        msg = Fallback(PROTOCOL_VERSION, o.tid, reg.generation, self.me,
+                       o.blocks[reg.first_block:], reg.first_block, reason,
+                       int(self.s.pull_permit_s * 1000))
+        return [SendMessage(reg.sender.control, msg)]
+
+    def _close(self, o: _Out, outcome: str) -> list[Action]:
+        o.outcome = o.outcome or outcome
+        if o.queued:
+            self.sched.cancel(o.tid)
+            o.queued = False
+        return self._maybe_release(o)
+
+    def _maybe_release(self, o: _Out) -> list[Action]:
+        if not o.outcome or o.inflight:
+            return []
+        if o.blocks is None:
+            self._out.pop(o.tid, None)  # a registration only: nothing to free
+            return []
+        if not o.held or o.released:
+            return []
+        o.released = True
+        self._out.pop(o.tid, None)
+        nbytes = o.pushed_bytes if o.outcome in ("pushed", "retried") else 0
+        return [ReleaseSend(o.tid, o.outcome, nbytes)]
+
+    def _failed(self, reg: Register, reason: str, detail: str) -> SendMessage:
+        return SendMessage(reg.sender.control, Failed(PROTOCOL_VERSION, reg.transfer_id,
+                                                      reg.generation, self.slim, reason, detail))
+
+    def _heartbeats(self) -> list[Action]:
+        """Tell each D which of its transfers we still hold (it renews their permits)."""
+        per_peer: dict[str, tuple[int, list[tuple[str, int]]]] = {}
+        for o in self._out.values():
+            if o.reg is None or o.outcome:
+                continue
+            if o.machine.state is S.WAITING_BLOCKS and not o.expected:
+                continue  # we have never heard of this request: let D's permit run out
+            addr = o.reg.sender.control
+            _, live = per_peer.setdefault(addr, (o.reg.sender.incarnation, []))
+            live.append((o.tid, o.reg.generation))
+        return [SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc, live))
+                for addr, (inc, live) in per_peer.items()]
