@@ -65,7 +65,7 @@ def fault_settings(section: dict[str, Any] | None) -> FaultSettings:
         if not isinstance(extra, dict):
             raise ConfigError(f"{FAULTS_ENV} must be a JSON object, got {env!r}")
         data.update(extra)
-        data.setdefault("enabled", True)
+        data["enabled"] = bool(extra.get("enabled", True))  # setting the env means "on"
     try:
         return FaultSettings.model_validate(data)
     except ValidationError as exc:
