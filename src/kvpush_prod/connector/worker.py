@@ -197,6 +197,7 @@ class WorkerSide:
         for spec in meta.recv:
             pump.request_of[spec.transfer_id] = spec.request_id
             pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
+            pump.began[spec.transfer_id] = time.monotonic()
             address = self._address(spec.p_host, spec.p_port)
             pump.submit(lambda r, s=spec, a=address: r.expect(
                 s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic()))
@@ -237,6 +238,10 @@ class WorkerSide:
         return self.results.take_outcomes()
 
     def get_stats(self) -> dict[str, Any]:
+        if self._pump is not None:
+            # Read at drain time, so the step that reports the last completion also
+            # reports nothing in flight (a stale value would stick while the engine idles).
+            self.stats.set("kvpush_inflight_bytes", (self.role,), self._pump.inflight_bytes)
         return self.stats.drain()
 
     def shutdown(self) -> None:
@@ -268,11 +273,13 @@ class TransferPump(threading.Thread):
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
         self._commands: queue.SimpleQueue[Callable[[Any], list[Action]]] = queue.SimpleQueue()
         self._halt = threading.Event()
-        self._handles: dict[int, tuple[Any, float, str]] = {}  # chunk -> (handle, posted, tid)
+        self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
+        self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
         self._peers: dict[str, RemotePeer] = {}  # agent name -> connected peer
-        self._began: dict[str, float] = {}  # transfer id -> first post (for latency)
+        self.began: dict[str, float] = {}  # transfer id -> start (P: first post, D: REGISTER)
         self._labels = (role,)
         self._verify = cfg.verify.checksums
+        self._block_bytes = sum(r.block_len for r in transport.layout.regions)
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._reported_rejects: dict[str, int] = {}
@@ -378,7 +385,7 @@ class TransferPump(threading.Thread):
     def _post(self, chunk_id: int, tid: str, op: str, peer_name: str,
               local: tuple[int, ...], remote: tuple[int, ...], notif: bytes) -> None:
         t0 = time.monotonic()
-        self._began.setdefault(tid, t0)
+        self.began.setdefault(tid, t0)
         peer = self._peers.get(peer_name)
         try:
             if peer is None:
@@ -390,18 +397,21 @@ class TransferPump(threading.Thread):
             self._execute(self.protocol.on_chunk(chunk_id, False, f"{type(exc).__name__}: {exc}",
                                                  time.monotonic()))
             return
-        self._handles[chunk_id] = (handle, t0, tid)
+        nbytes = len(local) * self._block_bytes
+        self._handles[chunk_id] = (handle, t0, nbytes)
+        self.inflight_bytes += nbytes
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
 
     def _check_chunks(self) -> None:
         now = time.monotonic()
-        for cid, (handle, posted, _tid) in list(self._handles.items()):
+        for cid, (handle, posted, nbytes) in list(self._handles.items()):
             state = self.transport.state(handle)
             if state == "PROC":
                 if now - posted < self._chunk_timeout:
                     continue
                 state = "TIMEOUT"
             del self._handles[cid]
+            self.inflight_bytes -= nbytes
             self.transport.release(handle)
             ok = state == "DONE"
             self.stats.inc("kvpush_chunks", (self.role, "ok" if ok else "error"))
@@ -461,7 +471,7 @@ class TransferPump(threading.Thread):
 
     def _count_end(self, tid: str, outcome: str, nbytes: int) -> None:
         self.stats.inc("kvpush_transfers", (self.role, outcome))
-        began = self._began.pop(tid, None)
+        began = self.began.pop(tid, None)
         if outcome in ("pushed", "retried", "pull_fallback") and began is not None:
             self.stats.observe("kvpush_transfer_seconds", self._labels, time.monotonic() - began)
         if nbytes:
@@ -505,19 +515,10 @@ class TransferPump(threading.Thread):
                 self.stats.inc("kvpush_control_messages_rejected", (self.role, reason), n - seen)
                 self._reported_rejects[reason] = n
         p = self.protocol
-        self.stats.set("kvpush_transfers_active", self._labels, p.active)
-        inflight = 0
         if isinstance(p, Sender):
-            self.stats.set("kvpush_leases_active", (self.role, "send"), p.active)
             for link in p.sched.links():
-                inflight += p.sched.inflight_bytes(link)
                 self.stats.set("kvpush_link_bandwidth_bytes_per_second",
                                (self.role, self._peer_label.get(link, link)), p.sched.bandwidth(link))
             for peer, state in p.breaker_states(now).items():
                 self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
                                _BREAKER_VALUE[state])
-        else:
-            self.stats.set("kvpush_leases_active", (self.role, "permit"), p.live_permits())
-            for link in p.reads.links():
-                inflight += p.reads.inflight_bytes(link)
-        self.stats.set("kvpush_inflight_bytes", self._labels, inflight)
