@@ -305,11 +305,11 @@ def type_name(f: FieldInfo) -> str:
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         optional = len(args) < len(typing.get_args(ann))
         ann = args[0] if len(args) == 1 else ann
+    names: dict[Any, str] = {int: "integer", float: "number", bool: "boolean", str: "string"}
     if typing.get_origin(ann) is Literal:
         name = "enum"
     else:
-        name = {int: "integer", float: "number", bool: "boolean", str: "string"}.get(
-            ann, getattr(ann, "__name__", str(ann)))  # type: ignore[arg-type]
+        name = names.get(ann) or str(getattr(ann, "__name__", ann))
     return f"{name} or null" if optional else name
 
 

@@ -19,7 +19,6 @@ from kvpush_prod.config import (
     MASK,
     PROFILE_ENV,
     SECRET_ENV,
-    ConfigError,
     ResolvedConfig,
     allowed_range,
     field_rows,
@@ -29,6 +28,7 @@ from kvpush_prod.config import (
     split_extra,
     type_name,
 )
+from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import (
     LABELS,
     ROUTER_LABELS,
@@ -76,9 +76,8 @@ def parse_extra(text: str | None) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"--extra must be a JSON object, got {type(data).__name__}")
-    if isinstance(data.get("kv_connector_extra_config"), dict):
-        data = data["kv_connector_extra_config"]
-    return data
+    inner = data.get("kv_connector_extra_config")
+    return dict(inner) if isinstance(inner, dict) else data
 
 
 def resolve(path: str | None, extra_json: str | None,
