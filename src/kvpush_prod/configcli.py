@@ -294,9 +294,11 @@ them to the API server, and `MetricsSink` writes them. vLLM adds its labels
 as `kvpush_transfers_total`); histograms are scraped as `_bucket`, `_sum` and `_count`.
 The tables give the scraped name.
 
-**When they have samples.** A labelled series has no samples until its first observation:
-on a healthy run the fault series (retries, fallbacks, breaker trips, expired leases,
-rejected messages) may be absent, which means zero. Alert rules in
+**When they have samples.** A labelled series has no samples until its first observation.
+The `samples` column says which series have samples on every healthy run (`every run`:
+checked by `tests/e2e/test_metrics_e2e.py`) and which only after a fault or bad input
+(`on faults`: retries, fallbacks, breaker trips, expired leases, rejected messages; absent
+means zero). Alert rules in
 `configs/prometheus/alerts.yaml` are written so that an absent series never fires; see
 `docs/operations.md` for what each alert means and what to do.
 """
@@ -309,7 +311,8 @@ def _series_row(s: Series) -> str:
     if closed:
         meaning += " " + "; ".join(f"`{label}`: " + ", ".join(f"`{v}`" for v in vals)
                                    for label, vals in closed) + "."
-    return f"| `{exported_name(s)}` | {s.kind} | {labels} | {_cell(meaning)} |"
+    samples = "every run" if s.healthy else "on faults"
+    return f"| `{exported_name(s)}` | {s.kind} | {labels} | {samples} | {_cell(meaning)} |"
 
 
 def render_metrics_doc() -> str:
@@ -339,7 +342,7 @@ def render_metrics_doc() -> str:
         ("Router series", "on the router's `/metrics`", "router"),
     ):
         out += ["", f"## {title}", "", f"Exported {where}.", "",
-                "| series | type | labels | meaning |", "|---|---|---|---|"]
+                "| series | type | labels | samples | meaning |", "|---|---|---|---|---|"]
         out += [_series_row(s) for s in series if s.source == source]
     out += ["", "## Example queries", ""]
     for title, query in EXAMPLE_QUERIES:

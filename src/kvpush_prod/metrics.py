@@ -70,6 +70,8 @@ class Series:
     """One exported series: its name (without the ``_total`` a counter gets), kind, labels.
 
     ``values`` lists, for labels with a closed set of values, every value the connector emits.
+    ``healthy``: the series has samples on every healthy run (False: only after a fault or
+    bad input; absent then means zero).
     """
 
     name: str
@@ -79,6 +81,7 @@ class Series:
     buckets: tuple[float, ...] = _SECONDS_BUCKETS
     values: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: Literal["connector", "router"] = "connector"
+    healthy: bool = True
 
     def allowed(self, label: str) -> tuple[str, ...] | None:
         """The closed set of values of ``label``, or None when it is open (peer, reason)."""
@@ -90,10 +93,10 @@ class Series:
 
 def _s(name: str, kind: Kind, labels: tuple[str, ...], doc: str,
        buckets: tuple[float, ...] = _SECONDS_BUCKETS,
-       values: dict[str, tuple[str, ...]] | None = None) -> Series:
+       values: dict[str, tuple[str, ...]] | None = None, healthy: bool = True) -> Series:
     closed: dict[str, tuple[str, ...]] = {"role": ROLES} if "role" in labels else {}
     closed.update(values or {})
-    return Series(name, kind, doc, labels, buckets, tuple(closed.items()))
+    return Series(name, kind, doc, labels, buckets, tuple(closed.items()), healthy=healthy)
 
 
 _R = ("role",)
@@ -117,14 +120,15 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        "Chunks (WRITEs/READs) that ended: ok, error (completed with an error), post_failed "
        "(the transport refused to post it).", values={"result": CHUNK_RESULTS}),
     _s("kvpush_retries", "counter", ("role", "reason"),
-       "Chunks posted again after a retryable error, by the error's class."),
+       "Chunks posted again after a retryable error, by the error's class.", healthy=False),
     _s("kvpush_fallbacks", "counter", ("role", "reason"),
-       "Transfers switched from push to pull (D READs from P), by why the push was given up."),
+       "Transfers switched from push to pull (D READs from P), by why the push was given up.",
+       healthy=False),
     _s("kvpush_breaker_state", "gauge", ("role", "peer"),
        "Circuit breaker per peer: 0 closed (push), 1 half-open (one probe), 2 open "
        "(new transfers go straight to fallback)."),
     _s("kvpush_breaker_trips", "counter", ("role", "peer"),
-       "Times the peer's circuit breaker opened."),
+       "Times the peer's circuit breaker opened.", healthy=False),
     _s("kvpush_credits_budget_blocks", "gauge", _R,
        "D's receive window: KV blocks inbound transfers may reserve."),
     _s("kvpush_credits_in_use_blocks", "gauge", _R,
@@ -141,23 +145,25 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        values={"kind": LEASE_KINDS}),
     _s("kvpush_leases_expired", "counter", ("role", "kind"),
        "Leases that ran out without being released (a silent or dead peer).",
-       values={"kind": LEASE_KINDS}),
+       values={"kind": LEASE_KINDS}, healthy=False),
     _s("kvpush_leases_fenced", "counter", _R,
-       "Late messages or writes refused because their generation was stale."),
+       "Late messages or writes refused because their generation was stale.", healthy=False),
     _s("kvpush_link_bandwidth_bytes_per_second", "gauge", ("role", "peer"),
        "Measured bandwidth of the link to the peer (EWMA of chunk completions)."),
     _s("kvpush_inflight_bytes", "gauge", _R, "Bytes posted and not yet completed."),
     _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
        "Control messages and notifications dropped (never acted on), by reason.",
-       values={"reason": CONTROL_REJECT_REASONS}),
+       values={"reason": CONTROL_REJECT_REASONS}, healthy=False),
     _s("kvpush_kv_params_rejected", "counter", _R,
-       "Requests whose kv_transfer_params were malformed (served by local compute)."),
+       "Requests whose kv_transfer_params were malformed (served by local compute).",
+       healthy=False),
     _s("kvpush_connector_blocks", "gauge", _R,
        "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
        "D: reserved for inbound transfers)."),
     _s("kvpush_transfers_active", "gauge", _R, "Transfers in progress."),
     _s("kvpush_peer_restarts", "counter", _R,
-       "Peers seen coming back as a new process (same engine id, new agent): reconnected."),
+       "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
+       healthy=False),
 )
 
 SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}
@@ -197,8 +203,12 @@ def router_series() -> tuple[Series, ...]:
         if "role" in labels:
             values["role"] = tuple(r.value for r in Role)
         buckets = tuple(b for b in getattr(metric, "_upper_bounds", ()) if b != float("inf"))
+        # Retries happen only when a backend failed; every other series has samples as
+        # soon as the router has served a request (or probed its backends).
+        healthy = metric._name != "kvpush_router_retries"
         out.append(Series(metric._name, kind, metric._documentation, labels,
-                          buckets or _SECONDS_BUCKETS, tuple(values.items()), "router"))
+                          buckets or _SECONDS_BUCKETS, tuple(values.items()), "router",
+                          healthy))
     return tuple(sorted(out, key=lambda s: s.name))
 
 
