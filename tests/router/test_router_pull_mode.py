@@ -102,3 +102,12 @@ async def test_push_mode_is_still_the_default_and_probes_identity(fakes, router)
 def test_mode_flag_parses():
     s = settings_from_args(["--prefill", "http://a:1", "--decode", "http://b:2", "--mode", "pull"])
     assert s.mode == "pull"
+
+
+async def test_vllm_push_compat_gives_decode_the_prefill_request_id(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], vllm_push_compat=True)
+    resp = await r.post("/v1/completions", COMPLETION)
+    assert resp.status_code == 200
+    tid = p.requests[0].headers["x-request-id"]
+    assert d.requests[0].body["kv_transfer_params"]["remote_request_id"] == f"cmpl-{tid}-0"

@@ -47,6 +47,14 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         "then decode with the prefill's kv_transfer_params (vLLM's NixlConnector)",
     )
     p.add_argument(
+        "--vllm-push-compat",
+        dest="vllm_push_compat",
+        action="store_true",
+        default=None,
+        help="push mode: add remote_request_id to D's kv_transfer_params, as vLLM's "
+        "NixlPushConnector needs",
+    )
+    p.add_argument(
         "--max-retries",
         type=int,
         dest="max_retries",

@@ -87,6 +87,9 @@ class RouterSettings(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
     policy: PolicyName = "round_robin"
     mode: RouterMode = "push"
+    # Push mode: also give D ``remote_request_id`` (P's vLLM request id), which vLLM's own
+    # NixlPushConnector requires on D (it fails the engine with a KeyError without it).
+    vllm_push_compat: bool = False
     # Retries of a whole request on another (P, D) pair, only before any byte reached
     # the client; 0 disables them.
     max_retries: int = Field(default=1, ge=0, le=10)

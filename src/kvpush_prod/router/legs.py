@@ -100,6 +100,12 @@ def prefill_kv_params(b: Backend, content: bytes) -> dict[str, Any]:
     return params
 
 
+def vllm_request_id(path: str, transfer_id: str) -> str:
+    """The request id vLLM's OpenAI server gives a request sent with ``X-Request-Id``
+    (without the engine's random suffix, which vLLM's NIXL connectors strip)."""
+    return f"chatcmpl-{transfer_id}" if path == CHAT_PATH else f"cmpl-{transfer_id}-0"
+
+
 def probe_body(model: str) -> dict[str, Any]:
     """The identity probe: one token on P whose response carries P's kv_transfer_params."""
     return {

@@ -45,6 +45,7 @@ from kvpush_prod.router.legs import (
     pull_prefill_body,
     sse_error_event,
     strip_null_kv_params,
+    vllm_request_id,
 )
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
 
@@ -292,7 +293,10 @@ class Dispatcher:
         if req.authorization is not None:
             headers["Authorization"] = req.authorization
         p_content = dumps(prefill_body(req.body, req.path, tid))
-        d_content = dumps(decode_body(req.body, p.identity, tid))
+        d_body = decode_body(req.body, p.identity, tid)
+        if self.settings.vllm_push_compat:
+            d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
+        d_content = dumps(d_body)
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
