@@ -146,11 +146,23 @@ async def run_requests(send: RequestFn, url: str, prompts: list[str], prompt_len
 
 
 def prompts_for(length: int, concurrency: int, n: int, salt: int) -> list[str]:
-    """Distinct prompts (no prefix-cache hits), the same for every side."""
-    from kvpush_prod.tinymodel import prompt_of_length
+    """Distinct random prompts of exactly ``length`` tokens, the same for every side.
 
-    base = 1_000_000 * (salt + 1) + 10_000 * concurrency + length
-    return [prompt_of_length(length, seed=base + i) for i in range(n)]
+    Random words, not ``tinymodel.prompt_of_length``: its prompts for different seeds are
+    shifts of one cycle and the prompt of a length is a prefix of the longer one's, so cells
+    would hit each other's prefix cache.
+    """
+    import random
+
+    from kvpush_prod.tinymodel import _special_tokens
+
+    first = len(_special_tokens())
+    span = 1024 - first
+    out = []
+    for i in range(n):
+        rng = random.Random(f"kvpush-bench/{salt}/{length}/{concurrency}/{i}")
+        out.append(" ".join(f"w{first + rng.randrange(span)}" for _ in range(length)))
+    return out
 
 
 # ---------------------------------------------------------------------------------- per cell

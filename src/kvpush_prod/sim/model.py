@@ -469,7 +469,17 @@ class Sim:
                     keep.append(req)
                     continue
                 if adm.decision is Decision.REFUSE:
+                    # Can never fit the credit budget: D computes the prompt itself.
+                    blocks = d.alloc(n)
+                    if blocks is None:
+                        keep.append(req)
+                        continue
                     self.counters["refused"] = self.counters.get("refused", 0) + 1
+                    req.d_blocks = blocks
+                    req.kv_at_d = loop.now
+                    cost += req.length * m.prefill_s_per_token
+                    d.arrived.append(req)
+                    continue
             blocks = d.alloc(n)
             if blocks is None:
                 if self.mode == "kvpush":
