@@ -27,8 +27,12 @@ from kvpush_prod.bench.stats import Sample
 
 
 def _settings(tmp_path, sides, **kw):
-    return BenchSettings(out=tmp_path, sides=sides, workload=Workload(**kw),
-                         side=SideSettings(workdir=tmp_path / "work"))
+    return BenchSettings(
+        out=tmp_path,
+        sides=sides,
+        workload=Workload(**kw),
+        side=SideSettings(workdir=tmp_path / "work"),
+    )
 
 
 def test_plan_skips_cells_already_in_results_json_unless_forced(tmp_path):
@@ -69,25 +73,43 @@ async def test_closed_loop_never_exceeds_the_concurrency():
 
 
 def _cell(length, conc, ttft, tpot, transfer=None):
-    return {"length": length, "concurrency": conc, "requests": 8, "ok": 8, "errors": 0,
-            "ttft_ms": {"p50": ttft, "p90": ttft * 1.2, "p99": ttft * 1.5},
-            "tpot_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
-            "itl_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
-            "throughput_tok_s": 100.0, "loadavg": [0.5, 0.5, 0.5], "transfer": transfer or {}}
+    return {
+        "length": length,
+        "concurrency": conc,
+        "requests": 8,
+        "ok": 8,
+        "errors": 0,
+        "ttft_ms": {"p50": ttft, "p90": ttft * 1.2, "p99": ttft * 1.5},
+        "tpot_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
+        "itl_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
+        "throughput_tok_s": 100.0,
+        "loadavg": [0.5, 0.5, 0.5],
+        "transfer": transfer or {},
+    }
 
 
 RESULTS = {
-    "meta": {"cpu": "Test CPU", "simd": "AVX2", "dtype": "float32",
-             "workload": {"lengths": [1024], "concurrency": [1, 4], "max_tokens": 64}},
-    "sides": {"vllm-pull": {"label": "pull", "spin": "neutralised", "spin_markers": 2,
-                            "idle_cpu_pct": {"prefill": 1.0, "decode": 2.0}}},
+    "meta": {
+        "cpu": "Test CPU",
+        "simd": "AVX2",
+        "dtype": "float32",
+        "workload": {"lengths": [1024], "concurrency": [1, 4], "max_tokens": 64},
+    },
+    "sides": {
+        "vllm-pull": {
+            "label": "pull",
+            "spin": "neutralised",
+            "spin_markers": 2,
+            "idle_cpu_pct": {"prefill": 1.0, "decode": 2.0},
+        }
+    },
     "cells": {
         "single": {"1024x1": _cell(1024, 1, 20.0, 5.0)},
-        "vllm-pull": {"1024x1": _cell(1024, 1, 50.0, 6.0, {
-            "nixl_xfer_time_seconds_decode": {"p50_s": 0.003}})},
+        "vllm-pull": {
+            "1024x1": _cell(1024, 1, 50.0, 6.0, {"nixl_xfer_time_seconds_decode": {"p50_s": 0.003}})
+        },
         "vllm-push": {"1024x1": _cell(1024, 1, 40.0, 6.0)},
-        "kvpush": {"1024x1": _cell(1024, 1, 25.0, 5.5, {
-            "kv_ready_to_d_knows_ms": {"p50": 0.4}})},
+        "kvpush": {"1024x1": _cell(1024, 1, 25.0, 5.5, {"kv_ready_to_d_knows_ms": {"p50": 0.4}})},
     },
 }
 
@@ -118,8 +140,9 @@ def test_cli_rejects_unknown_sides_and_too_small_max_num_seqs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--sides", "vllm-pul"])
     assert bench_main(["--out", str(tmp_path), "--concurrency", "64"]) == 2
-    assert bench_main(["--out", str(tmp_path), "--plan", "--sides", "kvpush",
-                       "--lengths", "256"]) == 0
+    assert (
+        bench_main(["--out", str(tmp_path), "--plan", "--sides", "kvpush", "--lengths", "256"]) == 0
+    )
     assert "kvpush: 256x1, 256x4, 256x16" in capsys.readouterr().out
 
 
@@ -129,8 +152,7 @@ def test_every_side_states_its_spin():
 
 
 def test_spinfix_sets_the_progress_thread_delay_of_nixl_agents(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("spinfix_test",
-                                                  SPINFIX_DIR / "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("spinfix_test", SPINFIX_DIR / "sitecustomize.py")
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.delenv("KVPUSH_BENCH_PTHR_DELAY_US", raising=False)
     spec.loader.exec_module(mod)  # without the env var it installs no hook

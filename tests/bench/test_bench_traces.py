@@ -14,17 +14,23 @@ def _write(path, events):
 
 
 def test_transfer_phases_line_up_p_and_d_traces(tmp_path):
-    _write(tmp_path / "kvpush-producer-1.jsonl", [
-        {"t": 10.000, "e": "blocks_ready", "tid": "a"},
-        {"t": 10.0002, "e": "post", "tid": "a"},
-        {"t": 10.0005, "e": "transfer_done", "tid": "a"},
-        {"t": 20.0, "e": "blocks_ready", "tid": "late"},
-    ])
-    _write(tmp_path / "kvpush-consumer-2.jsonl", [
-        {"t": 9.9, "e": "recv_spec", "tid": "a"},
-        {"t": 10.0006, "e": "done_in", "tid": "a"},
-        {"t": 10.0007, "e": "report", "tid": "a"},
-    ])
+    _write(
+        tmp_path / "kvpush-producer-1.jsonl",
+        [
+            {"t": 10.000, "e": "blocks_ready", "tid": "a"},
+            {"t": 10.0002, "e": "post", "tid": "a"},
+            {"t": 10.0005, "e": "transfer_done", "tid": "a"},
+            {"t": 20.0, "e": "blocks_ready", "tid": "late"},
+        ],
+    )
+    _write(
+        tmp_path / "kvpush-consumer-2.jsonl",
+        [
+            {"t": 9.9, "e": "recv_spec", "tid": "a"},
+            {"t": 10.0006, "e": "done_in", "tid": "a"},
+            {"t": 10.0007, "e": "report", "tid": "a"},
+        ],
+    )
     events = read_events(tmp_path)
     times = transfer_times(events, since=0.0, until=15.0)
     assert set(times) == {"a"}  # the window keeps the cell's transfers only

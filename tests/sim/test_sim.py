@@ -55,7 +55,7 @@ def test_every_request_finishes_with_all_its_tokens(mode):
     r = simulate(SMALL, mode, w)
     assert r["ok"] == 12 and r["requests"] == 12
     # TTFT includes at least the prefill compute of the shortest prompt and one decode step.
-    floor = (SMALL.prefill_step_s + 1024 * SMALL.prefill_s_per_token + SMALL.decode_step_s)
+    floor = SMALL.prefill_step_s + 1024 * SMALL.prefill_s_per_token + SMALL.decode_step_s
     assert r["ttft_ms"]["p50"] / 1000 > floor
     if mode == "kvpush":
         assert r["counters"]["transfer_done"] == 12 and r["counters"]["chunks"] >= 12
@@ -63,8 +63,11 @@ def test_every_request_finishes_with_all_its_tokens(mode):
 
 def test_a_tight_credit_budget_never_overcommits_and_never_deadlocks():
     m = SMALL.with_(credit_budget_fraction=0.03)  # room for 1 transfer of 8192 tokens
-    sim = Sim(m, "kvpush", Workload(requests=16, lengths=(8192,), output_tokens=4,
-                                    kind="poisson", rate=1000.0))
+    sim = Sim(
+        m,
+        "kvpush",
+        Workload(requests=16, lengths=(8192,), output_tokens=4, kind="poisson", rate=1000.0),
+    )
     ledger = sim.ledgers[0]
     peak = 0
     real = ledger.request
@@ -92,10 +95,14 @@ def test_p5en_reproduces_the_direction_of_the_article():
     """Push TTFT better than pull under load (article: 1.2-3x), about equal when idle."""
     m = P5EN.with_(n_prefill=2)
     lengths = (1024, 2048, 4096)
-    idle = {mode: simulate(m, mode, Workload(requests=40, lengths=lengths, concurrency=1))
-            for mode in ("pull", "kvpush")}
-    busy = {mode: simulate(m, mode, Workload(requests=80, lengths=lengths, concurrency=16))
-            for mode in MODES}
+    idle = {
+        mode: simulate(m, mode, Workload(requests=40, lengths=lengths, concurrency=1))
+        for mode in ("pull", "kvpush")
+    }
+    busy = {
+        mode: simulate(m, mode, Workload(requests=80, lengths=lengths, concurrency=16))
+        for mode in MODES
+    }
     r_idle = idle["pull"]["ttft_ms"]["p50"] / idle["kvpush"]["ttft_ms"]["p50"]
     r_push = busy["pull"]["ttft_ms"]["p50"] / busy["push"]["ttft_ms"]["p50"]
     r_ours = busy["pull"]["ttft_ms"]["p50"] / busy["kvpush"]["ttft_ms"]["p50"]
@@ -106,17 +113,37 @@ def test_p5en_reproduces_the_direction_of_the_article():
 
 def test_calibration_fits_compute_and_transfer_costs_from_a_bench_run():
     def cell(length, conc, ttft, tpot, transfer=None):
-        return {"length": length, "concurrency": conc, "ttft_ms": {"p50": ttft},
-                "tpot_ms": {"p50": tpot}, "transfer": transfer or {}}
+        return {
+            "length": length,
+            "concurrency": conc,
+            "ttft_ms": {"p50": ttft},
+            "tpot_ms": {"p50": tpot},
+            "transfer": transfer or {},
+        }
 
-    results = {"cells": {
-        "single": {"256x1": cell(256, 1, 40.0, 4.0), "1024x1": cell(1024, 1, 120.0, 4.0),
-                   "1024x4": cell(1024, 4, 300.0, 7.0)},
-        "vllm-pull": {"1024x1": cell(1024, 1, 150.0, 6.0, {
-            "nixl_xfer_time_seconds_decode": {"p50_s": 0.004}})},
-        "kvpush": {"1024x1": cell(1024, 1, 130.0, 4.5, {
-            "ready_to_post_ms": {"p50": 0.3}, "post_to_done_ms": {"p50": 0.2}})},
-    }}
+    results = {
+        "cells": {
+            "single": {
+                "256x1": cell(256, 1, 40.0, 4.0),
+                "1024x1": cell(1024, 1, 120.0, 4.0),
+                "1024x4": cell(1024, 4, 300.0, 7.0),
+            },
+            "vllm-pull": {
+                "1024x1": cell(
+                    1024, 1, 150.0, 6.0, {"nixl_xfer_time_seconds_decode": {"p50_s": 0.004}}
+                )
+            },
+            "kvpush": {
+                "1024x1": cell(
+                    1024,
+                    1,
+                    130.0,
+                    4.5,
+                    {"ready_to_post_ms": {"p50": 0.3}, "post_to_done_ms": {"p50": 0.2}},
+                )
+            },
+        }
+    }
     m, fitted = calibrate(results, CPU_LOOPBACK)
     assert m.prefill_s_per_token == pytest.approx(80 / 768 / 1000)
     assert m.decode_step_s == pytest.approx(0.004)
@@ -127,7 +154,11 @@ def test_calibration_fits_compute_and_transfer_costs_from_a_bench_run():
 
 
 def test_cli_prints_a_comparison_table(capsys):
-    assert sim_main(["--requests", "8", "--concurrency", "2", "--lengths", "1024",
-                     "--output-tokens", "8"]) == 0
+    assert (
+        sim_main(
+            ["--requests", "8", "--concurrency", "2", "--lengths", "1024", "--output-tokens", "8"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| closed c=2 | kvpush |" in out and "p5en" in out

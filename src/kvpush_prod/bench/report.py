@@ -31,8 +31,9 @@ def _get(cell: dict[str, Any] | None, metric: str, q: str = "p50") -> float | No
 
 
 def _keys(data: dict[str, Any]) -> list[tuple[int, int]]:
-    keys = {(c["length"], c["concurrency"]) for cells in data["cells"].values()
-            for c in cells.values()}
+    keys = {
+        (c["length"], c["concurrency"]) for cells in data["cells"].values() for c in cells.values()
+    }
     return sorted(keys)
 
 
@@ -65,11 +66,13 @@ def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
         for base in BASELINES:
             other = cells.get(base, {}).get(key)
             row[f"ttft_p50_vs_{base}"] = ratio(_get(ours, "ttft_ms"), _get(other, "ttft_ms"))
-            row[f"ttft_p99_vs_{base}"] = ratio(_get(ours, "ttft_ms", "p99"),
-                                               _get(other, "ttft_ms", "p99"))
+            row[f"ttft_p99_vs_{base}"] = ratio(
+                _get(ours, "ttft_ms", "p99"), _get(other, "ttft_ms", "p99")
+            )
             row[f"tpot_p50_vs_{base}"] = ratio(_get(ours, "tpot_ms"), _get(other, "tpot_ms"))
-            row[f"throughput_vs_{base}"] = ratio(_get(ours, "throughput_tok_s"),
-                                                 _get(other, "throughput_tok_s"))
+            row[f"throughput_vs_{base}"] = ratio(
+                _get(ours, "throughput_tok_s"), _get(other, "throughput_tok_s")
+            )
         rows.append(row)
     return rows
 
@@ -89,22 +92,36 @@ def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
 
     for conc in (1, 4):
         o = c(OURS, conc)
-        check(f"TTFT p50 vs vLLM pull, {length} tok, c={conc}",
-              ratio(_get(o, "ttft_ms"), _get(c("vllm-pull", conc), "ttft_ms")), 0.6)
-        check(f"TTFT p50 vs vLLM push, {length} tok, c={conc}",
-              ratio(_get(o, "ttft_ms"), _get(c("vllm-push", conc), "ttft_ms")), 0.85)
-    check(f"TTFT p50 vs single engine, {length} tok, c=1",
-          ratio(_get(c(OURS, 1), "ttft_ms"), _get(c("single", 1), "ttft_ms")), 1.5)
+        check(
+            f"TTFT p50 vs vLLM pull, {length} tok, c={conc}",
+            ratio(_get(o, "ttft_ms"), _get(c("vllm-pull", conc), "ttft_ms")),
+            0.6,
+        )
+        check(
+            f"TTFT p50 vs vLLM push, {length} tok, c={conc}",
+            ratio(_get(o, "ttft_ms"), _get(c("vllm-push", conc), "ttft_ms")),
+            0.85,
+        )
+    check(
+        f"TTFT p50 vs single engine, {length} tok, c=1",
+        ratio(_get(c(OURS, 1), "ttft_ms"), _get(c("single", 1), "ttft_ms")),
+        1.5,
+    )
     for conc in (1, 4, 16):
         o = c(OURS, conc)
         for base in ("vllm-pull", "vllm-push"):
-            check(f"TTFT p99 vs {base}, {length} tok, c={conc} (< 1)",
-                  ratio(_get(o, "ttft_ms", "p99"), _get(c(base, conc), "ttft_ms", "p99")), 1.0)
-        check(f"TPOT p50 vs vLLM push, {length} tok, c={conc}",
-              ratio(_get(o, "tpot_ms"), _get(c("vllm-push", conc), "tpot_ms")), 1.0)
+            check(
+                f"TTFT p99 vs {base}, {length} tok, c={conc} (< 1)",
+                ratio(_get(o, "ttft_ms", "p99"), _get(c(base, conc), "ttft_ms", "p99")),
+                1.0,
+            )
+        check(
+            f"TPOT p50 vs vLLM push, {length} tok, c={conc}",
+            ratio(_get(o, "tpot_ms"), _get(c("vllm-push", conc), "tpot_ms")),
+            1.0,
+        )
     t = ((c(OURS, 1) or {}).get("transfer") or {}).get("kv_ready_to_d_knows_ms") or {}
-    check(f"KV transfer p50 (prefill done -> D knows), {length} tok, c=1, ms",
-          t.get("p50"), 0.5)
+    check(f"KV transfer p50 (prefill done -> D knows), {length} tok, c=1, ms", t.get("p50"), 0.5)
     return out
 
 
@@ -135,18 +152,25 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         info = data.get("sides", {}).get(name, {})
         side = SIDES.get(name)
         idle = info.get("idle_cpu_pct", {})
-        idle_s = " / ".join(_f(idle.get(k), 0) for k in ("prefill", "decode") if k in idle) or \
-            _f(idle.get("single"), 0)
+        idle_s = " / ".join(_f(idle.get(k), 0) for k in ("prefill", "decode") if k in idle) or _f(
+            idle.get("single"), 0
+        )
         spin = info.get("spin", side.spin if side else "?")
         if name == OURS:
             spin += " (transport.progress_delay_us)"
-        lines.append(f"| {name} | {info.get('label', side.label if side else name)}"
-                     f"{' — FAILED: ' + info['error'][:120] if info.get('error') else ''} | {spin} | "
-                     f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
-                     f"{idle_s} | {_f(info.get('start_s'), 0)} |")
-    lines += ["", "## Latency and throughput (ms; tok/s)", "",
-              "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | errors | load |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {info.get('label', side.label if side else name)}"
+            f"{' — FAILED: ' + info['error'][:120] if info.get('error') else ''} | {spin} | "
+            f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
+            f"{idle_s} | {_f(info.get('start_s'), 0)} |"
+        )
+    lines += [
+        "",
+        "## Latency and throughput (ms; tok/s)",
+        "",
+        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | errors | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for length, conc in _keys(data):
         for name in _sides(data):
             cell = data["cells"].get(name, {}).get(f"{length}x{conc}")
@@ -154,27 +178,46 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
                 continue
             tms, _what = transfer_ms(cell)
             lines.append(
-                f"| {length} | {conc} | {name} | " + " | ".join(
-                    _f(_get(cell, m, q)) for m in ("ttft_ms", "tpot_ms", "itl_ms")
-                    for q in ("p50", "p90", "p99"))
+                f"| {length} | {conc} | {name} | "
+                + " | ".join(
+                    _f(_get(cell, m, q))
+                    for m in ("ttft_ms", "tpot_ms", "itl_ms")
+                    for q in ("p50", "p90", "p99")
+                )
                 + f" | {_f(cell.get('throughput_tok_s'), 0)} | {_f(tms, 2)} | "
-                f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |")
-    lines += ["", "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
-              "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "
-              "`vllm:nixl_xfer_time_seconds` (NIXL post -> completion only, histogram p50; "
-              "vLLM has no hook for the end-to-end span).", ""]
+                f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |"
+            )
+    lines += [
+        "",
+        "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
+        "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "
+        "`vllm:nixl_xfer_time_seconds` (NIXL post -> completion only, histogram p50; "
+        "vLLM has no hook for the end-to-end span).",
+        "",
+    ]
     rs = ratios(data)
-    lines += ["## kvpush against each baseline (ratio; < 1 means kvpush is faster)", "",
-              "| prompt | conc | " + " | ".join(f"TTFT p50 / {b}" for b in BASELINES)
-              + " | TTFT p99 / vllm-pull | TTFT p99 / vllm-push | TPOT p50 / vllm-push | tok/s / vllm-push |",
-              "|---|---|" + "---|" * (len(BASELINES) + 4)]
+    lines += [
+        "## kvpush against each baseline (ratio; < 1 means kvpush is faster)",
+        "",
+        "| prompt | conc | "
+        + " | ".join(f"TTFT p50 / {b}" for b in BASELINES)
+        + " | TTFT p99 / vllm-pull | TTFT p99 / vllm-push | TPOT p50 / vllm-push | tok/s / vllm-push |",
+        "|---|---|" + "---|" * (len(BASELINES) + 4),
+    ]
     for r in rs:
-        lines.append(f"| {r['length']} | {r['concurrency']} | "
-                     + " | ".join(_x(r[f"ttft_p50_vs_{b}"]) for b in BASELINES)
-                     + f" | {_x(r['ttft_p99_vs_vllm-pull'])} | {_x(r['ttft_p99_vs_vllm-push'])}"
-                     f" | {_x(r['tpot_p50_vs_vllm-push'])} | {_x(r['throughput_vs_vllm-push'])} |")
-    lines += ["", "## Targets (1024-token prompts; baselines with the spin neutralised)", "",
-              "| target | value | limit | met |", "|---|---|---|---|"]
+        lines.append(
+            f"| {r['length']} | {r['concurrency']} | "
+            + " | ".join(_x(r[f"ttft_p50_vs_{b}"]) for b in BASELINES)
+            + f" | {_x(r['ttft_p99_vs_vllm-pull'])} | {_x(r['ttft_p99_vs_vllm-push'])}"
+            f" | {_x(r['tpot_p50_vs_vllm-push'])} | {_x(r['throughput_vs_vllm-push'])} |"
+        )
+    lines += [
+        "",
+        "## Targets (1024-token prompts; baselines with the spin neutralised)",
+        "",
+        "| target | value | limit | met |",
+        "|---|---|---|---|",
+    ]
     for t in targets(data):
         met = "n/a" if t["ok"] is None else ("yes" if t["ok"] else "**no**")
         lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {t['limit']} | {met} |")
@@ -195,11 +238,14 @@ def plots(data: dict[str, Any], folder: Path) -> list[Path]:
     keys = _keys(data)
     lengths = sorted({n for n, _ in keys})
     written = []
-    panels = [("ttft_ms", "p50", "TTFT p50 (ms)"), ("ttft_ms", "p99", "TTFT p99 (ms)"),
-              ("tpot_ms", "p50", "TPOT p50 (ms)"), ("throughput_tok_s", None, "output tok/s")]
+    panels = [
+        ("ttft_ms", "p50", "TTFT p50 (ms)"),
+        ("ttft_ms", "p99", "TTFT p99 (ms)"),
+        ("tpot_ms", "p50", "TPOT p50 (ms)"),
+        ("throughput_tok_s", None, "output tok/s"),
+    ]
     for metric, q, label in panels:
-        fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.6),
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.6), squeeze=False)
         for ax, length in zip(axes[0], lengths, strict=True):
             for name in _sides(data):
                 pts = []
@@ -211,8 +257,13 @@ def plots(data: dict[str, Any], folder: Path) -> list[Path]:
                             pts.append((conc, v))
                 if pts:
                     style = "-o" if name == OURS else ("--s" if "shipped" in name else "-^")
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name,
-                            linewidth=2.2 if name == OURS else 1.2)
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        label=name,
+                        linewidth=2.2 if name == OURS else 1.2,
+                    )
             ax.set_xscale("log", base=2)
             ax.set_title(f"{length}-token prompts")
             ax.set_xlabel("concurrency")

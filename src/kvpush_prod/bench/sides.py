@@ -36,16 +36,32 @@ class Side:
         return self.kind != "single"
 
 
-SIDES: dict[str, Side] = {s.name: s for s in (
-    Side("single", "single", "n/a", "single engine"),
-    Side("vllm-pull", "vllm-pull", "neutralised", "vLLM NixlConnector (pull)"),
-    Side("vllm-push", "vllm-push", "neutralised", "vLLM NixlPushConnector (push)"),
-    Side("vllm-pull-shipped", "vllm-pull", "as shipped", "vLLM NixlConnector (pull), as shipped"),
-    Side("vllm-push-shipped", "vllm-push", "as shipped", "vLLM NixlPushConnector (push), as shipped"),
-    Side("kvpush", "kvpush", "neutralised", "kvpush (ours)"),
-)}
-DEFAULT_SIDES = ["single", "vllm-pull", "vllm-push", "vllm-pull-shipped", "vllm-push-shipped",
-                 "kvpush"]
+SIDES: dict[str, Side] = {
+    s.name: s
+    for s in (
+        Side("single", "single", "n/a", "single engine"),
+        Side("vllm-pull", "vllm-pull", "neutralised", "vLLM NixlConnector (pull)"),
+        Side("vllm-push", "vllm-push", "neutralised", "vLLM NixlPushConnector (push)"),
+        Side(
+            "vllm-pull-shipped", "vllm-pull", "as shipped", "vLLM NixlConnector (pull), as shipped"
+        ),
+        Side(
+            "vllm-push-shipped",
+            "vllm-push",
+            "as shipped",
+            "vLLM NixlPushConnector (push), as shipped",
+        ),
+        Side("kvpush", "kvpush", "neutralised", "kvpush (ours)"),
+    )
+}
+DEFAULT_SIDES = [
+    "single",
+    "vllm-pull",
+    "vllm-push",
+    "vllm-pull-shipped",
+    "vllm-push-shipped",
+    "kvpush",
+]
 
 
 @dataclass
@@ -97,13 +113,18 @@ class RunningSide:
 
     def _common(self) -> dict[str, Any]:
         s = self.settings
-        return {"model": self._model(), "block_size": s.block_size,
-                "max_num_seqs": s.max_num_seqs, "kv_cache_gib": s.kv_cache_gib,
-                "extra_args": list(s.engine_args)}
+        return {
+            "model": self._model(),
+            "block_size": s.block_size,
+            "max_num_seqs": s.max_num_seqs,
+            "kv_cache_gib": s.kv_cache_gib,
+            "extra_args": list(s.engine_args),
+        }
 
     def _start_single(self, timeout: float) -> None:
-        spec = EngineSpec("single", port=free_port(), cpu_bind=self.settings.single_cores,
-                          **self._common())
+        spec = EngineSpec(
+            "single", port=free_port(), cpu_bind=self.settings.single_cores, **self._common()
+        )
         self.procs["single"] = start_engine(spec, self.log_dir)
         self.engine_urls["single"] = f"http://127.0.0.1:{spec.port}"
         wait_healthy(self.engine_urls["single"], self.procs["single"], timeout)
@@ -112,16 +133,29 @@ class RunningSide:
     def _start_vllm(self, timeout: float) -> None:
         connector = "NixlConnector" if self.side.kind == "vllm-pull" else "NixlPushConnector"
         for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
-            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
             if self.side.spin == "neutralised":
                 env[SPINFIX_ENV] = str(self.settings.pthr_delay_us)
                 env["PYTHONPATH"] = os.pathsep.join(
-                    p for p in (str(SPINFIX_DIR), os.environ.get("PYTHONPATH", "")) if p)
-            kv = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu",
-                  "kv_connector_extra_config": {}}
-            spec = EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=core,
-                              env=env, **self._common())
+                    p for p in (str(SPINFIX_DIR), os.environ.get("PYTHONPATH", "")) if p
+                )
+            kv = {
+                "kv_connector": connector,
+                "kv_role": role,
+                "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {},
+            }
+            spec = EngineSpec(
+                name,
+                port=free_port(),
+                kv_transfer_config=kv,
+                cpu_bind=core,
+                env=env,
+                **self._common(),
+            )
             self.procs[name] = start_engine(spec, self.log_dir)
             self.engine_urls[name] = f"http://127.0.0.1:{spec.port}"
         for name in ("prefill", "decode"):
@@ -134,11 +168,19 @@ class RunningSide:
 
         s = self.settings
         trace = {"KVPUSH_TRACE_DIR": str(self.trace_dir)}
-        spec = ClusterSpec(workdir=self.dir, block_size=s.block_size, reference=False,
-                           router=False, prefill_kv_gib=s.kv_cache_gib,
-                           decode_kv_gib=s.kv_cache_gib, max_num_seqs=s.max_num_seqs,
-                           extra=dict(s.kvpush_extra), prefill_env=dict(trace),
-                           decode_env=dict(trace), engine_args=list(s.engine_args))
+        spec = ClusterSpec(
+            workdir=self.dir,
+            block_size=s.block_size,
+            reference=False,
+            router=False,
+            prefill_kv_gib=s.kv_cache_gib,
+            decode_kv_gib=s.kv_cache_gib,
+            max_num_seqs=s.max_num_seqs,
+            extra=dict(s.kvpush_extra),
+            prefill_env=dict(trace),
+            decode_env=dict(trace),
+            engine_args=list(s.engine_args),
+        )
         cluster = Cluster(spec)
         cluster.model = self._model()
         cluster.log_dir = self.log_dir
@@ -150,11 +192,24 @@ class RunningSide:
 
     def _start_router(self, mode: str) -> None:
         port = free_port()
-        cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
-               "--port", str(port), "--prefill", self.engine_urls["prefill"],
-               "--decode", self.engine_urls["decode"], "--mode", mode,
-               *(["--vllm-push-compat"] if self.side.kind == "vllm-push" else []),
-               "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpush_prod.router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prefill",
+            self.engine_urls["prefill"],
+            "--decode",
+            self.engine_urls["decode"],
+            "--mode",
+            mode,
+            *(["--vllm-push-compat"] if self.side.kind == "vllm-push" else []),
+            "--log-level",
+            "warning",
+        ]
         self.procs["router"] = Proc("router", cmd, dict(os.environ), self.log_dir / "router.log")
         self.entry = f"http://127.0.0.1:{port}"
         wait_healthy(self.entry, self.procs["router"], 180)

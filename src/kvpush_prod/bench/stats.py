@@ -78,6 +78,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def histogram_delta(before: Samples, after: Samples, name: str) -> dict[str, Any] | None:
     """The observations of histogram ``name`` between two scrapes (all label sets summed):
     count, sum, mean and a bucket-interpolated p50/p90 (seconds); None if nothing new."""
+
     def collect(s: Samples) -> tuple[float, float, dict[float, float]]:
         count = total = 0.0
         buckets: dict[float, float] = {}

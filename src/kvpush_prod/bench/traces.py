@@ -29,8 +29,9 @@ def read_events(folder: Path) -> list[dict[str, Any]]:
     return events
 
 
-def transfer_times(events: list[dict[str, Any]], since: float = 0.0,
-                   until: float = float("inf")) -> dict[str, dict[str, float]]:
+def transfer_times(
+    events: list[dict[str, Any]], since: float = 0.0, until: float = float("inf")
+) -> dict[str, dict[str, float]]:
     """Per transfer id whose P ``blocks_ready`` lies in [since, until): the phases in seconds.
 
     Keys: ``kv_ready_to_d_knows`` (blocks_ready -> D report), ``ready_to_post``,

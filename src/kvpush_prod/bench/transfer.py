@@ -27,9 +27,11 @@ DEFAULT_SIZES = [4 * KIB * 2**i for i in range(15)]  # 4 KiB .. 64 MiB
 def _layout(base: int, block: int, nblocks: int, compat: str) -> Any:
     from kvpush_prod.core.messages import Layout, Region
 
-    return Layout(compat=compat, mem_type="DRAM",
-                  regions=[Region(base=base, block_stride=block, block_len=block,
-                                  num_blocks=nblocks)])
+    return Layout(
+        compat=compat,
+        mem_type="DRAM",
+        regions=[Region(base=base, block_stride=block, block_len=block, num_blocks=nblocks)],
+    )
 
 
 def _bind(core: int) -> None:
@@ -61,7 +63,7 @@ def _target(conn: Any, capacity: int, delay_us: int, core: int) -> None:
             conn.send((transport.metadata(), base))
         elif cmd[0] == "check":
             _, offset, nbytes, value = cmd
-            conn.send(bool((buf[offset:offset + nbytes] == value).all()))
+            conn.send(bool((buf[offset : offset + nbytes] == value).all()))
         else:
             if transport is not None:
                 transport.close()
@@ -69,8 +71,9 @@ def _target(conn: Any, capacity: int, delay_us: int, core: int) -> None:
             return
 
 
-def _time_writes(transport: Any, peer: Any, nblocks: int, min_time_s: float,
-                 max_iters: int) -> list[float]:
+def _time_writes(
+    transport: Any, peer: Any, nblocks: int, min_time_s: float, max_iters: int
+) -> list[float]:
     blocks = list(range(nblocks))
     times: list[float] = []
     t_end = time.perf_counter() + min_time_s
@@ -101,8 +104,13 @@ def _memcpy_times(src: Any, dst: Any, size: int, min_time_s: float, max_iters: i
     return times
 
 
-def measure(sizes: list[int], block_bytes: int = 0, delay_us: int = 10000,
-            min_time_s: float = 0.3, max_iters: int = 2000) -> dict[str, Any]:
+def measure(
+    sizes: list[int],
+    block_bytes: int = 0,
+    delay_us: int = 10000,
+    min_time_s: float = 0.3,
+    max_iters: int = 2000,
+) -> dict[str, Any]:
     """Push latency/bandwidth per size and memcpy of the same sizes; ``block_bytes`` > 0
     splits each chunk into KV-block-sized descriptors (as a real transfer is posted)."""
     import numpy as np
@@ -137,14 +145,20 @@ def measure(sizes: list[int], block_bytes: int = 0, delay_us: int = 10000,
             landed = parent.recv()
             copy = _memcpy_times(src, dst, size, min_time_s, max_iters)
             w50, c50 = statistics.median(write), statistics.median(copy)
-            rows.append({
-                "bytes": size, "descriptors": nblocks, "iterations": len(write),
-                "push_latency_us_p50": w50 * 1e6,
-                "push_latency_us_p90": sorted(write)[int(0.9 * (len(write) - 1))] * 1e6,
-                "push_gb_s": size / w50 / 1e9,
-                "memcpy_latency_us_p50": c50 * 1e6, "memcpy_gb_s": size / c50 / 1e9,
-                "ratio_of_memcpy": c50 / w50, "data_landed": landed,
-            })
+            rows.append(
+                {
+                    "bytes": size,
+                    "descriptors": nblocks,
+                    "iterations": len(write),
+                    "push_latency_us_p50": w50 * 1e6,
+                    "push_latency_us_p90": sorted(write)[int(0.9 * (len(write) - 1))] * 1e6,
+                    "push_gb_s": size / w50 / 1e9,
+                    "memcpy_latency_us_p50": c50 * 1e6,
+                    "memcpy_gb_s": size / c50 / 1e9,
+                    "ratio_of_memcpy": c50 / w50,
+                    "data_landed": landed,
+                }
+            )
     finally:
         parent.send(("exit",))
         with contextlib.suppress(EOFError):
@@ -162,20 +176,32 @@ def _human(n: int) -> str:
 def markdown(results: list[dict[str, Any]], cpu: str) -> str:
     lines = [f"# NIXL loopback push vs memcpy ({cpu})", ""]
     for res in results:
-        shape = (f"chunks of {_human(res['block_bytes'])} blocks" if res["block_bytes"]
-                 else "one descriptor per chunk")
-        lines += [f"## {shape}, progress thread delay {res['progress_delay_us']} us", "",
-                  "| chunk | descriptors | push p50 us | push GB/s | memcpy GB/s | push / memcpy | landed |",
-                  "|---|---|---|---|---|---|---|"]
+        shape = (
+            f"chunks of {_human(res['block_bytes'])} blocks"
+            if res["block_bytes"]
+            else "one descriptor per chunk"
+        )
+        lines += [
+            f"## {shape}, progress thread delay {res['progress_delay_us']} us",
+            "",
+            "| chunk | descriptors | push p50 us | push GB/s | memcpy GB/s | push / memcpy | landed |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in res["rows"]:
-            lines.append(f"| {_human(r['bytes'])} | {r['descriptors']} | "
-                         f"{r['push_latency_us_p50']:.1f} | {r['push_gb_s']:.2f} | "
-                         f"{r['memcpy_gb_s']:.2f} | {r['ratio_of_memcpy']:.0%} | "
-                         f"{'yes' if r['data_landed'] else 'NO'} |")
+            lines.append(
+                f"| {_human(r['bytes'])} | {r['descriptors']} | "
+                f"{r['push_latency_us_p50']:.1f} | {r['push_gb_s']:.2f} | "
+                f"{r['memcpy_gb_s']:.2f} | {r['ratio_of_memcpy']:.0%} | "
+                f"{'yes' if r['data_landed'] else 'NO'} |"
+            )
         big = [r["ratio_of_memcpy"] for r in res["rows"] if r["bytes"] >= 4 * MIB]
         if big:
-            lines += ["", f"Chunks >= 4 MiB: push reaches {min(big):.0%} - {max(big):.0%} of "
-                      f"memcpy (target >= 70%).", ""]
+            lines += [
+                "",
+                f"Chunks >= 4 MiB: push reaches {min(big):.0%} - {max(big):.0%} of "
+                f"memcpy (target >= 70%).",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -213,22 +239,32 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvpush bench transfer", description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
-    ap.add_argument("--sizes", default="",
-                    help="comma list of chunk sizes in bytes (default 4 KiB .. 64 MiB, x2)")
-    ap.add_argument("--block-bytes", default="0,32768",
-                    help="descriptor sizes to try: 0 = one descriptor per chunk (default 0,32768)")
+    ap.add_argument(
+        "--sizes",
+        default="",
+        help="comma list of chunk sizes in bytes (default 4 KiB .. 64 MiB, x2)",
+    )
+    ap.add_argument(
+        "--block-bytes",
+        default="0,32768",
+        help="descriptor sizes to try: 0 = one descriptor per chunk (default 0,32768)",
+    )
     ap.add_argument("--progress-delay-us", type=int, default=10000)
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per size and shape")
     args = ap.parse_args(argv)
     from kvpush_prod.bench.runner import machine_facts
 
     sizes = [int(x) for x in args.sizes.split(",") if x] or DEFAULT_SIZES
-    results = [measure(sizes, int(b), args.progress_delay_us, args.min_time)
-               for b in args.block_bytes.split(",") if b != ""]
+    results = [
+        measure(sizes, int(b), args.progress_delay_us, args.min_time)
+        for b in args.block_bytes.split(",")
+        if b != ""
+    ]
     facts = machine_facts()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "transfer.json").write_text(json.dumps({"meta": facts, "results": results},
-                                                       indent=1))
+    (args.out / "transfer.json").write_text(
+        json.dumps({"meta": facts, "results": results}, indent=1)
+    )
     md = markdown(results, f"{facts['cpu']}, {facts['simd']}, load {facts['loadavg_at_start']}")
     (args.out / "transfer.md").write_text(md)
     plot(results, args.out / "transfer.png")

@@ -14,22 +14,53 @@ from kvpush_prod.sim.model import MODES, ClusterModel, Workload, simulate
 from kvpush_prod.sim.presets import PRESETS, SIDE_OF_MODE, calibrate, load_results
 
 
-def scenarios(m: ClusterModel, requests: int, lengths: tuple[int, ...], output: int,
-              concurrency: list[int]) -> list[tuple[str, Workload]]:
+def scenarios(
+    m: ClusterModel, requests: int, lengths: tuple[int, ...], output: int, concurrency: list[int]
+) -> list[tuple[str, Workload]]:
     """Closed-loop concurrency sweep, steady Poisson load at ~70% of prefill capacity, and
     the same load with bursts."""
     mean_len = sum(lengths) / len(lengths)
     p_rate = m.n_prefill / (m.prefill_step_s + mean_len * m.prefill_s_per_token)
-    out = [(f"closed c={c}", Workload(requests=max(requests, 4 * c), lengths=lengths,
-                                      output_tokens=output, kind="closed", concurrency=c))
-           for c in concurrency]
-    out.append((f"steady {0.7 * p_rate:.1f} req/s",
-                Workload(requests=requests * 2, lengths=lengths, output_tokens=output,
-                         kind="poisson", rate=0.7 * p_rate)))
+    out = [
+        (
+            f"closed c={c}",
+            Workload(
+                requests=max(requests, 4 * c),
+                lengths=lengths,
+                output_tokens=output,
+                kind="closed",
+                concurrency=c,
+            ),
+        )
+        for c in concurrency
+    ]
+    out.append(
+        (
+            f"steady {0.7 * p_rate:.1f} req/s",
+            Workload(
+                requests=requests * 2,
+                lengths=lengths,
+                output_tokens=output,
+                kind="poisson",
+                rate=0.7 * p_rate,
+            ),
+        )
+    )
     burst = max(8, 4 * m.n_prefill)
-    out.append((f"bursts of {burst} every 2 s + {0.4 * p_rate:.1f} req/s",
-                Workload(requests=requests * 2, lengths=lengths, output_tokens=output,
-                         kind="poisson", rate=0.4 * p_rate, burst=burst, burst_every_s=2.0)))
+    out.append(
+        (
+            f"bursts of {burst} every 2 s + {0.4 * p_rate:.1f} req/s",
+            Workload(
+                requests=requests * 2,
+                lengths=lengths,
+                output_tokens=output,
+                kind="poisson",
+                rate=0.4 * p_rate,
+                burst=burst,
+                burst_every_s=2.0,
+            ),
+        )
+    )
     return out
 
 
@@ -37,56 +68,83 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def compare(m: ClusterModel, work: list[tuple[str, Workload]], modes: list[str]
-            ) -> tuple[str, list[dict[str, Any]]]:
+def compare(
+    m: ClusterModel, work: list[tuple[str, Workload]], modes: list[str]
+) -> tuple[str, list[dict[str, Any]]]:
     rows = []
-    lines = ["| scenario | mode | TTFT p50 | TTFT p99 | TPOT p50 | KV transfer p50 | P queue p50 "
-             "| pull/mode TTFT p50 | pull/mode TTFT p99 | pull/mode TPOT p50 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | mode | TTFT p50 | TTFT p99 | TPOT p50 | KV transfer p50 | P queue p50 "
+        "| pull/mode TTFT p50 | pull/mode TTFT p99 | pull/mode TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, w in work:
         res = {mode: simulate(m, mode, w) for mode in modes}
         pull = res.get("pull")
         for mode, r in res.items():
-            def rat(metric: str, q: str, r: dict[str, Any] = r,
-                    pull: dict[str, Any] | None = pull) -> str:
+
+            def rat(
+                metric: str, q: str, r: dict[str, Any] = r, pull: dict[str, Any] | None = pull
+            ) -> str:
                 if pull is None:
                     return "-"
                 a, b = pull[metric][q], r[metric][q]
                 return "-" if not a or not b else f"{a / b:.2f}x"
 
-            lines.append(f"| {name} | {mode} | {_ms(r['ttft_ms']['p50'])} | "
-                         f"{_ms(r['ttft_ms']['p99'])} | {_ms(r['tpot_ms']['p50'])} | "
-                         f"{_ms(r['kv_transfer_ms']['p50'])} | {_ms(r['queue_p_ms']['p50'])} | "
-                         f"{rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | "
-                         f"{rat('tpot_ms', 'p50')} |")
+            lines.append(
+                f"| {name} | {mode} | {_ms(r['ttft_ms']['p50'])} | "
+                f"{_ms(r['ttft_ms']['p99'])} | {_ms(r['tpot_ms']['p50'])} | "
+                f"{_ms(r['kv_transfer_ms']['p50'])} | {_ms(r['queue_p_ms']['p50'])} | "
+                f"{rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | "
+                f"{rat('tpot_ms', 'p50')} |"
+            )
             rows.append({"scenario": name, "mode": mode, **r})
     return "\n".join(lines), rows
 
 
-def predict(results: dict[str, Any], m: ClusterModel, modes: list[str]
-            ) -> tuple[str, list[dict[str, Any]]]:
+def predict(
+    results: dict[str, Any], m: ClusterModel, modes: list[str]
+) -> tuple[str, list[dict[str, Any]]]:
     """The simulator's TTFT/TPOT p50 for every measured cell, beside the measurement."""
     w0 = results.get("meta", {}).get("workload", {})
-    lines = ["| prompt | conc | side | TTFT p50 measured | simulated | sim/meas | "
-             "TPOT p50 measured | simulated | sim/meas |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| prompt | conc | side | TTFT p50 measured | simulated | sim/meas | "
+        "TPOT p50 measured | simulated | sim/meas |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = []
     for mode in modes:
         side = SIDE_OF_MODE[mode]
-        for key, cell in sorted(results.get("cells", {}).get(side, {}).items(),
-                                key=lambda kv: (kv[1]["length"], kv[1]["concurrency"])):
+        for key, cell in sorted(
+            results.get("cells", {}).get(side, {}).items(),
+            key=lambda kv: (kv[1]["length"], kv[1]["concurrency"]),
+        ):
             if not cell.get("ok"):
                 continue
-            w = Workload(requests=cell["requests"], lengths=(cell["length"],),
-                         output_tokens=w0.get("max_tokens", 64), kind="closed",
-                         concurrency=cell["concurrency"])
+            w = Workload(
+                requests=cell["requests"],
+                lengths=(cell["length"],),
+                output_tokens=w0.get("max_tokens", 64),
+                kind="closed",
+                concurrency=cell["concurrency"],
+            )
             r = simulate(m, mode, w)
             mt, st = cell["ttft_ms"]["p50"], r["ttft_ms"]["p50"]
             mp, sp = cell["tpot_ms"]["p50"], r["tpot_ms"]["p50"]
-            lines.append(f"| {cell['length']} | {cell['concurrency']} | {side} | {_ms(mt)} | "
-                         f"{_ms(st)} | {st / mt:.2f} | {_ms(mp)} | {_ms(sp)} | "
-                         f"{(sp / mp) if mp and sp else float('nan'):.2f} |")
-            rows.append({"side": side, "key": key, "measured_ttft_p50": mt, "sim_ttft_p50": st,
-                         "measured_tpot_p50": mp, "sim_tpot_p50": sp})
+            lines.append(
+                f"| {cell['length']} | {cell['concurrency']} | {side} | {_ms(mt)} | "
+                f"{_ms(st)} | {st / mt:.2f} | {_ms(mp)} | {_ms(sp)} | "
+                f"{(sp / mp) if mp and sp else float('nan'):.2f} |"
+            )
+            rows.append(
+                {
+                    "side": side,
+                    "key": key,
+                    "measured_ttft_p50": mt,
+                    "sim_ttft_p50": st,
+                    "measured_tpot_p50": mp,
+                    "sim_tpot_p50": sp,
+                }
+            )
     return "\n".join(lines), rows
 
 
@@ -106,9 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--calibrate", type=Path, metavar="RESULTS_JSON",
-                   help="fit the cpu-loopback preset to a kvpush bench run and print the "
-                   "simulator's prediction beside each measured cell")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="fit the cpu-loopback preset to a kvpush bench run and print the "
+        "simulator's prediction beside each measured cell",
+    )
     p.add_argument("--json", type=Path, help="also write the numbers here")
     return p
 
@@ -125,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         print("Fitted: " + "; ".join(f"{k}: {v}" for k, v in fitted.items()) + "\n")
         print(table)
         if a.json:
-            a.json.write_text(json.dumps({"model": asdict(m), "fitted": fitted, "rows": rows},
-                                         indent=1))
+            a.json.write_text(
+                json.dumps({"model": asdict(m), "fitted": fitted, "rows": rows}, indent=1)
+            )
         return 0
     m = _overrides(PRESETS[a.preset], a)
     lengths = tuple(int(x) for x in a.lengths.split(","))
@@ -134,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     work = scenarios(m, a.requests, lengths, a.output_tokens, conc)
     table, rows = compare(m, work, modes)
     print(f"# kvpush sim: {m.name} — {m.notes}\n")
-    print(f"{m.n_prefill} prefill x {m.n_decode} decode, NIC {m.nic_bandwidth * 8 / 1e9:.0f} "
-          f"Gbit/s effective, RTT {2 * m.one_way_s * 1e6:.0f} us, prompts {lengths}, "
-          f"{a.output_tokens} output tokens\n")
+    print(
+        f"{m.n_prefill} prefill x {m.n_decode} decode, NIC {m.nic_bandwidth * 8 / 1e9:.0f} "
+        f"Gbit/s effective, RTT {2 * m.one_way_s * 1e6:.0f} us, prompts {lengths}, "
+        f"{a.output_tokens} output tokens\n"
+    )
     print(table)
     if a.json:
         a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))

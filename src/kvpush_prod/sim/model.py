@@ -229,8 +229,13 @@ class DecodeEngine:
         self.busy = True
         n = len(self.running)
         # New requests also compute their last prompt token in this step.
-        dur = (m.decode_step_s + n * m.decode_s_per_seq + len(new) * m.prefill_s_per_token
-               + cost + self.debt)
+        dur = (
+            m.decode_step_s
+            + n * m.decode_s_per_seq
+            + len(new) * m.prefill_s_per_token
+            + cost
+            + self.debt
+        )
         self.debt = 0.0
         self.busy_time += dur
         batch = list(self.running)
@@ -273,8 +278,9 @@ class Sim:
         self.rng = random.Random(w.seed)
         self.prefill = [PrefillEngine(self, i) for i in range(m.n_prefill)]
         self.decode = [DecodeEngine(self, i) for i in range(m.n_decode)]
-        self.links = [Link(self.loop, m.nic_bandwidth, m.one_way_s, f"p{i}")
-                      for i in range(m.n_prefill)]
+        self.links = [
+            Link(self.loop, m.nic_bandwidth, m.one_way_s, f"p{i}") for i in range(m.n_prefill)
+        ]
         self.reqs: list[Req] = []
         self.finished = 0
         self._rr_p = 0
@@ -291,8 +297,12 @@ class Sim:
     def _setup_core(self) -> None:
         m = self.m
         block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
-        sched = SchedulerSettings(chunk_bytes=m.chunk_bytes, target_latency_s=m.target_latency_s,
-                                  stop_margin_s=0.5, initial_bandwidth_bytes_per_s=m.nic_bandwidth)
+        sched = SchedulerSettings(
+            chunk_bytes=m.chunk_bytes,
+            target_latency_s=m.target_latency_s,
+            stop_margin_s=0.5,
+            initial_bandwidth_bytes_per_s=m.nic_bandwidth,
+        )
         self.senders: list[Sender] = []
         self.receivers: list[Receiver] = []
         self.ledgers: list[CreditLedger] = []
@@ -301,23 +311,36 @@ class Sim:
         for i in range(m.n_prefill):
             layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, 1_000_000)])
             info = PeerInfo(f"p{i}", 1, 0, f"tcp://p{i}", f"agent-p{i}", b"x", layout)
-            s = Sender(info, SenderSettings(block_bytes=block_bytes, scheduler=sched,
-                                            send_lease_s=60.0, stop_margin_s=0.5),
-                       random.Random(i))
+            s = Sender(
+                info,
+                SenderSettings(
+                    block_bytes=block_bytes, scheduler=sched, send_lease_s=60.0, stop_margin_s=0.5
+                ),
+                random.Random(i),
+            )
             self.senders.append(s)
             self.endpoint[info.control] = s
         for j in range(m.n_decode):
-            layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes,
-                                                    m.decode_kv_blocks)])
+            layout = Layout(
+                "sim", "DRAM", [Region(0, block_bytes, block_bytes, m.decode_kv_blocks)]
+            )
             info = PeerInfo(f"d{j}", 1, 0, f"tcp://d{j}", f"agent-d{j}", b"x", layout)
-            r = Receiver(info, ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0,
-                                                scheduler=sched), random.Random(100 + j))
+            r = Receiver(
+                info,
+                ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0, scheduler=sched),
+                random.Random(100 + j),
+            )
             self.receivers.append(r)
             self.endpoint[info.control] = r
             budget = max(1, int(m.credit_budget_fraction * m.decode_kv_blocks))
-            self.ledgers.append(CreditLedger(CreditSettings(
-                budget_blocks=budget,
-                per_peer_cap_blocks=max(1, int(m.credit_per_peer_fraction * budget)))))
+            self.ledgers.append(
+                CreditLedger(
+                    CreditSettings(
+                        budget_blocks=budget,
+                        per_peer_cap_blocks=max(1, int(m.credit_per_peer_fraction * budget)),
+                    )
+                )
+            )
         self._tick_core()
 
     def _tick_core(self) -> None:
@@ -338,8 +361,10 @@ class Sim:
                 target = self.endpoint.get(a.peer)
                 if target is not None:
                     msg = a.message
-                    loop.after(m.ctrl_s + m.kvpush_pump_s,
-                               lambda t=target, msg=msg: self._do(t, t.on_message(msg, loop.now)))
+                    loop.after(
+                        m.ctrl_s + m.kvpush_pump_s,
+                        lambda t=target, msg=msg: self._do(t, t.on_message(msg, loop.now)),
+                    )
             elif isinstance(a, PostWrite):
                 req = self._by_tid[a.transfer_id]
                 if req.xfer_start < 0:
@@ -351,13 +376,16 @@ class Sim:
                     self._do(sender, sender.on_chunk(a.chunk_id, True, "", loop.now))
                     if a.done is not None:
                         rcv = self.receivers[req.d]
-                        loop.after(m.kvpush_pump_s,
-                                   lambda: self._do(rcv, rcv.on_done(a.done, loop.now)))
+                        loop.after(
+                            m.kvpush_pump_s, lambda: self._do(rcv, rcv.on_done(a.done, loop.now))
+                        )
 
                 self.counters["chunks"] = self.counters.get("chunks", 0) + 1
                 descs = m.kv_regions * len(a.src_blocks)
-                loop.after(m.kvpush_chunk_overhead_s + m.desc_s * descs,
-                           lambda n=a.nbytes, f=landed, lk=link: lk.send(n, f))
+                loop.after(
+                    m.kvpush_chunk_overhead_s + m.desc_s * descs,
+                    lambda n=a.nbytes, f=landed, lk=link: lk.send(n, f),
+                )
             elif isinstance(a, ReportFinished):
                 req = self._by_tid[a.transfer_id]
                 self.ledgers[req.d].release(a.transfer_id)
@@ -434,9 +462,13 @@ class Sim:
         else:
             s = self.senders[req.p]
             tid = f"t{req.rid}"
-            loop.after(m.kvpush_pump_s, lambda: (self._do(s, s.blocks_ready(tid, req.p_blocks,
-                                                                             loop.now)),
-                                                 self._do(s, s.hold(tid))))
+            loop.after(
+                m.kvpush_pump_s,
+                lambda: (
+                    self._do(s, s.blocks_ready(tid, req.p_blocks, loop.now)),
+                    self._do(s, s.hold(tid)),
+                ),
+            )
 
     def _maybe_vllm_push(self, req: Req) -> None:
         if req.rid not in self.p_ready or req.rid not in self.registrations:
@@ -448,8 +480,12 @@ class Sim:
 
         def post() -> None:
             req.xfer_start = loop.now
-            self.links[req.p].send(m.kv_bytes(req.length), lambda: loop.after(
-                m.vllm_xfer_overhead_s + m.ctrl_s, lambda: self.decode[req.d].kv_arrived(req)))
+            self.links[req.p].send(
+                m.kv_bytes(req.length),
+                lambda: loop.after(
+                    m.vllm_xfer_overhead_s + m.ctrl_s, lambda: self.decode[req.d].kv_arrived(req)
+                ),
+            )
 
         loop.after(m.push_post_coord_s + m.desc_cost(req.length), post)
 
@@ -496,10 +532,13 @@ class Sim:
                 def read(req: Req = req) -> None:
                     req.xfer_start = loop.now
                     # READ: the request travels to P, the data comes back.
-                    loop.after(m.one_way_s, lambda: self.links[req.p].send(
-                        m.kv_bytes(req.length),
-                        lambda: loop.after(m.vllm_xfer_overhead_s,
-                                           lambda: d.kv_arrived(req))))
+                    loop.after(
+                        m.one_way_s,
+                        lambda: self.links[req.p].send(
+                            m.kv_bytes(req.length),
+                            lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
+                        ),
+                    )
 
                 loop.after(cost, read)
             elif self.mode == "push":
@@ -532,7 +571,9 @@ def simulate(m: ClusterModel, mode: str, w: Workload) -> dict[str, Any]:
     end = max((r.done for r in done), default=0.0)
     xfer = [r.kv_at_d - r.p_done for r in done if r.kv_at_d >= 0 and r.p_done >= 0]
     return {
-        "mode": mode, "requests": len(reqs), "ok": len(done),
+        "mode": mode,
+        "requests": len(reqs),
+        "ok": len(done),
         "ttft_ms": summary_ms(r.ttft for r in done),
         "tpot_ms": summary_ms(t for r in done if (t := r.tpot) is not None),
         "kv_transfer_ms": summary_ms(xfer),
@@ -541,5 +582,7 @@ def simulate(m: ClusterModel, mode: str, w: Workload) -> dict[str, Any]:
         "stalls": sum(r.stalls for r in done),
         "p_busy": [round(p.busy_time / end, 3) if end else 0 for p in sim.prefill],
         "d_busy": [round(d.busy_time / end, 3) if end else 0 for d in sim.decode],
-        "counters": dict(sim.counters), "events": sim.loop.events, "sim_end_s": end,
+        "counters": dict(sim.counters),
+        "events": sim.loop.events,
+        "sim_end_s": end,
     }

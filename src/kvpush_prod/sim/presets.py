@@ -89,8 +89,9 @@ def _p50(cell: dict[str, Any] | None, metric: str) -> float | None:
     return None if v is None else v / 1000.0
 
 
-def calibrate(results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
-              ) -> tuple[ClusterModel, dict[str, Any]]:
+def calibrate(
+    results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
+) -> tuple[ClusterModel, dict[str, Any]]:
     """Fit the compute and transfer costs of ``base`` to a bench run; returns the model and
     what was fitted from which measurement. Only single-engine cells and the connectors'
     own transfer timings are used: P/D TTFTs are left for the prediction to match."""
@@ -98,8 +99,11 @@ def calibrate(results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
     single = cells.get("single", {})
     fitted: dict[str, Any] = {}
     m = base
-    pts = sorted((c["length"], t) for c in single.values() if c["concurrency"] == 1
-                 and (t := _p50(c, "ttft_ms")) is not None)
+    pts = sorted(
+        (c["length"], t)
+        for c in single.values()
+        if c["concurrency"] == 1 and (t := _p50(c, "ttft_ms")) is not None
+    )
     if len(pts) >= 2:
         n = len(pts)
         mx = sum(p[0] for p in pts) / n
@@ -107,17 +111,21 @@ def calibrate(results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
         sxx = sum((p[0] - mx) ** 2 for p in pts)
         slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else 0.0
         icpt = my - slope * mx
-        m = m.with_(prefill_s_per_token=max(1e-6, slope),
-                    prefill_step_s=max(0.0, icpt - 2 * m.http_s - m.decode_step_s))
+        m = m.with_(
+            prefill_s_per_token=max(1e-6, slope),
+            prefill_step_s=max(0.0, icpt - 2 * m.http_s - m.decode_step_s),
+        )
         fitted["prefill"] = f"linear fit of single-engine TTFT p50 at c=1 over {pts}"
     elif pts:
         length, t = pts[0]
         per = max(1e-6, (t - 2 * m.http_s - m.prefill_step_s - m.decode_step_s) / length)
         m = m.with_(prefill_s_per_token=per)
         fitted["prefill"] = f"single-engine TTFT p50 {t * 1e3:.1f} ms at {length} tokens, c=1"
-    tpots = {c["concurrency"]: t for c in single.values()
-             if (t := _p50(c, "tpot_ms")) is not None and c["length"] == 1024} or \
-        {c["concurrency"]: t for c in single.values() if (t := _p50(c, "tpot_ms")) is not None}
+    tpots = {
+        c["concurrency"]: t
+        for c in single.values()
+        if (t := _p50(c, "tpot_ms")) is not None and c["length"] == 1024
+    } or {c["concurrency"]: t for c in single.values() if (t := _p50(c, "tpot_ms")) is not None}
     if 1 in tpots:
         m = m.with_(decode_step_s=tpots[1])
         fitted["decode_step_s"] = f"single-engine TPOT p50 at c=1: {tpots[1] * 1e3:.2f} ms"
@@ -135,8 +143,9 @@ def calibrate(results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
             if h and h.get("p50_s") is not None:
                 raw = m.kv_bytes(c["length"]) / m.nic_bandwidth
                 m = m.with_(vllm_xfer_overhead_s=max(0.0, h["p50_s"] - raw))
-                fitted["vllm_xfer_overhead_s"] = (f"{side} vllm:nixl_xfer_time p50 "
-                                                  f"{h['p50_s'] * 1e3:.2f} ms at {c['length']} tok")
+                fitted["vllm_xfer_overhead_s"] = (
+                    f"{side} vllm:nixl_xfer_time p50 {h['p50_s'] * 1e3:.2f} ms at {c['length']} tok"
+                )
                 break
         if "vllm_xfer_overhead_s" in fitted:
             break
@@ -144,11 +153,20 @@ def calibrate(results: dict[str, Any], base: ClusterModel = CPU_LOOPBACK
         t = c.get("transfer") or {}
         if c["concurrency"] == 1 and "ready_to_post_ms" in t:
             m = m.with_(kvpush_pump_s=t["ready_to_post_ms"]["p50"] / 1000.0)
-            fitted["kvpush_pump_s"] = f"trace blocks_ready -> post p50 {t['ready_to_post_ms']['p50']:.2f} ms"
+            fitted["kvpush_pump_s"] = (
+                f"trace blocks_ready -> post p50 {t['ready_to_post_ms']['p50']:.2f} ms"
+            )
             if "post_to_done_ms" in t:
-                m = m.with_(kvpush_chunk_overhead_s=max(
-                    0.0, t["post_to_done_ms"]["p50"] / 1000.0 - m.kv_bytes(c["length"]) / m.nic_bandwidth))
-                fitted["kvpush_chunk_overhead_s"] = f"trace post -> transfer_done p50 {t['post_to_done_ms']['p50']:.2f} ms"
+                m = m.with_(
+                    kvpush_chunk_overhead_s=max(
+                        0.0,
+                        t["post_to_done_ms"]["p50"] / 1000.0
+                        - m.kv_bytes(c["length"]) / m.nic_bandwidth,
+                    )
+                )
+                fitted["kvpush_chunk_overhead_s"] = (
+                    f"trace post -> transfer_done p50 {t['post_to_done_ms']['p50']:.2f} ms"
+                )
             break
     return m.with_(name="cpu-calibrated"), fitted
 

@@ -50,8 +50,11 @@ def _patch(mod: types.ModuleType) -> None:
             original(self, *args, **kwargs)
         finally:
             mod.nixlBind = real
-        print(f"{MARKER} {delay} us (agent {args[0] if args else '?'}, pid {os.getpid()})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{MARKER} {delay} us (agent {args[0] if args else '?'}, pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     agent_cls.__init__ = __init__
     agent_cls._kvpush_spinfix = True
