@@ -265,6 +265,8 @@ def plots(data: dict[str, Any], folder: Path) -> list[Path]:
                         linewidth=2.2 if name == OURS else 1.2,
                     )
             ax.set_xscale("log", base=2)
+            if metric == "ttft_ms":
+                ax.set_yscale("log")
             ax.set_title(f"{length}-token prompts")
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label)

@@ -9,8 +9,10 @@ the same ``--max-num-seqs``, and is fronted by our router (``--mode pull`` for p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,7 @@ class RunningSide:
         self.engine_urls: dict[str, str] = {}
         self.entry = ""
         self._cluster: Any = None
+        self._identity: dict[str, Any] = {}
 
     # -- start
     def start(self, timeout: float = 900.0) -> RunningSide:
@@ -133,21 +136,34 @@ class RunningSide:
     def _start_vllm(self, timeout: float) -> None:
         connector = "NixlConnector" if self.side.kind == "vllm-pull" else "NixlPushConnector"
         for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
+            side_port = free_port()
             env = {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             }
             if self.side.spin == "neutralised":
                 env[SPINFIX_ENV] = str(self.settings.pthr_delay_us)
                 env["PYTHONPATH"] = os.pathsep.join(
                     p for p in (str(SPINFIX_DIR), os.environ.get("PYTHONPATH", "")) if p
                 )
+            engine_id = f"bench-{self.side.name}-{name}-{uuid.uuid4().hex[:8]}"
             kv = {
                 "kv_connector": connector,
                 "kv_role": role,
                 "kv_buffer_device": "cpu",
+                "engine_id": engine_id,
                 "kv_connector_extra_config": {},
             }
+            if name == "prefill":
+                # Handed to the router so it never sends P an identity probe: a probe leaves
+                # vLLM push's P with finished blocks no D ever registers for, and its writer
+                # thread then self-polls every 1 ms until their lease ends.
+                self._identity = {
+                    "engine_id": engine_id,
+                    "control_host": "127.0.0.1",
+                    "control_port": side_port,
+                    "tp_size": 1,
+                }
             spec = EngineSpec(
                 name,
                 port=free_port(),
@@ -192,6 +208,13 @@ class RunningSide:
 
     def _start_router(self, mode: str) -> None:
         port = free_port()
+        prefill = ["--prefill", self.engine_urls["prefill"]]
+        if self._identity and mode == "push":
+            self.dir.mkdir(parents=True, exist_ok=True)
+            cfg = self.dir / "router.yaml"
+            entry = {"url": self.engine_urls["prefill"], **self._identity}
+            cfg.write_text(json.dumps({"prefill": [entry]}))  # JSON is YAML
+            prefill = ["--config", str(cfg)]
         cmd = [
             sys.executable,
             "-m",
@@ -200,8 +223,7 @@ class RunningSide:
             "127.0.0.1",
             "--port",
             str(port),
-            "--prefill",
-            self.engine_urls["prefill"],
+            *prefill,
             "--decode",
             self.engine_urls["decode"],
             "--mode",
@@ -229,11 +251,13 @@ class RunningSide:
                 n += proc.log_path.read_text(errors="replace").count(SPINFIX_MARKER)
         return n
 
-    def idle_cpu(self, seconds: float = 2.0) -> dict[str, float]:
+    def idle_cpu(self, seconds: float = 3.0, settle: float = 2.0) -> dict[str, float]:
         """CPU % of each engine's process tree while idle: ~100 per spinning NIXL agent."""
         import time
 
         import psutil
+
+        time.sleep(settle)  # let the last warm-up request's work drain
 
         trees = {n: self.procs[n].tree() for n in self.engines()}
         for procs in trees.values():

@@ -160,10 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-us", type=float, help="one router leg each way, us")
     p.add_argument("--prefill-us-per-token", type=float)
     p.add_argument("--decode-step-ms", type=float)
-    p.add_argument("--lengths", default="1024,4096,8192", help="prompt lengths, mixed")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0",
+    )
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, mixed")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument(
         "--calibrate",
         type=Path,
@@ -226,4 +233,13 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
         kw["prefill_s_per_token"] = a.prefill_us_per_token / 1e6
     if a.decode_step_ms:
         kw["decode_step_s"] = a.decode_step_ms / 1000
+    fields = ClusterModel.__dataclass_fields__
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key in ("name", "notes"):
+            raise SystemExit(
+                f"kvpush sim: --set {item!r}: use FIELD=VALUE with a numeric field "
+                f"of ClusterModel ({', '.join(k for k in fields if k not in ('name', 'notes'))})"
+            )
+        kw[key] = int(value) if isinstance(getattr(m, key), int) else float(value)
     return m.with_(**kw) if kw else m

@@ -16,7 +16,7 @@ from kvpush_prod.sim.model import ClusterModel
 # TP8 per engine, bf16: 80 layers x 2 (K, V) x 8 KV heads x 128 x 2 B = 320 KiB per token.
 P5EN = ClusterModel(
     name="p5en",
-    n_prefill=1,
+    n_prefill=2,
     n_decode=1,
     # 400 GB/s of NICs at ~60% for KV-block-sized descriptors over EFA (Mooncake measured
     # 26% of line rate at 64 KB and ~91% at >= 1 MB slices).
@@ -45,7 +45,7 @@ P5EN = ClusterModel(
     chunk_bytes=16 * 1024 * 1024,
     target_latency_s=0.005,
     credit_budget_fraction=0.5,
-    notes="AWS P5en, 16 x 200 Gbps EFA per node, H200-class compute, Llama-3.1-70B TP8",
+    notes="AWS P5en, 16 x 200 Gbps EFA per node, H200-class compute, Llama-3.1-70B TP8, 2 P nodes : 1 D node",
 )
 
 # The development box: tiny Llama (2 layers, 2 KV heads x 32, float32: 1 KiB per token),
