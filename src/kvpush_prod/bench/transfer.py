@@ -24,14 +24,28 @@ MIB = 1024 * KIB
 DEFAULT_SIZES = [4 * KIB * 2**i for i in range(15)]  # 4 KiB .. 64 MiB
 
 
-def _layout(base: int, block: int, nblocks: int, compat: str) -> Any:
+def _layout(base: int, block: int, nblocks: int, compat: str, device: str = "cpu") -> Any:
     from kvpush_prod.core.messages import Layout, Region
 
     return Layout(
         compat=compat,
-        mem_type="DRAM",
+        mem_type="VRAM" if device == "cuda" else "DRAM",
         regions=[Region(base=base, block_stride=block, block_len=block, num_blocks=nblocks)],
     )
+
+
+def _buffer(capacity: int, value: int, device: str) -> tuple[Any, int]:
+    """A touched byte buffer on ``device`` and its address."""
+    if device == "cuda":
+        import torch
+
+        t = torch.full((capacity,), value, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        return t, int(t.data_ptr())
+    import numpy as np
+
+    a = np.full(capacity, value, dtype=np.uint8)  # touched: no page faults in the timing
+    return a, int(a.ctypes.data)
 
 
 def _bind(core: int) -> None:
@@ -42,15 +56,12 @@ def _bind(core: int) -> None:
         pass
 
 
-def _target(conn: Any, capacity: int, delay_us: int, core: int) -> None:
+def _target(conn: Any, capacity: int, delay_us: int, core: int, device: str = "cpu") -> None:
     """The passive side: a registered buffer per request, its agent metadata sent back."""
-    import numpy as np
-
     from kvpush_prod.transport.nixl import NixlTransport, make_agent
 
     _bind(core)
-    buf = np.ones(capacity, dtype=np.uint8)  # touched: no page faults inside the timing
-    base = buf.ctypes.data
+    buf, base = _buffer(capacity, 1, device)
     transport = None
     while True:
         cmd = conn.recv()
@@ -59,7 +70,8 @@ def _target(conn: Any, capacity: int, delay_us: int, core: int) -> None:
             if transport is not None:
                 transport.close()
             agent = make_agent(name, "UCX", True, delay_us)
-            transport = NixlTransport(agent, _layout(base, block, nblocks, f"b{block}"))
+            layout = _layout(base, block, nblocks, f"b{block}", device)
+            transport = NixlTransport(agent, layout)
             conn.send((transport.metadata(), base))
         elif cmd[0] == "check":
             _, offset, nbytes, value = cmd
@@ -91,15 +103,29 @@ def _time_writes(
     return times
 
 
-def _memcpy_times(src: Any, dst: Any, size: int, min_time_s: float, max_iters: int) -> list[float]:
-    import numpy as np
-
+def _memcpy_times(
+    src: Any, dst: Any, size: int, min_time_s: float, max_iters: int, device: str = "cpu"
+) -> list[float]:
+    """memcpy (numpy) or a device-to-device copy (torch, synchronised) of ``size`` bytes."""
     times: list[float] = []
     t_end = time.perf_counter() + min_time_s
     s, d = src[:size], dst[:size]
+    if device == "cuda":
+        import torch
+
+        def copy() -> None:
+            d.copy_(s)
+            torch.cuda.synchronize()
+    else:
+        import numpy as np
+
+        def copy() -> None:
+            np.copyto(d, s)
+
+    copy()
     while len(times) < 5 or (time.perf_counter() < t_end and len(times) < max_iters):
         t0 = time.perf_counter()
-        np.copyto(d, s)
+        copy()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -110,21 +136,20 @@ def measure(
     delay_us: int = 10000,
     min_time_s: float = 0.3,
     max_iters: int = 2000,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Push latency/bandwidth per size and memcpy of the same sizes; ``block_bytes`` > 0
     splits each chunk into KV-block-sized descriptors (as a real transfer is posted)."""
-    import numpy as np
-
     from kvpush_prod.transport.nixl import NixlTransport, make_agent
 
     capacity = max(sizes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, capacity, delay_us, 1), daemon=True)
+    proc = ctx.Process(target=_target, args=(child, capacity, delay_us, 1, device), daemon=True)
     proc.start()
     _bind(0)
-    src = np.full(capacity, 7, dtype=np.uint8)
-    dst = np.ones(capacity, dtype=np.uint8)
+    src, src_base = _buffer(capacity, 7, device)
+    dst, _ = _buffer(capacity, 1, device)
     rows = []
     try:
         for i, size in enumerate(sizes):
@@ -134,16 +159,17 @@ def measure(
             parent.send(("setup", name + "-t", block, nblocks))
             meta, remote_base = parent.recv()
             agent = make_agent(name + "-w", "UCX", True, delay_us)
-            layout = _layout(src.ctypes.data, block, nblocks, f"b{block}")
+            layout = _layout(src_base, block, nblocks, f"b{block}", device)
             transport = NixlTransport(agent, layout)
             try:
-                peer = transport.connect(meta, _layout(remote_base, block, nblocks, f"b{block}"))
+                remote = _layout(remote_base, block, nblocks, f"b{block}", device)
+                peer = transport.connect(meta, remote)
                 write = _time_writes(transport, peer, nblocks, min_time_s, max_iters)
             finally:
                 transport.close()
             parent.send(("check", 0, nblocks * block, 7))
             landed = parent.recv()
-            copy = _memcpy_times(src, dst, size, min_time_s, max_iters)
+            copy = _memcpy_times(src, dst, size, min_time_s, max_iters, device)
             w50, c50 = statistics.median(write), statistics.median(copy)
             rows.append(
                 {
@@ -166,7 +192,12 @@ def measure(
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    return {"rows": rows, "block_bytes": block_bytes, "progress_delay_us": delay_us}
+    return {
+        "rows": rows,
+        "block_bytes": block_bytes,
+        "progress_delay_us": delay_us,
+        "device": device,
+    }
 
 
 def _human(n: int) -> str:
@@ -251,22 +282,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--progress-delay-us", type=int, default=10000)
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per size and shape")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: VRAM to VRAM between two processes on GPU 0, against a device-to-device copy",
+    )
     args = ap.parse_args(argv)
-    from kvpush_prod.bench.runner import machine_facts
+    from kvpush_prod.bench.machine import machine_facts
 
     sizes = [int(x) for x in args.sizes.split(",") if x] or DEFAULT_SIZES
     results = [
-        measure(sizes, int(b), args.progress_delay_us, args.min_time)
+        measure(sizes, int(b), args.progress_delay_us, args.min_time, device=args.device)
         for b in args.block_bytes.split(",")
         if b != ""
     ]
     facts = machine_facts()
+    where = f"{facts['cpu']}, {facts['simd']}, load {facts['loadavg_at_start']}"
+    if args.device == "cuda":
+        import torch
+
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        where = f"{facts['gpu']}, VRAM to VRAM, vs device-to-device copy"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "transfer.json").write_text(
         json.dumps({"meta": facts, "results": results}, indent=1)
     )
-    md = markdown(results, f"{facts['cpu']}, {facts['simd']}, load {facts['loadavg_at_start']}")
+    md = markdown(results, where)
     (args.out / "transfer.md").write_text(md)
     plot(results, args.out / "transfer.png")
     print(md)
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
