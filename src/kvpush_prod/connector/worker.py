@@ -40,6 +40,7 @@ from kvpush_prod.core.retry import BreakerSettings, BreakerState, BudgetSettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferTimeouts
+from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import StatsBuffer
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
@@ -125,6 +126,11 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
         self._device = first.device.type
+        if self._device != "cpu" and self.cfg.verify.checksums:
+            raise ConfigError(
+                "verify.checksums reads KV blocks through host memory and cannot check a GPU "
+                "KV cache; set verify.checksums: false on GPU engines"
+            )
         layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature)
         t = self.cfg.transport
         name = f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}"
