@@ -186,3 +186,23 @@ def test_spinfix_sets_the_progress_thread_delay_of_nixl_agents(monkeypatch, caps
     assert made["delay"] == 1234
     assert fake.nixlBind is Bind  # restored after the constructor
     assert mod.MARKER in capsys.readouterr().err
+
+
+def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp_path):
+    import sys
+    import time
+
+    from kvpush_prod.bench.sides import _port, wait_started
+    from kvpush_prod.launch import Proc
+
+    # vLLM's API server stays alive when its EngineCore dies; only the log says so.
+    script = "print('zmq.error.ZMQError: Address already in use', flush=True); " \
+             "import time; time.sleep(60)"
+    proc = Proc("prefill", [sys.executable, "-c", script], {}, tmp_path / "p.log")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            wait_started(f"http://127.0.0.1:{_port()}", proc, timeout=120)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 30

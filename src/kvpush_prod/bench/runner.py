@@ -315,7 +315,15 @@ def _run_side(
     t0 = time.monotonic()
     running = RunningSide(side, s.side)
     try:
-        running.start()
+        try:
+            running.start()
+        except Exception as first:  # noqa: BLE001 - e.g. a port taken meanwhile: once more
+            print(
+                f"\n{side.name}: start failed ({str(first).splitlines()[0][:200]}); retrying",
+                flush=True,
+            )
+            running = RunningSide(side, s.side)
+            running.start()
     except Exception as exc:  # noqa: BLE001 - record and go on with the other sides
         store.data["sides"][side.name] = {
             "label": side.label,

@@ -17,11 +17,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_prod.launch import EngineSpec, Proc, free_port, start_engine, wait_healthy
+from kvpush_prod.launch import EngineSpec, Proc, free_port_block, start_engine, wait_healthy
 
 SPINFIX_DIR = Path(__file__).resolve().parent / "spinfix"
 SPINFIX_ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
 SPINFIX_MARKER = "kvpush-bench: nixl progress thread delay set to"
+# Lines in an engine log that mean it will never become healthy although its API server
+# process is still alive (vLLM's EngineCore died underneath it).
+FATAL_MARKERS = (
+    "EngineCore encountered a fatal error",
+    "Engine core initialization failed",
+    "Address already in use",
+)
+
+
+def _port() -> int:
+    """A free port below Linux's ephemeral range (32768+), so that outgoing connections of
+    the other processes on a busy box cannot take it between choosing and binding."""
+    return free_port_block(1, 20000, 32000)
+
+
+def wait_started(url: str, proc: Proc, timeout: float) -> None:
+    """``wait_healthy``, but give up at once when the engine's log shows a fatal start-up
+    error (vLLM keeps the API server alive when its EngineCore dies)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            wait_healthy(url, proc, min(5.0, max(0.1, left)))
+            return
+        except TimeoutError:
+            if left <= 5.0:
+                raise
+        log = proc.tail(400)
+        for marker in FATAL_MARKERS:
+            if marker in log:
+                raise RuntimeError(f"{proc.name} failed to start ({marker}):\n{proc.tail(30)}")
 
 
 @dataclass(frozen=True)
@@ -126,17 +159,17 @@ class RunningSide:
 
     def _start_single(self, timeout: float) -> None:
         spec = EngineSpec(
-            "single", port=free_port(), cpu_bind=self.settings.single_cores, **self._common()
+            "single", port=_port(), cpu_bind=self.settings.single_cores, **self._common()
         )
         self.procs["single"] = start_engine(spec, self.log_dir)
         self.engine_urls["single"] = f"http://127.0.0.1:{spec.port}"
-        wait_healthy(self.engine_urls["single"], self.procs["single"], timeout)
+        wait_started(self.engine_urls["single"], self.procs["single"], timeout)
         self.entry = self.engine_urls["single"]
 
     def _start_vllm(self, timeout: float) -> None:
         connector = "NixlConnector" if self.side.kind == "vllm-pull" else "NixlPushConnector"
         for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
-            side_port = free_port()
+            side_port = _port()
             env = {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
@@ -166,7 +199,7 @@ class RunningSide:
                 }
             spec = EngineSpec(
                 name,
-                port=free_port(),
+                port=_port(),
                 kv_transfer_config=kv,
                 cpu_bind=core,
                 env=env,
@@ -175,7 +208,7 @@ class RunningSide:
             self.procs[name] = start_engine(spec, self.log_dir)
             self.engine_urls[name] = f"http://127.0.0.1:{spec.port}"
         for name in ("prefill", "decode"):
-            wait_healthy(self.engine_urls[name], self.procs[name], timeout)
+            wait_started(self.engine_urls[name], self.procs[name], timeout)
         mode = "pull" if self.side.kind == "vllm-pull" else "push"
         self._start_router(mode)
 
@@ -207,7 +240,7 @@ class RunningSide:
         self._start_router("push")
 
     def _start_router(self, mode: str) -> None:
-        port = free_port()
+        port = _port()
         prefill = ["--prefill", self.engine_urls["prefill"]]
         if self._identity and mode == "push":
             self.dir.mkdir(parents=True, exist_ok=True)
