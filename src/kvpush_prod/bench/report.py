@@ -160,7 +160,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
             spin += " (transport.progress_delay_us)"
         lines.append(
             f"| {name} | {info.get('label', side.label if side else name)}"
-            f"{' — FAILED: ' + info['error'][:120] if info.get('error') else ''} | {spin} | "
+            f"{' — FAILED: ' + info['error'].splitlines()[0][:120] if info.get('error') else ''} | {spin} | "
             f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
             f"{idle_s} | {_f(info.get('start_s'), 0)} |"
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -130,6 +131,14 @@ class RunningSide:
 
     # -- start
     def start(self, timeout: float = 900.0) -> RunningSide:
+        # Logs of an earlier attempt must not be read as this one's (start-up errors are
+        # looked for in them); traces likewise. Keep the last attempt's for inspection.
+        for folder in (self.log_dir, self.trace_dir):
+            if folder.exists():
+                old = folder.with_name(folder.name + ".prev")
+                if old.exists():
+                    shutil.rmtree(old)
+                folder.rename(old)
         try:
             if self.side.kind == "single":
                 self._start_single(timeout)
