@@ -141,7 +141,8 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         f"on core(s) {meta.get('binding', {}).get('single', '0')}",
         f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.client'}"
         f"; load average at start {load}",
-        f"- command: `{meta.get('command', '')}`",
+        "- command(s) that produced this file (a resumed run adds one): "
+        + "; ".join(f"`{c}`" for c in (meta.get("commands") or [meta.get("command", "")])),
         "",
         "## Sides",
         "",

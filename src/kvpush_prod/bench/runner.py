@@ -270,6 +270,8 @@ def run(s: BenchSettings) -> ResultStore:
     patch_vllm_version()
     store = ResultStore(s.out / RESULTS)
     meta = machine_facts()
+    # Every invocation that added cells to this results file, in order (resumed runs).
+    meta["commands"] = [*store.data.get("meta", {}).get("commands", []), s.command]
     meta.update(
         {
             "workload": asdict(s.workload),
