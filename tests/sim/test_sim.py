@@ -162,3 +162,15 @@ def test_cli_prints_a_comparison_table(capsys):
     )
     out = capsys.readouterr().out
     assert "| closed c=2 | kvpush |" in out and "p5en" in out
+
+
+def test_calibration_fits_the_quadratic_growth_of_prefill_with_three_lengths():
+    def ttft(n):  # ms: 5 + 0.05 n + 0.00004 n^2
+        return 5 + 0.05 * n + 0.00004 * n * n
+
+    single = {f"{n}x1": {"length": n, "concurrency": 1, "ttft_ms": {"p50": ttft(n)},
+                         "tpot_ms": {"p50": 4.0}} for n in (256, 1024, 1900)}
+    m, fitted = calibrate({"cells": {"single": single}}, CPU_LOOPBACK)
+    assert m.prefill_s_per_token == pytest.approx(0.05e-3, rel=1e-6)
+    assert m.prefill_s_per_token2 == pytest.approx(0.04e-6, rel=1e-6)
+    assert "quadratic" in fitted["prefill"]

@@ -48,6 +48,7 @@ class ClusterModel:
     http_s: float = 300e-6  # one HTTP leg through the router, each way
     # compute
     prefill_s_per_token: float = 50e-6
+    prefill_s_per_token2: float = 0.0  # attention: cost growing with the square of the length
     prefill_step_s: float = 2e-3  # fixed cost of a prefill step
     max_batched_tokens: int = 8192
     decode_step_s: float = 15e-3  # fixed cost of a decode step
@@ -162,7 +163,8 @@ class PrefillEngine:
             r.p_start = loop.now
             batch.append(r)
             tokens += r.length
-        dur = m.prefill_step_s + tokens * m.prefill_s_per_token + self.debt
+        quad = sum(r.length**2 for r in batch) * m.prefill_s_per_token2
+        dur = m.prefill_step_s + tokens * m.prefill_s_per_token + quad + self.debt
         self.debt = 0.0
         self.busy_time += dur
 
@@ -513,7 +515,9 @@ class Sim:
                     self.counters["refused"] = self.counters.get("refused", 0) + 1
                     req.d_blocks = blocks
                     req.kv_at_d = loop.now
-                    cost += req.length * m.prefill_s_per_token
+                    cost += (
+                        req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
+                    )
                     d.arrived.append(req)
                     continue
             blocks = d.alloc(n)

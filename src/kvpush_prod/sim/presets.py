@@ -104,21 +104,33 @@ def calibrate(
         for c in single.values()
         if c["concurrency"] == 1 and (t := _p50(c, "ttft_ms")) is not None
     )
-    if len(pts) >= 2:
-        n = len(pts)
-        mx = sum(p[0] for p in pts) / n
-        my = sum(p[1] for p in pts) / n
-        sxx = sum((p[0] - mx) ** 2 for p in pts)
-        slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else 0.0
-        icpt = my - slope * mx
+    overhead = 2 * m.http_s + m.decode_step_s  # the single engine's TTFT beyond the prefill
+    if len(pts) >= 3:
+        # TTFT = c0 + a L + b L^2 (attention grows with L^2): least squares.
+        import numpy as np
+
+        xs = np.array([p[0] for p in pts], dtype=float)
+        ys = np.array([p[1] for p in pts], dtype=float)
+        b, a, c0 = (float(v) for v in np.polyfit(xs, ys, 2))
         m = m.with_(
-            prefill_s_per_token=max(1e-6, slope),
-            prefill_step_s=max(0.0, icpt - 2 * m.http_s - m.decode_step_s),
+            prefill_s_per_token=max(1e-7, a),
+            prefill_s_per_token2=max(0.0, b),
+            prefill_step_s=max(0.0, c0 - overhead),
         )
-        fitted["prefill"] = f"linear fit of single-engine TTFT p50 at c=1 over {pts}"
+        fitted["prefill"] = "quadratic fit of single-engine TTFT p50 at c=1: " + ", ".join(
+            f"{n} tok {t * 1e3:.1f} ms" for n, t in pts
+        )
+    elif len(pts) == 2:
+        (x0, y0), (x1, y1) = pts
+        slope = (y1 - y0) / (x1 - x0)
+        m = m.with_(
+            prefill_s_per_token=max(1e-7, slope),
+            prefill_step_s=max(0.0, y0 - slope * x0 - overhead),
+        )
+        fitted["prefill"] = f"line through single-engine TTFT p50 at c=1: {pts}"
     elif pts:
         length, t = pts[0]
-        per = max(1e-6, (t - 2 * m.http_s - m.prefill_step_s - m.decode_step_s) / length)
+        per = max(1e-6, (t - overhead - m.prefill_step_s) / length)
         m = m.with_(prefill_s_per_token=per)
         fitted["prefill"] = f"single-engine TTFT p50 {t * 1e3:.1f} ms at {length} tokens, c=1"
     tpots = {
