@@ -365,6 +365,8 @@ class TransferPump(threading.Thread):
             self._check_chunks()
         if receiver is not None and receiver.active > 0:
             self._check_notifications(receiver)
+        elif isinstance(self.protocol, Sender) and self.protocol.pulling:
+            self.transport.notifications()  # progress for D's READs (none are ours)
         now = time.monotonic()
         if self.protocol.busy:
             self._execute(self.protocol.poll(now))
@@ -372,6 +374,12 @@ class TransferPump(threading.Thread):
             self._last_tick = now
             self._execute(self.protocol.tick(now))
             self._report_gauges(now)
+            if not self.cfg.transport.progress_thread:
+                # A light pass for connection wire-up and keep-alives while nothing is active.
+                if receiver is not None:
+                    self._check_notifications(receiver)
+                elif not self._handles:
+                    self.transport.notifications()
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:

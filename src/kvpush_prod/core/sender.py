@@ -120,8 +120,14 @@ class Sender:
 
     @property
     def busy(self) -> bool:
-        """Chunks in flight or queued: the shell should poll often."""
-        return bool(self._chunks) or self.sched.queued > 0
+        """Chunks in flight or queued, or D pulling from us: the shell should poll often."""
+        return bool(self._chunks) or self.sched.queued > 0 or self.pulling
+
+    @property
+    def pulling(self) -> bool:
+        """Some D is reading our blocks (fallback): a transport that needs the passive side's
+        progress (e.g. TCP) must be progressed meanwhile."""
+        return any(o.machine.state is S.FALLBACK for o in self._out.values())
 
     def held_blocks(self) -> int:
         return sum(len(o.blocks or ()) for o in self._out.values() if o.held and not o.released)

@@ -167,6 +167,7 @@ class NixlTransport:
             logger.debug("release_xfer_handle failed", exc_info=True)
 
     def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender; the call also makes progress on the backend."""
         return dict(self.agent.get_new_notifs())
 
     def send_notification(self, peer: RemotePeer, payload: bytes) -> None:
