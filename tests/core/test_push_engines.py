@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
@@ -19,6 +20,7 @@ from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.core.transfer import TransferTimeouts
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
 P = m.PeerInfo("P", 1, 0, "tcp://p:1", "agent-p", b"meta", LAYOUT)
@@ -224,6 +226,21 @@ def test_send_lease_expires_when_decode_never_registers_nor_asks_to_wait() -> No
     s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 0)], 5000), 8.0)
     assert of(s.tick(12.0), ReleaseSend) == []
     assert of(s.tick(18.5), ReleaseSend) == [ReleaseSend("t", "expired", 0)]
+
+
+def test_transfer_deadline_keeps_blocks_until_the_read_permit_of_a_fallback_ends() -> None:
+    # Found by test_protocol_stateful: D registered late (after waiting for credit), the push
+    # fell back near the whole-transfer deadline, and P freed its blocks at that deadline
+    # while D could still READ them under the pull permit it had just been given.
+    settings = replace(SS, timeouts=TransferTimeouts(total_s=5.0), pull_permit_s=4.0)
+    s = Sender(P, settings, random.Random(0))
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 3.0), PostWrite)
+    (fb,) = msgs(s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 3.1), m.Fallback)
+    assert fb.permit_ttl_ms == 4000  # D may read until 7.1
+    assert of(s.tick(5.5), ReleaseSend) == []  # past the 5 s deadline, within the permit
+    assert of(s.tick(8.2), ReleaseSend) == [ReleaseSend("t", "failed", 0)]  # permit + skew
 
 
 def test_prefill_abort_fails_a_waiting_decode_at_once() -> None:

@@ -350,7 +350,8 @@ class Sender:
                 out.append(Note("lease_expired", "pull", o.tid))
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, "failed")
-            elif o.machine.expired(now) and not o.inflight:
+            elif st is not S.FALLBACK and o.machine.expired(now) and not o.inflight:
+                # (A FALLBACK ends only with its read permit above: D may READ until then.)
                 self._fire(o, E.EXPIRE, now)
                 if o.queued:
                     self.sched.cancel(o.tid)
