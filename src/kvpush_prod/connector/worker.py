@@ -169,6 +169,7 @@ class WorkerSide:
                 heartbeat_s=leases.heartbeat_interval_s,
                 fallback=self.cfg.fallback.pull,
                 pull_permit_s=self.cfg.fallback.pull_permit_s,
+                register_grace_s=leases.register_grace_s,
                 **shared,
             ), rng)
         else:

@@ -66,6 +66,9 @@ class SenderSettings:
     heartbeat_s: float = 1.0
     fallback: bool = True  # let D pull when the push fails
     pull_permit_s: float = 30.0  # how long D may READ P's blocks after a FALLBACK
+    # How long P keeps renewing a REGISTER for a request it has not received yet: under load
+    # the prefill leg can reach P seconds after the decode leg reached D.
+    register_grace_s: float = 10.0
     tombstone_s: float = 300.0  # how long a cancelled/aborted transfer id is remembered
 
 
@@ -77,6 +80,7 @@ class _Out:
     held: bool = False  # the scheduler left the blocks to us until ReleaseSend
     expected: bool = False  # P's scheduler has the request: blocks will come
     reg: Register | None = None
+    reg_at: float = 0.0
     peer: str = ""  # D's agent name
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
@@ -186,7 +190,7 @@ class Sender:
         ttl = reg.permit_ttl_ms / 1000.0
         if ttl <= 0:
             return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
-        o.reg, o.peer = reg, reg.sender.agent_name
+        o.reg, o.reg_at, o.peer = reg, now, reg.sender.agent_name
         # The term counts from when D granted it: subtract how long the message travelled.
         o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, ttl, now - age,
                                    self.s.stop_margin_s)
@@ -361,7 +365,7 @@ class Sender:
                 out += self._close(o, "expired")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
-            out += self._heartbeats()
+            out += self._heartbeats(now)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -486,14 +490,15 @@ class Sender:
         return SendMessage(reg.sender.control, Failed(PROTOCOL_VERSION, reg.transfer_id,
                                                       reg.generation, self.slim, reason, detail))
 
-    def _heartbeats(self) -> list[Action]:
+    def _heartbeats(self, now: float) -> list[Action]:
         """Tell each D which of its transfers we still hold (it renews their permits)."""
         per_peer: dict[str, tuple[int, list[tuple[str, int]]]] = {}
         for o in self._out.values():
             if o.reg is None or o.outcome:
                 continue
-            if o.machine.state is S.WAITING_BLOCKS and not o.expected:
-                continue  # we have never heard of this request: let D's permit run out
+            if (o.machine.state is S.WAITING_BLOCKS and not o.expected
+                    and now - o.reg_at > self.s.register_grace_s):
+                continue  # the request never reached us: let D's permit run out
             addr = o.reg.sender.control
             _, live = per_peer.setdefault(addr, (o.reg.sender.incarnation, []))
             live.append((o.tid, o.reg.generation))
