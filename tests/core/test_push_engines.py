@@ -116,6 +116,17 @@ def test_duplicate_register_is_idempotent_and_a_stale_one_is_fenced() -> None:
     assert note.kind == "fenced"
 
 
+def test_a_cancel_with_a_stale_generation_changes_nothing() -> None:
+    # Found by test_protocol_stateful: the fenced CANCEL still left a tombstone, so the
+    # prompt's blocks were dropped unpushed when they came (and D's permit ran out).
+    s = sender()
+    s.expect("t", 0.0)
+    s.on_message(register(gen=2), 0.0)
+    (note,) = s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.1)
+    assert note.kind == "fenced"
+    assert of(s.blocks_ready("t", [1, 2, 3], 0.2), PostWrite) != []
+
+
 def test_cancel_before_blocks_frees_them_on_arrival_without_writing() -> None:
     s = sender()
     (ack,) = msgs(s.on_message(m.Cancel(1, "t", 0, D, "not_needed"), 0.0), m.CancelAck)

@@ -222,14 +222,15 @@ class Sender:
     def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
         ack = SendMessage(msg.sender.control, CancelAck(PROTOCOL_VERSION, msg.transfer_id,
                                                         msg.generation, self.slim))
-        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
         o = self._out.get(msg.transfer_id)
-        if o is None:
-            return [ack]  # blocks that still come are freed unpushed (tombstone)
-        if o.reg is not None and msg.generation not in (0, o.reg.generation):
+        if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
+            # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
             return [Note("fenced", "stale_generation",
                          f"CANCEL {msg.transfer_id} gen {msg.generation}, "
                          f"current {o.reg.generation}")]
+        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
+        if o is None:
+            return [ack]  # blocks that still come are freed unpushed (tombstone)
         self._fire(o, E.CANCEL, now)
         if o.queued:
             self.sched.cancel(o.tid)
