@@ -376,6 +376,20 @@ def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     assert of(out, ReportFailed) == [ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")]
 
 
+def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill() -> None:
+    # Found by test_protocol_stateful: D stamped the transfer with the P incarnation it had
+    # last heard at that address; P had restarted, the new process got the REGISTER and
+    # pushed, and its first heartbeat made D fail the receive and free the blocks while the
+    # push was still writing into them.
+    r = receiver()
+    r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # the old P
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.5), m.Register)
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    out = r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 1.0)
+    assert of(out, ReportFailed) == []
+    assert r.on_done(done(gen=reg.generation), 1.1) == [ReportFinished("t", "pushed")]
+
+
 def test_waiting_for_credit_is_announced_to_prefill_with_generation_zero() -> None:
     r = receiver()
     r.await_admission("t", "tcp://p:1")

@@ -73,7 +73,9 @@ class _In:
     generation: int
     registered_at: float
     listed_at: float  # last time P said it still holds this transfer
-    p_incarnation: int | None  # the P process this was registered with, when known
+    # The P process that holds this transfer, once a message of it named the transfer with
+    # our generation (so it got our REGISTER); None until then.
+    p_incarnation: int | None
     cancelling: bool = False
     renew: bool = True
     fallback: Fallback | None = None
@@ -142,9 +144,10 @@ class Receiver:
         if tid in self._in:
             return [Note("rejected", "duplicate", f"transfer {tid} is already being received")]
         lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
-        peer = self._peers.get(address)
+        # Not the incarnation last heard at ``address``: P may have restarted since, and the
+        # new process is the one that gets this REGISTER.
         inc = _In(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                  lease.generation, now, now, peer.incarnation if peer else None)
+                  lease.generation, now, now, None)
         inc.machine.fire(E.REGISTER, now)
         inc.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = inc
@@ -221,6 +224,7 @@ class Receiver:
             inc = self._in.get(tid)
             if inc is not None and inc.address == hb.sender.control and gen == inc.generation:
                 inc.listed_at = now
+                inc.p_incarnation = hb.sender.incarnation
         return out
 
     def _note_peer(self, sender: PeerInfo, now: float) -> list[Action]:
@@ -232,11 +236,8 @@ class Receiver:
         old, peer.incarnation = peer.incarnation, sender.incarnation
         out: list[Action] = []
         for inc in list(self._in.values()):
-            if inc.address != sender.control:
-                continue
-            if inc.p_incarnation is None:
-                inc.p_incarnation = sender.incarnation
-                continue
+            if inc.address != sender.control or inc.p_incarnation is None:
+                continue  # not known to be held by the old process: its permit decides
             if inc.p_incarnation != sender.incarnation and inc.fallback is None:
                 # The process that had this transfer is gone (its port is taken by a new
                 # one): nothing of it can still be written, and it will never finish.
