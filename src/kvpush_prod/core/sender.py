@@ -85,6 +85,7 @@ class _Out:
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
     queued: bool = False  # in the push scheduler
+    ready_at: float = -1.0  # when it entered the scheduler (-1: its first chunk is out)
     inflight: set[int] = field(default_factory=set)
     retried: bool = False
     drain_then: str = ""  # after in-flight chunks land: "ack" | "fallback" | "failed" | "expired"
@@ -314,6 +315,9 @@ class Sender:
             if o.machine.state is S.RETRYING:
                 self._fire(o, E.RETRY, now)
             self._fire(o, E.CHUNK_POSTED, now)
+            if o.ready_at >= 0:
+                out.append(Note("queue_wait", "", o.tid, now - o.ready_at))
+                o.ready_at = -1.0
             out.append(PostWrite(
                 o.tid, reg.generation, chunk.id, o.peer,
                 tuple(o.blocks[first + chunk.start:first + chunk.end]),
@@ -424,7 +428,7 @@ class Sender:
             return [Note("fallback", "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
         self.sched.add(o.tid, o.peer, self.s.block_bytes, len(reg.block_ids),
                        o.permit.expires_at, now)
-        o.queued = True
+        o.queued, o.ready_at = True, now
         return self.poll(now)
 
     def _check(self, blocks: list[int], reg: Register) -> str:
