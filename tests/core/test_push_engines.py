@@ -149,15 +149,38 @@ def test_cancel_during_push_acks_only_after_in_flight_chunks_drain() -> None:
 
 def test_retryable_chunk_error_is_retried_and_counted() -> None:
     s = sender()
-    s.blocks_ready("t", [1], 0.0)
+    s.blocks_ready("t", [1, 2, 3], 0.0)
     s.hold("t")
-    (w1,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    (w1,) = of(s.on_message(register(), 0.0), PostWrite)
     out = s.on_chunk(w1.chunk_id, False, "ERR:nixlBackendError", 0.1)
     assert [n.kind for n in of(out, Note)] == ["retry"]
     (w2,) = of(s.poll(0.2), PostWrite)  # after the jittered backoff
-    assert w2.src_blocks == (1,) and w2.done is not None
-    assert of(s.on_chunk(w2.chunk_id, True, "", 0.3), ReleaseSend) == [
-        ReleaseSend("t", "retried", 100)]
+    assert w2.src_blocks == (1, 2) and w2.done is None
+    (w3,) = of(s.on_chunk(w2.chunk_id, True, "", 0.3), PostWrite)
+    assert w3.done is not None
+    assert of(s.on_chunk(w3.chunk_id, True, "", 0.4), ReleaseSend) == [
+        ReleaseSend("t", "retried", 300)]
+
+
+def test_a_failed_last_chunk_is_never_posted_again_decode_pulls_instead() -> None:
+    # Found by test_protocol_stateful: the last chunk carries DONE; its WRITE can fail at P
+    # after the bytes and DONE reached D (an ack lost with the connection). D then reported
+    # the KV and released the blocks, and P's retry of that chunk wrote into freed blocks.
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    assert w.done is not None
+    out = s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    assert of(out, PostWrite) == [] and of(s.poll(1.0), PostWrite) == []
+    (fb,) = msgs(out, m.Fallback)
+    assert fb.block_ids == [1]
+    # A fatal error on it still fails the transfer (no fallback).
+    s2 = sender()
+    s2.blocks_ready("t", [1], 0.0)
+    (w,) = of(s2.on_message(register(blocks=[10]), 0.0), PostWrite)
+    out = s2.on_chunk(w.chunk_id, False, "NIXL_ERR_INVALID_PARAM", 0.1)
+    assert msgs(out, m.Fallback) == [] and len(msgs(out, m.Failed)) == 1
 
 
 def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:

@@ -41,6 +41,7 @@ from kvpush_prod.core.retry import (
     RetryBudget,
     RetryPolicy,
     RetrySettings,
+    classify,
     decide,
 )
 from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
@@ -280,20 +281,30 @@ class Sender:
         if o is None or not o.queued:
             self.sched.on_chunk_failed(chunk_id, now, give_up=True)
             return out + (self._after_drain(o, now) if o is not None else [])
-        decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
-                          now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
-        if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
-            self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
-            o.retried = True
-            self._fire(o, E.CHUNK_ERROR, now)
-            out.append(Note("retry", decision.classification.kind, decision.reason))
-            return out
+        if chunk.is_last:
+            # The last chunk carries DONE. A failed completion does not mean nothing landed
+            # (the ack can be lost after the bytes and the notification arrived): D may have
+            # reported the KV and released the blocks, so that WRITE is never posted again.
+            # D pulls instead (it ignores the FALLBACK if DONE did arrive).
+            kind = classify(error)
+            action, reason = kind.action, f"last_chunk_failed: {kind.kind}"
+        else:
+            decision = decide(error, attempt=chunk.attempt + 1,
+                              first_attempt_at=chunk.first_posted_at, now=now,
+                              policy=self.policy, budget=self.budget, peer=chunk.link)
+            if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
+                self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
+                o.retried = True
+                self._fire(o, E.CHUNK_ERROR, now)
+                out.append(Note("retry", decision.classification.kind, decision.reason))
+                return out
+            action, reason = decision.action, decision.reason
         # Give up the push: stop posting, let the rest drain, then fall back or fail.
         self.sched.on_chunk_failed(chunk_id, now, give_up=True)
         o.queued = False
         self._fire(o, E.CHUNK_ERROR, now)
-        fallback = decision.action is ErrorClass.FALLBACK and self.s.fallback
-        o.drain_then, o.reason = ("fallback" if fallback else "failed"), decision.reason
+        fallback = action is not ErrorClass.FATAL and self.s.fallback
+        o.drain_then, o.reason = ("fallback" if fallback else "failed"), reason
         return out + self._after_drain(o, now)
 
     # ------------------------------------------------------------------ time
@@ -365,7 +376,7 @@ class Sender:
                 if o.queued:
                     self.sched.cancel(o.tid)
                     o.queued = False
-                if o.reg is not None and st is not S.FALLBACK:
+                if o.reg is not None:
                     out.append(self._failed(o.reg, "timeout", f"transfer stuck in {st.value}"))
                 out += self._close(o, "expired")
         if now >= self._next_heartbeat:
