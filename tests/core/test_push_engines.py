@@ -413,6 +413,23 @@ def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill(
     assert r.on_done(done(gen=reg.generation), 1.1) == [ReportFinished("t", "pushed")]
 
 
+def test_a_late_message_of_a_replaced_prefill_process_changes_nothing() -> None:
+    # Found by test_protocol_stateful (messages of a crashed process delivered late): the
+    # incarnation seen at an address flipped back to the dead process, so D took the live
+    # P's transfers for the dead one's and freed their blocks while the live P pushed.
+    r = receiver()
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # P, incarnation 1
+    r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 5.0)  # P restarted: incarnation 99
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 5.1), m.Register)
+    r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 5.2)
+    (note,) = r.on_message(m.Heartbeat(1, P, D.incarnation, []), 5.3)  # the dead one's, late
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    (note,) = r.on_message(m.Failed(1, "t", reg.generation, P, "x"), 5.4)
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    assert r.on_done(done(gen=reg.generation), 5.5) == [ReportFinished("t", "pushed")]
+
+
 def test_waiting_for_credit_is_announced_to_prefill_with_generation_zero() -> None:
     r = receiver()
     r.await_admission("t", "tcp://p:1")

@@ -89,6 +89,7 @@ class _In:
 class _Peer:
     last_heard: float = -1e18
     incarnation: int | None = None
+    retired: set[int] = field(default_factory=set)  # earlier processes at this address
 
 
 class Receiver:
@@ -197,6 +198,8 @@ class Receiver:
             return [Note("rejected", "unexpected",
                          f"{type(msg).__name__} is not for a decode engine")]
         out = self._note_peer(msg.sender, now)
+        if out is None:
+            return [self._retired_note(msg.sender)]
         inc = self._in.get(msg.transfer_id)
         if inc is None:
             return [*out, Note("rejected", "unknown_transfer",
@@ -220,6 +223,8 @@ class Receiver:
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> list[Action]:
         out = self._note_peer(hb.sender, now)
+        if out is None:
+            return [self._retired_note(hb.sender)]
         for tid, gen in hb.live:
             inc = self._in.get(tid)
             if inc is not None and inc.address == hb.sender.control and gen == inc.generation:
@@ -227,13 +232,21 @@ class Receiver:
                 inc.p_incarnation = hb.sender.incarnation
         return out
 
-    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action]:
-        """Track P's liveness; a new incarnation at the same address means P restarted."""
+    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action] | None:
+        """Track P's liveness; a new incarnation at the same address means P restarted.
+
+        None: the sender is a process already replaced at its address (a message it sent
+        before dying, delivered late): the caller drops the message.
+        """
         peer = self._peers.setdefault(sender.control, _Peer())
+        if sender.incarnation in peer.retired:
+            return None
         peer.last_heard = now
         if peer.incarnation == sender.incarnation:
             return []
         old, peer.incarnation = peer.incarnation, sender.incarnation
+        if old is not None:
+            peer.retired.add(old)
         out: list[Action] = []
         for inc in list(self._in.values()):
             if inc.address != sender.control or inc.p_incarnation is None:
@@ -251,6 +264,12 @@ class Receiver:
         if old is not None:
             out.append(Note("peer_restart", "prefill", f"{sender.control} -> {sender.incarnation}"))
         return out
+
+    @staticmethod
+    def _retired_note(sender: PeerInfo) -> Note:
+        # Fenced like a stale generation: it is about a process that no longer exists.
+        return Note("fenced", "stale_generation",
+                    f"{sender.control} incarnation {sender.incarnation} was replaced")
 
     def _on_fallback(self, inc: _In, msg: Fallback, now: float, age: float) -> list[Action]:
         if inc.fallback is not None:
