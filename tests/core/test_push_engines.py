@@ -277,6 +277,25 @@ def test_transfer_deadline_keeps_blocks_until_the_read_permit_of_a_fallback_ends
     assert of(s.tick(8.2), ReleaseSend) == [ReleaseSend("t", "failed", 0)]  # permit + skew
 
 
+def test_chunks_always_in_flight_do_not_keep_a_transfer_past_its_deadline() -> None:
+    # Found by test_protocol_stateful: on a slow link one chunk was in flight at every tick,
+    # and the deadline check waited for a tick with none, so the push went on (renewed
+    # permit) far past the whole-transfer bound.
+    settings = replace(SS, timeouts=TransferTimeouts(total_s=5.0))
+    s = Sender(P, settings, random.Random(0))
+    s.blocks_ready("t", [1, 2, 3, 4, 5], 0.0)
+    s.hold("t")
+    w1, w2 = of(s.on_message(register(blocks=[10, 11, 12, 13, 14]), 0.0), PostWrite)
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 4.0)  # permit to 9 s
+    assert of(s.on_chunk(w1.chunk_id, True, "", 4.9), PostWrite) == []
+    assert of(s.tick(5.1), PostWrite) == []  # past the deadline, w2 still in flight
+    out = s.on_chunk(w2.chunk_id, True, "", 5.2)  # the last chunk would go now
+    assert of(out, PostWrite) == []
+    (failed,) = msgs(out, m.Failed)
+    assert failed.reason == "timeout"
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "expired", 0)]
+
+
 def test_prefill_abort_fails_a_waiting_decode_at_once() -> None:
     s = sender()
     s.on_message(register(), 0.0)

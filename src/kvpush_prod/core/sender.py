@@ -370,12 +370,18 @@ class Sender:
                 out.append(Note("lease_expired", "pull", o.tid))
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, "failed")
-            elif st is not S.FALLBACK and o.machine.expired(now) and not o.inflight:
-                # (A FALLBACK ends only with its read permit above: D may READ until then.)
-                self._fire(o, E.EXPIRE, now)
+            elif st is not S.FALLBACK and o.machine.expired(now):
+                # The whole-transfer bound (a FALLBACK ends only with its read permit, above:
+                # D may READ until then). Post nothing more; end once the chunks in flight
+                # drained (a chunk always in flight must not keep the transfer alive).
                 if o.queued:
                     self.sched.cancel(o.tid)
                     o.queued = False
+                if o.inflight:
+                    if not o.drain_then:
+                        o.drain_then, o.reason = "expired", "timeout"
+                    continue
+                self._fire(o, E.EXPIRE, now)
                 if o.reg is not None:
                     out.append(self._failed(o.reg, "timeout", f"transfer stuck in {st.value}"))
                 out += self._close(o, "expired")
