@@ -1,0 +1,237 @@
+"""The push protocol under fire: N prefill x M decode engines in a simulated world.
+
+Hypothesis drives the real Sender/Receiver engines through lost, duplicated, reordered and
+delayed messages, slow and failing chunks, stalls, crashes and restarts, aborts on both sides
+and stale replays, and checks after every step that credits stay within budget, blocks in
+flight within credit, nothing is freed twice or while a permit or a chunk can still touch
+it, no WRITE is posted after its permit, stale generations change nothing, D ends up with
+P's bytes and every transfer ends within its bound; at the end, that nothing leaked.
+
+Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
+``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (60).
+A failure prints the steps, the world's last events and ``@reproduce_failure`` (the blob).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hypothesis import HealthCheck, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sim_world import (
+    CHUNK_MAX_S,
+    DISCONNECT,
+    INVALID,
+    PAUSE_MAX_S,
+    RETRYABLE,
+    Chaos,
+    World,
+)
+
+EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", settings.default.max_examples))
+STEPS = int(os.environ.get("KVPUSH_HYPOTHESIS_STEPS", "60"))
+MAX_OPEN = 12  # requests in flight at once (each counted on P and on D)
+MAX_CRASHES = 2  # per example: more leaves too little alive to test
+MAX_PARTITIONS = 3
+RESTART_S = 1.0  # a process takes at least this long to come back
+
+chaos_st = st.builds(
+    Chaos,
+    drop=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
+    dup=st.sampled_from([0.0, 0.05, 0.2]),
+    delay_max_s=st.sampled_from([0.002, 0.02, 0.3]),
+    spike=st.sampled_from([0.0, 0.02, 0.1]),
+    chunk_fail=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+    fatal_share=st.sampled_from([0.0, 0.1]),
+    slow=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
+    notif_loss=st.sampled_from([0.0, 0.1]),
+    skew=st.booleans(),
+    ambiguous=st.sampled_from([0.0, 0.0, 0.3]),
+    zombie=st.booleans(),
+)
+
+
+class ProtocolWorld(RuleBasedStateMachine):
+    """The rules are the world's events; hypothesis picks them, their order and their timing."""
+
+    world: World
+
+    @initialize(n_p=st.integers(1, 3), n_d=st.integers(1, 2), chaos=chaos_st,
+                seed=st.integers(0, 2**32 - 1))
+    def setup(self, n_p: int, n_d: int, chaos: Chaos, seed: int) -> None:
+        note(f"world: {n_p} P x {n_d} D, {chaos}, seed {seed}")
+        self.world = World(n_p, n_d, chaos, seed)
+
+    def _pick(self, data: st.DataObject, items: list[Any]) -> Any:
+        return data.draw(st.sampled_from(sorted(items)))
+
+    # ------------------------------------------------------------------ work
+    @precondition(lambda self: self.world.open_requests() < 2 * MAX_OPEN)
+    @rule(data=st.data(), sizes=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)),
+                                         min_size=1, max_size=3))
+    def new_requests(self, data: st.DataObject, sizes: list[tuple[int, int]]) -> None:
+        """The router sends a few requests, each to a prefill and a decode engine."""
+        w = self.world
+        for total, first in sizes:
+            p = w.nodes[self._pick(data, [n for n in w.nodes if n.startswith("P")])]
+            d = w.nodes[self._pick(data, [n for n in w.nodes if n.startswith("D")])]
+            # Mostly no prefix hit on D; sometimes part of the prompt, rarely all of it.
+            w.new_request(p, d, total, first if first <= total and first % 3 == 0 else 0)
+
+    @rule(data=st.data(), side=st.sampled_from(["D", "P"]))
+    def abort(self, data: st.DataObject, side: str) -> None:
+        """A client goes away: D's request ends (any time), or P's before its prompt is done."""
+        w = self.world
+        if side == "D":
+            open_ = [(n.name, t) for n in w.nodes.values() for t, d in n.dreqs.items()
+                     if d.state != "ended" and not d.aborting]
+            if open_:
+                name, tid = self._pick(data, open_)
+                w.abort_d(w.nodes[name], tid)
+        else:
+            queued = [(n.name, t) for n in w.nodes.values() for t, p in n.preqs.items()
+                      if p.state == "queued"]
+            if queued:
+                name, tid = self._pick(data, queued)
+                w.abort_p(w.nodes[name], tid)
+
+    # ------------------------------------------------------------------ time
+    @rule(dt=st.floats(0.0, 0.3))
+    def advance(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
+    @rule(dt=st.floats(0.3, 8.0))
+    def advance_long(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
+    # ------------------------------------------------------------------ network
+    @precondition(lambda self: bool(self.world.wires) or bool(self.world.history))
+    @rule(data=st.data(), kind=st.sampled_from(["drop", "reorder", "delay", "duplicate"]),
+          extra=st.floats(0.0, 6.0))
+    def network_fault(self, data: st.DataObject, kind: str, extra: float) -> None:
+        """Lose, reorder (deliver now), delay or duplicate (a recent) control message."""
+        w = self.world
+        if kind == "duplicate":
+            old = data.draw(st.sampled_from(list(w.history)))
+            src = w.nodes[old.src]
+            if src.alive and src.inc == old.src_inc:  # a dead process sends nothing more
+                w.count("rule:duplicate")
+                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra)
+            return
+        if not w.wires:
+            return
+        wire = w.wires[self._pick(data, list(w.wires))]
+        w.count(f"rule:{kind}")
+        if kind == "drop":
+            del w.wires[wire.id]
+        elif kind == "reorder":
+            w.deliver(wire)
+        else:
+            wire.at += extra
+            w._push(wire.at, "wire", wire.id)
+
+    @precondition(lambda self: self.world.stats.get("partition", 0) < MAX_PARTITIONS)
+    @rule(data=st.data(), dt=st.floats(0.5, 8.0),
+          way=st.sampled_from(["both", "P->D", "D->P"]))
+    def partition(self, data: st.DataObject, dt: float, way: str) -> None:
+        """The control network between a P and a D fails for a while, both ways or one way
+        (RDMA still works)."""
+        w = self.world
+        p = self._pick(data, [n for n in w.nodes if n.startswith("P")])
+        d = self._pick(data, [n for n in w.nodes if n.startswith("D")])
+        if way == "D->P":
+            p, d = d, p
+        w.partition(p, d, dt, both=way == "both")
+
+    @rule(data=st.data(), role=st.sampled_from(["D", "P"]), kind=st.sampled_from(
+        ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone",
+         "Heartbeat"]), shift=st.sampled_from([-2, -1, 1, 4]))
+    def stale_message(self, data: st.DataObject, role: str, kind: str, shift: int) -> None:
+        """A message about a live transfer with another generation than its current one
+        (a late message about an earlier grant) reaches its receiver: it must be fenced."""
+        w = self.world
+        cands = w.stale_candidates(role)
+        if cands:
+            w.deliver_stale(self._pick(data, cands), kind, shift)
+
+    # ------------------------------------------------------------------ NICs
+    @precondition(lambda self: bool(self.world.flights))
+    @rule(data=st.data(), kind=st.sampled_from(["fail", "complete", "slow"]),
+          error=st.sampled_from([*RETRYABLE, DISCONNECT, INVALID]), torn=st.booleans())
+    def chunk_fault(self, data: st.DataObject, kind: str, error: str, torn: bool) -> None:
+        """A chunk fails now (maybe having written part of its blocks), completes now, or
+        takes as long as a chunk may (CHUNK_MAX_S)."""
+        w = self.world
+        fl = w.flights[self._pick(data, list(w.flights))]
+        w.count(f"rule:chunk_{kind}")
+        if kind == "fail":
+            w.complete(fl, error=error, torn=torn)
+        elif kind == "complete":
+            w.complete(fl, error="", torn=False)
+        elif fl.posted + CHUNK_MAX_S > w.now:
+            fl.at = fl.posted + CHUNK_MAX_S
+            w._push(fl.at, "flight", fl.key)
+
+    # ------------------------------------------------------------------ engines
+    @rule(data=st.data(), kind=st.sampled_from(["stall", "tick", "poll"]),
+          dt=st.floats(0.05, PAUSE_MAX_S))
+    def pump(self, data: st.DataObject, kind: str, dt: float) -> None:
+        """A pump stalls (GC, overload), or ticks or polls its engine out of turn."""
+        w = self.world
+        node = w.nodes[self._pick(data, list(w.nodes))]
+        if kind == "stall":
+            w.pause(node, dt)
+        elif kind == "tick":
+            w.call(node, lambda eng, now: eng.tick(now))
+        else:
+            w.call(node, lambda eng, now: eng.poll(now))
+
+    @precondition(lambda self: self.world.stats.get("crash", 0) < MAX_CRASHES)
+    @rule(data=st.data())
+    def crash(self, data: st.DataObject) -> None:
+        w = self.world
+        alive = [n.name for n in w.nodes.values() if n.alive]
+        if alive:
+            w.crash(w.nodes[self._pick(data, alive)])
+
+    @precondition(lambda self: any(not n.alive and self.world.now - n.died_at >= RESTART_S
+                                   for n in self.world.nodes.values()))
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """A crashed engine comes back: a new incarnation at the same address."""
+        w = self.world
+        dead = [n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_S]
+        w.start(w.nodes[self._pick(data, dead)])
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.world.check()
+
+    def teardown(self) -> None:
+        w = getattr(self, "world", None)
+        if w is None or w.broken:
+            return  # a step failed: that failure is the report
+        try:
+            w.quiesce()
+        finally:
+            note(f"world stats: {dict(sorted(w.stats.items()))}")
+
+
+ProtocolWorld.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                           HealthCheck.data_too_large],
+)
+TestProtocolWorld = ProtocolWorld.TestCase
