@@ -127,6 +127,18 @@ def test_a_cancel_with_a_stale_generation_changes_nothing() -> None:
     assert of(s.blocks_ready("t", [1, 2, 3], 0.2), PostWrite) != []
 
 
+def test_a_register_with_a_stale_generation_is_fenced_even_after_a_cancel() -> None:
+    # Found by test_protocol_stateful: once the transfer was cancelled (tombstoned) while a
+    # chunk was still draining, a late REGISTER of an earlier generation was answered with a
+    # Failed notice instead of being fenced.
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    (w,) = of(s.on_message(register(gen=2), 0.0), PostWrite)
+    assert s.on_message(m.Cancel(1, "t", 2, D, "aborted"), 0.1) == []  # drains w first
+    (note,) = s.on_message(register(gen=1), 0.2)
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+
+
 def test_cancel_before_blocks_frees_them_on_arrival_without_writing() -> None:
     s = sender()
     (ack,) = msgs(s.on_message(m.Cancel(1, "t", 0, D, "not_needed"), 0.0), m.CancelAck)

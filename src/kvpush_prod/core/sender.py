@@ -179,16 +179,17 @@ class Sender:
 
     def _on_register(self, reg: Register, now: float, age: float) -> list[Action]:
         out = self._learn_peer(reg.sender, now)
-        if reg.transfer_id in self._tombstones:
-            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
-        o = self._get(reg.transfer_id, now)
-        if o.reg is not None:
+        o = self._out.get(reg.transfer_id)
+        if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
                 return out  # a duplicate: idempotent
             if reg.generation < o.reg.generation or o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
                 return [*out, Note("fenced", "stale_generation",
                                    f"REGISTER {reg.transfer_id} gen {reg.generation} after "
                                    f"{o.reg.generation}")]
+        if reg.transfer_id in self._tombstones:
+            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
+        o = self._get(reg.transfer_id, now)
         ttl = reg.permit_ttl_ms / 1000.0
         if ttl <= 0:
             return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
