@@ -332,6 +332,22 @@ def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> 
         ReleaseSend("t", "failed", 0)]
 
 
+def test_a_late_register_of_a_replaced_decode_process_changes_nothing() -> None:
+    # The sender-side twin of the receiver fix (test_protocol_stateful's late messages of a
+    # dead process): the dead D's REGISTER was taken for yet another restart, so P dropped
+    # the transfers of the live D and disconnected its agent.
+    s = sender()
+    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", "agent-d2", b"meta", LAYOUT)
+    s.on_message(register("old", blocks=[10]), 0.0)  # D, incarnation 2
+    s.blocks_ready("t", [1, 2, 3], 1.0)
+    (connect,) = of(s.on_message(register("t", sender_info=d2), 1.0), ConnectPeer)
+    assert connect.replaces == "agent-d"  # D restarted as incarnation 3
+    (note,) = s.on_message(register("late", blocks=[11]), 1.1)  # the dead one's, late
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    assert s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 1.2) == [note]
+    assert "late" not in s._out  # internal: no transfer made up for the dead process
+
+
 # -------------------------------------------------------------------------------- receiver
 
 

@@ -112,6 +112,7 @@ class Sender:
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
         self._tombstones: dict[str, float] = {}
         self._peers: dict[tuple[str, int], PeerInfo] = {}  # D (engine, rank) -> latest info
+        self._retired: dict[tuple[str, int], set[int]] = {}  # D rank -> replaced incarnations
         self._next_heartbeat = 0.0
 
     # ------------------------------------------------------------------ introspection
@@ -179,6 +180,8 @@ class Sender:
 
     def _on_register(self, reg: Register, now: float, age: float) -> list[Action]:
         out = self._learn_peer(reg.sender, now)
+        if out is None:
+            return [self._retired_note(reg.sender)]
         o = self._out.get(reg.transfer_id)
         if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
@@ -203,6 +206,8 @@ class Sender:
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, age: float) -> list[Action]:
         out = self._learn_peer(hb.sender, now)
+        if out is None:
+            return [self._retired_note(hb.sender)]
         ttl = hb.permit_ttl_ms / 1000.0
         for tid, gen in hb.live:
             o = self._out.get(tid)
@@ -403,9 +408,15 @@ class Sender:
             return False
         return o.machine.fire(event, now)
 
-    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action]:
-        """Connect to a D rank on first sight; a new incarnation supersedes the old one."""
+    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action] | None:
+        """Connect to a D rank on first sight; a new incarnation supersedes the old one.
+
+        None: ``info`` is a process already replaced (a message it sent before dying,
+        delivered late); the caller drops the message.
+        """
         key = (info.engine_id, info.rank)
+        if info.incarnation in self._retired.get(key, ()):
+            return None
         known = self._peers.get(key)
         if known is not None and known.incarnation == info.incarnation:
             return []
@@ -414,6 +425,7 @@ class Sender:
         self._peers[key] = info
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
         if known is not None:
+            self._retired.setdefault(key, set()).add(known.incarnation)
             out.append(Note("peer_restart", "decode", f"{key} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
@@ -427,6 +439,13 @@ class Sender:
                     else:
                         out += self._close(o, "failed")
         return out
+
+    @staticmethod
+    def _retired_note(info: PeerInfo) -> Note:
+        # Fenced like a stale generation: it is about a process that no longer exists.
+        return Note("fenced", "stale_generation",
+                    f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was "
+                    "replaced")
 
     def _maybe_start(self, o: _Out, now: float) -> list[Action]:
         if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
