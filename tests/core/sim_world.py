@@ -69,6 +69,7 @@ CHUNK_MAX_S = 1.2  # a WRITE/READ completes (or is known failed) within this of 
 WALL_SKEW_S = 0.2  # |wall clock offset| of one node: message ages are off by up to twice it
 PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
+RESTART_MIN_S = 1.0  # a process takes at least this long to come back
 COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
 
 TIMEOUTS = TransferTimeouts(new_s=TOTAL_S, waiting_s=TOTAL_S, registered_s=TOTAL_S,
@@ -219,6 +220,7 @@ class Node:
     deferred: deque[Callable[[], None]] = field(default_factory=deque)
     died_at: float = 0.0
     info: m.PeerInfo | None = None
+    past: dict[int, m.PeerInfo] = field(default_factory=dict)  # earlier incarnations
 
     def local(self, now: float) -> float:
         return now + self.mono_off
@@ -331,6 +333,8 @@ class World:
         node.wall_off = self.rng.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
         n = D_BLOCKS if node.role == "D" else P_BLOCKS
         layout = m.Layout("sim", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, n)])
+        if node.info is not None:
+            node.past[node.info.incarnation] = node.info
         node.info = m.PeerInfo(node.name, node.inc, 0, node.address, node.agent, b"meta", layout)
         rng = random.Random(node.inc)
         node.pool = BlockPool(n, f"{node.name}#{node.inc}")
@@ -357,8 +361,14 @@ class World:
                 if fl.op == "WRITE":
                     self._land(fl, ok=False, torn=True)  # whatever got out lands by now
         for wid, w in list(self.wires.items()):
-            if w.src == node.name and w.src_inc == node.inc and not self.chaos.zombie:
+            if w.src != node.name or w.src_inc != node.inc:
+                continue
+            if not self.chaos.zombie:
                 del self.wires[wid]
+            elif self.rng.random() < 0.5:
+                # Stuck in a queue with the connection of the dead process: comes late.
+                w.at = self.now + self.rng.uniform(0.0, SPIKE_MAX_S)
+                self._push(w.at, "wire", wid)
         node.alive = False
         node.engine = None
         node.ledger = None
@@ -366,6 +376,9 @@ class World:
         node.preqs, node.dreqs = {}, {}
         node.deferred.clear()
         node.died_at = self.now
+        # A supervisor brings it back (the restart rule may do so earlier).
+        self._push(self.now + self.rng.uniform(RESTART_MIN_S, 4 * RESTART_MIN_S), "restart",
+                   (node.name, node.inc))
 
     # ------------------------------------------------------------------ engine calls
     def call(self, node: Node, fn: Callable[[Any, float], list[Action]]) -> None:
@@ -595,6 +608,65 @@ class World:
         else:
             stale = g != cur
         return msg.transfer_id if stale else ""
+
+    # ------------------------------------------------------------------ dead processes
+    def dead_candidates(self) -> list[tuple[str, str, int]]:
+        """(receiver, peer, old incarnation): the receiver saw the peer restart, so it knows
+        that incarnation is gone. (One it never heard of cannot be told from a new process:
+        incarnations are random, not ordered, so such a message is not checked here.)"""
+        out: list[tuple[str, str, int]] = []
+        for r in self.nodes.values():
+            if not r.alive:
+                continue
+            for peer in self.nodes.values():
+                if peer.role == r.role or not peer.alive:
+                    continue
+                eng = r.engine
+                if isinstance(eng, Receiver):
+                    known = eng._peers.get(peer.address)
+                    retired = known.retired if known else set()
+                else:
+                    retired = eng._retired.get((peer.name, 0), set())
+                out += [(r.name, peer.name, inc) for inc in sorted(retired) if inc in peer.past]
+        return out
+
+    def deliver_from_dead(self, cand: tuple[str, str, int], kind: str) -> None:
+        """A message the dead incarnation sent before it died arrives now: nothing changes."""
+        r, peer = self.nodes[cand[0]], self.nodes[cand[1]]
+        old = peer.past[cand[2]]
+        eng = r.engine
+        v = m.PROTOCOL_VERSION
+        msg: m.ControlMessage
+        if isinstance(eng, Receiver):
+            tids = sorted(t for t, i in eng._in.items() if i.address == peer.address)
+            if kind == "notice" and tids:
+                msg = m.Failed(v, tids[0], eng._in[tids[0]].generation, old, "zombie")
+            else:
+                msg = m.Heartbeat(v, old, r.inc, [(t, eng._in[t].generation) for t in tids],
+                                  sent_at=peer.wall(self.now))
+        elif kind == "notice":
+            msg = m.Register(v, f"z{next(self._ids)}", old, [0], 0, 16, 1,
+                             int(PERMIT_TTL_S * 1000), sent_at=peer.wall(self.now))
+        else:
+            msg = m.Heartbeat(v, old, r.inc, [], int(PERMIT_TTL_S * 1000),
+                              sent_at=peer.wall(self.now))
+        self.count("rule:dead")
+
+        def run(e: Any, now: float) -> list[Action]:
+            before = self.full_snapshot(r)
+            out: list[Action] = e.on_message(msg, now, 0.0)
+            if any(not isinstance(a, Note) for a in out) or self.full_snapshot(r) != before:
+                raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
+                                f"incarnation {old.incarnation} was acted on: {out}")
+            return out
+
+        self.call(r, run)
+
+    def full_snapshot(self, node: Node) -> tuple[Any, ...]:
+        eng = node.engine
+        tids = sorted(eng._in) if isinstance(eng, Receiver) else sorted(eng._out)
+        peers = sorted((k, v.incarnation) for k, v in eng._peers.items() if v.incarnation)
+        return tuple(self.snapshot(node, t) for t in tids), tuple(peers)
 
     def snapshot(self, node: Node, tid: str) -> tuple[Any, ...]:
         eng = node.engine
@@ -990,6 +1062,10 @@ class World:
                 self._poll(key)
             elif kind == "resume":
                 self._resume(key)
+            elif kind == "restart":
+                node = self.nodes[key[0]]
+                if not node.alive and node.inc == key[1]:
+                    self.start(node)
         self.now = max(self.now, target)
 
     def _node(self, key: tuple[str, int]) -> Node | None:

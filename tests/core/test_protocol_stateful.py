@@ -31,6 +31,7 @@ from sim_world import (
     DISCONNECT,
     INVALID,
     PAUSE_MAX_S,
+    RESTART_MIN_S,
     RETRYABLE,
     Chaos,
     World,
@@ -41,7 +42,6 @@ STEPS = int(os.environ.get("KVPUSH_HYPOTHESIS_STEPS", "60"))
 MAX_OPEN = 12  # requests in flight at once (each counted on P and on D)
 MAX_CRASHES = 2  # per example: more leaves too little alive to test
 MAX_PARTITIONS = 3
-RESTART_S = 1.0  # a process takes at least this long to come back
 
 chaos_st = st.builds(
     Chaos,
@@ -162,6 +162,15 @@ class ProtocolWorld(RuleBasedStateMachine):
         if cands:
             w.deliver_stale(self._pick(data, cands), kind, shift)
 
+    @rule(data=st.data(), kind=st.sampled_from(["heartbeat", "notice"]))
+    def message_of_a_dead_process(self, data: st.DataObject, kind: str) -> None:
+        """A message a crashed engine sent before it died arrives after its restart."""
+        w = self.world
+        cands = w.dead_candidates()
+        w.count(f"dead_cands:{bool(cands)}")
+        if cands:
+            w.deliver_from_dead(self._pick(data, cands), kind)
+
     # ------------------------------------------------------------------ NICs
     @precondition(lambda self: bool(self.world.flights))
     @rule(data=st.data(), kind=st.sampled_from(["fail", "complete", "slow"]),
@@ -202,13 +211,13 @@ class ProtocolWorld(RuleBasedStateMachine):
         if alive:
             w.crash(w.nodes[self._pick(data, alive)])
 
-    @precondition(lambda self: any(not n.alive and self.world.now - n.died_at >= RESTART_S
+    @precondition(lambda self: any(not n.alive and self.world.now - n.died_at >= RESTART_MIN_S
                                    for n in self.world.nodes.values()))
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """A crashed engine comes back: a new incarnation at the same address."""
         w = self.world
-        dead = [n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_S]
+        dead = [n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_MIN_S]
         w.start(w.nodes[self._pick(data, dead)])
 
     # ------------------------------------------------------------------ invariants
