@@ -8,7 +8,7 @@ it, no WRITE is posted after its permit, stale generations change nothing, D end
 P's bytes and every transfer ends within its bound; at the end, that nothing leaked.
 
 Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
-``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (60).
+``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (100).
 A failure prints the steps, the world's last events and ``@reproduce_failure`` (the blob).
 """
 
@@ -38,7 +38,7 @@ from sim_world import (
 )
 
 EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", settings.default.max_examples))
-STEPS = int(os.environ.get("KVPUSH_HYPOTHESIS_STEPS", "60"))
+STEPS = int(os.environ.get("KVPUSH_HYPOTHESIS_STEPS", "100"))
 MAX_OPEN = 12  # requests in flight at once (each counted on P and on D)
 MAX_CRASHES = 2  # per example: more leaves too little alive to test
 MAX_PARTITIONS = 3
