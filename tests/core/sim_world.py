@@ -12,10 +12,11 @@ import heapq
 import itertools
 import random
 import re
+import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -38,6 +39,8 @@ from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySetting
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferState, TransferTimeouts
+
+T = TypeVar("T")
 
 
 class Violation(AssertionError):
@@ -127,6 +130,32 @@ class Chaos:
 
 
 # ------------------------------------------------------------------------------ world parts
+class KeyedRandom:
+    """splitmix64: a few draws from a seed, cheaper to make than ``random.Random``."""
+
+    __slots__ = ("_s",)
+    _M = (1 << 64) - 1
+
+    def __init__(self, seed: int) -> None:
+        self._s = seed & self._M
+
+    def _next(self) -> int:
+        self._s = (self._s + 0x9E3779B97F4A7C15) & self._M
+        z = self._s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._M
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        return (self._next() >> 11) * (1.0 / (1 << 53))
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.random()
+
+    def choice(self, seq: Sequence[T]) -> T:
+        return seq[int(self.random() * len(seq))]
+
+
 class BlockPool:
     """One engine's KV blocks: owner per block, an epoch bumped on every alloc and free,
     and a content tag (what the bytes are) to check that D ends up with P's bytes."""
@@ -215,6 +244,7 @@ class Node:
     ledger: CreditLedger | None = None
     preqs: dict[str, PReq] = field(default_factory=dict)
     dreqs: dict[str, DReq] = field(default_factory=dict)
+    closed: dict[str, PReq | DReq] = field(default_factory=dict)  # requests over, by id
     connected: set[str] = field(default_factory=set)
     paused_until: float = 0.0
     deferred: deque[Callable[[], None]] = field(default_factory=deque)
@@ -268,7 +298,8 @@ class World:
 
     def __init__(self, n_p: int, n_d: int, chaos: Chaos, seed: int) -> None:
         self.chaos = chaos
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self._sends: dict[tuple[str, int], int] = {}  # per-process message counters
         self.now = 0.0
         self.nodes: dict[str, Node] = {}
         self.wires: dict[int, Wire] = {}
@@ -309,6 +340,12 @@ class World:
                          + "\n".join(mine[-60:]) + "\nlatest events:\n"
                          + "\n".join(list(self.trace)[-30:]))
 
+    def r(self, *key: Any) -> KeyedRandom:
+        """The world's randomness for one thing (a message, a chunk, a request): keyed by what
+        it is rather than drawn from one stream, so removing an unrelated step while
+        shrinking does not reshuffle every later outcome."""
+        return KeyedRandom((self.seed << 32) ^ zlib.crc32(repr(key).encode()))
+
     def _push(self, at: float, kind: str, key: Any) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), kind, key))
 
@@ -329,8 +366,9 @@ class World:
         node.alive = True
         node.inc = next(self._incs)
         node.agent = f"agent-{node.name}-{node.inc}"
-        node.mono_off = self.rng.uniform(0.0, 500.0)  # monotonic clocks share no origin
-        node.wall_off = self.rng.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
+        r = self.r("start", node.name, node.inc)
+        node.mono_off = r.uniform(0.0, 500.0)  # monotonic clocks share no origin
+        node.wall_off = r.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
         n = D_BLOCKS if node.role == "D" else P_BLOCKS
         layout = m.Layout("sim", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, n)])
         if node.info is not None:
@@ -341,13 +379,13 @@ class World:
         node.connected = set()
         node.paused_until = 0.0
         node.deferred.clear()
-        node.preqs, node.dreqs = {}, {}
+        node.preqs, node.dreqs, node.closed = {}, {}, {}
         if node.role == "P":
             node.engine = Sender(node.info, SENDER, rng)
         else:
             node.engine = Receiver(node.info, RECEIVER, rng)
             node.ledger = CreditLedger(CREDITS)
-        self._push(self.now + self.rng.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
+        self._push(self.now + r.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
         self.log(f"{node.name} starts as incarnation {node.inc}")
 
     def crash(self, node: Node) -> None:
@@ -366,19 +404,20 @@ class World:
                 continue
             if not self.chaos.zombie:
                 del self.wires[wid]
-            elif self.rng.random() < 0.5:
+            elif (r := self.r("zombie", wid)).random() < 0.5:
                 # Stuck in a queue with the connection of the dead process: comes late.
-                w.at = self.now + self.rng.uniform(0.0, SPIKE_MAX_S)
+                w.at = self.now + r.uniform(0.0, SPIKE_MAX_S)
                 self._push(w.at, "wire", wid)
         node.alive = False
         node.engine = None
         node.ledger = None
         node.pool = None
-        node.preqs, node.dreqs = {}, {}
+        node.preqs, node.dreqs, node.closed = {}, {}, {}
         node.deferred.clear()
         node.died_at = self.now
         # A supervisor brings it back (the restart rule may do so earlier).
-        self._push(self.now + self.rng.uniform(RESTART_MIN_S, 4 * RESTART_MIN_S), "restart",
+        self._push(self.now + self.r("restart", node.name, node.inc).uniform(
+            RESTART_MIN_S, 4 * RESTART_MIN_S), "restart",
                    (node.name, node.inc))
 
     # ------------------------------------------------------------------ engine calls
@@ -433,13 +472,15 @@ class World:
         self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
                  f" g{getattr(msg, 'generation', '')} -> {a.peer}")
         c = self.chaos
-        copies = 0 if self.rng.random() < c.drop else 1
-        if copies and self.rng.random() < c.dup:
+        n = self._sends[(node.name, node.inc)] = self._sends.get((node.name, node.inc), 0) + 1
+        r = self.r("send", node.name, node.inc, n)
+        copies = 0 if r.random() < c.drop else 1
+        if copies and r.random() < c.dup:
             copies = 2
         for _ in range(copies):
-            delay = self.rng.uniform(0.0002, c.delay_max_s)
-            if self.rng.random() < c.spike:
-                delay = self.rng.uniform(0.0, SPIKE_MAX_S)
+            delay = r.uniform(0.0002, c.delay_max_s)
+            if r.random() < c.spike:
+                delay = r.uniform(0.0, SPIKE_MAX_S)
             self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay)
 
     def partition(self, a: str, b: str, dt: float, both: bool = True) -> None:
@@ -768,16 +809,17 @@ class World:
                                                     node.local(self.now)))
             return
         c = self.chaos
-        latency = self.rng.uniform(0.0005, 0.03)
-        if self.rng.random() < c.slow:
-            latency = self.rng.uniform(0.2, CHUNK_MAX_S)
+        r = self.r("chunk", *key)
+        latency = r.uniform(0.0005, 0.03)
+        if r.random() < c.slow:
+            latency = r.uniform(0.2, CHUNK_MAX_S)
         error = ""
-        if self.rng.random() < c.chunk_fail:
-            r = self.rng.random()
-            error = INVALID if r < c.fatal_share else (
-                DISCONNECT if r < c.fatal_share + 0.2 else self.rng.choice(RETRYABLE))
+        if r.random() < c.chunk_fail:
+            x = r.random()
+            error = INVALID if x < c.fatal_share else (
+                DISCONNECT if x < c.fatal_share + 0.2 else r.choice(RETRYABLE))
         fl = Flight(key, op, tid, gen, peer, src, dst, self._epochs(dst), self._epochs(src),
-                    done, self.now, self.now + latency, error, bool(error) and self.rng.random() < 0.5)
+                    done, self.now, self.now + latency, error, bool(error) and r.random() < 0.5)
         self.flights[key] = fl
         self._push(fl.at, "flight", key)
         self.log(f"{node.name} posts {op} {tid} g{gen} chunk {cid} {src[2]}->{dst[2]}"
@@ -820,8 +862,9 @@ class World:
                                     f" after it was freed (owner {src.pool.owner[s]!r})")
                 dst.pool.content[b] = src.pool.content[s]
         else:
+            r = self.r("torn", *fl.key)
             for b in fl.dst[2]:
-                if self.rng.random() < 0.5:
+                if r.random() < 0.5:
                     dst.pool.content[b] = ("torn", fl.tid)
 
     def complete(self, fl: Flight, error: str | None = None, torn: bool | None = None) -> None:
@@ -832,7 +875,8 @@ class World:
         target = self.by_agent(fl.peer)
         if target is None:
             err, tear = DISCONNECT, False  # the peer process is gone
-        landed = not err or (target is not None and self.rng.random() < self.chaos.ambiguous)
+        r = self.r("done", *fl.key)
+        landed = not err or (target is not None and r.random() < self.chaos.ambiguous)
         if landed and err:
             self.count("ambiguous")
         self._land(fl, ok=landed, torn=tear)
@@ -840,9 +884,9 @@ class World:
         self.log(f"{fl.op} {fl.tid} chunk {fl.key} completes {err or 'ok'}")
         poster = self.nodes[fl.key[0]]
         if (landed and fl.done is not None and target is not None
-                and self.rng.random() >= self.chaos.notif_loss):
+                and r.random() >= self.chaos.notif_loss):
             nid = next(self._ids)
-            at = self.now + self.rng.uniform(0.0, 0.005)
+            at = self.now + r.uniform(0.0, 0.005)
             self.notifs[nid] = (at, target.agent, fl.done)
             self._push(at, "notif", nid)
         if poster.alive and poster.inc == fl.key[1]:
@@ -881,8 +925,9 @@ class World:
             raise self.fail(f"{node.name} releases {a.transfer_id} twice "
                             f"({self.released[key]}, then {a.outcome})")
         if preq is None or preq.state != "held":
+            was = preq or node.closed.get(a.transfer_id)
             raise self.fail(f"{node.name} releases {a.transfer_id} before the request finished "
-                            f"(state {preq and preq.state})")
+                            f"(state {was and was.state})")
         self.released[key] = a.outcome
         self.count(f"release:{a.outcome}")
         self.log(f"{node.name} releases {a.transfer_id} ({a.outcome})")
@@ -892,7 +937,7 @@ class World:
                                 f"{fl.op} chunk {fl.key} is in flight")
         assert node.pool is not None
         node.pool.release(preq.blocks, a.transfer_id, f"ReleaseSend {a.transfer_id}")
-        preq.state = "released"
+        self.close(node, preq, "released")
 
     def on_report(self, node: Node, a: ReportFinished | ReportFailed) -> None:
         tid = a.transfer_id
@@ -902,12 +947,13 @@ class World:
             raise self.fail(f"{node.name} reports {tid} twice: {self.reported[key]}, then {what}")
         dreq = node.dreqs.get(tid)
         if dreq is None or dreq.state != "admitted":
-            raise self.fail(f"{node.name} reports {tid} it never admitted ({dreq})")
+            raise self.fail(f"{node.name} reports {tid} it never admitted "
+                            f"({dreq or node.closed.get(tid)})")
         self.reported[key] = what
         self.count(f"report:{what}")
         if isinstance(a, ReportFailed) and a.reason == "permit_expired":
             p = self.nodes[dreq.p_name]
-            preq = p.preqs.get(tid) if p.alive else None
+            preq = (p.preqs.get(tid) or p.closed.get(tid)) if p.alive else None
             o = p.engine._out.get(tid) if p.alive else None
             self.count(f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
                        f"out={o and o.machine.state.value}:{o and o.outcome}")
@@ -931,7 +977,7 @@ class World:
         node.pool.release(dreq.blocks, (tid, dreq.gen), f"report of {tid}")
         if not node.ledger.release(tid):
             raise self.fail(f"{node.name} released credit of {tid} it did not hold")
-        dreq.state = "ended"
+        self.close(node, dreq, "ended")
 
     # ------------------------------------------------------------------ schedulers
     def new_request(self, p: Node, d: Node, total: int, first: int) -> str:
@@ -940,8 +986,9 @@ class World:
         self.count("request")
         self.log(f"request {tid}: {p.name} -> {d.name}, {total} blocks from {first}")
         if p.alive:
-            lag = self.rng.choice([0.0, 0.0, 0.0, self.rng.uniform(0.0, P_LAG_MAX_S)])
-            p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + self.rng.uniform(
+            r = self.r("request", tid)
+            lag = r.choice([0.0, 0.0, 0.0, r.uniform(0.0, P_LAG_MAX_S)])
+            p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
                 0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag)
             if not lag:
                 self.p_step(p)
@@ -949,7 +996,7 @@ class World:
             d.dreqs[tid] = DReq(tid, p.name, p.address, total, first, self.now)
             if first >= total:
                 # D has the whole prompt already: P may free at once.
-                d.dreqs[tid].state = "ended"
+                self.close(d, d.dreqs[tid], "ended")
                 self.call(d, lambda eng, now: eng.not_needed(tid, p.address))
         return tid
 
@@ -966,7 +1013,7 @@ class World:
                 for i, b in enumerate(blocks):
                     node.pool.content[b] = (preq.tid, i)
                 preq.blocks, preq.state = blocks, "computed"
-                preq.hold_at = self.now + self.rng.uniform(0.0, 0.1)
+                preq.hold_at = self.now + self.r("hold", preq.tid).uniform(0.0, 0.1)
                 self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.blocks_ready(
                     t, bl, now))
             elif preq.state == "computed" and preq.hold_at <= self.now:
@@ -1010,7 +1057,7 @@ class World:
                     self.call(node, lambda eng, now, d=dreq: eng.await_admission(
                         d.tid, d.p_address))
             else:
-                dreq.state = "ended"
+                self.close(node, dreq, "ended")
                 self.count("refuse")
                 ledger.release(dreq.tid)
                 self.call(node, lambda eng, now, d=dreq: eng.not_needed(d.tid, d.p_address))
@@ -1020,7 +1067,7 @@ class World:
         self.log(f"{node.name} aborts {tid} ({dreq.state})")
         self.count("abort_d")
         if dreq.state in ("asking", "waiting"):
-            dreq.state = "ended"
+            self.close(node, dreq, "ended")
             assert node.ledger is not None
             node.ledger.release(tid)
             self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address))
@@ -1032,7 +1079,7 @@ class World:
         preq = node.preqs[tid]
         self.log(f"{node.name} aborts {tid} before computing it")
         self.count("abort_p")
-        preq.state = "aborted"
+        self.close(node, preq, "aborted")
         self.call(node, lambda eng, now: eng.abort(tid, now))
 
     # ------------------------------------------------------------------ time
@@ -1217,10 +1264,13 @@ class World:
         return out
 
     def open_requests(self) -> int:
-        return sum(1 for n in self.nodes.values() for d in n.dreqs.values()
-                   if d.state != "ended") + sum(1 for n in self.nodes.values()
-                                                for p in n.preqs.values()
-                                                if p.state not in ("released", "aborted"))
+        return sum(len(n.preqs) + len(n.dreqs) for n in self.nodes.values())
+
+    def close(self, node: Node, req: PReq | DReq, state: str) -> None:
+        """A request is over on ``node``: it leaves the open ones (kept for messages)."""
+        req.state = state
+        (node.preqs if isinstance(req, PReq) else node.dreqs).pop(req.tid, None)
+        node.closed[req.tid] = req
 
     def quiesce(self) -> None:
         """No new work: run until every lease has run out; then nothing may be left held.
@@ -1230,8 +1280,7 @@ class World:
         """
         self.log("quiesce")
         self.count("quiesce")
-        queued = sum(1 for n in self.nodes.values() for d in n.dreqs.values()
-                     if d.state != "ended")
+        queued = sum(len(n.dreqs) for n in self.nodes.values())
         end = (self.now + COMPUTE_MAX_S + P_LAG_MAX_S + CREDITS.aging_s
                + (queued + 1) * BOUND_D_S + BOUND_P_S + TOTAL_S)
         while self.now < end:
