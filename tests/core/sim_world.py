@@ -68,7 +68,7 @@ P_LAG_MAX_S = 3.0  # the prefill leg may reach P this long after the decode leg 
 TICK_S = 0.1  # the pump ticks its engine every few tens of ms
 # The world's physical bounds. Safety needs a chunk posted before the holder's stop point to
 # land before the grantor's reuse point: CHUNK_MAX_S + 2 * WALL_SKEW_S < stop + skew margin.
-CHUNK_MAX_S = 1.2  # a WRITE/READ completes (or is known failed) within this of its post
+CHUNK_MAX_S = 1.5  # a WRITE/READ completes (or is known failed) within this of its post
 WALL_SKEW_S = 0.2  # |wall clock offset| of one node: message ages are off by up to twice it
 PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
@@ -317,6 +317,7 @@ class World:
         self.trace: deque[str] = deque(maxlen=4000)
         self.broken = False
         self.cuts: list[tuple[str, str, float]] = []  # (from, to, until)
+        self.slow_links: list[tuple[frozenset[str], float]] = []
         for i in range(n_p):
             self.nodes[f"P{i}"] = Node(f"P{i}", "P", f"tcp://p{i}:7000")
         for j in range(n_d):
@@ -491,6 +492,17 @@ class World:
         self.cuts.append((a, b, self.now + dt))
         if both:
             self.cuts.append((b, a, self.now + dt))
+
+    def slow_down(self, a: str, b: str, dt: float) -> None:
+        """The RDMA link between nodes ``a`` and ``b`` crawls: every chunk takes nearly as
+        long as a chunk may, so pushes last long enough for permits to run out under them."""
+        self.log(f"RDMA link {a} <-> {b} slow for {dt:.3f}s")
+        self.count("slow_link")
+        self.slow_links.append((frozenset((a, b)), self.now + dt))
+
+    def slowed(self, a: str, b: str) -> bool:
+        pair = frozenset((a, b))
+        return any(p == pair and until > self.now for p, until in self.slow_links)
 
     def cut(self, src: str, dst: str) -> bool:
         return any(a == src and b == dst and until > self.now for a, b, until in self.cuts)
@@ -813,6 +825,8 @@ class World:
         latency = r.uniform(0.0005, 0.03)
         if r.random() < c.slow:
             latency = r.uniform(0.2, CHUNK_MAX_S)
+        if self.slowed(src[0], dst[0]):
+            latency = r.uniform(0.5 * CHUNK_MAX_S, CHUNK_MAX_S)
         error = ""
         if r.random() < c.chunk_fail:
             x = r.random()
