@@ -1,15 +1,21 @@
 """The push protocol under fire: N prefill x M decode engines in a simulated world.
 
-Hypothesis drives the real Sender/Receiver engines through lost, duplicated, reordered and
-delayed messages, slow and failing chunks, stalls, crashes and restarts, aborts on both sides
-and stale replays, and checks after every step that credits stay within budget, blocks in
-flight within credit, nothing is freed twice or while a permit or a chunk can still touch
-it, no WRITE is posted after its permit, stale generations change nothing, D ends up with
-P's bytes and every transfer ends within its bound; at the end, that nothing leaked.
+Hypothesis drives the real Sender/Receiver engines (``sim_world.World`` plays the shells,
+the network and the NICs) through lost, duplicated, reordered, delayed and stuck control
+messages, one-way and two-way control partitions, slow, failing, torn and ambiguous
+(failed at P but landed) chunks, pump stalls, crashes and restarts (with the dead
+process's messages arriving late), aborts on both sides, late prefill legs, credit
+pressure and replays with stale generations. The world checks, where each can break and
+after every step: credit within budget and blocks in flight within credit; no double
+free; no WRITE posted after its permit; no chunk landing in a block freed or reused since
+it was posted; no block freed under a live permit; stale generations (and messages of
+dead processes) change nothing; D ends up with P's bytes; every transfer ends within its
+bound; and at quiescence, once every lease ran out, nothing leaked.
 
 Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
 ``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (100).
-A failure prints the steps, the world's last events and ``@reproduce_failure`` (the blob).
+A failure prints the steps, the world (sizes, chaos, seed), its events around the broken
+invariant and ``@reproduce_failure`` (the blob; ``print_blob``).
 """
 
 from __future__ import annotations
