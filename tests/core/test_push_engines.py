@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
@@ -19,6 +20,7 @@ from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.core.transfer import TransferTimeouts
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
 P = m.PeerInfo("P", 1, 0, "tcp://p:1", "agent-p", b"meta", LAYOUT)
@@ -114,6 +116,29 @@ def test_duplicate_register_is_idempotent_and_a_stale_one_is_fenced() -> None:
     assert note.kind == "fenced"
 
 
+def test_a_cancel_with_a_stale_generation_changes_nothing() -> None:
+    # Found by test_protocol_stateful: the fenced CANCEL still left a tombstone, so the
+    # prompt's blocks were dropped unpushed when they came (and D's permit ran out).
+    s = sender()
+    s.expect("t", 0.0)
+    s.on_message(register(gen=2), 0.0)
+    (note,) = s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.1)
+    assert note.kind == "fenced"
+    assert of(s.blocks_ready("t", [1, 2, 3], 0.2), PostWrite) != []
+
+
+def test_a_register_with_a_stale_generation_is_fenced_even_after_a_cancel() -> None:
+    # Found by test_protocol_stateful: once the transfer was cancelled (tombstoned) while a
+    # chunk was still draining, a late REGISTER of an earlier generation was answered with a
+    # Failed notice instead of being fenced.
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    (w,) = of(s.on_message(register(gen=2), 0.0), PostWrite)
+    assert s.on_message(m.Cancel(1, "t", 2, D, "aborted"), 0.1) == []  # drains w first
+    (note,) = s.on_message(register(gen=1), 0.2)
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+
+
 def test_cancel_before_blocks_frees_them_on_arrival_without_writing() -> None:
     s = sender()
     (ack,) = msgs(s.on_message(m.Cancel(1, "t", 0, D, "not_needed"), 0.0), m.CancelAck)
@@ -136,15 +161,38 @@ def test_cancel_during_push_acks_only_after_in_flight_chunks_drain() -> None:
 
 def test_retryable_chunk_error_is_retried_and_counted() -> None:
     s = sender()
-    s.blocks_ready("t", [1], 0.0)
+    s.blocks_ready("t", [1, 2, 3], 0.0)
     s.hold("t")
-    (w1,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    (w1,) = of(s.on_message(register(), 0.0), PostWrite)
     out = s.on_chunk(w1.chunk_id, False, "ERR:nixlBackendError", 0.1)
     assert [n.kind for n in of(out, Note)] == ["retry"]
     (w2,) = of(s.poll(0.2), PostWrite)  # after the jittered backoff
-    assert w2.src_blocks == (1,) and w2.done is not None
-    assert of(s.on_chunk(w2.chunk_id, True, "", 0.3), ReleaseSend) == [
-        ReleaseSend("t", "retried", 100)]
+    assert w2.src_blocks == (1, 2) and w2.done is None
+    (w3,) = of(s.on_chunk(w2.chunk_id, True, "", 0.3), PostWrite)
+    assert w3.done is not None
+    assert of(s.on_chunk(w3.chunk_id, True, "", 0.4), ReleaseSend) == [
+        ReleaseSend("t", "retried", 300)]
+
+
+def test_a_failed_last_chunk_is_never_posted_again_decode_pulls_instead() -> None:
+    # Found by test_protocol_stateful: the last chunk carries DONE; its WRITE can fail at P
+    # after the bytes and DONE reached D (an ack lost with the connection). D then reported
+    # the KV and released the blocks, and P's retry of that chunk wrote into freed blocks.
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    assert w.done is not None
+    out = s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    assert of(out, PostWrite) == [] and of(s.poll(1.0), PostWrite) == []
+    (fb,) = msgs(out, m.Fallback)
+    assert fb.block_ids == [1]
+    # A fatal error on it still fails the transfer (no fallback).
+    s2 = sender()
+    s2.blocks_ready("t", [1], 0.0)
+    (w,) = of(s2.on_message(register(blocks=[10]), 0.0), PostWrite)
+    out = s2.on_chunk(w.chunk_id, False, "NIXL_ERR_INVALID_PARAM", 0.1)
+    assert msgs(out, m.Fallback) == [] and len(msgs(out, m.Failed)) == 1
 
 
 def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:
@@ -226,6 +274,40 @@ def test_send_lease_expires_when_decode_never_registers_nor_asks_to_wait() -> No
     assert of(s.tick(18.5), ReleaseSend) == [ReleaseSend("t", "expired", 0)]
 
 
+def test_transfer_deadline_keeps_blocks_until_the_read_permit_of_a_fallback_ends() -> None:
+    # Found by test_protocol_stateful: D registered late (after waiting for credit), the push
+    # fell back near the whole-transfer deadline, and P freed its blocks at that deadline
+    # while D could still READ them under the pull permit it had just been given.
+    settings = replace(SS, timeouts=TransferTimeouts(total_s=5.0), pull_permit_s=4.0)
+    s = Sender(P, settings, random.Random(0))
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 3.0), PostWrite)
+    (fb,) = msgs(s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 3.1), m.Fallback)
+    assert fb.permit_ttl_ms == 4000  # D may read until 7.1
+    assert of(s.tick(5.5), ReleaseSend) == []  # past the 5 s deadline, within the permit
+    assert of(s.tick(8.2), ReleaseSend) == [ReleaseSend("t", "failed", 0)]  # permit + skew
+
+
+def test_chunks_always_in_flight_do_not_keep_a_transfer_past_its_deadline() -> None:
+    # Found by test_protocol_stateful: on a slow link one chunk was in flight at every tick,
+    # and the deadline check waited for a tick with none, so the push went on (renewed
+    # permit) far past the whole-transfer bound.
+    settings = replace(SS, timeouts=TransferTimeouts(total_s=5.0))
+    s = Sender(P, settings, random.Random(0))
+    s.blocks_ready("t", [1, 2, 3, 4, 5], 0.0)
+    s.hold("t")
+    w1, w2 = of(s.on_message(register(blocks=[10, 11, 12, 13, 14]), 0.0), PostWrite)
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 4.0)  # permit to 9 s
+    assert of(s.on_chunk(w1.chunk_id, True, "", 4.9), PostWrite) == []
+    assert of(s.tick(5.1), PostWrite) == []  # past the deadline, w2 still in flight
+    out = s.on_chunk(w2.chunk_id, True, "", 5.2)  # the last chunk would go now
+    assert of(out, PostWrite) == []
+    (failed,) = msgs(out, m.Failed)
+    assert failed.reason == "timeout"
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "expired", 0)]
+
+
 def test_prefill_abort_fails_a_waiting_decode_at_once() -> None:
     s = sender()
     s.on_message(register(), 0.0)
@@ -248,6 +330,22 @@ def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> 
     # The in-flight chunk to the dead process drains, then the blocks are freed.
     assert s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 1.1) == [
         ReleaseSend("t", "failed", 0)]
+
+
+def test_a_late_register_of_a_replaced_decode_process_changes_nothing() -> None:
+    # The sender-side twin of the receiver fix (test_protocol_stateful's late messages of a
+    # dead process): the dead D's REGISTER was taken for yet another restart, so P dropped
+    # the transfers of the live D and disconnected its agent.
+    s = sender()
+    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", "agent-d2", b"meta", LAYOUT)
+    s.on_message(register("old", blocks=[10]), 0.0)  # D, incarnation 2
+    s.blocks_ready("t", [1, 2, 3], 1.0)
+    (connect,) = of(s.on_message(register("t", sender_info=d2), 1.0), ConnectPeer)
+    assert connect.replaces == "agent-d"  # D restarted as incarnation 3
+    (note,) = s.on_message(register("late", blocks=[11]), 1.1)  # the dead one's, late
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    assert s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 1.2) == [note]
+    assert "late" not in s._out  # internal: no transfer made up for the dead process
 
 
 # -------------------------------------------------------------------------------- receiver
@@ -346,6 +444,37 @@ def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 1.0)
     assert of(out, ReportFailed) == [ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")]
+
+
+def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill() -> None:
+    # Found by test_protocol_stateful: D stamped the transfer with the P incarnation it had
+    # last heard at that address; P had restarted, the new process got the REGISTER and
+    # pushed, and its first heartbeat made D fail the receive and free the blocks while the
+    # push was still writing into them.
+    r = receiver()
+    r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # the old P
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.5), m.Register)
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    out = r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 1.0)
+    assert of(out, ReportFailed) == []
+    assert r.on_done(done(gen=reg.generation), 1.1) == [ReportFinished("t", "pushed")]
+
+
+def test_a_late_message_of_a_replaced_prefill_process_changes_nothing() -> None:
+    # Found by test_protocol_stateful (messages of a crashed process delivered late): the
+    # incarnation seen at an address flipped back to the dead process, so D took the live
+    # P's transfers for the dead one's and freed their blocks while the live P pushed.
+    r = receiver()
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # P, incarnation 1
+    r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 5.0)  # P restarted: incarnation 99
+    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 5.1), m.Register)
+    r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 5.2)
+    (note,) = r.on_message(m.Heartbeat(1, P, D.incarnation, []), 5.3)  # the dead one's, late
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    (note,) = r.on_message(m.Failed(1, "t", reg.generation, P, "x"), 5.4)
+    assert (note.kind, note.reason) == ("fenced", "stale_generation")
+    assert r.on_done(done(gen=reg.generation), 5.5) == [ReportFinished("t", "pushed")]
 
 
 def test_waiting_for_credit_is_announced_to_prefill_with_generation_zero() -> None:

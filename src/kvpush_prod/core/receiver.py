@@ -73,7 +73,9 @@ class _In:
     generation: int
     registered_at: float
     listed_at: float  # last time P said it still holds this transfer
-    p_incarnation: int | None  # the P process this was registered with, when known
+    # The P process that holds this transfer, once a message of it named the transfer with
+    # our generation (so it got our REGISTER); None until then.
+    p_incarnation: int | None
     cancelling: bool = False
     renew: bool = True
     fallback: Fallback | None = None
@@ -87,6 +89,7 @@ class _In:
 class _Peer:
     last_heard: float = -1e18
     incarnation: int | None = None
+    retired: set[int] = field(default_factory=set)  # earlier processes at this address
 
 
 class Receiver:
@@ -142,9 +145,10 @@ class Receiver:
         if tid in self._in:
             return [Note("rejected", "duplicate", f"transfer {tid} is already being received")]
         lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
-        peer = self._peers.get(address)
+        # Not the incarnation last heard at ``address``: P may have restarted since, and the
+        # new process is the one that gets this REGISTER.
         inc = _In(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                  lease.generation, now, now, peer.incarnation if peer else None)
+                  lease.generation, now, now, None)
         inc.machine.fire(E.REGISTER, now)
         inc.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = inc
@@ -194,6 +198,8 @@ class Receiver:
             return [Note("rejected", "unexpected",
                          f"{type(msg).__name__} is not for a decode engine")]
         out = self._note_peer(msg.sender, now)
+        if out is None:
+            return [self._retired_note(msg.sender)]
         inc = self._in.get(msg.transfer_id)
         if inc is None:
             return [*out, Note("rejected", "unknown_transfer",
@@ -217,26 +223,34 @@ class Receiver:
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> list[Action]:
         out = self._note_peer(hb.sender, now)
+        if out is None:
+            return [self._retired_note(hb.sender)]
         for tid, gen in hb.live:
             inc = self._in.get(tid)
             if inc is not None and inc.address == hb.sender.control and gen == inc.generation:
                 inc.listed_at = now
+                inc.p_incarnation = hb.sender.incarnation
         return out
 
-    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action]:
-        """Track P's liveness; a new incarnation at the same address means P restarted."""
+    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action] | None:
+        """Track P's liveness; a new incarnation at the same address means P restarted.
+
+        None: the sender is a process already replaced at its address (a message it sent
+        before dying, delivered late): the caller drops the message.
+        """
         peer = self._peers.setdefault(sender.control, _Peer())
+        if sender.incarnation in peer.retired:
+            return None
         peer.last_heard = now
         if peer.incarnation == sender.incarnation:
             return []
         old, peer.incarnation = peer.incarnation, sender.incarnation
+        if old is not None:
+            peer.retired.add(old)
         out: list[Action] = []
         for inc in list(self._in.values()):
-            if inc.address != sender.control:
-                continue
-            if inc.p_incarnation is None:
-                inc.p_incarnation = sender.incarnation
-                continue
+            if inc.address != sender.control or inc.p_incarnation is None:
+                continue  # not known to be held by the old process: its permit decides
             if inc.p_incarnation != sender.incarnation and inc.fallback is None:
                 # The process that had this transfer is gone (its port is taken by a new
                 # one): nothing of it can still be written, and it will never finish.
@@ -250,6 +264,12 @@ class Receiver:
         if old is not None:
             out.append(Note("peer_restart", "prefill", f"{sender.control} -> {sender.incarnation}"))
         return out
+
+    @staticmethod
+    def _retired_note(sender: PeerInfo) -> Note:
+        # Fenced like a stale generation: it is about a process that no longer exists.
+        return Note("fenced", "stale_generation",
+                    f"{sender.control} incarnation {sender.incarnation} was replaced")
 
     def _on_fallback(self, inc: _In, msg: Fallback, now: float, age: float) -> list[Action]:
         if inc.fallback is not None:

@@ -41,6 +41,7 @@ from kvpush_prod.core.retry import (
     RetryBudget,
     RetryPolicy,
     RetrySettings,
+    classify,
     decide,
 )
 from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
@@ -111,6 +112,7 @@ class Sender:
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
         self._tombstones: dict[str, float] = {}
         self._peers: dict[tuple[str, int], PeerInfo] = {}  # D (engine, rank) -> latest info
+        self._retired: dict[tuple[str, int], set[int]] = {}  # D rank -> replaced incarnations
         self._next_heartbeat = 0.0
 
     # ------------------------------------------------------------------ introspection
@@ -184,16 +186,19 @@ class Sender:
 
     def _on_register(self, reg: Register, now: float, age: float) -> list[Action]:
         out = self._learn_peer(reg.sender, now)
-        if reg.transfer_id in self._tombstones:
-            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
-        o = self._get(reg.transfer_id, now)
-        if o.reg is not None:
+        if out is None:
+            return [self._retired_note(reg.sender)]
+        o = self._out.get(reg.transfer_id)
+        if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
                 return out  # a duplicate: idempotent
             if reg.generation < o.reg.generation or o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
                 return [*out, Note("fenced", "stale_generation",
                                    f"REGISTER {reg.transfer_id} gen {reg.generation} after "
                                    f"{o.reg.generation}")]
+        if reg.transfer_id in self._tombstones:
+            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
+        o = self._get(reg.transfer_id, now)
         ttl = reg.permit_ttl_ms / 1000.0
         if ttl <= 0:
             return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
@@ -207,6 +212,8 @@ class Sender:
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, age: float) -> list[Action]:
         out = self._learn_peer(hb.sender, now)
+        if out is None:
+            return [self._retired_note(hb.sender)]
         ttl = hb.permit_ttl_ms / 1000.0
         for tid, gen in hb.live:
             o = self._out.get(tid)
@@ -229,14 +236,15 @@ class Sender:
     def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
         ack = SendMessage(msg.sender.control, CancelAck(PROTOCOL_VERSION, msg.transfer_id,
                                                         msg.generation, self.slim))
-        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
         o = self._out.get(msg.transfer_id)
-        if o is None:
-            return [ack]  # blocks that still come are freed unpushed (tombstone)
-        if o.reg is not None and msg.generation not in (0, o.reg.generation):
+        if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
+            # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
             return [Note("fenced", "stale_generation",
                          f"CANCEL {msg.transfer_id} gen {msg.generation}, "
                          f"current {o.reg.generation}")]
+        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
+        if o is None:
+            return [ack]  # blocks that still come are freed unpushed (tombstone)
         self._fire(o, E.CANCEL, now)
         if o.queued:
             self.sched.cancel(o.tid)
@@ -285,20 +293,30 @@ class Sender:
         if o is None or not o.queued:
             self.sched.on_chunk_failed(chunk_id, now, give_up=True)
             return out + (self._after_drain(o, now) if o is not None else [])
-        decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
-                          now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
-        if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
-            self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
-            o.retried = True
-            self._fire(o, E.CHUNK_ERROR, now)
-            out.append(Note("retry", decision.classification.kind, decision.reason))
-            return out
+        if chunk.is_last:
+            # The last chunk carries DONE. A failed completion does not mean nothing landed
+            # (the ack can be lost after the bytes and the notification arrived): D may have
+            # reported the KV and released the blocks, so that WRITE is never posted again.
+            # D pulls instead (it ignores the FALLBACK if DONE did arrive).
+            kind = classify(error)
+            action, reason = kind.action, f"last_chunk_failed: {kind.kind}"
+        else:
+            decision = decide(error, attempt=chunk.attempt + 1,
+                              first_attempt_at=chunk.first_posted_at, now=now,
+                              policy=self.policy, budget=self.budget, peer=chunk.link)
+            if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
+                self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
+                o.retried = True
+                self._fire(o, E.CHUNK_ERROR, now)
+                out.append(Note("retry", decision.classification.kind, decision.reason))
+                return out
+            action, reason = decision.action, decision.reason
         # Give up the push: stop posting, let the rest drain, then fall back or fail.
         self.sched.on_chunk_failed(chunk_id, now, give_up=True)
         o.queued = False
         self._fire(o, E.CHUNK_ERROR, now)
-        fallback = decision.action is ErrorClass.FALLBACK and self.s.fallback
-        o.drain_then, o.reason = ("fallback" if fallback else "failed"), decision.reason
+        fallback = action is not ErrorClass.FATAL and self.s.fallback
+        o.drain_then, o.reason = ("fallback" if fallback else "failed"), reason
         return out + self._after_drain(o, now)
 
     # ------------------------------------------------------------------ time
@@ -364,12 +382,19 @@ class Sender:
                 out.append(Note("lease_expired", "pull", o.tid))
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, "failed")
-            elif o.machine.expired(now) and not o.inflight:
-                self._fire(o, E.EXPIRE, now)
+            elif st is not S.FALLBACK and o.machine.expired(now):
+                # The whole-transfer bound (a FALLBACK ends only with its read permit, above:
+                # D may READ until then). Post nothing more; end once the chunks in flight
+                # drained (a chunk always in flight must not keep the transfer alive).
                 if o.queued:
                     self.sched.cancel(o.tid)
                     o.queued = False
-                if o.reg is not None and st is not S.FALLBACK:
+                if o.inflight:
+                    if not o.drain_then:
+                        o.drain_then, o.reason = "expired", "timeout"
+                    continue
+                self._fire(o, E.EXPIRE, now)
+                if o.reg is not None:
                     out.append(self._failed(o.reg, "timeout", f"transfer stuck in {st.value}"))
                 out += self._close(o, "expired")
         if now >= self._next_heartbeat:
@@ -389,9 +414,15 @@ class Sender:
             return False
         return o.machine.fire(event, now)
 
-    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action]:
-        """Connect to a D rank on first sight; a new incarnation supersedes the old one."""
+    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action] | None:
+        """Connect to a D rank on first sight; a new incarnation supersedes the old one.
+
+        None: ``info`` is a process already replaced (a message it sent before dying,
+        delivered late); the caller drops the message.
+        """
         key = (info.engine_id, info.rank)
+        if info.incarnation in self._retired.get(key, ()):
+            return None
         known = self._peers.get(key)
         if known is not None and known.incarnation == info.incarnation:
             return []
@@ -400,6 +431,7 @@ class Sender:
         self._peers[key] = info
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
         if known is not None:
+            self._retired.setdefault(key, set()).add(known.incarnation)
             out.append(Note("peer_restart", "decode", f"{key} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
@@ -413,6 +445,13 @@ class Sender:
                     else:
                         out += self._close(o, "failed")
         return out
+
+    @staticmethod
+    def _retired_note(info: PeerInfo) -> Note:
+        # Fenced like a stale generation: it is about a process that no longer exists.
+        return Note("fenced", "stale_generation",
+                    f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was "
+                    "replaced")
 
     def _maybe_start(self, o: _Out, now: float) -> list[Action]:
         if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:

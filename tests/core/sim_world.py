@@ -1,0 +1,1306 @@
+"""A fake world for the protocol core: N prefill x M decode engines, block pools, a lossy
+network and NICs, driving the real Sender/Receiver engines the way the worker shells do.
+
+Every safety invariant is checked at the moment it could break (a WRITE posted, a chunk
+landing, blocks freed); ``World.check`` adds the per-step ones and ``World.quiesce`` the
+no-leak check. A broken invariant raises ``Violation`` naming the transfer and the times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import re
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from kvpush_prod.core import messages as m
+from kvpush_prod.core.actions import (
+    Action,
+    ConnectPeer,
+    Note,
+    PostRead,
+    PostWrite,
+    ReleaseSend,
+    ReportFailed,
+    ReportFinished,
+    SendMessage,
+)
+from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.leases import LeaseState
+from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySettings
+from kvpush_prod.core.scheduler import SchedulerSettings
+from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.core.transfer import TransferState, TransferTimeouts
+
+T = TypeVar("T")
+
+
+class Violation(AssertionError):
+    """An invariant of the push protocol does not hold in the simulated world."""
+
+
+# ------------------------------------------------------------------------------ settings
+# Scaled-down numbers with the relations the shells use (worker._core_settings): per-state
+# limits equal the whole-transfer bound, fallback gets the pull permit plus a quarter.
+BLOCK_BYTES = 1000
+D_BLOCKS = 24  # decode KV cache, blocks
+P_BLOCKS = 48
+CREDIT_BUDGET = 16  # D's receive window, blocks
+PEER_CAP = 12
+TOTAL_S = 12.0
+PERMIT_TTL_S = 3.0
+STOP_MARGIN_S = 1.0
+SKEW_MARGIN_S = 1.0
+HEARTBEAT_S = 1.0
+PEER_TIMEOUT_S = 2.5
+SEND_LEASE_S = 6.0
+PULL_PERMIT_S = 4.0
+REGISTER_GRACE_S = 4.0  # P renews a REGISTER that came before its request this long
+P_LAG_MAX_S = 3.0  # the prefill leg may reach P this long after the decode leg reached D
+TICK_S = 0.1  # the pump ticks its engine every few tens of ms
+# The world's physical bounds. Safety needs a chunk posted before the holder's stop point to
+# land before the grantor's reuse point: CHUNK_MAX_S + 2 * WALL_SKEW_S < stop + skew margin.
+CHUNK_MAX_S = 1.5  # a WRITE/READ completes (or is known failed) within this of its post
+WALL_SKEW_S = 0.2  # |wall clock offset| of one node: message ages are off by up to twice it
+PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
+SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
+RESTART_MIN_S = 1.0  # a process takes at least this long to come back
+COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
+
+TIMEOUTS = TransferTimeouts(new_s=TOTAL_S, waiting_s=TOTAL_S, registered_s=TOTAL_S,
+                            pushing_s=TOTAL_S, retrying_s=TOTAL_S,
+                            fallback_s=PULL_PERMIT_S + TOTAL_S / 4, total_s=TOTAL_S)
+SCHED = SchedulerSettings(chunk_bytes=BLOCK_BYTES, target_latency_s=0.05,
+                          stop_margin_s=STOP_MARGIN_S, initial_bandwidth_bytes_per_s=1e5)
+RETRY = RetrySettings(max_attempts=3, max_delay_s=5.0, backoff_base_s=0.02, backoff_max_s=0.2)
+BUDGET = BudgetSettings(rate_per_s=5.0, burst=10.0)
+BREAKER = BreakerSettings(failure_threshold=3, window_s=10.0, cooldown_s=5.0,
+                          max_cooldown_s=20.0, probe_timeout_s=5.0)
+SENDER = SenderSettings(block_bytes=BLOCK_BYTES, scheduler=SCHED, retry=RETRY, budget=BUDGET,
+                        breaker=BREAKER, timeouts=TIMEOUTS, send_lease_s=SEND_LEASE_S,
+                        stop_margin_s=STOP_MARGIN_S, skew_margin_s=SKEW_MARGIN_S,
+                        heartbeat_s=HEARTBEAT_S, fallback=True, pull_permit_s=PULL_PERMIT_S,
+                        register_grace_s=REGISTER_GRACE_S, tombstone_s=60.0)
+RECEIVER = ReceiverSettings(block_bytes=BLOCK_BYTES, permit_ttl_s=PERMIT_TTL_S,
+                            skew_margin_s=SKEW_MARGIN_S, stop_margin_s=STOP_MARGIN_S,
+                            heartbeat_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S,
+                            scheduler=SCHED, retry=RETRY, budget=BUDGET, timeouts=TIMEOUTS)
+CREDITS = CreditSettings(budget_blocks=CREDIT_BUDGET, per_peer_cap_blocks=PEER_CAP)
+
+_SLACK_S = 0.5
+# How long a transfer may live: the whole-transfer bound plus what the leases add after it.
+BOUND_D_S = (TOTAL_S + PERMIT_TTL_S + HEARTBEAT_S + SKEW_MARGIN_S + CHUNK_MAX_S
+             + PAUSE_MAX_S + 2 * TICK_S + _SLACK_S)
+BOUND_P_S = (TOTAL_S + PULL_PERMIT_S + SKEW_MARGIN_S + CHUNK_MAX_S + PAUSE_MAX_S
+             + 2 * TICK_S + _SLACK_S)
+
+# Transport errors a chunk may fail with (the classification table's rows and spellings).
+RETRYABLE = ("ERR:nixlBackendError", "TIMEOUT", "NIXL_ERR_NOT_POSTED", "ERR")
+DISCONNECT = "ERR:nixlRemoteDisconnectError"
+INVALID = "NIXL_ERR_INVALID_PARAM"
+NOT_CONNECTED = "RuntimeError: NIXL_ERR_NOT_FOUND: no connection to agent"
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """How hostile the background is (the rules add targeted faults on top)."""
+
+    drop: float = 0.0  # a control message is lost
+    dup: float = 0.0  # a control message arrives twice
+    delay_max_s: float = 0.02  # control message delay in [0.2 ms, this]
+    spike: float = 0.0  # a control message is held up to SPIKE_MAX_S (a stuck queue)
+    chunk_fail: float = 0.0  # a chunk fails
+    fatal_share: float = 0.0  # of failures: INVALID_PARAM (the rest: retryable / disconnect)
+    slow: float = 0.0  # a chunk takes up to CHUNK_MAX_S
+    notif_loss: float = 0.0  # a DONE notification is lost
+    skew: bool = True  # nodes' wall clocks differ by up to WALL_SKEW_S
+    # A failed chunk whose bytes (and DONE notification) did land: the sender cannot tell
+    # (an RDMA ack lost with the connection, a shell-side timeout of a chunk that completes).
+    ambiguous: float = 0.0
+    # What a crashed process had sent is still delivered, possibly after its restart.
+    zombie: bool = False
+
+
+# ------------------------------------------------------------------------------ world parts
+class KeyedRandom:
+    """splitmix64: a few draws from a seed, cheaper to make than ``random.Random``."""
+
+    __slots__ = ("_s",)
+    _M = (1 << 64) - 1
+
+    def __init__(self, seed: int) -> None:
+        self._s = seed & self._M
+
+    def _next(self) -> int:
+        self._s = (self._s + 0x9E3779B97F4A7C15) & self._M
+        z = self._s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self._M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self._M
+        return z ^ (z >> 31)
+
+    def random(self) -> float:
+        return (self._next() >> 11) * (1.0 / (1 << 53))
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.random()
+
+    def choice(self, seq: Sequence[T]) -> T:
+        return seq[int(self.random() * len(seq))]
+
+
+class BlockPool:
+    """One engine's KV blocks: owner per block, an epoch bumped on every alloc and free,
+    and a content tag (what the bytes are) to check that D ends up with P's bytes."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self.name = name
+        self.owner: list[Any] = [None] * n
+        self.epoch = [0] * n
+        self.content: list[Any] = [None] * n
+        self._free = list(range(n - 1, -1, -1))  # a stack: the block freed last is reused first
+
+    def alloc(self, k: int, owner: Any) -> list[int] | None:
+        if len(self._free) < k:
+            return None
+        blocks = [self._free.pop() for _ in range(k)]
+        for b in blocks:
+            assert self.owner[b] is None
+            self.owner[b] = owner
+            self.epoch[b] += 1
+            self.content[b] = ("fresh", self.name, b)
+        return blocks
+
+    def release(self, blocks: list[int], owner: Any, why: str) -> None:
+        for b in blocks:
+            if self.owner[b] != owner:
+                raise Violation(f"{self.name}: {why} frees block {b} owned by {self.owner[b]!r},"
+                                f" not {owner!r} (double free or foreign block)")
+        for b in blocks:
+            self.owner[b] = None
+            self.epoch[b] += 1
+            self.content[b] = ("freed", self.name, b)
+            self._free.append(b)
+
+    def used(self) -> int:
+        return sum(o is not None for o in self.owner)
+
+
+@dataclass
+class PReq:
+    """A request on P (the router's prefill leg)."""
+
+    tid: str
+    d_name: str
+    nblocks: int
+    compute_at: float
+    created: float
+    arrive_at: float = 0.0
+    state: str = "coming"  # coming | queued | computed | held | released | aborted
+    blocks: list[int] = field(default_factory=list)
+    hold_at: float = 0.0
+
+
+@dataclass
+class DReq:
+    """A request on D (the decode leg): asks for credit, then receives."""
+
+    tid: str
+    p_name: str
+    p_address: str
+    total_blocks: int
+    first_block: int
+    created: float
+    state: str = "asking"  # asking | waiting | admitted | ended
+    blocks: list[int] = field(default_factory=list)
+    gen: int = 0
+    admitted_at: float = 0.0
+    aborting: bool = False
+
+    @property
+    def nblocks(self) -> int:
+        return self.total_blocks - self.first_block
+
+
+@dataclass
+class Node:
+    name: str
+    role: str  # "P" | "D"
+    address: str
+    alive: bool = False
+    inc: int = 0
+    agent: str = ""
+    mono_off: float = 0.0
+    wall_off: float = 0.0
+    engine: Any = None
+    pool: BlockPool | None = None
+    ledger: CreditLedger | None = None
+    preqs: dict[str, PReq] = field(default_factory=dict)
+    dreqs: dict[str, DReq] = field(default_factory=dict)
+    closed: dict[str, PReq | DReq] = field(default_factory=dict)  # requests over, by id
+    connected: set[str] = field(default_factory=set)
+    paused_until: float = 0.0
+    deferred: deque[Callable[[], None]] = field(default_factory=deque)
+    died_at: float = 0.0
+    info: m.PeerInfo | None = None
+    past: dict[int, m.PeerInfo] = field(default_factory=dict)  # earlier incarnations
+
+    def local(self, now: float) -> float:
+        return now + self.mono_off
+
+    def wall(self, now: float) -> float:
+        return 1_000_000.0 + now + self.wall_off
+
+
+@dataclass
+class Wire:
+    """A control message on the network."""
+
+    id: int
+    src: str
+    src_inc: int
+    dst: str  # address
+    msg: m.ControlMessage
+    sent: float
+    at: float
+
+
+@dataclass
+class Flight:
+    """A posted WRITE or READ on the NIC."""
+
+    key: tuple[str, int, int]  # poster, its incarnation, chunk id
+    op: str  # WRITE | READ
+    tid: str
+    gen: int
+    peer: str  # target agent
+    src: tuple[str, int, tuple[int, ...]]  # node, incarnation, blocks (P's side)
+    dst: tuple[str, int, tuple[int, ...]]  # node, incarnation, blocks (D's side)
+    dst_epochs: tuple[int, ...]
+    src_epochs: tuple[int, ...]
+    done: m.Done | None
+    posted: float
+    at: float
+    error: str
+    torn: bool
+
+
+# ------------------------------------------------------------------------------ the world
+class World:
+    """N prefill and M decode ranks, a network and NICs, in simulated (true) time ``now``."""
+
+    def __init__(self, n_p: int, n_d: int, chaos: Chaos, seed: int) -> None:
+        self.chaos = chaos
+        self.seed = seed
+        self._sends: dict[tuple[str, int], int] = {}  # per-process message counters
+        self.now = 0.0
+        self.nodes: dict[str, Node] = {}
+        self.wires: dict[int, Wire] = {}
+        self.flights: dict[tuple[str, int, int], Flight] = {}
+        self.notifs: dict[int, tuple[float, str, m.Done]] = {}  # id -> (at, D agent, done)
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._incs = itertools.count(101)
+        self._tids = itertools.count(1)
+        self.history: deque[Wire] = deque(maxlen=64)  # recent messages, for stale replays
+        self.reported: dict[tuple[str, int, str], str] = {}  # (D, inc, tid) -> report
+        self.released: dict[tuple[str, int, str], str] = {}  # (P, inc, tid) -> outcome
+        self.stats: dict[str, int] = {}
+        self.trace: deque[str] = deque(maxlen=4000)
+        self.broken = False
+        self.cuts: list[tuple[str, str, float]] = []  # (from, to, until)
+        self.slow_links: list[tuple[frozenset[str], float]] = []
+        for i in range(n_p):
+            self.nodes[f"P{i}"] = Node(f"P{i}", "P", f"tcp://p{i}:7000")
+        for j in range(n_d):
+            self.nodes[f"D{j}"] = Node(f"D{j}", "D", f"tcp://d{j}:7100")
+        for node in self.nodes.values():
+            self.start(node)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+
+    def log(self, text: str) -> None:
+        self.trace.append(f"{self.now:9.4f} {text}")
+
+    def fail(self, text: str) -> Violation:
+        """A Violation with the events of the transfers it names and the latest ones."""
+        self.broken = True
+        tids = set(re.findall(r"\bt\d+\b", text))
+        mine = [e for e in self.trace if tids & set(re.findall(r"\bt\d+\b", e))]
+        return Violation(f"at t={self.now:.4f}: {text}\nevents of {sorted(tids)}:\n"
+                         + "\n".join(mine[-60:]) + "\nlatest events:\n"
+                         + "\n".join(list(self.trace)[-30:]))
+
+    def r(self, *key: Any) -> KeyedRandom:
+        """The world's randomness for one thing (a message, a chunk, a request): keyed by what
+        it is rather than drawn from one stream, so removing an unrelated step while
+        shrinking does not reshuffle every later outcome."""
+        return KeyedRandom((self.seed << 32) ^ zlib.crc32(repr(key).encode()))
+
+    def _push(self, at: float, kind: str, key: Any) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, key))
+
+    def by_address(self, address: str) -> Node | None:
+        for node in self.nodes.values():
+            if node.address == address:
+                return node
+        return None
+
+    def by_agent(self, agent: str) -> Node | None:
+        for node in self.nodes.values():
+            if node.alive and node.agent == agent:
+                return node
+        return None
+
+    # ------------------------------------------------------------------ life and death
+    def start(self, node: Node) -> None:
+        node.alive = True
+        node.inc = next(self._incs)
+        node.agent = f"agent-{node.name}-{node.inc}"
+        r = self.r("start", node.name, node.inc)
+        node.mono_off = r.uniform(0.0, 500.0)  # monotonic clocks share no origin
+        node.wall_off = r.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
+        n = D_BLOCKS if node.role == "D" else P_BLOCKS
+        layout = m.Layout("sim", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, n)])
+        if node.info is not None:
+            node.past[node.info.incarnation] = node.info
+        node.info = m.PeerInfo(node.name, node.inc, 0, node.address, node.agent, b"meta", layout)
+        rng = random.Random(node.inc)
+        node.pool = BlockPool(n, f"{node.name}#{node.inc}")
+        node.connected = set()
+        node.paused_until = 0.0
+        node.deferred.clear()
+        node.preqs, node.dreqs, node.closed = {}, {}, {}
+        if node.role == "P":
+            node.engine = Sender(node.info, SENDER, rng)
+        else:
+            node.engine = Receiver(node.info, RECEIVER, rng)
+            node.ledger = CreditLedger(CREDITS)
+        self._push(self.now + r.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
+        self.log(f"{node.name} starts as incarnation {node.inc}")
+
+    def crash(self, node: Node) -> None:
+        """The process dies: its engine, requests and blocks are gone; what it had sent on
+        the control channel is lost (with ``zombie``: some of it comes late); its chunks in
+        flight land now or never."""
+        self.log(f"{node.name}#{node.inc} crashes")
+        self.count("crash")
+        for key, fl in list(self.flights.items()):
+            if key[0] == node.name and key[1] == node.inc:
+                del self.flights[key]
+                if fl.op == "WRITE":
+                    self._land(fl, ok=False, torn=True)  # whatever got out lands by now
+        for wid, w in list(self.wires.items()):
+            if w.src != node.name or w.src_inc != node.inc:
+                continue
+            if not self.chaos.zombie:
+                del self.wires[wid]
+            elif (r := self.r("zombie", wid)).random() < 0.5:
+                # Stuck in a queue with the connection of the dead process: comes late.
+                w.at = self.now + r.uniform(0.0, SPIKE_MAX_S)
+                self._push(w.at, "wire", wid)
+        node.alive = False
+        node.engine = None
+        node.ledger = None
+        node.pool = None
+        node.preqs, node.dreqs, node.closed = {}, {}, {}
+        node.deferred.clear()
+        node.died_at = self.now
+        # A supervisor brings it back (the restart rule may do so earlier).
+        self._push(self.now + self.r("restart", node.name, node.inc).uniform(
+            RESTART_MIN_S, 4 * RESTART_MIN_S), "restart",
+                   (node.name, node.inc))
+
+    # ------------------------------------------------------------------ engine calls
+    def call(self, node: Node, fn: Callable[[Any, float], list[Action]]) -> None:
+        """Feed the engine an event (deferred while its pump is stalled), run its actions."""
+        if not node.alive:
+            return
+        if node.paused_until > self.now:
+            inc = node.inc
+            node.deferred.append(lambda: self._call_now(node, inc, fn))
+            return
+        self._call_now(node, node.inc, fn)
+
+    def _call_now(self, node: Node, inc: int, fn: Callable[[Any, float], list[Action]]) -> None:
+        if not node.alive or node.inc != inc:
+            return
+        try:
+            self.execute(node, fn(node.engine, node.local(self.now)))
+        except BaseException:
+            self.broken = True  # the world is half-updated: no quiescence check after this
+            raise
+
+    def execute(self, node: Node, actions: list[Action]) -> None:
+        for a in actions:
+            if not node.alive:
+                return
+            if isinstance(a, SendMessage):
+                self.send(node, a)
+            elif isinstance(a, PostWrite):
+                self.post_write(node, a)
+            elif isinstance(a, PostRead):
+                self.post_read(node, a)
+            elif isinstance(a, ConnectPeer):
+                if a.replaces:
+                    node.connected.discard(a.replaces)
+                node.connected.add(a.info.agent_name)
+            elif isinstance(a, ReleaseSend):
+                self.on_release(node, a)
+            elif isinstance(a, (ReportFinished, ReportFailed)):
+                self.on_report(node, a)
+            elif isinstance(a, Note):
+                self.count(f"note:{a.kind}:{a.reason}")
+            else:  # pragma: no cover - a new action type the shells would not know
+                raise self.fail(f"{node.name} returned an unknown action {a!r}")
+
+    # ------------------------------------------------------------------ network
+    def send(self, node: Node, a: SendMessage) -> None:
+        msg = a.message
+        if "sent_at" in type(msg).__struct_fields__:
+            msg = msgspec.structs.replace(msg, sent_at=node.wall(self.now))
+        self.count(f"send:{type(msg).__name__}")
+        self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
+                 f" g{getattr(msg, 'generation', '')} -> {a.peer}")
+        c = self.chaos
+        n = self._sends[(node.name, node.inc)] = self._sends.get((node.name, node.inc), 0) + 1
+        r = self.r("send", node.name, node.inc, n)
+        copies = 0 if r.random() < c.drop else 1
+        if copies and r.random() < c.dup:
+            copies = 2
+        for _ in range(copies):
+            delay = r.uniform(0.0002, c.delay_max_s)
+            if r.random() < c.spike:
+                delay = r.uniform(0.0, SPIKE_MAX_S)
+            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay)
+
+    def partition(self, a: str, b: str, dt: float, both: bool = True) -> None:
+        """Cut the control network from node ``a`` to ``b`` (and back if ``both``) for
+        ``dt`` seconds; the RDMA fabric is a separate network and keeps working."""
+        self.log(f"control network {a} {'<' if both else ''}-> {b} cut for {dt:.3f}s")
+        self.count("partition")
+        self.cuts.append((a, b, self.now + dt))
+        if both:
+            self.cuts.append((b, a, self.now + dt))
+
+    def slow_down(self, a: str, b: str, dt: float) -> None:
+        """The RDMA link between nodes ``a`` and ``b`` crawls: every chunk takes nearly as
+        long as a chunk may, so pushes last long enough for permits to run out under them."""
+        self.log(f"RDMA link {a} <-> {b} slow for {dt:.3f}s")
+        self.count("slow_link")
+        self.slow_links.append((frozenset((a, b)), self.now + dt))
+
+    def slowed(self, a: str, b: str) -> bool:
+        pair = frozenset((a, b))
+        return any(p == pair and until > self.now for p, until in self.slow_links)
+
+    def cut(self, src: str, dst: str) -> bool:
+        return any(a == src and b == dst and until > self.now for a, b, until in self.cuts)
+
+    def enqueue(self, src: str, src_inc: int, dst: str, msg: m.ControlMessage,
+                at: float) -> Wire:
+        w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at)
+        self.wires[w.id] = w
+        self._push(w.at, "wire", w.id)
+        self.history.append(w)
+        return w
+
+    # ------------------------------------------------------------------ stale generations
+    _FOR_D = {"Failed": "Failed", "CancelAck": "CancelAck", "Fallback": "Fallback",
+              "Done": "Done", "Register": "Failed", "Cancel": "CancelAck",
+              "PullDone": "Fallback", "Heartbeat": "Done"}
+    _FOR_P = {"Register": "Register", "Cancel": "Cancel", "PullDone": "PullDone",
+              "Heartbeat": "Heartbeat", "Failed": "Register", "CancelAck": "Cancel",
+              "Fallback": "PullDone", "Done": "Heartbeat"}
+
+    def stale_candidates(self, role: str) -> list[tuple[str, str]]:
+        """(node, transfer) pairs where a message with another generation can be made to
+        look as if it came from the live peer incarnation the node already knows."""
+        out: list[tuple[str, str]] = []
+        for node in self.nodes.values():
+            if not node.alive or node.role != role:
+                continue
+            eng = node.engine
+            if isinstance(eng, Receiver):
+                for tid, inc in eng._in.items():
+                    p, peer = self.by_address(inc.address), eng._peers.get(inc.address)
+                    if p and p.alive and peer and peer.incarnation == p.inc:
+                        out.append((node.name, tid))
+            else:
+                for tid, o in eng._out.items():
+                    if o.reg is None:
+                        continue
+                    d = self.by_address(o.reg.sender.control)
+                    known = eng._peers.get((o.reg.sender.engine_id, o.reg.sender.rank))
+                    if (d and d.alive and d.inc == o.reg.sender.incarnation and known
+                            and known.incarnation == d.inc):
+                        out.append((node.name, tid))
+        return out
+
+    def deliver_stale(self, cand: tuple[str, str], kind: str, shift: int) -> None:
+        node = self.nodes[cand[0]]
+        tid = cand[1]
+        eng = node.engine
+        v = m.PROTOCOL_VERSION
+        msg: m.ControlMessage
+        if isinstance(eng, Receiver):
+            inc = eng._in[tid]
+            p = self.by_address(inc.address)
+            assert p is not None and p.info is not None
+            g = inc.generation + shift if inc.generation + shift > 0 else inc.generation + 3
+            kind = self._FOR_D[kind]
+            if kind == "Done":
+                nid = next(self._ids)
+                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)))
+                self.count("rule:stale")
+                self.deliver_notif(nid)
+                return
+            if kind == "Failed":
+                msg = m.Failed(v, tid, g, p.info, "stale")
+            elif kind == "CancelAck":
+                msg = m.CancelAck(v, tid, g, p.info)
+            else:
+                msg = m.Fallback(v, tid, g, p.info, list(range(len(inc.blocks))), 0, "stale",
+                                 4000, sent_at=p.wall(self.now))
+            src = p
+        else:
+            assert isinstance(eng, Sender)
+            o = eng._out[tid]
+            assert o.reg is not None
+            d = self.by_address(o.reg.sender.control)
+            assert d is not None and d.info is not None
+            cur = o.reg.generation
+            g = cur + shift if cur + shift > 0 else cur + 3
+            kind = self._FOR_P[kind]
+            if kind == "Register":
+                msg = msgspec.structs.replace(o.reg, generation=g, sent_at=d.wall(self.now))
+            elif kind == "Cancel":
+                msg = m.Cancel(v, tid, g, d.info, "stale")
+            elif kind == "PullDone":
+                msg = m.PullDone(v, tid, g, d.info, True)
+            else:
+                msg = m.Heartbeat(v, d.info, node.inc, [(tid, g)], 3000, sent_at=d.wall(self.now))
+            src = d
+        if not self.stale_key(node, msg):
+            return  # e.g. a newer REGISTER while P waits: a re-registration, not stale
+        self.count("rule:stale")
+        self.deliver(Wire(next(self._ids), src.name, src.inc, node.address, msg, self.now,
+                          self.now))
+
+    def deliver(self, w: Wire) -> None:
+        self.wires.pop(w.id, None)
+        node = self.by_address(w.dst)
+        if node is None or not node.alive or self.cut(w.src, node.name):
+            return
+        self.call(node, lambda eng, now: self._on_message(node, w, eng, now))
+
+    def _on_message(self, node: Node, w: Wire, eng: Any, now: float) -> list[Action]:
+        msg = w.msg
+        sent_at = getattr(msg, "sent_at", 0.0)
+        # As the pump: how long the message travelled, by the two wall clocks.
+        age = max(0.0, node.wall(self.now) - sent_at) if sent_at else 0.0
+        self.log(f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
+                 f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}")
+        stale = self.stale_key(node, msg)
+        before = self.snapshot(node, stale) if stale else None
+        out: list[Action] = eng.on_message(msg, now, age)
+        if stale:
+            self.count("stale_checked")
+            bad = [a for a in out if not (isinstance(a, Note) and a.kind in ("fenced", "rejected"))]
+            after = self.snapshot(node, stale)
+            if bad or before != after:
+                raise self.fail(f"{node.name}: a {type(msg).__name__} of {stale} with a stale "
+                                f"generation {getattr(msg, 'generation', msg)} changed state: "
+                                f"actions {bad}, state {before} -> {after}")
+        return out
+
+    def stale_key(self, node: Node, msg: m.ControlMessage) -> str:
+        """The transfer id if ``msg`` carries a stale generation for ``node`` (and comes from
+        a sender incarnation ``node`` already knows, so only the generation is at stake)."""
+        eng = node.engine
+        if isinstance(eng, Receiver):
+            if not isinstance(msg, (m.Failed, m.CancelAck, m.Fallback)):
+                return ""
+            peer = eng._peers.get(msg.sender.control)
+            if peer is None or peer.incarnation != msg.sender.incarnation:
+                return ""
+            inc = eng._in.get(msg.transfer_id)
+            return msg.transfer_id if inc is not None and inc.generation != msg.generation else ""
+        assert isinstance(eng, Sender)
+        if isinstance(msg, m.Heartbeat):
+            if len(msg.live) != 1:
+                return ""
+            tid, gen = msg.live[0]
+            o = eng._out.get(tid)
+            ok = o is None or o.reg is None or gen in (0, o.reg.generation)
+            return "" if ok else tid
+        if not isinstance(msg, (m.Register, m.Cancel, m.PullDone)):
+            return ""
+        known = eng._peers.get((msg.sender.engine_id, msg.sender.rank))
+        if isinstance(msg, m.Register) and (known is None
+                                            or known.incarnation != msg.sender.incarnation):
+            return ""
+        o = eng._out.get(msg.transfer_id)
+        if o is None or o.reg is None:
+            return ""
+        g, cur = msg.generation, o.reg.generation
+        if isinstance(msg, m.Register):
+            newer_ok = o.machine.state in (TransferState.NEW, TransferState.WAITING_BLOCKS)
+            stale = g < cur or (g != cur and not newer_ok)
+        elif isinstance(msg, m.Cancel):
+            stale = g not in (0, cur)
+        else:
+            stale = g != cur
+        return msg.transfer_id if stale else ""
+
+    # ------------------------------------------------------------------ dead processes
+    def dead_candidates(self) -> list[tuple[str, str, int]]:
+        """(receiver, peer, old incarnation): the receiver saw the peer restart, so it knows
+        that incarnation is gone. (One it never heard of cannot be told from a new process:
+        incarnations are random, not ordered, so such a message is not checked here.)"""
+        out: list[tuple[str, str, int]] = []
+        for r in self.nodes.values():
+            if not r.alive:
+                continue
+            for peer in self.nodes.values():
+                if peer.role == r.role or not peer.alive:
+                    continue
+                eng = r.engine
+                if isinstance(eng, Receiver):
+                    known = eng._peers.get(peer.address)
+                    retired = known.retired if known else set()
+                else:
+                    retired = eng._retired.get((peer.name, 0), set())
+                out += [(r.name, peer.name, inc) for inc in sorted(retired) if inc in peer.past]
+        return out
+
+    def deliver_from_dead(self, cand: tuple[str, str, int], kind: str) -> None:
+        """A message the dead incarnation sent before it died arrives now: nothing changes."""
+        r, peer = self.nodes[cand[0]], self.nodes[cand[1]]
+        old = peer.past[cand[2]]
+        eng = r.engine
+        v = m.PROTOCOL_VERSION
+        msg: m.ControlMessage
+        if isinstance(eng, Receiver):
+            tids = sorted(t for t, i in eng._in.items() if i.address == peer.address)
+            if kind == "notice" and tids:
+                msg = m.Failed(v, tids[0], eng._in[tids[0]].generation, old, "zombie")
+            else:
+                msg = m.Heartbeat(v, old, r.inc, [(t, eng._in[t].generation) for t in tids],
+                                  sent_at=peer.wall(self.now))
+        elif kind == "notice":
+            msg = m.Register(v, f"z{next(self._ids)}", old, [0], 0, 16, 1,
+                             int(PERMIT_TTL_S * 1000), sent_at=peer.wall(self.now))
+        else:
+            msg = m.Heartbeat(v, old, r.inc, [], int(PERMIT_TTL_S * 1000),
+                              sent_at=peer.wall(self.now))
+        self.count("rule:dead")
+
+        def run(e: Any, now: float) -> list[Action]:
+            before = self.full_snapshot(r)
+            out: list[Action] = e.on_message(msg, now, 0.0)
+            if any(not isinstance(a, Note) for a in out) or self.full_snapshot(r) != before:
+                raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
+                                f"incarnation {old.incarnation} was acted on: {out}")
+            return out
+
+        self.call(r, run)
+
+    def full_snapshot(self, node: Node) -> tuple[Any, ...]:
+        eng = node.engine
+        tids = sorted(eng._in) if isinstance(eng, Receiver) else sorted(eng._out)
+        peers = sorted((k, v.incarnation) for k, v in eng._peers.items() if v.incarnation)
+        return tuple(self.snapshot(node, t) for t in tids), tuple(peers)
+
+    def snapshot(self, node: Node, tid: str) -> tuple[Any, ...]:
+        eng = node.engine
+        if isinstance(eng, Receiver):
+            inc = eng._in.get(tid)
+            lease = eng.leases.get(tid)
+            state = eng.leases.state(tid)
+            return (None if inc is None else (inc.generation, inc.cancelling, inc.renew,
+                                              inc.fallback, inc.machine.state, inc.listed_at,
+                                              inc.read_failed, frozenset(inc.reads)),
+                    lease, state, tid in eng._waiting)
+        assert isinstance(eng, Sender)
+        o = eng._out.get(tid)
+        return (None if o is None else (o.reg, o.permit, o.machine.state, o.lease_until,
+                                        o.drain_then, o.queued, o.outcome, o.released,
+                                        o.held, frozenset(o.inflight), o.pull_until, o.blocks),
+                tid in eng._tombstones, eng.sched.has_transfer(tid))
+
+    # ------------------------------------------------------------------ NIC
+    def post_write(self, node: Node, a: PostWrite) -> None:
+        self.count("post:WRITE" + (":last" if a.done else ""))
+        pool = node.pool
+        assert pool is not None
+        preq = node.preqs.get(a.transfer_id)
+        for b in a.src_blocks:
+            if pool.owner[b] != a.transfer_id:
+                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} from its block "
+                                f"{b} owned by {pool.owner[b]!r}")
+        if preq is None or preq.state not in ("computed", "held"):
+            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} it does not hold")
+        target = self.by_agent(a.peer)
+        if target is not None:
+            self._check_write_permit(node, target, a)
+        self._post(node, "WRITE", a.transfer_id, a.generation, a.chunk_id, a.peer,
+                   (node.name, node.inc, a.src_blocks),
+                   (target.name, target.inc, a.dst_blocks) if target else ("", 0, a.dst_blocks),
+                   a.done)
+
+    def _check_write_permit(self, node: Node, d: Node, a: PostWrite) -> None:
+        """The WRITE is under a live permit of that very D and into blocks it reserved."""
+        recv = d.engine
+        assert isinstance(recv, Receiver) and d.pool is not None
+        lease = recv.leases.get(a.transfer_id)
+        state = recv.leases.state(a.transfer_id)
+        d_now = d.local(self.now)
+        if lease is None or lease.generation != a.generation:
+            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} to "
+                            f"{d.name}, which holds no permit for it ({lease})")
+        if state not in (LeaseState.LIVE, LeaseState.RELEASED) or d_now >= lease.expires_at:
+            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} after "
+                            f"its permit ended: {state}, expires {lease.expires_at - d.mono_off:.4f}")
+        slack = lease.expires_at - d_now
+        self.count("post_slack<" + next(str(x) for x in (0.5, 1, 1.5, 2, 3, 99) if slack < x))
+        want = (a.transfer_id, a.generation)
+        for b in a.dst_blocks:
+            if d.pool.owner[b] != want:
+                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} into {d.name} "
+                                f"block {b} owned by {d.pool.owner[b]!r}")
+
+    def post_read(self, node: Node, a: PostRead) -> None:
+        self.count("post:READ")
+        pool = node.pool
+        assert pool is not None
+        for b in a.local_blocks:
+            if pool.owner[b] != (a.transfer_id, a.generation):
+                raise self.fail(f"{node.name} posts a READ of {a.transfer_id} into its block "
+                                f"{b} owned by {pool.owner[b]!r}")
+        target = self.by_agent(a.peer)
+        if target is not None:
+            send = target.engine
+            assert isinstance(send, Sender) and target.pool is not None
+            o = send._out.get(a.transfer_id)
+            if o is None or o.machine.state is not TransferState.FALLBACK:
+                raise self.fail(f"{node.name} READs {a.transfer_id} from {target.name}, which "
+                                f"does not offer it for pulling ({o and o.machine})")
+            if target.local(self.now) >= o.pull_until:
+                raise self.fail(f"{node.name} posts a READ of {a.transfer_id} after P's read "
+                                f"permit ended at {o.pull_until - target.mono_off:.4f}")
+            for b in a.remote_blocks:
+                if target.pool.owner[b] != a.transfer_id:
+                    raise self.fail(f"{node.name} READs {a.transfer_id} from {target.name} "
+                                    f"block {b} owned by {target.pool.owner[b]!r}")
+        self._post(node, "READ", a.transfer_id, a.generation, a.chunk_id, a.peer,
+                   (target.name, target.inc, a.remote_blocks) if target else ("", 0,
+                                                                             a.remote_blocks),
+                   (node.name, node.inc, a.local_blocks), None)
+
+    def _post(self, node: Node, op: str, tid: str, gen: int, cid: int, peer: str,
+              src: tuple[str, int, tuple[int, ...]], dst: tuple[str, int, tuple[int, ...]],
+              done: m.Done | None) -> None:
+        key = (node.name, node.inc, cid)
+        if key in self.flights:
+            raise self.fail(f"{node.name} reuses chunk id {cid} while it is in flight")
+        if peer not in node.connected:
+            # As the pump: posting to an agent never connected fails at once.
+            self.count("post_unconnected")
+            self.execute(node, node.engine.on_chunk(cid, False, f"{NOT_CONNECTED} {peer}",
+                                                    node.local(self.now)))
+            return
+        c = self.chaos
+        r = self.r("chunk", *key)
+        latency = r.uniform(0.0005, 0.03)
+        if r.random() < c.slow:
+            latency = r.uniform(0.2, CHUNK_MAX_S)
+        if self.slowed(src[0], dst[0]):
+            latency = r.uniform(0.5 * CHUNK_MAX_S, CHUNK_MAX_S)
+        error = ""
+        if r.random() < c.chunk_fail:
+            x = r.random()
+            error = INVALID if x < c.fatal_share else (
+                DISCONNECT if x < c.fatal_share + 0.2 else r.choice(RETRYABLE))
+        fl = Flight(key, op, tid, gen, peer, src, dst, self._epochs(dst), self._epochs(src),
+                    done, self.now, self.now + latency, error, bool(error) and r.random() < 0.5)
+        self.flights[key] = fl
+        self._push(fl.at, "flight", key)
+        self.log(f"{node.name} posts {op} {tid} g{gen} chunk {cid} {src[2]}->{dst[2]}"
+                 f"{' +DONE' if done else ''} lands {fl.at:.4f} {error}")
+
+    def _epochs(self, side: tuple[str, int, tuple[int, ...]]) -> tuple[int, ...]:
+        node = self.nodes.get(side[0])
+        if node is None or not node.alive or node.inc != side[1] or node.pool is None:
+            return ()
+        return tuple(node.pool.epoch[b] for b in side[2])
+
+    def _side(self, side: tuple[str, int, tuple[int, ...]]) -> Node | None:
+        node = self.nodes.get(side[0])
+        if node is None or not node.alive or node.inc != side[1]:
+            return None
+        return node
+
+    def _land(self, fl: Flight, ok: bool, torn: bool) -> None:
+        """The chunk's bytes reach the destination blocks (all if ``ok``, some if ``torn``):
+        those blocks must have been reserved for this transfer and generation all along."""
+        src, dst = self._side(fl.src), self._side(fl.dst)
+        if dst is None or dst.pool is None or (not ok and not torn):
+            return
+        if src is None or src.pool is None:
+            ok = False  # the source is gone: nothing meaningful arrives
+            torn = True
+        want = (fl.tid, fl.gen)
+        for i, b in enumerate(fl.dst[2]):
+            if dst.pool.owner[b] != want or dst.pool.epoch[b] != fl.dst_epochs[i]:
+                raise self.fail(
+                    f"{fl.op} {fl.tid} g{fl.gen} chunk {fl.key} posted at {fl.posted:.4f} lands in "
+                    f"{dst.name} block {b}, now owned by {dst.pool.owner[b]!r} (epoch "
+                    f"{fl.dst_epochs[i]} -> {dst.pool.epoch[b]}): a write into a freed or reused "
+                    "block")
+        if ok:
+            assert src is not None and src.pool is not None
+            for i, (s, b) in enumerate(zip(fl.src[2], fl.dst[2], strict=True)):
+                if src.pool.owner[s] != fl.tid or src.pool.epoch[s] != fl.src_epochs[i]:
+                    raise self.fail(f"{fl.op} {fl.tid} chunk {fl.key} read {src.name} block {s}"
+                                    f" after it was freed (owner {src.pool.owner[s]!r})")
+                dst.pool.content[b] = src.pool.content[s]
+        else:
+            r = self.r("torn", *fl.key)
+            for b in fl.dst[2]:
+                if r.random() < 0.5:
+                    dst.pool.content[b] = ("torn", fl.tid)
+
+    def complete(self, fl: Flight, error: str | None = None, torn: bool | None = None) -> None:
+        """The NIC reports the chunk: it landed (or failed, maybe torn), then the poster hears."""
+        self.flights.pop(fl.key, None)
+        err = fl.error if error is None else error
+        tear = fl.torn if torn is None else torn
+        target = self.by_agent(fl.peer)
+        if target is None:
+            err, tear = DISCONNECT, False  # the peer process is gone
+        r = self.r("done", *fl.key)
+        landed = not err or (target is not None and r.random() < self.chaos.ambiguous)
+        if landed and err:
+            self.count("ambiguous")
+        self._land(fl, ok=landed, torn=tear)
+        self.count(f"chunk:{fl.op}:{err or 'ok'}")
+        self.log(f"{fl.op} {fl.tid} chunk {fl.key} completes {err or 'ok'}")
+        poster = self.nodes[fl.key[0]]
+        if (landed and fl.done is not None and target is not None
+                and r.random() >= self.chaos.notif_loss):
+            nid = next(self._ids)
+            at = self.now + r.uniform(0.0, 0.005)
+            self.notifs[nid] = (at, target.agent, fl.done)
+            self._push(at, "notif", nid)
+        if poster.alive and poster.inc == fl.key[1]:
+            cid, now_err = fl.key[2], err
+            self.call(poster, lambda eng, now: eng.on_chunk(cid, not now_err, now_err, now))
+
+    def deliver_notif(self, nid: int) -> None:
+        rec = self.notifs.pop(nid, None)
+        if rec is None:
+            return
+        _, agent, done = rec
+        node = self.by_agent(agent)
+        if node is None:
+            return
+        self.log(f"{node.name} gets DONE {done.transfer_id} g{done.generation}")
+        self.count("notif")
+
+        def on_done(eng: Any, now: float) -> list[Action]:
+            assert isinstance(eng, Receiver)
+            inc = eng._in.get(done.transfer_id)
+            stale = inc is not None and inc.generation != done.generation
+            before = self.snapshot(node, done.transfer_id) if stale else None
+            out: list[Action] = eng.on_done(done, now)
+            if stale and (before != self.snapshot(node, done.transfer_id) or any(
+                    not isinstance(a, Note) for a in out)):
+                raise self.fail(f"{node.name}: a DONE with a stale generation changed state")
+            return out
+
+        self.call(node, on_done)
+
+    # ------------------------------------------------------------------ shell-side reactions
+    def on_release(self, node: Node, a: ReleaseSend) -> None:
+        key = (node.name, node.inc, a.transfer_id)
+        preq = node.preqs.get(a.transfer_id)
+        if key in self.released:
+            raise self.fail(f"{node.name} releases {a.transfer_id} twice "
+                            f"({self.released[key]}, then {a.outcome})")
+        if preq is None or preq.state != "held":
+            was = preq or node.closed.get(a.transfer_id)
+            raise self.fail(f"{node.name} releases {a.transfer_id} before the request finished "
+                            f"(state {was and was.state})")
+        self.released[key] = a.outcome
+        self.count(f"release:{a.outcome}")
+        self.log(f"{node.name} releases {a.transfer_id} ({a.outcome})")
+        for fl in self.flights.values():
+            if fl.tid == a.transfer_id and fl.src[0] == node.name and fl.src[1] == node.inc:
+                raise self.fail(f"{node.name} frees the blocks of {a.transfer_id} while its "
+                                f"{fl.op} chunk {fl.key} is in flight")
+        assert node.pool is not None
+        node.pool.release(preq.blocks, a.transfer_id, f"ReleaseSend {a.transfer_id}")
+        self.close(node, preq, "released")
+
+    def on_report(self, node: Node, a: ReportFinished | ReportFailed) -> None:
+        tid = a.transfer_id
+        key = (node.name, node.inc, tid)
+        what = f"{type(a).__name__}({getattr(a, 'outcome', getattr(a, 'reason', ''))})"
+        if key in self.reported:
+            raise self.fail(f"{node.name} reports {tid} twice: {self.reported[key]}, then {what}")
+        dreq = node.dreqs.get(tid)
+        if dreq is None or dreq.state != "admitted":
+            raise self.fail(f"{node.name} reports {tid} it never admitted "
+                            f"({dreq or node.closed.get(tid)})")
+        self.reported[key] = what
+        self.count(f"report:{what}")
+        if isinstance(a, ReportFailed) and a.reason == "permit_expired":
+            p = self.nodes[dreq.p_name]
+            preq = (p.preqs.get(tid) or p.closed.get(tid)) if p.alive else None
+            o = p.engine._out.get(tid) if p.alive else None
+            self.count(f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
+                       f"out={o and o.machine.state.value}:{o and o.outcome}")
+        self.log(f"{node.name} reports {tid}: {what}")
+        recv = node.engine
+        assert isinstance(recv, Receiver) and node.pool is not None and node.ledger is not None
+        local = node.local(self.now)
+        if not recv.leases.reusable(tid, local):
+            raise self.fail(f"{node.name} frees the blocks of {tid} under a live permit "
+                            f"({recv.leases.get(tid)}, {recv.leases.state(tid)})")
+        for fl in self.flights.values():
+            if fl.tid == tid and fl.dst[0] == node.name and fl.dst[1] == node.inc:
+                raise self.fail(f"{node.name} frees the blocks of {tid} while {fl.op} chunk "
+                                f"{fl.key} into them is in flight (posted {fl.posted:.4f})")
+        if isinstance(a, ReportFinished) and a.outcome in ("pushed", "retried", "pull_fallback"):
+            want = [(tid, dreq.first_block + i) for i in range(dreq.nblocks)]
+            got = [node.pool.content[b] for b in dreq.blocks]
+            if got != want:
+                raise self.fail(f"{node.name} reports {tid} received ({a.outcome}) but its blocks "
+                                f"hold {got}, not P's {want}")
+        node.pool.release(dreq.blocks, (tid, dreq.gen), f"report of {tid}")
+        if not node.ledger.release(tid):
+            raise self.fail(f"{node.name} released credit of {tid} it did not hold")
+        self.close(node, dreq, "ended")
+
+    # ------------------------------------------------------------------ schedulers
+    def new_request(self, p: Node, d: Node, total: int, first: int) -> str:
+        """The router sends both legs of a new request at once."""
+        tid = f"t{next(self._tids)}"
+        self.count("request")
+        self.log(f"request {tid}: {p.name} -> {d.name}, {total} blocks from {first}")
+        if p.alive:
+            r = self.r("request", tid)
+            lag = r.choice([0.0, 0.0, 0.0, r.uniform(0.0, P_LAG_MAX_S)])
+            p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
+                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag)
+            if not lag:
+                self.p_step(p)
+        if d.alive:
+            d.dreqs[tid] = DReq(tid, p.name, p.address, total, first, self.now)
+            if first >= total:
+                # D has the whole prompt already: P may free at once.
+                self.close(d, d.dreqs[tid], "ended")
+                self.call(d, lambda eng, now: eng.not_needed(tid, p.address))
+        return tid
+
+    def p_step(self, node: Node) -> None:
+        for preq in list(node.preqs.values()):
+            if preq.state == "coming" and preq.arrive_at <= self.now:
+                preq.state = "queued"
+                self.call(node, lambda eng, now, t=preq.tid: eng.expect(t, now))
+            if preq.state == "queued" and preq.compute_at <= self.now:
+                assert node.pool is not None
+                blocks = node.pool.alloc(preq.nblocks, preq.tid)
+                if blocks is None:
+                    continue  # no room yet: vLLM would keep it waiting
+                for i, b in enumerate(blocks):
+                    node.pool.content[b] = (preq.tid, i)
+                preq.blocks, preq.state = blocks, "computed"
+                preq.hold_at = self.now + self.r("hold", preq.tid).uniform(0.0, 0.1)
+                self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.blocks_ready(
+                    t, bl, now))
+            elif preq.state == "computed" and preq.hold_at <= self.now:
+                preq.state = "held"
+                self.call(node, lambda eng, now, t=preq.tid: eng.hold(t))
+
+    def d_step(self, node: Node) -> None:
+        """D's scheduler step: ask for credit for every waiting request, as the connector."""
+        ledger, pool = node.ledger, node.pool
+        assert ledger is not None and pool is not None
+        local = node.local(self.now)
+        for dreq in list(node.dreqs.values()):
+            if dreq.state not in ("asking", "waiting"):
+                continue
+            adm = ledger.request(dreq.tid, dreq.p_address, dreq.nblocks, local)
+            if adm.decision is Decision.ADMIT:
+                blocks = pool.alloc(dreq.nblocks, (dreq.tid, None))
+                if blocks is None:
+                    raise self.fail(f"{node.name} admitted {dreq.tid} but has no free blocks: "
+                                    f"{pool.used()} used, {ledger.in_use} credited")
+                was_waiting = dreq.state == "waiting"
+                dreq.blocks, dreq.state, dreq.admitted_at = blocks, "admitted", self.now
+                self.count("admit")
+
+                def expect(eng: Any, now: float, d: DReq = dreq, w: bool = was_waiting) -> list[
+                        Action]:
+                    out: list[Action] = eng.admission_over(d.tid) if w else []
+                    acts: list[Action] = eng.expect(d.tid, d.p_address, list(d.blocks),
+                                                    d.first_block, d.total_blocks * 16, now)
+                    d.gen = eng._in[d.tid].generation
+                    assert node.pool is not None
+                    for b in d.blocks:
+                        node.pool.owner[b] = (d.tid, d.gen)
+                    return out + acts
+
+                self.call(node, expect)
+            elif adm.decision is Decision.LATER:
+                if dreq.state == "asking":
+                    dreq.state = "waiting"
+                    self.count("later")
+                    self.call(node, lambda eng, now, d=dreq: eng.await_admission(
+                        d.tid, d.p_address))
+            else:
+                self.close(node, dreq, "ended")
+                self.count("refuse")
+                ledger.release(dreq.tid)
+                self.call(node, lambda eng, now, d=dreq: eng.not_needed(d.tid, d.p_address))
+
+    def abort_d(self, node: Node, tid: str) -> None:
+        dreq = node.dreqs[tid]
+        self.log(f"{node.name} aborts {tid} ({dreq.state})")
+        self.count("abort_d")
+        if dreq.state in ("asking", "waiting"):
+            self.close(node, dreq, "ended")
+            assert node.ledger is not None
+            node.ledger.release(tid)
+            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address))
+        elif dreq.state == "admitted" and not dreq.aborting:
+            dreq.aborting = True
+            self.call(node, lambda eng, now: eng.abort(tid, now))
+
+    def abort_p(self, node: Node, tid: str) -> None:
+        preq = node.preqs[tid]
+        self.log(f"{node.name} aborts {tid} before computing it")
+        self.count("abort_p")
+        self.close(node, preq, "aborted")
+        self.call(node, lambda eng, now: eng.abort(tid, now))
+
+    # ------------------------------------------------------------------ time
+    def run_until(self, target: float) -> None:
+        """Let the world run to ``target``: deliveries, completions, ticks and polls in order."""
+        while self._heap and self._heap[0][0] <= target:
+            at, _, kind, key = heapq.heappop(self._heap)
+            if at > self.now:
+                self.now = at
+            if kind == "wire":
+                w = self.wires.get(key)
+                if w is not None and w.at == at:
+                    self.deliver(w)
+            elif kind == "flight":
+                fl = self.flights.get(key)
+                if fl is not None and fl.at == at:
+                    self.complete(fl)
+            elif kind == "notif":
+                rec = self.notifs.get(key)
+                if rec is not None and rec[0] == at:
+                    self.deliver_notif(key)
+            elif kind == "tick":
+                self._tick(key)
+            elif kind == "poll":
+                self._poll(key)
+            elif kind == "resume":
+                self._resume(key)
+            elif kind == "restart":
+                node = self.nodes[key[0]]
+                if not node.alive and node.inc == key[1]:
+                    self.start(node)
+        self.now = max(self.now, target)
+
+    def _node(self, key: tuple[str, int]) -> Node | None:
+        node = self.nodes[key[0]]
+        return node if node.alive and node.inc == key[1] else None
+
+    def _tick(self, key: tuple[str, int]) -> None:
+        node = self._node(key)
+        if node is None:
+            return
+        self._push(self.now + TICK_S, "tick", key)
+        # The engine thread keeps scheduling while the pump is stalled; its commands wait.
+        if node.role == "P":
+            self.p_step(node)
+        else:
+            self.d_step(node)
+        if node.paused_until <= self.now:
+            self.call(node, lambda eng, now: eng.tick(now))
+            self._schedule_poll(node)
+        self.check_bounds(node)
+
+    def _schedule_poll(self, node: Node) -> None:
+        if not node.alive:
+            return
+        eng = node.engine
+        sched = eng.sched if isinstance(eng, Sender) else eng.reads
+        wake = sched.next_wakeup()
+        if wake is not None:
+            at = wake - node.mono_off
+            if self.now < at < self.now + TICK_S:
+                self._push(at, "poll", (node.name, node.inc))
+
+    def _poll(self, key: tuple[str, int]) -> None:
+        node = self._node(key)
+        if node is None or node.paused_until > self.now:
+            return
+        self.call(node, lambda eng, now: eng.poll(now))
+        self._schedule_poll(node)
+
+    def pause(self, node: Node, dt: float) -> None:
+        if not node.alive:
+            return
+        self.log(f"{node.name} stalls for {dt:.3f}s")
+        self.count("pause")
+        node.paused_until = max(node.paused_until, self.now + dt)
+        self._push(node.paused_until, "resume", (node.name, node.inc))
+
+    def _resume(self, key: tuple[str, int]) -> None:
+        node = self._node(key)
+        if node is None or node.paused_until > self.now:
+            return
+        while node.deferred and node.alive:
+            node.deferred.popleft()()
+        self._schedule_poll(node)
+
+    # ------------------------------------------------------------------ invariants
+    def check_bounds(self, only: Node | None = None) -> None:
+        """Every live transfer is younger than its bound (it must have ended otherwise)."""
+        for node in self.nodes.values() if only is None else (only,):
+            if not node.alive:
+                continue
+            local = node.local(self.now)
+            eng = node.engine
+            if isinstance(eng, Receiver):
+                for inc in eng._in.values():
+                    if local - inc.registered_at > BOUND_D_S:
+                        raise self.fail(f"{node.name}: receive of {inc.tid} ({inc.machine}) is "
+                                        f"{local - inc.registered_at:.2f}s old, bound {BOUND_D_S}")
+            else:
+                for o in eng._out.values():
+                    if local - o.machine.created_at > BOUND_P_S:
+                        raise self.fail(f"{node.name}: send of {o.tid} ({o.machine}, outcome "
+                                        f"{o.outcome!r}, held {o.held}) is "
+                                        f"{local - o.machine.created_at:.2f}s old, bound {BOUND_P_S}")
+
+    def check(self) -> None:
+        """The per-step invariants (the event-time ones raise where they happen)."""
+        self.check_bounds()
+        for node in self.nodes.values():
+            if not node.alive or node.role != "D":
+                continue
+            ledger, pool = node.ledger, node.pool
+            assert ledger is not None and pool is not None
+            if ledger.in_use > CREDIT_BUDGET or ledger.in_use < 0:
+                raise self.fail(f"{node.name}: {ledger.in_use} blocks of credit in use, budget "
+                                f"{CREDIT_BUDGET}")
+            for peer in ledger.peers():
+                if ledger.peer_credit(peer).in_use > PEER_CAP:
+                    raise self.fail(f"{node.name}: peer {peer} over its cap")
+            if pool.used() != ledger.in_use:
+                raise self.fail(f"{node.name}: {pool.used()} blocks reserved but {ledger.in_use}"
+                                " credited")
+            # Blocks in flight toward this D stay within what it credited, transfer by transfer.
+            inflight = 0
+            for fl in self.flights.values():
+                if fl.op == "WRITE" and fl.dst[0] == node.name and fl.dst[1] == node.inc:
+                    dreq = node.dreqs.get(fl.tid)
+                    if dreq is None or dreq.state != "admitted" or not set(
+                            fl.dst[2]) <= set(dreq.blocks):
+                        raise self.fail(f"WRITE {fl.key} of {fl.tid} targets {node.name} blocks "
+                                        f"{fl.dst[2]} outside its reservation")
+                    inflight += len(fl.dst[2])
+            if inflight > ledger.in_use:
+                raise self.fail(f"{inflight} blocks in flight to {node.name} over its credit "
+                                f"{ledger.in_use}")
+            recv = node.engine
+            assert isinstance(recv, Receiver)
+            for tid in recv._in:
+                dreq = node.dreqs.get(tid)
+                if dreq is None or dreq.state != "admitted":
+                    raise self.fail(f"{node.name} receives {tid} that its scheduler ended")
+        for node in self.nodes.values():
+            if node.alive and node.role == "P":
+                assert node.pool is not None
+                held = sum(len(p.blocks) for p in node.preqs.values()
+                           if p.state in ("computed", "held"))
+                if node.pool.used() != held:
+                    raise self.fail(f"{node.name}: {node.pool.used()} blocks used, {held} held")
+
+    def busy(self) -> list[str]:
+        """What is still going on (empty once the world is idle)."""
+        out: list[str] = []
+        for node in self.nodes.values():
+            if not node.alive:
+                continue
+            assert node.pool is not None
+            if node.pool.used():
+                out.append(f"{node.name}: {node.pool.used()} blocks not free")
+            eng = node.engine
+            if isinstance(eng, Receiver):
+                assert node.ledger is not None
+                if eng.active or eng._waiting or len(eng.leases) or eng.busy:
+                    out.append(f"{node.name}: receiver holds {sorted(eng._in)} waiting "
+                               f"{sorted(eng._waiting)} leases {eng.leases.keys()}")
+                if node.ledger.in_use or node.ledger.waiting:
+                    out.append(f"{node.name}: credit {node.ledger.in_use} in use, "
+                               f"{node.ledger.waiting} waiting")
+                open_ = [d.tid for d in node.dreqs.values() if d.state != "ended"]
+                if open_:
+                    out.append(f"{node.name}: requests not ended {open_}")
+            else:
+                if eng.active or eng.busy or eng._chunks:
+                    out.append(f"{node.name}: sender holds "
+                               f"{[(o.tid, o.machine.state.value, o.outcome) for o in eng._out.values()]}")
+                open_ = [p.tid for p in node.preqs.values()
+                         if p.state not in ("released", "aborted")]
+                if open_:
+                    out.append(f"{node.name}: requests not released {open_}")
+        if self.flights:
+            out.append(f"chunks in flight {sorted(self.flights)}")
+        return out
+
+    def open_requests(self) -> int:
+        return sum(len(n.preqs) + len(n.dreqs) for n in self.nodes.values())
+
+    def close(self, node: Node, req: PReq | DReq, state: str) -> None:
+        """A request is over on ``node``: it leaves the open ones (kept for messages)."""
+        req.state = state
+        (node.preqs if isinstance(req, PReq) else node.dreqs).pop(req.tid, None)
+        node.closed[req.tid] = req
+
+    def quiesce(self) -> None:
+        """No new work: run until every lease has run out; then nothing may be left held.
+
+        The horizon is the credit ledger's bound on the wait for admission (each queued
+        transfer may hold credit for a whole transfer bound) plus one transfer of each side.
+        """
+        self.log("quiesce")
+        self.count("quiesce")
+        queued = sum(len(n.dreqs) for n in self.nodes.values())
+        end = (self.now + COMPUTE_MAX_S + P_LAG_MAX_S + CREDITS.aging_s
+               + (queued + 1) * BOUND_D_S + BOUND_P_S + TOTAL_S)
+        while self.now < end:
+            self.run_until(self.now + 1.0)
+            if not self.busy():
+                break
+        left = self.busy()
+        if left:
+            raise self.fail("leak at quiescence, " + "; ".join(left))

@@ -1,0 +1,301 @@
+"""The push protocol under fire: N prefill x M decode engines in a simulated world.
+
+Hypothesis drives the real Sender/Receiver engines (``sim_world.World`` plays the shells,
+the network and the NICs) through lost, duplicated, reordered, delayed and stuck control
+messages, one-way and two-way control partitions, slow, failing, torn and ambiguous
+(failed at P but landed) chunks, pump stalls, crashes and restarts (with the dead
+process's messages arriving late), aborts on both sides, late prefill legs, credit
+pressure and replays with stale generations. The world checks, where each can break and
+after every step: credit within budget and blocks in flight within credit; no double
+free; no WRITE posted after its permit; no chunk landing in a block freed or reused since
+it was posted; no block freed under a live permit; stale generations (and messages of
+dead processes) change nothing; D ends up with P's bytes; every transfer ends within its
+bound; and at quiescence, once every lease ran out, nothing leaked.
+
+Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
+``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (100).
+A failure prints the steps, the world (sizes, chaos, seed), its events around the broken
+invariant and ``@reproduce_failure`` (the blob; ``print_blob``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sim_world import (
+    CHUNK_MAX_S,
+    DISCONNECT,
+    INVALID,
+    PAUSE_MAX_S,
+    RESTART_MIN_S,
+    RETRYABLE,
+    Chaos,
+    World,
+)
+
+EXAMPLES = int(os.environ.get("KVPUSH_HYPOTHESIS_EXAMPLES", settings.default.max_examples))
+STEPS = int(os.environ.get("KVPUSH_HYPOTHESIS_STEPS", "100"))
+MAX_OPEN = 12  # requests in flight at once (each counted on P and on D)
+MAX_CRASHES = 2  # per example: more leaves too little alive to test
+MAX_PARTITIONS = 3
+
+chaos_st = st.builds(
+    Chaos,
+    drop=st.sampled_from([0.0, 0.02, 0.1, 0.3]),
+    dup=st.sampled_from([0.0, 0.05, 0.2]),
+    delay_max_s=st.sampled_from([0.002, 0.02, 0.3]),
+    spike=st.sampled_from([0.0, 0.02, 0.1]),
+    chunk_fail=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+    fatal_share=st.sampled_from([0.0, 0.1]),
+    slow=st.sampled_from([0.0, 0.1, 0.3, 1.0]),
+    notif_loss=st.sampled_from([0.0, 0.1]),
+    skew=st.booleans(),
+    ambiguous=st.sampled_from([0.0, 0.0, 0.3]),
+    zombie=st.booleans(),
+)
+
+
+class ProtocolWorld(RuleBasedStateMachine):
+    """The rules are the world's events; hypothesis picks them, their order and their timing."""
+
+    world: World
+
+    @initialize(n_p=st.integers(1, 3), n_d=st.integers(1, 2), chaos=chaos_st,
+                seed=st.integers(0, 2**32 - 1))
+    def setup(self, n_p: int, n_d: int, chaos: Chaos, seed: int) -> None:
+        note(f"world: {n_p} P x {n_d} D, {chaos}, seed {seed}")
+        self.world = World(n_p, n_d, chaos, seed)
+
+    def _pick(self, data: st.DataObject, items: list[Any]) -> Any:
+        return data.draw(st.sampled_from(sorted(items)))
+
+    # ------------------------------------------------------------------ work
+    @precondition(lambda self: self.world.open_requests() < 2 * MAX_OPEN)
+    @rule(data=st.data(), sizes=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)),
+                                         min_size=1, max_size=3))
+    def new_requests(self, data: st.DataObject, sizes: list[tuple[int, int]]) -> None:
+        """The router sends a few requests, each to a prefill and a decode engine."""
+        w = self.world
+        for total, first in sizes:
+            p = w.nodes[self._pick(data, [n for n in w.nodes if n.startswith("P")])]
+            d = w.nodes[self._pick(data, [n for n in w.nodes if n.startswith("D")])]
+            # Mostly no prefix hit on D; sometimes part of the prompt, rarely all of it.
+            w.new_request(p, d, total, first if first <= total and first % 3 == 0 else 0)
+
+    @rule(data=st.data(), side=st.sampled_from(["D", "P"]))
+    def abort(self, data: st.DataObject, side: str) -> None:
+        """A client goes away: D's request ends (any time), or P's before its prompt is done."""
+        w = self.world
+        if side == "D":
+            open_ = [(n.name, t) for n in w.nodes.values() for t, d in n.dreqs.items()
+                     if d.state != "ended" and not d.aborting]
+            if open_:
+                name, tid = self._pick(data, open_)
+                w.abort_d(w.nodes[name], tid)
+        else:
+            queued = [(n.name, t) for n in w.nodes.values() for t, p in n.preqs.items()
+                      if p.state == "queued"]
+            if queued:
+                name, tid = self._pick(data, queued)
+                w.abort_p(w.nodes[name], tid)
+
+    # ------------------------------------------------------------------ time
+    @rule(dt=st.floats(0.0, 0.3))
+    def advance(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
+    @rule(dt=st.floats(0.3, 8.0))
+    def advance_long(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
+    # ------------------------------------------------------------------ network
+    @precondition(lambda self: bool(self.world.wires) or bool(self.world.history))
+    @rule(data=st.data(), kind=st.sampled_from(["drop", "reorder", "delay", "duplicate"]),
+          extra=st.floats(0.0, 6.0))
+    def network_fault(self, data: st.DataObject, kind: str, extra: float) -> None:
+        """Lose, reorder (deliver now), delay or duplicate (a recent) control message."""
+        w = self.world
+        if kind == "duplicate":
+            old = data.draw(st.sampled_from(list(w.history)))
+            src = w.nodes[old.src]
+            if src.alive and src.inc == old.src_inc:  # a dead process sends nothing more
+                w.count("rule:duplicate")
+                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra)
+            return
+        if not w.wires:
+            return
+        wire = w.wires[self._pick(data, list(w.wires))]
+        w.count(f"rule:{kind}")
+        if kind == "drop":
+            del w.wires[wire.id]
+        elif kind == "reorder":
+            w.deliver(wire)
+        else:
+            wire.at += extra
+            w._push(wire.at, "wire", wire.id)
+
+    @precondition(lambda self: self.world.stats.get("partition", 0) < MAX_PARTITIONS)
+    @rule(data=st.data(), dt=st.floats(0.5, 8.0),
+          way=st.sampled_from(["both", "P->D", "D->P", "none"]), slow=st.booleans())
+    def partition(self, data: st.DataObject, dt: float, way: str, slow: bool) -> None:
+        """The control network between a P and a D fails for a while, both ways or one way;
+        the RDMA link between them keeps working, maybe slowly (and maybe only that)."""
+        w = self.world
+        p = self._pick(data, [n for n in w.nodes if n.startswith("P")])
+        d = self._pick(data, [n for n in w.nodes if n.startswith("D")])
+        if slow or way == "none":
+            w.slow_down(p, d, dt)
+        if way == "D->P":
+            w.partition(d, p, dt, both=False)
+        elif way != "none":
+            w.partition(p, d, dt, both=way == "both")
+
+    @rule(data=st.data(), role=st.sampled_from(["D", "P"]), kind=st.sampled_from(
+        ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone",
+         "Heartbeat"]), shift=st.sampled_from([-2, -1, 1, 4]))
+    def stale_message(self, data: st.DataObject, role: str, kind: str, shift: int) -> None:
+        """A message about a live transfer with another generation than its current one
+        (a late message about an earlier grant) reaches its receiver: it must be fenced."""
+        w = self.world
+        cands = w.stale_candidates(role)
+        if cands:
+            w.deliver_stale(self._pick(data, cands), kind, shift)
+
+    @rule(data=st.data(), kind=st.sampled_from(["heartbeat", "notice"]))
+    def message_of_a_dead_process(self, data: st.DataObject, kind: str) -> None:
+        """A message a crashed engine sent before it died arrives after its restart."""
+        w = self.world
+        cands = w.dead_candidates()
+        w.count(f"dead_cands:{bool(cands)}")
+        if cands:
+            w.deliver_from_dead(self._pick(data, cands), kind)
+
+    # ------------------------------------------------------------------ NICs
+    @precondition(lambda self: bool(self.world.flights))
+    @rule(data=st.data(), kind=st.sampled_from(["fail", "complete", "slow"]),
+          error=st.sampled_from([*RETRYABLE, DISCONNECT, INVALID]), torn=st.booleans())
+    def chunk_fault(self, data: st.DataObject, kind: str, error: str, torn: bool) -> None:
+        """A chunk fails now (maybe having written part of its blocks), completes now, or
+        takes as long as a chunk may (CHUNK_MAX_S)."""
+        w = self.world
+        fl = w.flights[self._pick(data, list(w.flights))]
+        w.count(f"rule:chunk_{kind}")
+        if kind == "fail":
+            w.complete(fl, error=error, torn=torn)
+        elif kind == "complete":
+            w.complete(fl, error="", torn=False)
+        elif fl.posted + CHUNK_MAX_S > w.now:
+            fl.at = fl.posted + CHUNK_MAX_S
+            w._push(fl.at, "flight", fl.key)
+
+    # ------------------------------------------------------------------ engines
+    @rule(data=st.data(), kind=st.sampled_from(["stall", "tick", "poll"]),
+          dt=st.floats(0.05, PAUSE_MAX_S))
+    def pump(self, data: st.DataObject, kind: str, dt: float) -> None:
+        """A pump stalls (GC, overload), or ticks or polls its engine out of turn."""
+        w = self.world
+        node = w.nodes[self._pick(data, list(w.nodes))]
+        if kind == "stall":
+            w.pause(node, dt)
+        elif kind == "tick":
+            w.call(node, lambda eng, now: eng.tick(now))
+        else:
+            w.call(node, lambda eng, now: eng.poll(now))
+
+    @precondition(lambda self: self.world.stats.get("crash", 0) < MAX_CRASHES)
+    @rule(data=st.data())
+    def crash(self, data: st.DataObject) -> None:
+        w = self.world
+        alive = [n.name for n in w.nodes.values() if n.alive]
+        if alive:
+            w.crash(w.nodes[self._pick(data, alive)])
+
+    @precondition(lambda self: any(not n.alive and self.world.now - n.died_at >= RESTART_MIN_S
+                                   for n in self.world.nodes.values()))
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """A crashed engine comes back: a new incarnation at the same address."""
+        w = self.world
+        dead = [n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_MIN_S]
+        w.start(w.nodes[self._pick(data, dead)])
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.world.check()
+
+    def teardown(self) -> None:
+        w = getattr(self, "world", None)
+        if w is None or w.broken:
+            return  # a step failed: that failure is the report
+        try:
+            w.quiesce()
+        finally:
+            note(f"world stats: {dict(sorted(w.stats.items()))}")
+
+
+ProtocolWorld.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                           HealthCheck.data_too_large],
+)
+TestProtocolWorld = ProtocolWorld.TestCase
+
+
+# ----------------------------------------------------------------------------- scenarios
+# The races the machine reaches only now and then, replayed on purpose over many seeds (the
+# world's randomness: chunk timings, clock offsets). The world checks every invariant.
+
+
+def _scenario(seed: int, setup: Any) -> None:
+    w = World(1, 1, Chaos(skew=True), seed)
+    w.run_until(0.5)
+    setup(w, w.nodes["P0"], w.nodes["D0"])
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("way", ["P->D", "both"])
+def test_a_slow_push_whose_control_path_fails_never_writes_into_reused_blocks(
+        seed: int, way: str) -> None:
+    """D stops renewing the permit while P still pushes on a crawling link: P must stop in
+    time for its last chunk to land before D reuses the blocks."""
+
+    def setup(w: World, p: Any, d: Any) -> None:
+        w.slow_down("P0", "D0", 30.0)
+        w.partition("P0", "D0", 30.0, both=way == "both")
+        w.new_request(p, d, 8, 0)
+
+    _scenario(seed, setup)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_abort_on_decode_whose_cancel_is_lost_frees_only_after_the_fence(seed: int) -> None:
+    """D aborts mid-push and its CANCEL never arrives: D may reuse the blocks only once P can
+    no longer be writing into them."""
+
+    def setup(w: World, p: Any, d: Any) -> None:
+        w.slow_down("P0", "D0", 30.0)
+        tid = w.new_request(p, d, 8, 0)
+        while tid not in d.engine._in or not any(f.tid == tid for f in w.flights.values()):
+            w.run_until(w.now + 0.01)
+            assert w.now < 10.0, "the push never started"
+        w.partition("P0", "D0", 30.0, both=True)
+        w.abort_d(d, tid)
+
+    _scenario(seed, setup)
