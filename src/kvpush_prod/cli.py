@@ -1,4 +1,4 @@
-"""``kvpush``: the command line (demo, router, serve).
+"""``kvpush``: the command line (config, demo, router, serve).
 
 Each subcommand hands the rest of the command line to its own module.
 """
@@ -10,6 +10,7 @@ import sys
 USAGE = """usage: kvpush <command> [args]
 
 commands:
+  config    validate a profile, show the effective config, render docs (kvpush config --help)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
   chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
   router    run the push-aware P/D router (kvpush router --help)
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, rest = args[0], args[1:]
+    if cmd == "config":
+        from kvpush_prod.configcli import main as config_main
+
+        return config_main(rest)
     if cmd == "demo":
         from kvpush_prod.demo import main as demo_main
 

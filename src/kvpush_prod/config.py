@@ -5,22 +5,41 @@ Built from a YAML profile, then ``kv_connector_extra_config`` overrides, then en
 
 from __future__ import annotations
 
+import difflib
 import os
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.transport.faults import FaultSettings
 
 SECRET_ENV = "KVPUSH_SECRET"
 PROFILE_ENV = "KVPUSH_PROFILE"
+DOCS = "docs/configuration.md"
+MASK = "<set, masked>"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+
+Source = Literal["default", "profile", "extra", "env"]
+
+
+def _secret(description: str) -> Any:
+    # Marked so that `config show`, errors and docs never print the value.
+    return Field(None, description=description, json_schema_extra={"secret": True})
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are errors (a typo must not silently fall back to a default); NaN and
+    # infinities are never a sensible duration, size or fraction.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ControlSettings(_Section):
@@ -28,7 +47,9 @@ class ControlSettings(_Section):
 
     host: str = Field("127.0.0.1", description="Address the control endpoint binds to.")
     advertise_host: str | None = Field(
-        None, description="Address peers use to reach this engine; defaults to `host`."
+        None,
+        description="Address peers use to reach this engine; defaults to `host`. Required "
+        "when `host` is a wildcard such as 0.0.0.0.",
     )
     port: int = Field(
         15500,
@@ -37,20 +58,37 @@ class ControlSettings(_Section):
         description="Base port; tensor-parallel rank r of data-parallel rank d listens on "
         "port + d * tp_size + r.",
     )
-    secret: str | None = Field(
-        None,
-        description="Shared HMAC-SHA256 secret; when set, unauthenticated messages are rejected. "
-        f"Prefer the {SECRET_ENV} environment variable.",
+    secret: str | None = _secret(
+        "Shared HMAC-SHA256 secret; when set, unauthenticated messages are rejected. "
+        f"Prefer the {SECRET_ENV} environment variable (it wins over profile and extra config)."
     )
     max_message_bytes: int = Field(
         1 << 20, ge=1024, le=64 << 20, description="Largest control message accepted."
     )
 
+    @model_validator(mode="after")
+    def _reachable(self) -> ControlSettings:
+        if self.host in _WILDCARD_HOSTS and not self.advertise_host:
+            raise ValueError(
+                f"host={self.host!r} binds every interface, so peers cannot be told where to "
+                "connect: set advertise_host to this engine's address on the KV network"
+            )
+        if self.advertise_host is not None and self.advertise_host in _WILDCARD_HOSTS:
+            raise ValueError(
+                f"advertise_host={self.advertise_host!r} is not an address peers can reach: "
+                "set it to this engine's address on the KV network"
+            )
+        return self
+
 
 class TransportSettings(_Section):
     """How KV bytes move (NIXL)."""
 
-    backend: Literal["UCX", "LIBFABRIC"] = Field("UCX", description="NIXL backend plugin.")
+    backend: Literal["UCX", "LIBFABRIC"] = Field(
+        "UCX",
+        description="NIXL backend plugin: UCX (InfiniBand, RoCE, TCP, shared memory) or "
+        "LIBFABRIC (AWS EFA).",
+    )
     progress_thread: bool = Field(
         True, description="Run NIXL's progress thread (passive-side progress, wire-up)."
     )
@@ -68,7 +106,9 @@ class TransportSettings(_Section):
     idle_poll_ms: int = Field(
         50, ge=1, le=10_000, description="Longest sleep of the poller when nothing is in flight."
     )
-    num_threads: int = Field(0, ge=0, le=64, description="NIXL backend worker threads (0: default).")
+    num_threads: int = Field(
+        0, ge=0, le=64, description="NIXL backend worker threads (0: the backend's default)."
+    )
 
 
 class PushSettings(_Section):
@@ -78,9 +118,14 @@ class PushSettings(_Section):
         4 << 20, ge=4096, le=1 << 30, description="Largest single WRITE posted for a transfer."
     )
     target_latency_ms: float = Field(
-        2.0, gt=0, le=10_000, description="In-flight bytes per link = bandwidth x this."
+        2.0,
+        gt=0,
+        le=10_000,
+        description="In-flight bytes per link = measured bandwidth x this (at least one chunk).",
     )
-    max_inflight_chunks: int = Field(64, ge=1, le=100_000, description="Cap per link.")
+    max_inflight_chunks: int = Field(
+        64, ge=1, le=100_000, description="Most chunks posted and not completed, per link."
+    )
     chunk_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="A chunk still in flight after this has failed (TIMEOUT)."
     )
@@ -101,7 +146,9 @@ class LeaseSettings(_Section):
     """Permits (D lets P write) and send leases (P holds blocks for D)."""
 
     permit_ttl_s: float = Field(
-        5.0, gt=0, le=3600, description="Write permit term (renewed while P is alive)."
+        5.0, gt=0, le=3600,
+        description="Write permit term; D renews it by heartbeat while P is alive and still "
+        "holds the transfer, so a dead P is noticed within about this long.",
     )
     send_lease_ttl_s: float = Field(
         60.0, gt=0, le=3600, description="How long P holds finished blocks for D without news."
@@ -127,31 +174,70 @@ class LeaseSettings(_Section):
                 f"stop_margin_s={self.stop_margin_s} must be below permit_ttl_s="
                 f"{self.permit_ttl_s}: otherwise P could never write"
             )
-        if self.heartbeat_interval_s * 2 > self.permit_ttl_s:
-            raise ValueError(
-                f"heartbeat_interval_s={self.heartbeat_interval_s} must be at most half of "
-                f"permit_ttl_s={self.permit_ttl_s} so one lost heartbeat does not expire a permit"
-            )
+        for name in ("permit_ttl_s", "send_lease_ttl_s"):
+            ttl = getattr(self, name)
+            if self.heartbeat_interval_s * 2 > ttl:
+                raise ValueError(
+                    f"heartbeat_interval_s={self.heartbeat_interval_s} must be at most half of "
+                    f"{name}={ttl} so one lost heartbeat does not expire a lease"
+                )
         return self
 
 
 class RetrySettings(_Section):
     """Retries of failed chunks (full-jitter exponential backoff, per-peer budget)."""
 
-    max_attempts: int = Field(3, ge=1, le=100)
-    base_backoff_ms: float = Field(2.0, gt=0, le=60_000)
-    max_backoff_ms: float = Field(200.0, gt=0, le=600_000)
-    budget_per_s: float = Field(10.0, gt=0, le=100_000, description="Retry tokens per second per peer.")
-    budget_burst: int = Field(20, ge=1, le=100_000)
+    max_attempts: int = Field(
+        3, ge=1, le=100, description="Posts of one chunk in all, the first included (1: no retry)."
+    )
+    base_backoff_ms: float = Field(
+        2.0, gt=0, le=60_000, description="Window of the first retry's random wait: [0, base]."
+    )
+    max_backoff_ms: float = Field(
+        200.0, gt=0, le=600_000, description="The wait window doubles per retry up to this."
+    )
+    budget_per_s: float = Field(
+        10.0, gt=0, le=100_000,
+        description="Retry tokens refilled per second per peer; a retry without a token "
+        "falls back instead.",
+    )
+    budget_burst: int = Field(
+        20, ge=1, le=100_000, description="Retry tokens one peer may hold (retries at once)."
+    )
+
+    @model_validator(mode="after")
+    def _backoff_grows(self) -> RetrySettings:
+        if self.max_backoff_ms < self.base_backoff_ms:
+            raise ValueError(
+                f"max_backoff_ms={self.max_backoff_ms} must be >= base_backoff_ms="
+                f"{self.base_backoff_ms}"
+            )
+        return self
 
 
 class BreakerSettings(_Section):
     """Per-peer circuit breaker."""
 
-    failure_threshold: int = Field(3, ge=1, le=1000)
-    window_s: float = Field(10.0, gt=0, le=3600)
-    cooldown_s: float = Field(5.0, gt=0, le=3600)
-    max_cooldown_s: float = Field(300.0, gt=0, le=86_400)
+    failure_threshold: int = Field(
+        3, ge=1, le=1000, description="Failed pushes within `window_s` that open the breaker."
+    )
+    window_s: float = Field(10.0, gt=0, le=3600, description="Window the failures are counted in.")
+    cooldown_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="How long the breaker stays open before a half-open probe; doubles after "
+        "each failed probe.",
+    )
+    max_cooldown_s: float = Field(
+        300.0, gt=0, le=86_400, description="The cooldown never grows past this."
+    )
+
+    @model_validator(mode="after")
+    def _cooldown_grows(self) -> BreakerSettings:
+        if self.max_cooldown_s < self.cooldown_s:
+            raise ValueError(
+                f"max_cooldown_s={self.max_cooldown_s} must be >= cooldown_s={self.cooldown_s}"
+            )
+        return self
 
 
 class FallbackSettings(_Section):
@@ -172,7 +258,11 @@ class VerifySettings(_Section):
 
 
 class KvpushConfig(_Section):
-    """Everything the connector reads. Unknown keys are errors."""
+    """Everything the connector reads. Unknown keys are errors.
+
+    Each field is a section; adding a section is adding a field here (docs, CLI and
+    provenance pick it up from the model).
+    """
 
     control: ControlSettings = ControlSettings()
     transport: TransportSettings = TransportSettings()
@@ -186,6 +276,92 @@ class KvpushConfig(_Section):
     faults: FaultSettings = FaultSettings()
 
 
+# Cross-field rules (model validators above), listed for the docs.
+CROSS_FIELD_RULES: tuple[str, ...] = (
+    "`control.advertise_host` must be set when `control.host` is a wildcard (0.0.0.0, ::), "
+    "and must not itself be one",
+    "`leases.stop_margin_s` < `leases.permit_ttl_s`",
+    "`leases.heartbeat_interval_s` <= half of `leases.permit_ttl_s` and of "
+    "`leases.send_lease_ttl_s`",
+    "`retry.max_backoff_ms` >= `retry.base_backoff_ms`",
+    "`breaker.max_cooldown_s` >= `breaker.cooldown_s`",
+)
+
+
+# --------------------------------------------------------------------------- field facts
+
+
+def _sections() -> dict[str, type[BaseModel]]:
+    out = {}
+    for name, f in KvpushConfig.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out[name] = ann
+    return out
+
+
+def _lookup(path: tuple[str | int, ...]) -> FieldInfo | None:
+    """The field at ``(section, key)``, or None."""
+    if len(path) != 2:
+        return None
+    section = _sections().get(str(path[0]))
+    return None if section is None else section.model_fields.get(str(path[1]))
+
+
+def is_secret(f: FieldInfo | None) -> bool:
+    extra = f.json_schema_extra if f is not None else None
+    return isinstance(extra, dict) and bool(extra.get("secret"))
+
+
+def type_name(f: FieldInfo) -> str:
+    """The field's type as the docs and errors say it (integer, number, boolean, ...)."""
+    ann = f.annotation
+    optional = False
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(ann))
+        ann = args[0] if len(args) == 1 else ann
+    names: dict[Any, str] = {int: "integer", float: "number", bool: "boolean", str: "string"}
+    if typing.get_origin(ann) is Literal:
+        name = "enum"
+    else:
+        name = names.get(ann) or str(getattr(ann, "__name__", ann))
+    return f"{name} or null" if optional else name
+
+
+def allowed_range(f: FieldInfo) -> str:
+    """What values the field takes, from its constraints (``>= 1024 and <= 65000``, ...)."""
+    ann = f.annotation
+    for arg in (ann, *typing.get_args(ann)):
+        if typing.get_origin(arg) is Literal:
+            return "one of " + ", ".join(repr(v) for v in typing.get_args(arg))
+    parts = []
+    for m in f.metadata:
+        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if isinstance(m, getattr(annotated_types, attr.capitalize())):
+                parts.append(f"{op} {getattr(m, attr)}")
+    if parts:
+        return " and ".join(parts)
+    if ann is bool:
+        return "true or false"
+    return "any"
+
+
+def field_rows() -> Iterator[tuple[str, str, FieldInfo]]:
+    """(section, key, field) for every field, in model order."""
+    for section, model in _sections().items():
+        for key, f in model.model_fields.items():
+            yield section, key, f
+
+
+def section_doc(section: str) -> str:
+    model = _sections()[section]
+    return (model.__doc__ or "").strip().splitlines()[0]
+
+
+# --------------------------------------------------------------------------- loading
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
@@ -196,19 +372,96 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _format_validation(err: ValidationError, source: str) -> str:
+def _leaves(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, (*prefix, str(key)))
+        else:
+            yield (*prefix, str(key))
+
+
+_SECRETISH = ("secret", "password", "token", "key")
+
+
+def _show(path: tuple[str | int, ...], value: Any) -> str:
+    """``value`` for an error message, masked when it may be a secret (or a typo of one)."""
+    f = _lookup(path)
+    name = str(path[-1]).lower() if path else ""
+    secret_names = [k for s, k, fi in field_rows() if is_secret(fi)]
+    if is_secret(f):
+        return MASK
+    # An unknown key that looks like a secret (or a typo of one) may hold one too.
+    if f is None and (any(w in name for w in _SECRETISH)
+                      or difflib.get_close_matches(name, secret_names, n=1, cutoff=0.6)):
+        return MASK
+    return repr(value)
+
+
+_ORIGIN = {"profile": "from the profile", "extra": "from kv_connector_extra_config",
+           "env": f"from ${SECRET_ENV}"}
+
+
+def allowed_text(f: FieldInfo) -> str:
+    """``integer >= 1024 and <= 65000``, ``one of 'UCX', 'LIBFABRIC'``, ``boolean``, ..."""
+    rng = allowed_range(f)
+    if rng.startswith("one of"):
+        return rng
+    if rng in ("any", "true or false"):
+        return type_name(f)
+    return f"{type_name(f)} {rng}"
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _format_validation(err: ValidationError, source: str,
+                       sources: dict[str, str] | None = None) -> str:
     lines = [f"invalid kvpush configuration ({source}):"]
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = tuple(e["loc"])
+        path = ".".join(str(p) for p in loc) or "<root>"
         value = e.get("input")
+        origin = _ORIGIN.get((sources or {}).get(path, ""), "")
+        where = f" ({origin})" if origin else ""
+        anchor = f"{DOCS}#{loc[0]}" if loc else DOCS
         if e["type"] == "extra_forbidden":
+            lines.append(_unknown_key(loc, path, value, where))
+            continue
+        f = _lookup(loc)
+        if f is not None:
+            meaning = f" ({f.description.rstrip('.')})" if f.description else ""
             lines.append(
-                f"  - {path}: unknown key (value {value!r}); remove it or fix its spelling "
-                "(see docs/configuration.md for the keys)"
+                f"  - {path} = {_show(loc, value)}{where}: {_lower_first(e['msg'])}; allowed: "
+                f"{allowed_text(f)}{meaning}. Fix: set {path} to an allowed value (see {anchor})"
             )
+        elif len(loc) == 1 and e["type"] in ("model_type", "model_attributes_type"):
+            keys = ", ".join(_sections()[str(loc[0])].model_fields)
+            lines.append(
+                f"  - {path} = {_show(loc, value)}{where}: a section must be a mapping of its "
+                f"keys ({keys}). Fix: write it as '{path}: {{key: value}}' (see {anchor})"
+            )
+        elif e["type"] == "value_error":
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            lines.append(f"  - {path}: {msg} (see {anchor})")
         else:
-            lines.append(f"  - {path}: {e['msg']} (got {value!r}); see docs/configuration.md")
+            lines.append(f"  - {path} = {_show(loc, value)}{where}: {e['msg']} (see {anchor})")
     return "\n".join(lines)
+
+
+def _unknown_key(loc: tuple[str | int, ...], path: str, value: Any, where: str) -> str:
+    sections = _sections()
+    if len(loc) == 1:
+        known = list(sections)
+        what = "unknown section"
+    else:
+        model = sections.get(str(loc[0]))
+        known = list(model.model_fields) if model is not None else []
+        what = f"unknown key of {loc[0]}"
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"  - {path} = {_show(loc, value)}{where}: {what}; {hint}known: "
+            f"{', '.join(known)}. Fix: remove it or correct its spelling (see {DOCS})")
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
@@ -216,8 +469,8 @@ def read_profile(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(
-            f"profile {str(p)!r} does not exist; pass an existing YAML file "
-            "(e.g. configs/default.yaml) as kv_connector_extra_config.profile"
+            f"profile {str(p)!r} does not exist (a relative path is taken from the working "
+            f"directory, {os.getcwd()}); pass an existing YAML file such as configs/default.yaml"
         )
     try:
         data = yaml.safe_load(p.read_text()) or {}
@@ -230,33 +483,75 @@ def read_profile(path: str | Path) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A validated config and where each ``section.key`` value came from."""
+
+    config: KvpushConfig
+    profile: str | None
+    sources: dict[str, Source] = field(default_factory=dict)
+
+    def source_of(self, section: str, key: str) -> Source:
+        return self.sources.get(f"{section}.{key}", "default")
+
+
+def resolve_config(
+    profile: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> ResolvedConfig:
+    """Profile YAML, then overrides (kv_connector_extra_config), then env secrets."""
+    env = dict(os.environ) if env is None else env
+    profile = profile or env.get(PROFILE_ENV) or None
+    layers: list[tuple[Source, dict[str, Any]]] = []
+    if profile:
+        layers.append(("profile", read_profile(profile)))
+    if overrides:
+        if not isinstance(overrides, dict):
+            raise ConfigError(
+                f"kv_connector_extra_config must be a mapping, got {type(overrides).__name__}"
+            )
+        layers.append(("extra", overrides))
+    secret = env.get(SECRET_ENV)
+    if secret:
+        layers.append(("env", {"control": {"secret": secret}}))
+    data: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
+    for origin, layer in layers:
+        data = _merge(data, layer)
+        for leaf in _leaves(layer):
+            sources[".".join(leaf)] = origin
+    source = f"profile={str(profile)!r}" if profile else "defaults"
+    if overrides:
+        source += " + kv_connector_extra_config"
+    try:
+        cfg = KvpushConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source, dict(sources))) from None
+    return ResolvedConfig(cfg, str(profile) if profile else None, sources)
+
+
 def load_config(
     profile: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> KvpushConfig:
     """Profile YAML, then overrides (kv_connector_extra_config), then env secrets."""
-    env = dict(os.environ) if env is None else env
-    profile = profile or env.get(PROFILE_ENV)
-    data: dict[str, Any] = read_profile(profile) if profile else {}
-    if overrides:
-        data = _merge(data, overrides)
-    secret = env.get(SECRET_ENV)
-    if secret:
-        data = _merge(data, {"control": {"secret": secret}})
-    source = f"profile={str(profile)!r}" if profile else "defaults"
-    try:
-        return KvpushConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation(exc, source)) from None
+    return resolve_config(profile, overrides, env).config
 
 
-def config_from_extra(extra: dict[str, Any] | None) -> KvpushConfig:
-    """The config from vLLM's ``kv_connector_extra_config`` (``profile`` + section overrides)."""
+def split_extra(extra: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
+    """``kv_connector_extra_config`` as (profile path, section overrides)."""
     extra = dict(extra or {})
     profile = extra.pop("profile", None)
     if profile is not None and not isinstance(profile, str):
         raise ConfigError(
             f"kv_connector_extra_config.profile must be a path string, got {profile!r}"
         )
-    return load_config(profile, extra)
+    return profile, extra
+
+
+def config_from_extra(extra: dict[str, Any] | None) -> KvpushConfig:
+    """The config from vLLM's ``kv_connector_extra_config`` (``profile`` + section overrides)."""
+    profile, overrides = split_extra(extra)
+    return load_config(profile, overrides)

@@ -1,14 +1,19 @@
 """Every Prometheus series kvpush-prod exports, named in one place.
 
 Engines buffer observations (StatsBuffer) that vLLM carries to its API server, where the
-connector's PromMetrics bridge writes them into these series on vLLM's own ``/metrics``.
+connector's PromMetrics bridge (MetricsSink) writes them into these series on vLLM's own
+``/metrics``. The router's ``kvpush_router_*`` series live in ``router/metrics.py`` and are
+listed here by :func:`router_series`, so :func:`all_series` names every series we export.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge", "histogram"]
 
@@ -16,43 +21,149 @@ _SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0, 60.0,
 )
+# Posting a chunk is a local call (tens of microseconds when healthy); a slow post means the
+# transport's queues are full or the progress thread is starved.
+_POST_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 1.0,
+)
+
+# The only labels a kvpush series may carry (vLLM adds model_name and engine on its side).
+# Each is bounded: a fixed set of values, or the engine ids of the peers (peer).
+LABELS: dict[str, str] = {
+    "role": "`producer` (P, prefill) or `consumer` (D, decode)",
+    "outcome": "how a transfer ended",
+    "reason": "why (a short fixed set per series, never free text)",
+    "peer": "the remote engine's `engine_id` (bounded by the number of engines)",
+    "kind": "which lease: `permit` (D lets P write) or `send` (P holds blocks for D)",
+    "result": "how a chunk ended",
+    "decision": "what D's admission control decided for a transfer",
+}
+# The router's own labels (its series are not on vLLM's /metrics, so vLLM adds nothing).
+ROUTER_LABELS: dict[str, str] = {
+    "role": "`prefill` or `decode` (which kind of backend)",
+    "backend": "a backend's base URL, from the router's configuration",
+    "endpoint": "the OpenAI path: `/v1/completions` or `/v1/chat/completions`",
+    "outcome": "how a client request ended",
+    "reason": "the failure that made the router retry on another pair",
+}
+ROLES = ("producer", "consumer")
+OUTCOMES = ("pushed", "retried", "pull_fallback", "recompute", "failed", "expired", "aborted",
+            "cancelled", "prefix_hit")
+CHUNK_RESULTS = ("ok", "error", "post_failed")
+DECISIONS = ("admit", "later", "refuse")
+LEASE_KINDS = ("permit", "send")
+CONTROL_REJECT_REASONS = ("oversize", "malformed", "unauthenticated", "version",
+                          "unknown_transfer", "stale_generation", "bad_blocks", "incompatible",
+                          "duplicate", "unexpected")
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+# Labels vLLM puts on every connector series, and what Prometheus adds on a scrape.
+VLLM_LABELS = ("model_name", "engine")
+SCRAPE_LABELS = ("job", "instance")
+# Most label sets one series may hold in MetricsSink; more means a label is unbounded.
+MAX_LABEL_SETS = 1000
 
 
 @dataclass(frozen=True)
 class Series:
-    """One exported series: its name (without the ``_total`` a counter gets), kind, labels."""
+    """One exported series: its name (without the ``_total`` a counter gets), kind, labels.
+
+    ``values`` lists, for labels with a closed set of values, every value the connector emits.
+    ``healthy``: the series has samples on every healthy run (False: only after a fault or
+    bad input; absent then means zero).
+    """
 
     name: str
     kind: Kind
     doc: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = _SECONDS_BUCKETS
+    values: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    source: Literal["connector", "router"] = "connector"
+    healthy: bool = True
+
+    def allowed(self, label: str) -> tuple[str, ...] | None:
+        """The closed set of values of ``label``, or None when it is open (peer, reason)."""
+        for name, vals in self.values:
+            if name == label:
+                return vals
+        return None
 
 
-# Labels stay bounded: role (producer|consumer), outcome, reason, peer (an engine id).
+def _s(name: str, kind: Kind, labels: tuple[str, ...], doc: str,
+       buckets: tuple[float, ...] = _SECONDS_BUCKETS,
+       values: dict[str, tuple[str, ...]] | None = None, healthy: bool = True) -> Series:
+    closed: dict[str, tuple[str, ...]] = {"role": ROLES} if "role" in labels else {}
+    closed.update(values or {})
+    return Series(name, kind, doc, labels, buckets, tuple(closed.items()), healthy=healthy)
+
+
+_R = ("role",)
 CONNECTOR_SERIES: tuple[Series, ...] = (
-    Series("kvpush_transfers", "counter",
-           "Transfers that ended, by role and outcome (pushed, failed, expired, aborted, "
-           "cancelled, recompute, pull_fallback).", ("role", "outcome")),
-    Series("kvpush_transfer_bytes", "counter",
-           "KV bytes moved by completed transfers (producer: pushed, consumer: received).",
-           ("role",)),
-    Series("kvpush_transfer_seconds", "histogram",
-           "Producer: blocks ready to last WRITE complete; consumer: REGISTER sent to DONE.",
-           ("role",)),
-    Series("kvpush_chunk_post_seconds", "histogram",
-           "Time to post one chunk (WRITE/READ) to the transport.", ("role",)),
-    Series("kvpush_chunks", "counter", "Chunks (WRITEs/READs) completed, by result.",
-           ("role", "result")),
-    Series("kvpush_control_messages_rejected", "counter",
-           "Control messages and notifications dropped, by reason.", ("role", "reason")),
-    Series("kvpush_kv_params_rejected", "counter",
-           "Requests whose kv_transfer_params were malformed (served by local compute).",
-           ("role",)),
-    Series("kvpush_connector_blocks", "gauge",
-           "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
-           "D: reserved for inbound transfers).", ("role",)),
-    Series("kvpush_transfers_active", "gauge", "Transfers in progress.", ("role",)),
+    _s("kvpush_transfers", "counter", ("role", "outcome"),
+       "Transfers that ended, by outcome: pushed (first try), retried (pushed after >= 1 "
+       "retry), pull_fallback (D pulled it), recompute (D computed the prompt itself), failed, "
+       "expired (a lease or deadline ran out), aborted (the request ended first), cancelled "
+       "(D cancelled after registering), prefix_hit (D's prefix cache held the whole prompt).",
+       values={"outcome": OUTCOMES}),
+    _s("kvpush_transfer_bytes", "counter", _R,
+       "KV bytes moved by completed transfers (producer: pushed, consumer: received)."),
+    _s("kvpush_transfer_seconds", "histogram", _R,
+       "Producer: blocks ready to last WRITE complete; consumer: REGISTER sent to DONE."),
+    _s("kvpush_queue_wait_seconds", "histogram", _R,
+       "Producer: transfer ready (blocks computed and REGISTER received) to its first chunk "
+       "posted; time spent queued behind other transfers on the link."),
+    _s("kvpush_chunk_post_seconds", "histogram", _R,
+       "Time to post one chunk (WRITE/READ) to the transport.", _POST_BUCKETS),
+    _s("kvpush_chunks", "counter", ("role", "result"),
+       "Chunks (WRITEs/READs) that ended: ok, error (completed with an error), post_failed "
+       "(the transport refused to post it).", values={"result": CHUNK_RESULTS}),
+    _s("kvpush_retries", "counter", ("role", "reason"),
+       "Chunks posted again after a retryable error, by the error's class.", healthy=False),
+    _s("kvpush_fallbacks", "counter", ("role", "reason"),
+       "Transfers switched from push to pull (D READs from P), by why the push was given up.",
+       healthy=False),
+    _s("kvpush_breaker_state", "gauge", ("role", "peer"),
+       "Circuit breaker per peer: 0 closed (push), 1 half-open (one probe), 2 open "
+       "(new transfers go straight to fallback)."),
+    _s("kvpush_breaker_trips", "counter", ("role", "peer"),
+       "Times the peer's circuit breaker opened.", healthy=False),
+    _s("kvpush_credits_budget_blocks", "gauge", _R,
+       "D's receive window: KV blocks inbound transfers may reserve."),
+    _s("kvpush_credits_in_use_blocks", "gauge", _R,
+       "Blocks of the receive window reserved by admitted transfers now."),
+    _s("kvpush_credits_granted_blocks", "counter", _R,
+       "Blocks granted to transfers (cumulative; rate() is the grant throughput)."),
+    _s("kvpush_credits_waiting_transfers", "gauge", _R,
+       "Transfers waiting for credit (admission said later)."),
+    _s("kvpush_admissions", "counter", ("role", "decision"),
+       "Admission decisions for inbound transfers: admit, later (ask again), refuse.",
+       values={"decision": DECISIONS}),
+    _s("kvpush_leases_active", "gauge", ("role", "kind"),
+       "Live leases: permit (D's write permits to P), send (P's holds of sent blocks for D).",
+       values={"kind": LEASE_KINDS}),
+    _s("kvpush_leases_expired", "counter", ("role", "kind"),
+       "Leases that ran out without being released (a silent or dead peer).",
+       values={"kind": LEASE_KINDS}, healthy=False),
+    _s("kvpush_leases_fenced", "counter", _R,
+       "Late messages or writes refused because their generation was stale.", healthy=False),
+    _s("kvpush_link_bandwidth_bytes_per_second", "gauge", ("role", "peer"),
+       "Measured bandwidth of the link to the peer (EWMA of chunk completions)."),
+    _s("kvpush_inflight_bytes", "gauge", _R, "Bytes posted and not yet completed."),
+    _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
+       "Control messages and notifications dropped (never acted on), by reason.",
+       values={"reason": CONTROL_REJECT_REASONS}, healthy=False),
+    _s("kvpush_kv_params_rejected", "counter", _R,
+       "Requests whose kv_transfer_params were malformed (served by local compute).",
+       healthy=False),
+    _s("kvpush_connector_blocks", "gauge", _R,
+       "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
+       "D: reserved for inbound transfers)."),
+    _s("kvpush_transfers_active", "gauge", _R, "Transfers in progress."),
+    _s("kvpush_peer_restarts", "counter", _R,
+       "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
+       healthy=False),
 )
 
 SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}
@@ -61,6 +172,49 @@ SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}
 def exported_name(series: Series) -> str:
     """The name a scrape shows (counters gain ``_total``)."""
     return series.name + "_total" if series.kind == "counter" else series.name
+
+
+def sample_names(series: Series) -> tuple[str, ...]:
+    """Every sample name a scrape may show for ``series``."""
+    if series.kind == "counter":
+        return (series.name + "_total",)
+    if series.kind == "histogram":
+        return tuple(series.name + s for s in ("_bucket", "_sum", "_count"))
+    return (series.name,)
+
+
+def router_series() -> tuple[Series, ...]:
+    """The router's ``kvpush_router_*`` series, read from ``RouterMetrics`` itself."""
+    from prometheus_client import CollectorRegistry
+
+    from kvpush_prod.router.backends import Role
+    from kvpush_prod.router.metrics import Outcome, RouterMetrics
+
+    rm = RouterMetrics(registry=CollectorRegistry())
+    out = []
+    for metric in vars(rm).values():
+        kind = getattr(metric, "_type", None)
+        if kind not in ("counter", "gauge", "histogram"):
+            continue
+        labels = tuple(metric._labelnames)
+        values: dict[str, tuple[str, ...]] = {}
+        if "outcome" in labels:
+            values["outcome"] = tuple(o.value for o in Outcome)
+        if "role" in labels:
+            values["role"] = tuple(r.value for r in Role)
+        buckets = tuple(b for b in getattr(metric, "_upper_bounds", ()) if b != float("inf"))
+        # Retries happen only when a backend failed; every other series has samples as
+        # soon as the router has served a request (or probed its backends).
+        healthy = metric._name != "kvpush_router_retries"
+        out.append(Series(metric._name, kind, metric._documentation, labels,
+                          buckets or _SECONDS_BUCKETS, tuple(values.items()), "router",
+                          healthy))
+    return tuple(sorted(out, key=lambda s: s.name))
+
+
+def all_series() -> tuple[Series, ...]:
+    """Every series kvpush-prod exports: the connector's, then the router's."""
+    return CONNECTOR_SERIES + router_series()
 
 
 class StatsBuffer:
@@ -112,12 +266,16 @@ class MetricsSink:
 
     ``factory(kind)`` returns the metric class to use (vLLM passes its own wrappers);
     ``base_labels``/``base_values`` are the labels every series carries (vLLM's engine labels).
+    ``observe`` never raises: an observation for an unknown series, with the wrong number of
+    labels or past ``MAX_LABEL_SETS`` label sets of its series is dropped and logged once.
     """
 
     def __init__(self, factory: Any, base_labels: list[str],
                  per_engine_values: dict[int, list[object]], registry: Any = None) -> None:
         self._per_engine = per_engine_values
         self._metrics: dict[str, Any] = {}
+        self._seen: dict[str, set[tuple[str, ...]]] = {}
+        self._warned: set[tuple[str, str]] = set()
         for s in CONNECTOR_SERIES:
             cls = factory(s.kind)
             kwargs: dict[str, Any] = {"labelnames": [*base_labels, *s.labels]}
@@ -126,15 +284,40 @@ class MetricsSink:
             if registry is not None:
                 kwargs["registry"] = registry
             self._metrics[s.name] = cls(s.name, s.doc, **kwargs)
+            self._seen[s.name] = set()
+
+    def _child(self, name: str, base: list[str], labels: Any) -> Any:
+        series = SERIES_BY_NAME.get(name)
+        if series is None:
+            self._warn_once(name, "unknown", f"kvpush: no series named {name!r}; dropped")
+            return None
+        key = tuple(str(v) for v in labels)
+        if len(key) != len(series.labels):
+            self._warn_once(name, "arity", f"kvpush: {name} takes labels {series.labels}, "
+                            f"got {key}; dropped")
+            return None
+        seen = self._seen[name]
+        if key not in seen:
+            if len(seen) >= MAX_LABEL_SETS:
+                self._warn_once(name, "cardinality", f"kvpush: {name} reached {MAX_LABEL_SETS} "
+                                f"label sets (new: {key}); a label is unbounded; dropped")
+                return None
+            seen.add(key)
+        return self._metrics[name].labels(*base, *key)
+
+    def _warn_once(self, name: str, what: str, message: str) -> None:
+        if (name, what) not in self._warned:
+            self._warned.add((name, what))
+            logger.warning(message)
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
         base = [str(v) for v in self._per_engine.get(engine_idx, [])]
         for name, labels, value in data.get("c", ()):
-            if name in self._metrics and value > 0:
-                self._metrics[name].labels(*base, *labels).inc(value)
+            if value > 0 and (child := self._child(name, base, labels)) is not None:
+                child.inc(value)
         for name, labels, value in data.get("g", ()):
-            if name in self._metrics:
-                self._metrics[name].labels(*base, *labels).set(value)
+            if (child := self._child(name, base, labels)) is not None:
+                child.set(value)
         for name, labels, value in data.get("h", ()):
-            if name in self._metrics:
-                self._metrics[name].labels(*base, *labels).observe(value)
+            if (child := self._child(name, base, labels)) is not None:
+                child.observe(value)

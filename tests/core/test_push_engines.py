@@ -83,7 +83,8 @@ def test_last_chunk_carries_done_and_release_waits_for_the_request_to_finish() -
     assert w2.src_blocks == (3,) and w2.dst_blocks == (12,)
     assert w2.done is not None and w2.done.generation == 1 and w2.done.num_blocks == 3
     assert w2.all_src == (1, 2, 3)
-    assert s.on_chunk(w2.chunk_id, True, "", 0.2) == []
+    done_note = s.on_chunk(w2.chunk_id, True, "", 0.2)
+    assert done_note == [Note("transfer_done", "pushed", "t")]  # timed now, freed later
     assert s.hold("t") == [ReleaseSend("t", "pushed", 300)]
 
 
@@ -142,7 +143,8 @@ def test_retryable_chunk_error_is_retried_and_counted() -> None:
     assert [n.kind for n in of(out, Note)] == ["retry"]
     (w2,) = of(s.poll(0.2), PostWrite)  # after the jittered backoff
     assert w2.src_blocks == (1,) and w2.done is not None
-    assert s.on_chunk(w2.chunk_id, True, "", 0.3) == [ReleaseSend("t", "retried", 100)]
+    assert of(s.on_chunk(w2.chunk_id, True, "", 0.3), ReleaseSend) == [
+        ReleaseSend("t", "retried", 100)]
 
 
 def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:

@@ -166,3 +166,39 @@ async def test_client_cancel_mid_stream_leaks_no_block(cluster: Cluster) -> None
 
 def test_engines_hold_no_connector_block_after_the_run(cluster: Cluster) -> None:
     assert cluster.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
+
+
+async def test_missing_prefill_leg_fails_fast_with_a_clear_error(cluster: Cluster) -> None:
+    """D registered with a P that never got the request: P never lists the transfer in its
+    heartbeats, D stops renewing the permit, and the receive fails once it is fenced (with
+    vLLM's default kv_load_failure_policy=fail: a clear HTTP error, never wrong tokens)."""
+    import time
+
+    probe = await _probe(cluster)
+    prompt = prompt_of_length(300, seed=next(_seeds))
+    params = {"do_remote_prefill": True, "transfer_id": f"orphan-{next(_seeds)}",
+              **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port",
+                                        "tp_size")}}
+    before = scrape(cluster.urls["decode"])
+    t0 = time.monotonic()
+    async with httpx.AsyncClient() as client:
+        got = await request(client, cluster.urls["decode"],
+                            completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=params))
+    waited = time.monotonic() - t0
+    assert not got.ok and got.status >= 400, (got.status, got.text)
+    # Bounded by the permit term plus margins (5 s + 1 s here), never the 120 s hard bound.
+    assert waited < 30, waited
+    after = scrape(cluster.urls["decode"])
+    failed = (metric_sum(after, "kvpush_transfers_total", role="consumer", outcome="failed")
+              - metric_sum(before, "kvpush_transfers_total", role="consumer", outcome="failed"))
+    assert failed == 1
+    assert cluster.wait_idle(30) == {"prefill": 0.0, "decode": 0.0}
+
+
+async def _probe(cluster: Cluster) -> dict:
+    async with httpx.AsyncClient() as client:
+        r = await request(client, cluster.urls["prefill"], completion_body(
+            "probe", 1, False, kv_transfer_params={"do_remote_decode": True,
+                                                   "kvpush_probe": True}))
+    assert r.ok and r.kv_transfer_params, r.error
+    return r.kv_transfer_params

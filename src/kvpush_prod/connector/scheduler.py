@@ -88,7 +88,6 @@ class SchedulerSide:
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
         self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
         self._meta = PushMetadata()
-        self._gauges_dirty = True
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
@@ -133,7 +132,6 @@ class SchedulerSide:
             return 0, False
         nblocks = cdiv(num_prompt, self.block_size) - num_computed_tokens // self.block_size
         admission = self.credits.request(recv.transfer_id, recv.peer, nblocks, time.monotonic())
-        self._gauges_dirty = True
         if admission.decision is Decision.ADMIT:
             if not recv.admitted:
                 recv.admitted = True
@@ -162,7 +160,6 @@ class SchedulerSide:
         self.credits.release(recv.transfer_id)
         self._meta.not_needed.append(recv.ref())
         self.stats.inc("kvpush_transfers", ("consumer", outcome))
-        self._gauges_dirty = True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -185,7 +182,6 @@ class SchedulerSide:
         self._consumed.add(rid)
         self._meta.recv.append(RecvSpec(rid, recv.transfer_id, recv.remote.host,
                                         recv.remote.port, d_blocks, first_block, num_prompt))
-        self._gauges_dirty = True
 
     # ------------------------------------------------------------------ producer (P)
     def on_new_request(self, request: Request) -> None:
@@ -245,7 +241,6 @@ class SchedulerSide:
             tid, nblocks = sent
             self._held[rid] = nblocks
             self._meta.hold.append(tid)
-            self._gauges_dirty = True
             return True, {**self.identity(), "transfer_id": tid}
         # consumer
         self._consumed.discard(rid)
@@ -265,8 +260,7 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
-            if self._held.pop(rid, None) is not None:
-                self._gauges_dirty = True
+            self._held.pop(rid, None)
         worker_meta = getattr(output, "kv_connector_worker_meta", None)
         if worker_meta is not None and hasattr(worker_meta, "outcomes"):
             self._outcomes.update(worker_meta.outcomes)
@@ -277,7 +271,6 @@ class SchedulerSide:
             if recv is None:
                 continue
             self.credits.release(recv.transfer_id)
-            self._gauges_dirty = True
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 continue
@@ -298,16 +291,20 @@ class SchedulerSide:
         return bool(self._held or self._aborting or not self._meta.empty())
 
     def get_stats(self) -> dict[str, Any]:
-        if self._gauges_dirty:
-            self._gauges_dirty = False
-            if self.role == "producer":
-                self.stats.set("kvpush_connector_blocks", ("producer",), sum(self._held.values()))
-            else:
-                reserved = sum(r.nblocks for r in self._recv.values() if r.allocated)
-                self.stats.set("kvpush_connector_blocks", ("consumer",), reserved)
-                self.stats.set("kvpush_credits_budget_blocks", ("consumer",),
-                               self.credits.in_use + self.credits.free)
-                self.stats.set("kvpush_credits_in_use_blocks", ("consumer",), self.credits.in_use)
-                self.stats.set("kvpush_credits_waiting_transfers", ("consumer",),
-                               self.credits.waiting)
+        """This step's observations plus the gauges as they stand after the step."""
+        if self.role == "producer":
+            self.stats.set("kvpush_connector_blocks", ("producer",), sum(self._held.values()))
+            self.stats.set("kvpush_transfers_active", ("producer",),
+                           len(self._sent) + len(self._held))
+            self.stats.set("kvpush_leases_active", ("producer", "send"), len(self._held))
+        else:
+            allocated = [r for r in self._recv.values() if r.allocated]
+            self.stats.set("kvpush_connector_blocks", ("consumer",),
+                           sum(r.nblocks for r in allocated))
+            self.stats.set("kvpush_transfers_active", ("consumer",), len(self._recv))
+            self.stats.set("kvpush_leases_active", ("consumer", "permit"), len(allocated))
+            self.stats.set("kvpush_credits_budget_blocks", ("consumer",),
+                           self.credits.in_use + self.credits.free)
+            self.stats.set("kvpush_credits_in_use_blocks", ("consumer",), self.credits.in_use)
+            self.stats.set("kvpush_credits_waiting_transfers", ("consumer",), self.credits.waiting)
         return self.stats.drain()

@@ -10,6 +10,7 @@ import ctypes
 import logging
 import queue
 import random
+import sys
 import threading
 import time
 import zlib
@@ -39,7 +40,9 @@ from kvpush_prod.core.retry import BreakerSettings, BreakerState, BudgetSettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferTimeouts
+from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
 from kvpush_prod.transport.layout import layout_from_kv_caches
 from kvpush_prod.transport.nixl import NixlTransport, RemotePeer, make_agent
@@ -117,11 +120,17 @@ class WorkerSide:
         self._pending_sends: list[SendSpec] = []
         self._device: str = "cpu"
         self._pump: TransferPump | None = None
+        self.trace = Tracer(f"kvpush-{role}")
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()))
         self._device = first.device.type
+        if self._device != "cpu" and self.cfg.verify.checksums:
+            raise ConfigError(
+                "verify.checksums reads KV blocks through host memory and cannot check a GPU "
+                "KV cache; set verify.checksums: false on GPU engines"
+            )
         layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature)
         t = self.cfg.transport
         name = f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}"
@@ -178,8 +187,11 @@ class WorkerSide:
             self.port,
         )
         self._pump = TransferPump(self.cfg, self.role, transport, endpoint, protocol,
-                                  self.results, self.stats)
+                                  self.results, self.stats, self.trace)
         self._pump.start()
+        # The pump must get the GIL within a fraction of a millisecond when the engine thread
+        # hands it a push; CPython's default switch interval (5 ms) would add that much to TTFT.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         logger.info("kvpush: %s rank %d ready, control %s, %d KV regions, %d B per block",
                     self.role, self.tp_rank, me.control, len(layout.regions), block_bytes)
 
@@ -195,8 +207,10 @@ class WorkerSide:
         for tid in meta.admission_over:
             pump.submit(lambda r, t=tid: r.admission_over(t))
         for spec in meta.recv:
+            self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids))
             pump.request_of[spec.transfer_id] = spec.request_id
             pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
+            pump.began[spec.transfer_id] = time.monotonic()
             address = self._address(spec.p_host, spec.p_port)
             pump.submit(lambda r, s=spec, a=address: r.expect(
                 s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic()))
@@ -226,17 +240,26 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
         sends, self._pending_sends = self._pending_sends, []
         for spec in sends:
+            self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
             self._pump.request_of[spec.transfer_id] = spec.request_id
             self._pump.submit(lambda s, sp=spec: s.blocks_ready(
                 sp.transfer_id, sp.block_ids, time.monotonic()))
+        time.sleep(0)  # let the pump take the GIL and post now, not at the next switch
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        return self.results.take()
+        sending, recving, failed = self.results.take()
+        if self.trace.on and (sending or recving):
+            self.trace("taken", sending=sorted(sending), recving=sorted(recving))
+        return sending, recving, failed
 
     def take_outcomes(self) -> dict[str, str]:
         return self.results.take_outcomes()
 
     def get_stats(self) -> dict[str, Any]:
+        if self._pump is not None:
+            # Read at drain time, so the step that reports the last completion also
+            # reports nothing in flight (a stale value would stick while the engine idles).
+            self.stats.set("kvpush_inflight_bytes", (self.role,), self._pump.inflight_bytes)
         return self.stats.drain()
 
     def shutdown(self) -> None:
@@ -254,7 +277,7 @@ class TransferPump(threading.Thread):
 
     def __init__(self, cfg: KvpushConfig, role: str, transport: Any,
                  endpoint: ControlEndpoint, protocol: Sender | Receiver, results: _Results,
-                 stats: StatsBuffer) -> None:
+                 stats: StatsBuffer, trace: Tracer | None = None) -> None:
         super().__init__(name=f"kvpush-pump-{role}", daemon=True)
         self.cfg = cfg
         self.role = role
@@ -263,16 +286,19 @@ class TransferPump(threading.Thread):
         self.protocol = protocol
         self.results = results
         self.stats = stats
+        self.trace = trace or Tracer("")
         self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
         self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
         self._commands: queue.SimpleQueue[Callable[[Any], list[Action]]] = queue.SimpleQueue()
         self._halt = threading.Event()
-        self._handles: dict[int, tuple[Any, float, str]] = {}  # chunk -> (handle, posted, tid)
+        self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
+        self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
         self._peers: dict[str, RemotePeer] = {}  # agent name -> connected peer
-        self._began: dict[str, float] = {}  # transfer id -> first post (for latency)
+        self.began: dict[str, float] = {}  # transfer id -> start (P: first post, D: REGISTER)
         self._labels = (role,)
         self._verify = cfg.verify.checksums
+        self._block_bytes = sum(r.block_len for r in transport.layout.regions)
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._reported_rejects: dict[str, int] = {}
@@ -300,6 +326,9 @@ class TransferPump(threading.Thread):
             try:
                 actions: list[Action] = []
                 for msg in self.endpoint.poll(active_poll if busy else idle_poll):
+                    if self.trace.on:
+                        self.trace("msg_in", getattr(msg, "transfer_id", ""),
+                                   kind=type(msg).__name__)
                     sent_at = getattr(msg, "sent_at", 0.0)
                     age = max(0.0, time.time() - sent_at) if sent_at else 0.0
                     actions += self.protocol.on_message(msg, time.monotonic(), age)
@@ -332,6 +361,9 @@ class TransferPump(threading.Thread):
                 if hasattr(msg, "sent_at"):
                     msg = msgspec.structs.replace(msg, sent_at=time.time())  # type: ignore[type-var]
                 self.endpoint.send(action.peer, msg)
+                if self.trace.on:
+                    self.trace("msg_out", getattr(msg, "transfer_id", ""),
+                               kind=type(msg).__name__)
             elif isinstance(action, PostWrite):
                 self._post(action.chunk_id, action.transfer_id, "WRITE", action.peer,
                            action.src_blocks, action.dst_blocks, self._done_notif(action))
@@ -378,7 +410,7 @@ class TransferPump(threading.Thread):
     def _post(self, chunk_id: int, tid: str, op: str, peer_name: str,
               local: tuple[int, ...], remote: tuple[int, ...], notif: bytes) -> None:
         t0 = time.monotonic()
-        self._began.setdefault(tid, t0)
+        self.began.setdefault(tid, t0)
         peer = self._peers.get(peer_name)
         try:
             if peer is None:
@@ -390,20 +422,25 @@ class TransferPump(threading.Thread):
             self._execute(self.protocol.on_chunk(chunk_id, False, f"{type(exc).__name__}: {exc}",
                                                  time.monotonic()))
             return
-        self._handles[chunk_id] = (handle, t0, tid)
+        nbytes = len(local) * self._block_bytes
+        self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif))
+        self._handles[chunk_id] = (handle, t0, nbytes)
+        self.inflight_bytes += nbytes
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
 
     def _check_chunks(self) -> None:
         now = time.monotonic()
-        for cid, (handle, posted, _tid) in list(self._handles.items()):
+        for cid, (handle, posted, nbytes) in list(self._handles.items()):
             state = self.transport.state(handle)
             if state == "PROC":
                 if now - posted < self._chunk_timeout:
                     continue
                 state = "TIMEOUT"
             del self._handles[cid]
+            self.inflight_bytes -= nbytes
             self.transport.release(handle)
             ok = state == "DONE"
+            self.trace("chunk_end", "", chunk=cid, state=state)
             self.stats.inc("kvpush_chunks", (self.role, "ok" if ok else "error"))
             if not ok:
                 logger.warning("kvpush: chunk %d failed: %s", cid, state)
@@ -419,6 +456,7 @@ class TransferPump(threading.Thread):
                     continue
                 if done is None:
                     continue
+                self.trace("done_in", done.transfer_id)
                 verified = True
                 if done.checksum >= 0:
                     blocks = receiver.blocks_of(done.transfer_id)
@@ -433,6 +471,7 @@ class TransferPump(threading.Thread):
         if rid is None:
             logger.error("kvpush: release of unknown transfer %s", action.transfer_id)
             return
+        self.trace("release", action.transfer_id, outcome=action.outcome)
         with self.results.lock:
             self.results.sending.add(rid)
         self._count_end(action.transfer_id, action.outcome, action.nbytes)
@@ -452,6 +491,7 @@ class TransferPump(threading.Thread):
         if rid is None:
             logger.error("kvpush: report for unknown transfer %s", tid)
             return
+        self.trace("report", tid, ok=ok, outcome=outcome)
         with self.results.lock:
             self.results.recving.add(rid)
             self.results.outcomes[rid] = outcome
@@ -461,7 +501,7 @@ class TransferPump(threading.Thread):
 
     def _count_end(self, tid: str, outcome: str, nbytes: int) -> None:
         self.stats.inc("kvpush_transfers", (self.role, outcome))
-        began = self._began.pop(tid, None)
+        began = self.began.pop(tid, None)  # P's pushes were timed at transfer_done already
         if outcome in ("pushed", "retried", "pull_fallback") and began is not None:
             self.stats.observe("kvpush_transfer_seconds", self._labels, time.monotonic() - began)
         if nbytes:
@@ -486,6 +526,12 @@ class TransferPump(threading.Thread):
             self.stats.inc("kvpush_breaker_trips",
                            (self.role, self._peer_label.get(note.reason, note.reason)))
             logger.warning("kvpush: circuit breaker to %s opened: %s", note.reason, note.detail)
+        elif kind == "transfer_done":
+            began = self.began.pop(note.detail, None)
+            if began is not None:
+                self.stats.observe("kvpush_transfer_seconds", self._labels,
+                                   time.monotonic() - began)
+            self.trace("transfer_done", note.detail)
         elif kind == "peer_restart":
             self.stats.inc("kvpush_peer_restarts", self._labels)
             logger.warning("kvpush: peer restarted: %s", note.detail)
@@ -505,19 +551,10 @@ class TransferPump(threading.Thread):
                 self.stats.inc("kvpush_control_messages_rejected", (self.role, reason), n - seen)
                 self._reported_rejects[reason] = n
         p = self.protocol
-        self.stats.set("kvpush_transfers_active", self._labels, p.active)
-        inflight = 0
         if isinstance(p, Sender):
-            self.stats.set("kvpush_leases_active", (self.role, "send"), p.active)
             for link in p.sched.links():
-                inflight += p.sched.inflight_bytes(link)
                 self.stats.set("kvpush_link_bandwidth_bytes_per_second",
                                (self.role, self._peer_label.get(link, link)), p.sched.bandwidth(link))
             for peer, state in p.breaker_states(now).items():
                 self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
                                _BREAKER_VALUE[state])
-        else:
-            self.stats.set("kvpush_leases_active", (self.role, "permit"), p.live_permits())
-            for link in p.reads.links():
-                inflight += p.reads.inflight_bytes(link)
-        self.stats.set("kvpush_inflight_bytes", self._labels, inflight)

@@ -95,7 +95,9 @@ class ReportFailed:
 class Note:
     """Something an operator counts: ``kind`` names the counter, ``reason`` its label."""
 
-    kind: str  # rejected | retry | fallback | lease_expired | fenced | breaker_trip | peer_restart
+    # rejected | retry | fallback | lease_expired | fenced | breaker_trip | peer_restart |
+    # transfer_done (P: the last WRITE landed; ``detail`` is the transfer id)
+    kind: str
     reason: str
     detail: str = ""
 

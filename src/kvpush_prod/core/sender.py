@@ -262,7 +262,8 @@ class Sender:
             o.pushed_bytes += chunk.nbytes
             if completed:
                 self._fire(o, E.DONE, now)
-                return self._close(o, "retried" if o.retried else "pushed")
+                outcome = "retried" if o.retried else "pushed"
+                return [Note("transfer_done", outcome, o.tid), *self._close(o, outcome)]
             return self._after_drain(o, now) + self.poll(now)
         # A failed chunk.
         before = self.breakers[chunk.link].state(now)

@@ -29,7 +29,9 @@ class FaultSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(False, description="Master switch of fault injection.")
-    seed: int = Field(0, description="Seed of the fault decisions (deterministic runs).")
+    seed: int = Field(
+        0, ge=0, le=2**31 - 1, description="Seed of the fault decisions (deterministic runs)."
+    )
     op: Literal["WRITE", "READ", "ANY"] = Field("WRITE", description="Which operations fail.")
     peers: list[str] = Field(
         default_factory=list,
@@ -40,7 +42,9 @@ class FaultSettings(BaseModel):
         0.0, ge=0, le=1, description="Probability a posted transfer completes in error."
     )
     error: str = Field("ERR:nixlBackendError", description="The error an injected failure shows.")
-    fail_nth: int = Field(0, ge=0, description="Fail exactly the Nth matching operation (0: off).")
+    fail_nth: int = Field(
+        0, ge=0, le=10**9, description="Fail exactly the Nth matching operation (0: off)."
+    )
     delay_ms: float = Field(0.0, ge=0, le=600_000, description="Extra completion latency.")
     stall_rate: float = Field(
         0.0, ge=0, le=1, description="Probability a transfer never completes (stays PROC)."

@@ -1,0 +1,38 @@
+"""Optional per-process event trace for latency profiles (``KVPUSH_TRACE_DIR``).
+
+One JSON line per event with the wall clock, so traces of P, D and a client line up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+TRACE_ENV = "KVPUSH_TRACE_DIR"
+
+
+class Tracer:
+    """Appends events to ``$KVPUSH_TRACE_DIR/<name>-<pid>.jsonl``; a no-op when unset."""
+
+    def __init__(self, name: str) -> None:
+        folder = os.environ.get(TRACE_ENV)
+        self._lock = threading.Lock()
+        self._file = None
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            self._file = open(os.path.join(folder, f"{name}-{os.getpid()}.jsonl"), "a")  # noqa: SIM115
+
+    @property
+    def on(self) -> bool:
+        return self._file is not None
+
+    def __call__(self, event: str, tid: str = "", **fields: Any) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"t": time.time(), "e": event, "tid": tid, **fields})
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
