@@ -53,6 +53,7 @@ class Options:
     stream_fraction: float = 0.5
     chat_fraction: float = 0.1
     poke: bool = True  # after a failed quiescence, send each engine one request and re-read
+    trace: bool = False  # engines write kvpush event traces (KVPUSH_TRACE_DIR) to workdir/traces
     extra: dict[str, Any] = field(default_factory=dict)  # the scenario's own options
 
     def mix(self, **over: Any) -> Mix:
@@ -87,16 +88,26 @@ def fault_switch(workdir: Path) -> Path:
     return workdir / "faults-active"
 
 
-def cluster_spec(needs: Needs, workdir: Path) -> ClusterSpec:
+def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpec:
     """A cluster for ``needs``: stable engine ids, so a restarted engine keeps its identity."""
     spec = ClusterSpec(workdir=workdir, prefill_engine_id="chaos-prefill",
                        decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy)
+    if trace:
+        for env in (spec.prefill_env, spec.decode_env):
+            env["KVPUSH_TRACE_DIR"] = str(workdir / "traces")
     faults = needs.faults_json(workdir)
     if faults:
         spec.prefill_env[FAULTS_ENV] = faults
     if needs.decode_blocks:
         spec.decode_args += ["--num-gpu-blocks-override", str(needs.decode_blocks)]
     return spec
+
+
+async def _keep_loading(gen: LoadGenerator | None) -> None:
+    while gen is not None:
+        if gen.progress.sent >= gen.limit:
+            gen.extend(gen.concurrency)
+        await asyncio.sleep(0.2)
 
 
 def _compact(v: Any) -> str:
@@ -166,9 +177,17 @@ class Context:
 
     # -- faults
     async def wait_in_flight(self, engines: tuple[str, ...] = ENGINES, timeout: float = 60.0,
-                             what: str = "fault") -> dict[str, Any] | None:
-        """Wait for transfers in progress on ``engines``; record a failed check if none come."""
-        evidence = await self.observer.wait_in_flight(engines, timeout)
+                             what: str = "fault", gen: LoadGenerator | None = None
+                             ) -> dict[str, Any] | None:
+        """Wait for transfers in progress on ``engines``; record a failed check if none come.
+
+        With ``gen``, its limit is raised as needed so that load keeps coming meanwhile."""
+        top_up = asyncio.create_task(_keep_loading(gen)) if gen is not None else None
+        try:
+            evidence = await self.observer.wait_in_flight(engines, timeout)
+        finally:
+            if top_up is not None:
+                top_up.cancel()
         self.report.check(f"{what} injected mid-transfer", evidence is not None,
                           "" if evidence else f"no transfer in flight on {engines} "
                           f"within {timeout:.0f} s; injected anyway")
@@ -221,7 +240,7 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
     phase ``outage<tag>``, those launched once the router has the pair again ``after<tag>``.
     Returns the time of the fault (``ctx.now()``)."""
     verb = {"kill": "kill -9", "term": "graceful stop (SIGTERM) of"}[how]
-    evidence = await ctx.wait_in_flight(ENGINES, what=f"{verb} {engine}")
+    evidence = await ctx.wait_in_flight(ENGINES, what=f"{verb} {engine}", gen=gen)
     gen.phase = f"outage{tag}"
     at = ctx.now()
     if how == "kill":
@@ -259,7 +278,7 @@ def check_resumed(ctx: Context, phase: str, what: str, until: float | None = Non
 
 def allow_after(gen: LoadGenerator, total: int, at_least: int) -> None:
     """Let the generator finish: ``total`` requests in all, and ``at_least`` more from now."""
-    gen.limit = max(total, gen.progress.sent + at_least)
+    gen.limit = max(gen.limit, total, gen.progress.sent + at_least)
     gen.hold_open = False
     gen.extend(0)
 
@@ -533,6 +552,8 @@ def parse_options(module: ModuleType, argv: list[str] | None) -> Options:
     ap.add_argument("--max-tokens", type=int, default=base.max_tokens)
     ap.add_argument("--stream-fraction", type=float, default=base.stream_fraction)
     ap.add_argument("--chat-fraction", type=float, default=base.chat_fraction)
+    ap.add_argument("--trace", action="store_true",
+                    help="engines write kvpush event traces to WORKDIR/traces (for bug reports)")
     ap.add_argument("--no-poke", dest="poke", action="store_false",
                     help="do not poke engines whose gauges look stale after quiescence")
     own = getattr(module, "add_arguments", None)
@@ -554,7 +575,7 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     print(f"[{module.NAME}] starting prefill, decode, reference and router (policy "
           f"{needs.policy}); logs in {workdir / 'logs'}", flush=True)
     t0 = time.monotonic()
-    cluster = Cluster(cluster_spec(needs, workdir))
+    cluster = Cluster(cluster_spec(needs, workdir, opts.trace))
     report = Report(module.NAME, opts.as_dict())
     try:
         cluster.start()

@@ -64,6 +64,10 @@ class Record:
         return d
 
 
+class _Abandon(Exception):
+    """The client closes the connection on purpose (a planned cancel)."""
+
+
 def _error_message(raw: bytes | str) -> str:
     text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
     return text.strip()[:600]
@@ -98,6 +102,7 @@ async def send_one(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
             record.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
             record.kvpush = (data.get("kv_transfer_params") or {}).get("kvpush")
             return
+        pieces = 0
         async with client.stream("POST", url, json=body, timeout=http_timeout) as r:
             record.status = r.status_code
             record.request_id = r.headers.get("x-request-id", "")
@@ -124,6 +129,11 @@ async def send_one(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
                     piece = (c.get("delta") or {}).get("content") if spec.chat else c.get("text")
                     record.text += piece or ""
                     record.finish_reason = c.get("finish_reason") or record.finish_reason
+                    if piece:
+                        pieces += 1
+                        if spec.cancel_after_tokens is not None \
+                                and pieces >= spec.cancel_after_tokens:
+                            raise _Abandon(f"cancelled by the client after {pieces} tokens")
                 if obj.get("usage"):
                     record.prompt_tokens = obj["usage"].get("prompt_tokens")
             if not record.done_marker:
@@ -260,6 +270,8 @@ class LoadGenerator:
         try:
             await asyncio.wait_for(send_one(client, self.url, spec, rec, self.timeout, self._t0),
                                    spec.cancel_after if cancel else bound)
+        except _Abandon as exc:
+            rec.error_kind, rec.error = "cancelled", str(exc)
         except asyncio.TimeoutError:
             if cancel:
                 rec.error_kind, rec.error = "cancelled", (

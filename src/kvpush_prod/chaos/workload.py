@@ -27,6 +27,8 @@ class Mix:
     chat_fraction: float = 0.1
     cancel_fraction: float = 0.0  # requests the client abandons on purpose
     cancel_max_s: float = 1.5  # they are abandoned at a uniform time in [0, this]
+    # ... or, streaming ones with this probability, after a uniform number of tokens
+    cancel_tokens_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class RequestSpec:
     stream: bool
     chat: bool
     cancel_after: float | None = None
+    cancel_after_tokens: int | None = None  # streaming: close after this many pieces
 
     def body(self) -> dict[str, Any]:
         return completion_body(self.prompt, self.max_tokens, self.stream, chat=self.chat)
@@ -59,18 +62,20 @@ def make_request(idx: int, seed: int, mix: Mix) -> RequestSpec:
     """Request ``idx`` of the load seeded ``seed`` (the same pair always gives the same one)."""
     rng = random.Random(f"kvpush-chaos/{seed}/{idx}")
     n = rng.randint(mix.min_prompt, mix.max_prompt)
-    cancel = None
+    prompt = _words(rng, n)
+    max_tokens = rng.randint(mix.min_tokens, mix.max_tokens)
+    stream = rng.random() < mix.stream_fraction
+    chat = rng.random() < mix.chat_fraction
+    cancel: float | None = None
+    cancel_tokens: int | None = None
     if mix.cancel_fraction and rng.random() < mix.cancel_fraction:
-        cancel = rng.uniform(0.0, mix.cancel_max_s)
-    return RequestSpec(
-        idx=idx,
-        prompt=_words(rng, n),
-        prompt_len=n,
-        max_tokens=rng.randint(mix.min_tokens, mix.max_tokens),
-        stream=rng.random() < mix.stream_fraction,
-        chat=rng.random() < mix.chat_fraction,
-        cancel_after=cancel,
-    )
+        if stream and rng.random() < mix.cancel_tokens_fraction:
+            cancel_tokens = rng.randint(1, max(1, max_tokens - 2))
+        else:
+            cancel = rng.uniform(0.0, mix.cancel_max_s)
+    return RequestSpec(idx=idx, prompt=prompt, prompt_len=n, max_tokens=max_tokens,
+                       stream=stream, chat=chat, cancel_after=cancel,
+                       cancel_after_tokens=cancel_tokens)
 
 
 def workload(seed: int, mix: Mix) -> Iterator[RequestSpec]:
