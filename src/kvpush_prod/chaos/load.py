@@ -169,7 +169,8 @@ class LoadGenerator:
     def __init__(self, url: str, specs: Iterator[RequestSpec], *, concurrency: int,
                  limit: int, timeout: float = 120.0, probe_interval: float = 1.0,
                  progress_every: int = 20, log: Callable[[str], None] = print,
-                 t0: float | None = None) -> None:
+                 t0: float | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.url = url
         self.specs = specs
         self.concurrency = concurrency
@@ -189,6 +190,7 @@ class LoadGenerator:
         self._changed = asyncio.Event()
         self._t0 = time.monotonic() if t0 is None else t0  # record times count from here
         self._tasks: set[asyncio.Task[None]] = set()
+        self._transport = transport  # tests replace the network
 
     # -- control
     def now(self) -> float:
@@ -226,7 +228,8 @@ class LoadGenerator:
     async def run(self) -> list[Record]:
         limits = httpx.Limits(max_connections=self.concurrency * 2 + 8,
                               max_keepalive_connections=self.concurrency * 2 + 8)
-        async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+        async with httpx.AsyncClient(limits=limits, trust_env=False,
+                                     transport=self._transport) as client:
             last_probe = -1e9
             while not self._stop.is_set():
                 if self.progress.sent >= self.limit:
