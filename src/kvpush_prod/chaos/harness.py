@@ -199,7 +199,7 @@ class Context:
     async def kill(self, name: str) -> None:
         await asyncio.to_thread(self.cluster.procs[name].kill)
 
-    async def restart(self, name: str, graceful: bool = False, timeout: float = 300.0) -> float:
+    async def restart(self, name: str, graceful: bool = False, timeout: float = 600.0) -> float:
         """Stop ``name`` (SIGTERM, or it is already dead), start it again; seconds taken."""
         t0 = time.monotonic()
         proc = self.cluster.procs[name]
@@ -363,6 +363,14 @@ async def _references(cluster: Cluster, specs: dict[int, RequestSpec],
     return out
 
 
+async def _healthy(url: str) -> bool:
+    async with httpx.AsyncClient(trust_env=False) as client:
+        try:
+            return (await client.get(url + "/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
 async def _poke(cluster: Cluster) -> None:
     """One plain local request to each live engine: makes it step (and publish its gauges)."""
     async with httpx.AsyncClient(trust_env=False) as client:
@@ -432,8 +440,10 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     report.check("the series the verdict reads are exported", not missing, "; ".join(missing))
     for e in ENGINES:
         p = cluster.procs.get(e)
-        report.check(f"{e} alive at the end", p is not None and p.alive(),
-                     "" if p is not None and p.alive() else f"{e} is not running")
+        up = p is not None and p.alive() and await _healthy(cluster.urls[e])
+        report.check(f"{e} up at the end", up, "" if up else
+                     f"{e} is not running" if p is None or not p.alive() else
+                     f"{e} runs but GET /health does not answer 200 (its readings were skipped)")
 
     # Correctness against the single engine.
     ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
