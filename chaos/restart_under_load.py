@@ -1,5 +1,6 @@
-"""P and D restarted under continuous load, gracefully (SIGTERM) and by kill -9: during
-each outage the router answers clear errors, after each restart traffic resumes.
+"""P and D restarted under continuous load, gracefully (SIGTERM), by kill -9, and as a
+rolling redeploy (load drained first, then a burst once the engine is back): during each
+outage the router answers clear errors, after each restart traffic resumes, correctly.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from kvpush_prod.chaos.harness import (
 )
 
 NAME = "restart_under_load"
-DESCRIPTION = "P and D restarted under load (graceful and kill -9); traffic resumes each time"
-ALL_EVENTS = "prefill:term,decode:kill,decode:term,prefill:kill"
-SHORT_EVENTS = "prefill:term,decode:kill"
+DESCRIPTION = ("P and D restarted under load (graceful, kill -9, rolling redeploy); traffic "
+               "resumes each time")
+ALL_EVENTS = "prefill:term,decode:kill,decode:term,prefill:kill,prefill:rolling,decode:rolling"
+SHORT_EVENTS = "prefill:term,decode:kill,prefill:rolling"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--events", default=None,
-                    help=f"comma-separated engine:how (how: term|kill); default {ALL_EVENTS!r} "
+                    help="comma-separated engine:how (how: term = graceful, kill = kill -9, "
+                         "rolling = drained then graceful, as a redeploy); default "
+                         f"{ALL_EVENTS!r} "
                          f"from 100 requests up, else {SHORT_EVENTS!r}")
 
 
@@ -39,8 +43,8 @@ def events(opts: Options) -> list[tuple[str, str]]:
     out = []
     for item in spec.split(","):
         engine, _, how = item.strip().partition(":")
-        if engine not in ("prefill", "decode") or how not in ("term", "kill"):
-            raise ValueError(f"bad event {item!r}: use prefill|decode:term|kill")
+        if engine not in ("prefill", "decode") or how not in ("term", "kill", "rolling"):
+            raise ValueError(f"bad event {item!r}: use prefill|decode:term|kill|rolling")
         out.append((engine, how))
     return out
 

@@ -32,7 +32,7 @@ GROUPS = {
 CASES = [
     ("plain", "kill_prefill", {}),
     ("plain", "kill_decode", {}),
-    ("plain", "restart_under_load", {"events": "prefill:term,decode:kill"}),
+    ("plain", "restart_under_load", {"events": "prefill:term,decode:kill,prefill:rolling"}),
     ("write30", "write_failures", {}),
     ("switch", "bad_peer", {"heal_timeout": 240.0}),
     ("switch", "stall_prefill", {"stall_s": 9.0}),

@@ -236,11 +236,22 @@ class Context:
 async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: str,
                             tag: str = "") -> float:
     """Wait for transfers in flight, then ``kill`` (-9) or ``term`` (graceful stop) ``engine``
-    and start it again with the same engine id and port. Requests launched meanwhile are in
+    and start it again with the same engine id and port; or ``rolling``: drain the load
+    first (nothing in flight), stop gracefully, restart, then resume with a burst. Requests launched meanwhile are in
     phase ``outage<tag>``, those launched once the router has the pair again ``after<tag>``.
     Returns the time of the fault (``ctx.now()``)."""
-    verb = {"kill": "kill -9", "term": "graceful stop (SIGTERM) of"}[how]
-    evidence = await ctx.wait_in_flight(ENGINES, what=f"{verb} {engine}", gen=gen)
+    verb = {"kill": "kill -9", "term": "graceful stop (SIGTERM) of",
+            "rolling": "rolling restart (drained, then SIGTERM) of"}[how]
+    if how == "rolling":
+        # A redeploy at a quiet moment: nothing in flight, so the peer hears of the new
+        # process only from the traffic that follows (no cancel or ack in the queue).
+        gen.pause()
+        drained = await gen.wait_idle(timeout=ctx.opts.timeout)
+        ctx.report.check(f"nothing in flight before the rolling restart{tag}", drained,
+                         "" if drained else f"{gen.outstanding} requests still in flight")
+        evidence: dict[str, Any] | None = None
+    else:
+        evidence = await ctx.wait_in_flight(ENGINES, what=f"{verb} {engine}", gen=gen)
     gen.phase = f"outage{tag}"
     at = ctx.now()
     if how == "kill":
@@ -249,10 +260,11 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
                   outstanding=ctx.outstanding())
     else:
         ctx.event(f"{verb} {engine}", evidence=evidence, outstanding=ctx.outstanding())
-    secs = await ctx.restart(engine, graceful=how == "term")
+    secs = await ctx.restart(engine, graceful=how != "kill")
     ctx.event(f"{engine} restarted and healthy", seconds=round(secs, 1))
     waited = await ctx.wait_router_ready()
     gen.phase = f"after{tag}"
+    gen.resume()  # after a rolling restart: a burst of `concurrency` requests at once
     ctx.event("router has the pair again" if waited is not None
               else "router did NOT report the pair healthy within 60 s",
               waited_s=None if waited is None else round(waited, 1))

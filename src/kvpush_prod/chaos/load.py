@@ -181,6 +181,7 @@ class LoadGenerator:
         self.log = log
         self.phase = "load"
         self.hold_open = False  # at the limit, wait for extend() or stop() instead of ending
+        self.paused = False  # launch nothing until resume()
         self.records: list[Record] = []
         self.progress = Progress()
         self.outstanding = 0
@@ -200,6 +201,18 @@ class LoadGenerator:
         """Launch nothing more; requests in flight run to their end."""
         self._stop.set()
         self._changed.set()
+
+    def pause(self) -> None:
+        """Launch nothing more until ``resume()`` (requests in flight run to their end)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._changed.set()
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is in flight."""
+        return await self._wait(lambda: self.outstanding == 0, timeout)
 
     def extend(self, n: int) -> None:
         """Allow ``n`` more requests."""
@@ -239,7 +252,7 @@ class LoadGenerator:
                     await self._changed.wait()
                     continue
                 cap = 1 if self.outage else self.concurrency
-                if self.outstanding >= cap:
+                if self.paused or self.outstanding >= cap:
                     self._changed.clear()
                     await self._changed.wait()
                     continue
