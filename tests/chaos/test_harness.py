@@ -160,8 +160,11 @@ class FakeRouter:
             if mode == "slow":
                 await asyncio.sleep(5)
             if not body.get("stream"):
-                return httpx.Response(200, json={"choices": [{"text": " w1 w2"}],
-                                                 "usage": {"prompt_tokens": 3}})
+                reason = "abort" if mode == "abort" else "length"
+                return httpx.Response(200, json={
+                    "choices": [{"text": "" if mode == "abort" else " w1 w2",
+                                 "finish_reason": reason}],
+                    "usage": {"prompt_tokens": 3}})
             events = [{"choices": [{"text": f" w{i}"}]} for i in range(5)]
             lines = [f"data: {json.dumps(e)}\n\n" for e in events]
             if mode == "truncated":
@@ -198,6 +201,17 @@ def test_generator_flags_truncated_streams_and_stream_errors() -> None:
         router.mode = mode
         records = asyncio.run(_gen(router, 3, mix).run())
         assert [r.error_kind for r in records] == [kind] * 3
+
+
+def test_a_200_that_says_abort_is_an_unclear_failure_not_an_answer() -> None:
+    router = FakeRouter()
+    router.mode = "abort"
+    records = asyncio.run(_gen(router, 2, Mix(min_prompt=5, max_prompt=10,
+                                              stream_fraction=0.0)).run())
+    assert [r.error_kind for r in records] == ["aborted", "aborted"]
+    t = tally(records, {r.idx: " w1 w2" for r in records})
+    assert (t.wrong_tokens, t.failed_unclear, t.failed_clear) == (0, 2, 0)
+    assert set(t.classes.values()) == {"failed_unclear"}
 
 
 def test_generator_counts_a_request_past_the_bound_as_hung() -> None:

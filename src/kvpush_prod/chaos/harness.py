@@ -496,29 +496,27 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     report.data["served_streaming_attributed"] = streamed
     report.data["clear_errors"] = dict(sorted(t.errors.items(), key=lambda kv: -kv[1])[:20])
     report.data["unclear_failures"] = t.unclear
+    report.data["unclear_kinds"] = t.unclear_kinds
     report.data["wrong_answers"] = t.wrong
     report.data["hung_requests"] = t.hung_samples
     report.data["metrics"] = {e: observer.counters(e) for e in ENGINES}
     report.data["metric_peaks"] = observer.peaks
-    report.data["phases"] = _phase_summary(records)
+    report.data["phases"] = _phase_summary(records, t.classes)
+    report.data["records"] = [{**r.to_json(), "class": t.classes.get(r.idx, "")}
+                              for r in records]
     report.data["logs"] = scan_logs(cluster, log_from)
     report.data["duration_s"] = round(time.monotonic() - t_start, 1)
     return report
 
 
-def _phase_summary(records: list[Record]) -> dict[str, dict[str, int]]:
+def _phase_summary(records: list[Record], classes: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Per phase: requests sent and how many ended in each class."""
     out: dict[str, dict[str, int]] = {}
     for r in records:
-        d = out.setdefault(r.phase, {"sent": 0, "ok": 0, "failed": 0, "hung": 0, "cancelled": 0})
+        d = out.setdefault(r.phase, {"sent": 0})
         d["sent"] += 1
-        if r.ok:
-            d["ok"] += 1
-        elif r.error_kind == "timeout":
-            d["hung"] += 1
-        elif r.error_kind == "cancelled":
-            d["cancelled"] += 1
-        else:
-            d["failed"] += 1
+        cls = classes.get(r.idx, "unknown")
+        d[cls] = d.get(cls, 0) + 1
     return out
 
 
@@ -538,6 +536,10 @@ def print_report(report: Report, log: Callable[[str], None] = print) -> None:
             + (f": {c.detail}" if c.detail else ""))
     if d.get("clear_errors"):
         log(f"[{report.scenario}] clear errors: {json.dumps(d['clear_errors'])[:800]}")
+    if d.get("unclear_kinds"):
+        log(f"[{report.scenario}] UNCLEAR failures: {json.dumps(d['unclear_kinds'])[:800]}")
+    if d.get("phases"):
+        log(f"[{report.scenario}] by phase: {json.dumps(d['phases'])[:1200]}")
     log(report.verdict_line())
 
 

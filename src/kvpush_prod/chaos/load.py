@@ -38,7 +38,8 @@ class Record:
     status: int = 0
     text: str = ""
     error: str = ""  # HTTP error body, SSE error event, or client-side exception
-    error_kind: str = ""  # "" | http | sse | transport | truncated | timeout | cancelled
+    # "" | http | sse | transport | truncated | aborted | timeout | cancelled
+    error_kind: str = ""
     first_byte: float | None = None  # seconds after start
     done_marker: bool = False  # streaming: saw [DONE]
     prompt_tokens: int | None = None
@@ -76,6 +77,17 @@ def _error_message(raw: bytes | str) -> str:
 async def send_one(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
                    record: Record, timeout: float, t0: float) -> None:
     """Send ``spec``; fill ``record``. Never raises (except cancellation of the caller)."""
+    await _send(client, base_url, spec, record, timeout, t0)
+    if not record.error_kind and record.finish_reason == "abort":
+        # vLLM ends a request it aborted (e.g. on shutdown) with HTTP 200 and this reason:
+        # the client gets a success with a cut answer and no error.
+        record.error_kind = "aborted"
+        record.error = (f"HTTP 200 with finish_reason 'abort' after {len(record.text.split())} "
+                        "tokens: the engine aborted the request, nothing says so but the reason")
+
+
+async def _send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
+                record: Record, timeout: float, t0: float) -> None:
     body = spec.body()
     url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.chat else "/v1/completions")
     # httpx's own timeouts sit above the overall bound, which the caller enforces.

@@ -77,9 +77,11 @@ class Tally:
     cancelled: int = 0
     unchecked: int = 0  # successful, but no reference answer could be had
     served: dict[str, int] = field(default_factory=dict)  # non-streaming successes
+    classes: dict[int, str] = field(default_factory=dict)  # request idx -> its class
     streamed_ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # clear errors by short message
     unclear: list[dict[str, Any]] = field(default_factory=list)
+    unclear_kinds: dict[str, int] = field(default_factory=dict)
     wrong: list[dict[str, Any]] = field(default_factory=list)
     hung_samples: list[dict[str, Any]] = field(default_factory=list)
 
@@ -97,44 +99,56 @@ def _short(rec: Record) -> str:
 
 
 def tally(records: list[Record], references: dict[int, str | None]) -> Tally:
-    """Classify every record; ``references[idx]`` is the reference text (None: unavailable)."""
+    """Classify every record; ``references[idx]`` is the reference text (None: unavailable).
+
+    Classes: correct, wrong_tokens, unchecked, failed_clear, failed_unclear, hung, cancelled.
+    """
     t = Tally(sent=len(records))
     for rec in records:
-        if rec.error_kind == "cancelled":
-            t.cancelled += 1
-            continue
-        if rec.error_kind == "timeout":
-            t.hung += 1
-            if len(t.hung_samples) < 10:
-                t.hung_samples.append(rec.to_json())
-            continue
-        if rec.ok:
-            ref = references.get(rec.idx)
-            if ref is None:
-                t.unchecked += 1
-            elif rec.text == ref:
-                t.correct += 1
-            else:
-                t.wrong_tokens += 1
-                if len(t.wrong) < 10:
-                    t.wrong.append({**rec.to_json(), "got": rec.text[:200],
-                                    "expected": ref[:200]})
-                continue
-            if rec.stream:
-                t.streamed_ok += 1
-            else:
-                how = served_by(rec)
-                t.served[how] = t.served.get(how, 0) + 1
-            continue
-        if clear_error(rec):
-            t.failed_clear += 1
-            key = _short(rec)
-            t.errors[key] = t.errors.get(key, 0) + 1
-        else:
-            t.failed_unclear += 1
-            if len(t.unclear) < 10:
-                t.unclear.append(rec.to_json())
+        cls = _classify(t, rec, references)
+        t.classes[rec.idx] = cls
     return t
+
+
+def _classify(t: Tally, rec: Record, references: dict[int, str | None]) -> str:
+    if rec.error_kind == "cancelled":
+        t.cancelled += 1
+        return "cancelled"
+    if rec.error_kind == "timeout":
+        t.hung += 1
+        if len(t.hung_samples) < 10:
+            t.hung_samples.append(rec.to_json())
+        return "hung"
+    if rec.ok:
+        ref = references.get(rec.idx)
+        if ref is None:
+            t.unchecked += 1
+            cls = "unchecked"
+        elif rec.text == ref:
+            t.correct += 1
+            cls = "correct"
+        else:
+            t.wrong_tokens += 1
+            if len(t.wrong) < 10:
+                t.wrong.append({**rec.to_json(), "got": rec.text[:200], "expected": ref[:200]})
+            return "wrong_tokens"
+        if rec.stream:
+            t.streamed_ok += 1
+        else:
+            how = served_by(rec)
+            t.served[how] = t.served.get(how, 0) + 1
+        return cls
+    if clear_error(rec):
+        t.failed_clear += 1
+        key = _short(rec)
+        t.errors[key] = t.errors.get(key, 0) + 1
+        return "failed_clear"
+    t.failed_unclear += 1
+    if len(t.unclear) < 10:
+        t.unclear.append(rec.to_json())
+    key = f"unclear {rec.error_kind}: {rec.error[:120]}"
+    t.unclear_kinds[key] = t.unclear_kinds.get(key, 0) + 1
+    return "failed_unclear"
 
 
 def attribute_streaming(t: Tally, consumer: dict[str, float]) -> dict[str, int]:
