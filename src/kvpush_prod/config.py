@@ -160,6 +160,12 @@ class LeaseSettings(_Section):
     skew_margin_s: float = Field(
         1.0, ge=0, le=600, description="D reuses blocks only this long after permit expiry."
     )
+    register_grace_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="How long P keeps renewing a REGISTER for a request it has not received "
+        "yet (the prefill leg can lag the decode leg under load); after that D's permit runs "
+        "out and the receive fails.",
+    )
     peer_timeout_s: float = Field(
         3.0, gt=0, le=600, description="A peer unheard this long is presumed dead (no renewals)."
     )

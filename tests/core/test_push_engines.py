@@ -353,3 +353,18 @@ def test_waiting_for_credit_is_announced_to_prefill_with_generation_zero() -> No
     r.await_admission("t", "tcp://p:1")
     (hb,) = msgs(r.tick(0.0), m.Heartbeat)
     assert hb.live == [("t", 0)]
+
+
+def test_register_before_the_prefill_request_is_kept_alive_for_the_grace_period() -> None:
+    s = sender()
+    s.on_message(register(), 0.0)  # the decode leg was faster than the prefill leg
+    (hb,) = msgs(s.tick(0.5), m.Heartbeat)
+    assert hb.live == [("t", 1)]
+    # Renewed by D meanwhile, the registration is still listed within the grace period...
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 9.0)
+    assert msgs(s.tick(9.5), m.Heartbeat)[0].live == [("t", 1)]
+    # ...and not after it, unless the prefill request showed up.
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 10.4)
+    assert msgs(s.tick(10.6), m.Heartbeat) == []
+    s.expect("t", 10.7)
+    assert msgs(s.tick(11.7), m.Heartbeat)[0].live == [("t", 1)]

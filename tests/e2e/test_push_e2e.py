@@ -186,7 +186,8 @@ async def test_missing_prefill_leg_fails_fast_with_a_clear_error(cluster: Cluste
                             completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=params))
     waited = time.monotonic() - t0
     assert not got.ok and got.status >= 400, (got.status, got.text)
-    # Bounded by the permit term plus margins (5 s + 1 s here), never the 120 s hard bound.
+    # Bounded by the register grace, the permit term and margins (10 + 5 + 1 s here), never
+    # the 120 s hard bound.
     assert waited < 30, waited
     after = scrape(cluster.urls["decode"])
     failed = (metric_sum(after, "kvpush_transfers_total", role="consumer", outcome="failed")

@@ -169,6 +169,7 @@ class WorkerSide:
                 heartbeat_s=leases.heartbeat_interval_s,
                 fallback=self.cfg.fallback.pull,
                 pull_permit_s=self.cfg.fallback.pull_permit_s,
+                register_grace_s=leases.register_grace_s,
                 **shared,
             ), rng)
         else:
@@ -242,9 +243,8 @@ class WorkerSide:
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
             self._pump.request_of[spec.transfer_id] = spec.request_id
-            self._pump.submit(lambda s, sp=spec: s.blocks_ready(
+            self._pump.run_now(lambda s, sp=spec: s.blocks_ready(
                 sp.transfer_id, sp.block_ids, time.monotonic()))
-        time.sleep(0)  # let the pump take the GIL and post now, not at the next switch
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         sending, recving, failed = self.results.take()
@@ -292,6 +292,9 @@ class TransferPump(threading.Thread):
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
         self._commands: queue.SimpleQueue[Callable[[Any], list[Action]]] = queue.SimpleQueue()
         self._halt = threading.Event()
+        # Held for every use of the protocol, NIXL and the sending sockets: by the pump, and by
+        # the engine thread when it hands over a push (run_now).
+        self.lock = threading.Lock()
         self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
         self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
         self._peers: dict[str, RemotePeer] = {}  # agent name -> connected peer
@@ -324,35 +327,51 @@ class TransferPump(threading.Thread):
             busy = bool(self._handles) or self.protocol.busy or (
                 receiver is not None and receiver.active > 0)
             try:
-                actions: list[Action] = []
-                for msg in self.endpoint.poll(active_poll if busy else idle_poll):
-                    if self.trace.on:
-                        self.trace("msg_in", getattr(msg, "transfer_id", ""),
-                                   kind=type(msg).__name__)
-                    sent_at = getattr(msg, "sent_at", 0.0)
-                    age = max(0.0, time.time() - sent_at) if sent_at else 0.0
-                    actions += self.protocol.on_message(msg, time.monotonic(), age)
-                while True:
-                    try:
-                        command = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    actions += command(self.protocol)
-                self._execute(actions)
-                if self._handles:
-                    self._check_chunks()
-                if receiver is not None and receiver.active > 0:
-                    self._check_notifications(receiver)
-                now = time.monotonic()
-                if self.protocol.busy:
-                    self._execute(self.protocol.poll(now))
-                if now - self._last_tick >= 0.05:
-                    self._last_tick = now
-                    self._execute(self.protocol.tick(now))
-                    self._report_gauges(now)
+                readable = self.endpoint.wait(active_poll if busy else idle_poll)
+                with self.lock:
+                    self._pass(readable, receiver)
             except Exception:  # noqa: BLE001 - the pump must survive to keep leases honest
                 logger.exception("kvpush: transfer pump error (continuing)")
                 time.sleep(0.01)
+
+    def run_now(self, command: Callable[[Any], list[Action]]) -> None:
+        """Run ``command`` on the protocol in the calling thread (the engine thread's hot path:
+        a push is posted at once instead of waiting for the pump to be scheduled)."""
+        with self.lock:
+            try:
+                self._execute(command(self.protocol))
+            except Exception:  # noqa: BLE001 - never break the engine's step
+                logger.exception("kvpush: push hand-off failed")
+        self.endpoint.wake()  # the pump now has chunks to watch: poll at the active rate
+
+    def _pass(self, readable: bool, receiver: Receiver | None) -> None:
+        """One round of the loop: messages, commands, completions, scheduling, timers."""
+        actions: list[Action] = []
+        for msg in self.endpoint.receive() if readable else ():
+            if self.trace.on:
+                self.trace("msg_in", getattr(msg, "transfer_id", ""),
+                           kind=type(msg).__name__)
+            sent_at = getattr(msg, "sent_at", 0.0)
+            age = max(0.0, time.time() - sent_at) if sent_at else 0.0
+            actions += self.protocol.on_message(msg, time.monotonic(), age)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            actions += command(self.protocol)
+        self._execute(actions)
+        if self._handles:
+            self._check_chunks()
+        if receiver is not None and receiver.active > 0:
+            self._check_notifications(receiver)
+        now = time.monotonic()
+        if self.protocol.busy:
+            self._execute(self.protocol.poll(now))
+        if now - self._last_tick >= 0.05:
+            self._last_tick = now
+            self._execute(self.protocol.tick(now))
+            self._report_gauges(now)
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
@@ -423,7 +442,8 @@ class TransferPump(threading.Thread):
                                                  time.monotonic()))
             return
         nbytes = len(local) * self._block_bytes
-        self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif))
+        self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif),
+                   post_ms=round(1000 * (time.monotonic() - t0), 3))
         self._handles[chunk_id] = (handle, t0, nbytes)
         self.inflight_bytes += nbytes
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
@@ -526,6 +546,8 @@ class TransferPump(threading.Thread):
             self.stats.inc("kvpush_breaker_trips",
                            (self.role, self._peer_label.get(note.reason, note.reason)))
             logger.warning("kvpush: circuit breaker to %s opened: %s", note.reason, note.detail)
+        elif kind == "queue_wait":
+            self.stats.observe("kvpush_queue_wait_seconds", self._labels, note.value)
         elif kind == "transfer_done":
             began = self.began.pop(note.detail, None)
             if began is not None:

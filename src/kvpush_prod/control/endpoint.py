@@ -55,8 +55,8 @@ class ControlEndpoint:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
-    def poll(self, timeout_s: float) -> Iterator[messages.ControlMessage]:
-        """Wait up to ``timeout_s`` for input; yield every valid message that arrived."""
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for input or a ``wake``; True if messages may be waiting."""
         events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         if self._wake_r in events:
             try:
@@ -64,8 +64,10 @@ class ControlEndpoint:
                     pass
             except BlockingIOError:
                 pass
-        if self._router not in events:
-            return
+        return self._router in events
+
+    def receive(self) -> Iterator[messages.ControlMessage]:
+        """Every valid message waiting now (never blocks); invalid ones are counted."""
         while True:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
@@ -76,6 +78,11 @@ class ControlEndpoint:
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
                 logger.warning("kvpush: dropped control message: %s", exc)
+
+    def poll(self, timeout_s: float) -> Iterator[messages.ControlMessage]:
+        """``wait`` then ``receive``."""
+        if self.wait(timeout_s):
+            yield from self.receive()
 
     def send(self, address: str, msg: messages.ControlMessage) -> None:
         """Queue ``msg`` to the endpoint at ``address`` (never blocks)."""

@@ -96,10 +96,11 @@ class Note:
     """Something an operator counts: ``kind`` names the counter, ``reason`` its label."""
 
     # rejected | retry | fallback | lease_expired | fenced | breaker_trip | peer_restart |
-    # transfer_done (P: the last WRITE landed; ``detail`` is the transfer id)
+    # transfer_done (P: the last WRITE landed; ``detail`` is the transfer id) | queue_wait
     kind: str
     reason: str
     detail: str = ""
+    value: float = 0.0  # queue_wait: seconds from ready (blocks + permit) to first chunk posted
 
 
 Action = (

@@ -66,6 +66,9 @@ class SenderSettings:
     heartbeat_s: float = 1.0
     fallback: bool = True  # let D pull when the push fails
     pull_permit_s: float = 30.0  # how long D may READ P's blocks after a FALLBACK
+    # How long P keeps renewing a REGISTER for a request it has not received yet: under load
+    # the prefill leg can reach P seconds after the decode leg reached D.
+    register_grace_s: float = 10.0
     tombstone_s: float = 300.0  # how long a cancelled/aborted transfer id is remembered
 
 
@@ -77,10 +80,12 @@ class _Out:
     held: bool = False  # the scheduler left the blocks to us until ReleaseSend
     expected: bool = False  # P's scheduler has the request: blocks will come
     reg: Register | None = None
+    reg_at: float = 0.0
     peer: str = ""  # D's agent name
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
     queued: bool = False  # in the push scheduler
+    ready_at: float = -1.0  # when it entered the scheduler (-1: its first chunk is out)
     inflight: set[int] = field(default_factory=set)
     retried: bool = False
     drain_then: str = ""  # after in-flight chunks land: "ack" | "fallback" | "failed" | "expired"
@@ -186,7 +191,7 @@ class Sender:
         ttl = reg.permit_ttl_ms / 1000.0
         if ttl <= 0:
             return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
-        o.reg, o.peer = reg, reg.sender.agent_name
+        o.reg, o.reg_at, o.peer = reg, now, reg.sender.agent_name
         # The term counts from when D granted it: subtract how long the message travelled.
         o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, ttl, now - age,
                                    self.s.stop_margin_s)
@@ -309,6 +314,9 @@ class Sender:
             if o.machine.state is S.RETRYING:
                 self._fire(o, E.RETRY, now)
             self._fire(o, E.CHUNK_POSTED, now)
+            if o.ready_at >= 0:
+                out.append(Note("queue_wait", "", o.tid, now - o.ready_at))
+                o.ready_at = -1.0
             out.append(PostWrite(
                 o.tid, reg.generation, chunk.id, o.peer,
                 tuple(o.blocks[first + chunk.start:first + chunk.end]),
@@ -360,7 +368,7 @@ class Sender:
                 out += self._close(o, "expired")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
-            out += self._heartbeats()
+            out += self._heartbeats(now)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -418,7 +426,7 @@ class Sender:
             return [Note("fallback", "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
         self.sched.add(o.tid, o.peer, self.s.block_bytes, len(reg.block_ids),
                        o.permit.expires_at, now)
-        o.queued = True
+        o.queued, o.ready_at = True, now
         return self.poll(now)
 
     def _check(self, blocks: list[int], reg: Register) -> str:
@@ -485,14 +493,15 @@ class Sender:
         return SendMessage(reg.sender.control, Failed(PROTOCOL_VERSION, reg.transfer_id,
                                                       reg.generation, self.slim, reason, detail))
 
-    def _heartbeats(self) -> list[Action]:
+    def _heartbeats(self, now: float) -> list[Action]:
         """Tell each D which of its transfers we still hold (it renews their permits)."""
         per_peer: dict[str, tuple[int, list[tuple[str, int]]]] = {}
         for o in self._out.values():
             if o.reg is None or o.outcome:
                 continue
-            if o.machine.state is S.WAITING_BLOCKS and not o.expected:
-                continue  # we have never heard of this request: let D's permit run out
+            if (o.machine.state is S.WAITING_BLOCKS and not o.expected
+                    and now - o.reg_at > self.s.register_grace_s):
+                continue  # the request never reached us: let D's permit run out
             addr = o.reg.sender.control
             _, live = per_peer.setdefault(addr, (o.reg.sender.incarnation, []))
             live.append((o.tid, o.reg.generation))

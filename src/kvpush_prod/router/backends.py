@@ -103,11 +103,15 @@ class Backend:
     # backend fail cannot bring it back up with stale results.
     epoch: int = 0
     served: frozenset[str] = field(default_factory=frozenset)
+    # Push mode needs P's identity for D's leg; pull mode takes it from P's answer.
+    needs_identity: bool = True
 
     @property
     def up(self) -> bool:
-        """Routable: healthy, and for a prefill backend its identity is known."""
-        return self.healthy and (self.role is Role.DECODE or self.identity is not None)
+        """Routable: healthy, and for a prefill backend in push mode its identity is known."""
+        return self.healthy and (
+            self.role is Role.DECODE or not self.needs_identity or self.identity is not None
+        )
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.served
@@ -142,7 +146,10 @@ class BackendPool:
 
     def __init__(self, settings: RouterSettings, metrics: RouterMetrics) -> None:
         self.metrics = metrics
-        self.prefill = [Backend(Role.PREFILL, b.url, overrides=b) for b in settings.prefill]
+        self.prefill = [
+            Backend(Role.PREFILL, b.url, overrides=b, needs_identity=settings.mode == "push")
+            for b in settings.prefill
+        ]
         self.decode = [Backend(Role.DECODE, b.url) for b in settings.decode]
         self._policy: dict[Role, Policy] = {
             Role.PREFILL: make_policy(settings.policy),

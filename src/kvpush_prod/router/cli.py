@@ -41,6 +41,20 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         help="how to pick backends (default round_robin)",
     )
     p.add_argument(
+        "--mode",
+        choices=["push", "pull"],
+        help="push (default): both legs at once, for push connectors; pull: prefill first, "
+        "then decode with the prefill's kv_transfer_params (vLLM's NixlConnector)",
+    )
+    p.add_argument(
+        "--vllm-push-compat",
+        dest="vllm_push_compat",
+        action="store_true",
+        default=None,
+        help="push mode: add remote_request_id to D's kv_transfer_params, as vLLM's "
+        "NixlPushConnector needs",
+    )
+    p.add_argument(
         "--max-retries",
         type=int,
         dest="max_retries",

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvpush_prod.errors import ConfigError
 
 PolicyName = Literal["round_robin", "least_loaded"]
+# push: both legs at once (push connectors); pull: P first, then D with P's
+# kv_transfer_params (vLLM's NixlConnector, the usual prefill-then-decode proxy flow).
+RouterMode = Literal["push", "pull"]
 
 
 def _check_url(url: str) -> str:
@@ -83,6 +86,10 @@ class RouterSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     policy: PolicyName = "round_robin"
+    mode: RouterMode = "push"
+    # Push mode: also give D ``remote_request_id`` (P's vLLM request id), which vLLM's own
+    # NixlPushConnector requires on D (it fails the engine with a KeyError without it).
+    vllm_push_compat: bool = False
     # Retries of a whole request on another (P, D) pair, only before any byte reached
     # the client; 0 disables them.
     max_retries: int = Field(default=1, ge=0, le=10)

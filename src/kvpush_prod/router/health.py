@@ -81,7 +81,7 @@ class HealthMonitor:
             except (httpx.HTTPError, ValueError) as e:
                 self.pool.mark_down(b, f"GET /v1/models failed: {_err(e)}")
                 return
-        if b.role is Role.PREFILL and b.identity is None:
+        if b.role is Role.PREFILL and b.identity is None and b.needs_identity:
             await self.probe(b, epoch)
         self.pool.mark_healthy(b, epoch)
 

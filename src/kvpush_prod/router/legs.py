@@ -58,6 +58,54 @@ def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> d
     return out
 
 
+def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
+    """Pull mode, P's leg: one token, non-streaming; P keeps the KV for D to READ.
+
+    The kv_transfer_params are those of vLLM's own disaggregation proxies for NixlConnector.
+    """
+    out = prefill_body(body, path, transfer_id)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return out
+
+
+def pull_decode_body(body: dict[str, Any], p_params: dict[str, Any]) -> dict[str, Any]:
+    """Pull mode, D's leg: the client's request with P's answered kv_transfer_params
+    (P's block ids, engine id and side channel), so D READs the KV from P."""
+    out = dict(body)
+    out["kv_transfer_params"] = dict(p_params)
+    return out
+
+
+def prefill_kv_params(b: Backend, content: bytes) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of P's answer in pull mode; LegFailure if it has none."""
+    try:
+        params = json.loads(content).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        params = None
+    if not isinstance(params, dict):
+        snippet = content[:300].decode("utf-8", "replace").strip()
+        raise LegFailure(
+            b,
+            "status",
+            f"prefill answer has no kv_transfer_params (is it started with a kv_producer "
+            f"NixlConnector?): {snippet}",
+        )
+    return params
+
+
+def vllm_request_id(path: str, transfer_id: str) -> str:
+    """The request id vLLM's OpenAI server gives a request sent with ``X-Request-Id``
+    (without the engine's random suffix, which vLLM's NIXL connectors strip)."""
+    return f"chatcmpl-{transfer_id}" if path == CHAT_PATH else f"cmpl-{transfer_id}-0"
+
+
 def probe_body(model: str) -> dict[str, Any]:
     """The identity probe: one token on P whose response carries P's kv_transfer_params."""
     return {

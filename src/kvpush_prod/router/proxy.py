@@ -40,8 +40,12 @@ from kvpush_prod.router.legs import (
     failure_from_exception,
     first_chunk_failure,
     prefill_body,
+    prefill_kv_params,
+    pull_decode_body,
+    pull_prefill_body,
     sse_error_event,
     strip_null_kv_params,
+    vllm_request_id,
 )
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
 
@@ -275,6 +279,8 @@ class Dispatcher:
         )
 
     async def _attempt(self, req: _Request) -> Response:
+        if self.settings.mode == "pull":
+            return await self._attempt_pull(req)
         p, d = self.pool.choose_pair(req.model, req.exclude)
         assert p.identity is not None  # choose_pair only returns prefill backends that are up
         tid = uuid.uuid4().hex
@@ -287,7 +293,10 @@ class Dispatcher:
         if req.authorization is not None:
             headers["Authorization"] = req.authorization
         p_content = dumps(prefill_body(req.body, req.path, tid))
-        d_content = dumps(decode_body(req.body, p.identity, tid))
+        d_body = decode_body(req.body, p.identity, tid)
+        if self.settings.vllm_push_compat:
+            d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
+        d_content = dumps(d_body)
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
@@ -327,6 +336,75 @@ class Dispatcher:
             headers=resp_headers,
             media_type=media,
         )
+
+    async def _attempt_pull(self, req: _Request) -> Response:
+        """Pull mode: P computes the KV (one token), then D gets P's kv_transfer_params and
+        READs it; the legs run one after the other, as vLLM's NixlConnector needs."""
+        p, d = self.pool.choose_pair(req.model, req.exclude)
+        tid = uuid.uuid4().hex
+        headers = {
+            "X-Request-Id": tid,
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+        }
+        if req.authorization is not None:
+            headers["Authorization"] = req.authorization
+        p_content = dumps(pull_prefill_body(req.body, req.path, tid))
+        p_task = asyncio.create_task(self._pull_prefill_leg(p, req.path, p_content, headers))
+        try:
+            await asyncio.wait({p_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if req.disconnect.done() and not p_task.done():
+                raise ClientGone()
+            params = p_task.result()
+            d_content = dumps(pull_decode_body(req.body, params))
+            d_task = asyncio.create_task(
+                self._decode_leg(d, req.path, d_content, headers, req.stream)
+            )
+        except BaseException:
+            await self._cancel_legs(p_task)
+            raise
+        try:
+            await asyncio.wait({d_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if req.disconnect.done() and not d_task.done():
+                raise ClientGone()
+            started = d_task.result()
+        except BaseException:
+            await self._cancel_legs(d_task)
+            raise
+        self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
+        outcome = Outcome.OK if req.attempts == 1 else Outcome.RETRIED_OK
+        resp_headers = {"X-Request-Id": tid}
+        if not req.stream:
+            content = strip_null_kv_params(started.first)
+            status = started.response.status_code
+            media = started.response.headers.get("content-type", "application/json")
+            await started.aclose()
+            self._finish(req, outcome)
+            return Response(content, status, headers=resp_headers, media_type=media)
+        req.disconnect.cancel()
+        media = started.response.headers.get("content-type", "text/event-stream")
+        resp_headers["Cache-Control"] = "no-cache"
+        return _ClosingStreamingResponse(
+            self._relay(req, started, p_task, outcome),
+            started.response.status_code,
+            headers=resp_headers,
+            media_type=media,
+        )
+
+    async def _pull_prefill_leg(
+        self, p: Backend, path: str, content: bytes, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        self.pool.leg_started(p)
+        try:
+            r = await self.client.post(
+                p.url + path, content=content, headers=headers, timeout=self._prefill_timeout
+            )
+        except httpx.HTTPError as e:
+            raise self._leg_error(p, e) from None
+        finally:
+            self.pool.leg_ended(p)
+        check_status(p, r.status_code, r.content, r.headers.get("content-type", ""))
+        return prefill_kv_params(p, r.content)
 
     async def _cancel_legs(self, *tasks: asyncio.Task[Any]) -> None:
         for t in tasks:

@@ -1,0 +1,104 @@
+"""Where a kvpush request's TTFT goes: client, router, P, transfer, D, from one timeline.
+
+Starts the kvpush side (P on core 0, D on core 1, router), sends sequential requests with
+event traces on, and lines up per request (wall clocks, one machine):
+client send -> P blocks_ready (router hop + P prefill) -> P post -> D done_in -> D report
+-> D step takes it (``taken``) -> client first token.
+
+    PYTHONPATH=src python benchmarks/profile_kvpush.py [--requests 12] [--length 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from kvpush_prod.bench.runner import prompts_for  # noqa: E402
+from kvpush_prod.bench.sides import SIDES, RunningSide, SideSettings  # noqa: E402
+from kvpush_prod.bench.traces import read_events  # noqa: E402
+
+
+async def _send(url: str, prompts: list[str]) -> list[tuple[float, float, str]]:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
+        for prompt in prompts:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                    "stream": True, "ignore_eos": True}
+            t0 = time.time()
+            first = None
+            rid = ""
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                rid = r.headers.get("x-request-id", "")
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and first is None and '"text"' in line:
+                        first = time.time()
+            out.append((t0, first or t0, rid))
+            await asyncio.sleep(0.2)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--workdir", type=Path, default=None)
+    a = ap.parse_args()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="kvpush-profile-"))
+    side = RunningSide(SIDES["kvpush"], SideSettings(workdir=work.resolve()))
+    side.start()
+    try:
+        asyncio.run(_send(side.entry, prompts_for(a.length, 1, 3, salt=7)))  # warm-up
+        since = time.time()
+        sent = asyncio.run(_send(side.entry, prompts_for(a.length, 1, a.requests, salt=8)))
+        time.sleep(0.5)
+    finally:
+        side.stop()
+    events = [e for e in read_events(side.trace_dir) if e["t"] >= since]
+    first: dict[tuple[str, str, str], float] = {}
+    taken: list[float] = []
+    for e in events:
+        if e["e"] == "taken" and e["role"] == "D" and e.get("recving"):
+            taken.append(e["t"])
+        if e.get("tid"):
+            first.setdefault((e["role"], e["e"], e["tid"]), e["t"])
+    phases: dict[str, list[float]] = {}
+    for t0, t_first, tid in sent:
+        def at(role: str, ev: str, tid: str = tid) -> float | None:
+            return first.get((role, ev, tid))
+
+        ready, post, done_in, report = (at("P", "blocks_ready"), at("P", "post"),
+                                        at("D", "done_in"), at("D", "report"))
+        if None in (ready, post, done_in, report):
+            continue
+        took = next((t for t in taken if t >= report), None)
+        steps = {
+            "client -> P blocks_ready (router, P queue, prefill)": ready - t0,
+            "P blocks_ready -> first WRITE posted (pump hand-off)": post - ready,
+            "first WRITE posted -> D got DONE": done_in - post,
+            "D got DONE -> D reported finished_recving": report - done_in,
+            "D reported -> vLLM step took it (get_finished)": (took - report) if took else None,
+            "vLLM took it -> client got the first token": (t_first - took) if took else None,
+            "TTFT": t_first - t0,
+        }
+        for k, v in steps.items():
+            if v is not None:
+                phases.setdefault(k, []).append(v * 1000)
+    print(f"{len(sent)} requests of {a.length} tokens, c=1; p50 / min / max in ms")
+    for k, v in phases.items():
+        print(f"  {k:58s} {statistics.median(v):8.2f} {min(v):8.2f} {max(v):8.2f}")
+    print(json.dumps({k: statistics.median(v) for k, v in phases.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""``kvpush bench``: side-by-side serving benchmark (default), ``report`` (redo the tables and
+plots from results.json) and ``transfer`` (NIXL loopback push vs memcpy microbenchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from kvpush_prod.bench.sides import DEFAULT_SIDES, SIDES
+
+USAGE = """usage: kvpush bench [run options]        run the side-by-side benchmark (see --help)
+       kvpush bench report --out DIR      rewrite DIR/results.md and DIR/plots/ from DIR/results.json
+       kvpush bench transfer [options]    NIXL loopback push bandwidth/latency vs memcpy
+"""
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _sides(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in SIDES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown side(s) {bad}; choose from {', '.join(SIDES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvpush bench",
+        description="The same workload against a single engine, vLLM's NixlConnector (pull) "
+        "and NixlPushConnector (push), each as shipped and with NIXL's busy-spinning progress "
+        "thread neutralised, and kvpush. Cells already in OUT/results.json are skipped "
+        "(resume), unless --force.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="results folder: results.json, results.md, plots/ (default %(default)s)",
+    )
+    p.add_argument(
+        "--sides",
+        type=_sides,
+        default=list(DEFAULT_SIDES),
+        help=f"comma list (default all: {','.join(DEFAULT_SIDES)})",
+    )
+    p.add_argument(
+        "--lengths",
+        type=_ints,
+        default=[256, 1024, 1900],
+        help="prompt lengths in tokens (default 256,1024,1900)",
+    )
+    p.add_argument(
+        "--concurrency", type=_ints, default=[1, 4, 16], help="concurrency levels (default 1,4,16)"
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests per cell, at least 2x the concurrency (default 32)",
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per prompt length")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=32,
+        help="engines' --max-num-seqs: above the top concurrency so it measures "
+        "transfers, not queueing (default 32)",
+    )
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (engine default)")
+    p.add_argument(
+        "--pthr-delay-us",
+        type=int,
+        default=1000,
+        help="NIXL progress-thread delay given to vLLM's neutralised sides (default 1000)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["vllm", "own"],
+        default="vllm",
+        help="vllm: vLLM bench serve's request function (default); own: kvpush_prod.client",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="engine logs, traces and the model (default: OUT/work)",
+    )
+    p.add_argument("--force", action="store_true", help="rerun cells already in results.json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the cells still to run and a wall-time estimate, run nothing",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "report":
+        rp = argparse.ArgumentParser(prog="kvpush bench report")
+        rp.add_argument("--out", type=Path, default=Path("bench-results"))
+        a = rp.parse_args(args[1:])
+        from kvpush_prod.bench.report import write_all
+
+        data = json.loads((a.out / "results.json").read_text())
+        for path in write_all(data, a.out):
+            print(path)
+        return 0
+    if args and args[0] == "transfer":
+        from kvpush_prod.bench.transfer import main as transfer_main
+
+        return transfer_main(args[1:])
+    if args and args[0] in ("help",):
+        print(USAGE)
+        return 0
+    a = build_parser().parse_args(args)
+    from kvpush_prod.bench.runner import BenchSettings, ResultStore, Workload, estimate_wall_s, plan
+    from kvpush_prod.bench.sides import SideSettings
+
+    out: Path = a.out
+    workdir = a.workdir or (out / "work")
+    settings = BenchSettings(
+        out=out,
+        sides=a.sides,
+        workload=Workload(
+            lengths=a.lengths,
+            concurrency=a.concurrency,
+            requests=a.requests,
+            max_tokens=a.max_tokens,
+            warmup=a.warmup,
+        ),
+        side=SideSettings(
+            workdir=workdir.resolve(),
+            max_num_seqs=a.max_num_seqs,
+            block_size=a.block_size,
+            pthr_delay_us=a.pthr_delay_us,
+        ),
+        force=a.force,
+        client=a.client,
+        progress=not a.no_progress,
+        command="kvpush bench " + " ".join(shlex.quote(x) for x in args),
+    )
+    if a.plan:
+        todo = plan(ResultStore(out / "results.json"), settings)
+        for side, cells in todo.items():
+            print(f"{side}: {', '.join(f'{n}x{c}' for n, c in cells)}")
+        print(f"about {estimate_wall_s(todo, settings.workload) / 60:.0f} min")
+        return 0
+    if max(a.concurrency) > a.max_num_seqs:
+        print(
+            f"kvpush bench: --max-num-seqs {a.max_num_seqs} is below concurrency "
+            f"{max(a.concurrency)}: that would measure queueing",
+            file=sys.stderr,
+        )
+        return 2
+    from kvpush_prod.bench.report import markdown, write_all
+    from kvpush_prod.bench.runner import run
+
+    store = run(settings)
+    paths = write_all(store.data, out)
+    print(markdown(store.data))
+    print("wrote " + ", ".join(str(p) for p in [out / "results.json", *paths]))
+    return 0

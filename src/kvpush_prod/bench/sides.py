@@ -1,0 +1,323 @@
+"""The sides a benchmark compares, and how each is started on this machine as plain child
+processes: a single engine, vLLM's NixlConnector (pull) and NixlPushConnector (push), each
+as shipped or with NIXL's busy-spinning progress thread neutralised, and kvpush.
+
+Every P/D side binds P to core 0 and D to core 1, runs the same tiny model in float32 with
+the same ``--max-num-seqs``, and is fronted by our router (``--mode pull`` for pull).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpush_prod.launch import EngineSpec, Proc, free_port_block, start_engine, wait_healthy
+
+SPINFIX_DIR = Path(__file__).resolve().parent / "spinfix"
+SPINFIX_ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
+SPINFIX_MARKER = "kvpush-bench: nixl progress thread delay set to"
+# Lines in an engine log that mean it will never become healthy although its API server
+# process is still alive (vLLM's EngineCore died underneath it).
+FATAL_MARKERS = (
+    "EngineCore encountered a fatal error",
+    "Engine core initialization failed",
+    "Address already in use",
+)
+
+
+def _port() -> int:
+    """A free port below Linux's ephemeral range (32768+), so that outgoing connections of
+    the other processes on a busy box cannot take it between choosing and binding."""
+    return free_port_block(1, 20000, 32000)
+
+
+def wait_started(url: str, proc: Proc, timeout: float) -> None:
+    """``wait_healthy``, but give up at once when the engine's log shows a fatal start-up
+    error (vLLM keeps the API server alive when its EngineCore dies)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            wait_healthy(url, proc, min(5.0, max(0.1, left)))
+            return
+        except TimeoutError:
+            if left <= 5.0:
+                raise
+        log = proc.tail(400)
+        for marker in FATAL_MARKERS:
+            if marker in log:
+                raise RuntimeError(f"{proc.name} failed to start ({marker}):\n{proc.tail(30)}")
+
+
+@dataclass(frozen=True)
+class Side:
+    """One configuration under test."""
+
+    name: str
+    kind: str  # single | vllm-pull | vllm-push | kvpush
+    spin: str  # "neutralised" | "as shipped" | "n/a" (no NIXL)
+    label: str
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kind != "single"
+
+
+SIDES: dict[str, Side] = {
+    s.name: s
+    for s in (
+        Side("single", "single", "n/a", "single engine"),
+        Side("vllm-pull", "vllm-pull", "neutralised", "vLLM NixlConnector (pull)"),
+        Side("vllm-push", "vllm-push", "neutralised", "vLLM NixlPushConnector (push)"),
+        Side(
+            "vllm-pull-shipped", "vllm-pull", "as shipped", "vLLM NixlConnector (pull), as shipped"
+        ),
+        Side(
+            "vllm-push-shipped",
+            "vllm-push",
+            "as shipped",
+            "vLLM NixlPushConnector (push), as shipped",
+        ),
+        Side("kvpush", "kvpush", "neutralised", "kvpush (ours)"),
+    )
+}
+DEFAULT_SIDES = [
+    "single",
+    "vllm-pull",
+    "vllm-push",
+    "vllm-pull-shipped",
+    "vllm-push-shipped",
+    "kvpush",
+]
+
+
+@dataclass
+class SideSettings:
+    """What every side shares."""
+
+    workdir: Path
+    max_num_seqs: int = 32
+    block_size: int | None = None
+    pthr_delay_us: int = 1000  # for vLLM's connectors when neutralised
+    single_cores: str = "0"
+    kv_cache_gib: int = 2
+    engine_args: list[str] = field(default_factory=list)
+    kvpush_extra: dict[str, Any] = field(default_factory=lambda: {"verify": {"checksums": False}})
+
+
+class RunningSide:
+    """A started side: the URL to send requests to, and its engines (for /metrics)."""
+
+    def __init__(self, side: Side, settings: SideSettings) -> None:
+        self.side = side
+        self.settings = settings
+        self.dir = settings.workdir / side.name
+        self.log_dir = self.dir / "logs"
+        self.trace_dir = self.dir / "trace"
+        self.procs: dict[str, Proc] = {}
+        self.engine_urls: dict[str, str] = {}
+        self.entry = ""
+        self._cluster: Any = None
+        self._identity: dict[str, Any] = {}
+
+    # -- start
+    def start(self, timeout: float = 900.0) -> RunningSide:
+        # Logs of an earlier attempt must not be read as this one's (start-up errors are
+        # looked for in them); traces likewise. Keep the last attempt's for inspection.
+        for folder in (self.log_dir, self.trace_dir):
+            if folder.exists():
+                old = folder.with_name(folder.name + ".prev")
+                if old.exists():
+                    shutil.rmtree(old)
+                folder.rename(old)
+        try:
+            if self.side.kind == "single":
+                self._start_single(timeout)
+            elif self.side.kind == "kvpush":
+                self._start_kvpush(timeout)
+            else:
+                self._start_vllm(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _model(self) -> str:
+        from kvpush_prod.tinymodel import write_tiny_model
+
+        return str(write_tiny_model(self.settings.workdir / "tiny-llama"))
+
+    def _common(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "model": self._model(),
+            "block_size": s.block_size,
+            "max_num_seqs": s.max_num_seqs,
+            "kv_cache_gib": s.kv_cache_gib,
+            "extra_args": list(s.engine_args),
+        }
+
+    def _start_single(self, timeout: float) -> None:
+        spec = EngineSpec(
+            "single", port=_port(), cpu_bind=self.settings.single_cores, **self._common()
+        )
+        self.procs["single"] = start_engine(spec, self.log_dir)
+        self.engine_urls["single"] = f"http://127.0.0.1:{spec.port}"
+        wait_started(self.engine_urls["single"], self.procs["single"], timeout)
+        self.entry = self.engine_urls["single"]
+
+    def _start_vllm(self, timeout: float) -> None:
+        connector = "NixlConnector" if self.side.kind == "vllm-pull" else "NixlPushConnector"
+        for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
+            side_port = _port()
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+            }
+            if self.side.spin == "neutralised":
+                env[SPINFIX_ENV] = str(self.settings.pthr_delay_us)
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (str(SPINFIX_DIR), os.environ.get("PYTHONPATH", "")) if p
+                )
+            engine_id = f"bench-{self.side.name}-{name}-{uuid.uuid4().hex[:8]}"
+            kv = {
+                "kv_connector": connector,
+                "kv_role": role,
+                "kv_buffer_device": "cpu",
+                "engine_id": engine_id,
+                "kv_connector_extra_config": {},
+            }
+            if name == "prefill":
+                # Handed to the router so it never sends P an identity probe: a probe leaves
+                # vLLM push's P with finished blocks no D ever registers for, and its writer
+                # thread then self-polls every 1 ms until their lease ends.
+                self._identity = {
+                    "engine_id": engine_id,
+                    "control_host": "127.0.0.1",
+                    "control_port": side_port,
+                    "tp_size": 1,
+                }
+            spec = EngineSpec(
+                name,
+                port=_port(),
+                kv_transfer_config=kv,
+                cpu_bind=core,
+                env=env,
+                **self._common(),
+            )
+            self.procs[name] = start_engine(spec, self.log_dir)
+            self.engine_urls[name] = f"http://127.0.0.1:{spec.port}"
+        for name in ("prefill", "decode"):
+            wait_started(self.engine_urls[name], self.procs[name], timeout)
+        mode = "pull" if self.side.kind == "vllm-pull" else "push"
+        self._start_router(mode)
+
+    def _start_kvpush(self, timeout: float) -> None:
+        from kvpush_prod.cluster import Cluster, ClusterSpec
+
+        s = self.settings
+        trace = {"KVPUSH_TRACE_DIR": str(self.trace_dir)}
+        spec = ClusterSpec(
+            workdir=self.dir,
+            block_size=s.block_size,
+            reference=False,
+            router=False,
+            prefill_kv_gib=s.kv_cache_gib,
+            decode_kv_gib=s.kv_cache_gib,
+            max_num_seqs=s.max_num_seqs,
+            extra=dict(s.kvpush_extra),
+            prefill_env=dict(trace),
+            decode_env=dict(trace),
+            engine_args=list(s.engine_args),
+        )
+        cluster = Cluster(spec)
+        cluster.model = self._model()
+        cluster.log_dir = self.log_dir
+        self._cluster = cluster
+        cluster.start(timeout)
+        self.procs.update(cluster.procs)
+        self.engine_urls.update({n: cluster.urls[n] for n in ("prefill", "decode")})
+        self._start_router("push")
+
+    def _start_router(self, mode: str) -> None:
+        port = _port()
+        prefill = ["--prefill", self.engine_urls["prefill"]]
+        if self._identity and mode == "push":
+            self.dir.mkdir(parents=True, exist_ok=True)
+            cfg = self.dir / "router.yaml"
+            entry = {"url": self.engine_urls["prefill"], **self._identity}
+            cfg.write_text(json.dumps({"prefill": [entry]}))  # JSON is YAML
+            prefill = ["--config", str(cfg)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpush_prod.router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *prefill,
+            "--decode",
+            self.engine_urls["decode"],
+            "--mode",
+            mode,
+            *(["--vllm-push-compat"] if self.side.kind == "vllm-push" else []),
+            "--log-level",
+            "warning",
+        ]
+        self.procs["router"] = Proc("router", cmd, dict(os.environ), self.log_dir / "router.log")
+        self.entry = f"http://127.0.0.1:{port}"
+        wait_healthy(self.entry, self.procs["router"], 180)
+
+    # -- observe
+    def engines(self) -> list[str]:
+        return [n for n in ("single", "prefill", "decode") if n in self.engine_urls]
+
+    def spin_markers(self) -> int:
+        """How many NIXL agents the injected sitecustomize neutralised (from the logs)."""
+        n = 0
+        for name in ("prefill", "decode"):
+            proc = self.procs.get(name)
+            if proc is None:
+                continue
+            with contextlib.suppress(OSError):
+                n += proc.log_path.read_text(errors="replace").count(SPINFIX_MARKER)
+        return n
+
+    def idle_cpu(self, seconds: float = 3.0, settle: float = 2.0) -> dict[str, float]:
+        """CPU % of each engine's process tree while idle: ~100 per spinning NIXL agent."""
+        import time
+
+        import psutil
+
+        time.sleep(settle)  # let the last warm-up request's work drain
+
+        trees = {n: self.procs[n].tree() for n in self.engines()}
+        for procs in trees.values():
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.cpu_percent(None)
+        time.sleep(seconds)
+        out: dict[str, float] = {}
+        for n, procs in trees.items():
+            total = 0.0
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += p.cpu_percent(None)
+            out[n] = round(total, 1)
+        return out
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            with contextlib.suppress(Exception):  # best effort: stop the others too
+                proc.stop()
+        self.procs.clear()

@@ -1,0 +1,245 @@
+"""``kvpush sim``: compare pull, plain push and kvpush on a simulated cluster (P5en preset by
+default), or predict a CPU bench run from its own calibration (``--calibrate results.json``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvpush_prod.sim.model import MODES, ClusterModel, Workload, simulate
+from kvpush_prod.sim.presets import PRESETS, SIDE_OF_MODE, calibrate, load_results
+
+
+def scenarios(
+    m: ClusterModel, requests: int, lengths: tuple[int, ...], output: int, concurrency: list[int]
+) -> list[tuple[str, Workload]]:
+    """Closed-loop concurrency sweep, steady Poisson load at ~70% of prefill capacity, and
+    the same load with bursts."""
+    mean_len = sum(lengths) / len(lengths)
+    p_rate = m.n_prefill / (m.prefill_step_s + mean_len * m.prefill_s_per_token)
+    out = [
+        (
+            f"closed c={c}",
+            Workload(
+                requests=max(requests, 4 * c),
+                lengths=lengths,
+                output_tokens=output,
+                kind="closed",
+                concurrency=c,
+            ),
+        )
+        for c in concurrency
+    ]
+    out.append(
+        (
+            f"steady {0.7 * p_rate:.1f} req/s",
+            Workload(
+                requests=requests * 2,
+                lengths=lengths,
+                output_tokens=output,
+                kind="poisson",
+                rate=0.7 * p_rate,
+            ),
+        )
+    )
+    burst = max(8, 4 * m.n_prefill)
+    out.append(
+        (
+            f"bursts of {burst} every 2 s + {0.4 * p_rate:.1f} req/s",
+            Workload(
+                requests=requests * 2,
+                lengths=lengths,
+                output_tokens=output,
+                kind="poisson",
+                rate=0.4 * p_rate,
+                burst=burst,
+                burst_every_s=2.0,
+            ),
+        )
+    )
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def compare(
+    m: ClusterModel, work: list[tuple[str, Workload]], modes: list[str]
+) -> tuple[str, list[dict[str, Any]]]:
+    rows = []
+    lines = [
+        "| scenario | mode | TTFT p50 | TTFT p99 | TPOT p50 | KV transfer p50 | P queue p50 "
+        "| pull/mode TTFT p50 | pull/mode TTFT p99 | pull/mode TPOT p50 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, w in work:
+        res = {mode: simulate(m, mode, w) for mode in modes}
+        pull = res.get("pull")
+        for mode, r in res.items():
+
+            def rat(
+                metric: str, q: str, r: dict[str, Any] = r, pull: dict[str, Any] | None = pull
+            ) -> str:
+                if pull is None:
+                    return "-"
+                a, b = pull[metric][q], r[metric][q]
+                return "-" if not a or not b else f"{a / b:.2f}x"
+
+            lines.append(
+                f"| {name} | {mode} | {_ms(r['ttft_ms']['p50'])} | "
+                f"{_ms(r['ttft_ms']['p99'])} | {_ms(r['tpot_ms']['p50'])} | "
+                f"{_ms(r['kv_transfer_ms']['p50'])} | {_ms(r['queue_p_ms']['p50'])} | "
+                f"{rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | "
+                f"{rat('tpot_ms', 'p50')} |"
+            )
+            rows.append({"scenario": name, "mode": mode, **r})
+    return "\n".join(lines), rows
+
+
+def predict(
+    results: dict[str, Any], m: ClusterModel, modes: list[str]
+) -> tuple[str, list[dict[str, Any]]]:
+    """The simulator's TTFT/TPOT p50 for every measured cell, beside the measurement."""
+    w0 = results.get("meta", {}).get("workload", {})
+    lines = [
+        "| prompt | conc | side | TTFT p50 measured | simulated | sim/meas | "
+        "TPOT p50 measured | simulated | sim/meas |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for mode in modes:
+        side = SIDE_OF_MODE[mode]
+        for key, cell in sorted(
+            results.get("cells", {}).get(side, {}).items(),
+            key=lambda kv: (kv[1]["length"], kv[1]["concurrency"]),
+        ):
+            if not cell.get("ok"):
+                continue
+            w = Workload(
+                requests=cell["requests"],
+                lengths=(cell["length"],),
+                output_tokens=w0.get("max_tokens", 64),
+                kind="closed",
+                concurrency=cell["concurrency"],
+            )
+            r = simulate(m, mode, w)
+            mt, st = cell["ttft_ms"]["p50"], r["ttft_ms"]["p50"]
+            mp, sp = cell["tpot_ms"]["p50"], r["tpot_ms"]["p50"]
+            lines.append(
+                f"| {cell['length']} | {cell['concurrency']} | {side} | {_ms(mt)} | "
+                f"{_ms(st)} | {st / mt:.2f} | {_ms(mp)} | {_ms(sp)} | "
+                f"{(sp / mp) if mp and sp else float('nan'):.2f} |"
+            )
+            rows.append(
+                {
+                    "side": side,
+                    "key": key,
+                    "measured_ttft_p50": mt,
+                    "sim_ttft_p50": st,
+                    "measured_tpot_p50": mp,
+                    "sim_tpot_p50": sp,
+                }
+            )
+    return "\n".join(lines), rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpush sim", description=__doc__)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="p5en")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of pull,push,kvpush")
+    p.add_argument("--prefill", type=int, help="prefill engines (N)")
+    p.add_argument("--decode", type=int, help="decode engines (M)")
+    p.add_argument("--bandwidth-gbps", type=float, help="per prefill node NIC, Gbit/s")
+    p.add_argument("--rtt-us", type=float, help="data-path round trip, us")
+    p.add_argument("--ctrl-us", type=float, help="one control message, us")
+    p.add_argument("--http-us", type=float, help="one router leg each way, us")
+    p.add_argument("--prefill-us-per-token", type=float)
+    p.add_argument("--decode-step-ms", type=float)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0",
+    )
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, mixed")
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="fit the cpu-loopback preset to a kvpush bench run and print the "
+        "simulator's prediction beside each measured cell",
+    )
+    p.add_argument("--json", type=Path, help="also write the numbers here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    modes = [x for x in a.modes.split(",") if x]
+    if a.calibrate:
+        results = load_results(a.calibrate)
+        m, fitted = calibrate(results)
+        m = _overrides(m, a)
+        table, rows = predict(results, m, modes)
+        print(f"# Simulator vs measurement ({results.get('meta', {}).get('cpu')})\n")
+        print("Fitted: " + "; ".join(f"{k}: {v}" for k, v in fitted.items()) + "\n")
+        print(table)
+        if a.json:
+            a.json.write_text(
+                json.dumps({"model": asdict(m), "fitted": fitted, "rows": rows}, indent=1)
+            )
+        return 0
+    m = _overrides(PRESETS[a.preset], a)
+    lengths = tuple(int(x) for x in a.lengths.split(","))
+    conc = [int(x) for x in a.concurrency.split(",") if x]
+    work = scenarios(m, a.requests, lengths, a.output_tokens, conc)
+    table, rows = compare(m, work, modes)
+    print(f"# kvpush sim: {m.name} — {m.notes}\n")
+    print(
+        f"{m.n_prefill} prefill x {m.n_decode} decode, NIC {m.nic_bandwidth * 8 / 1e9:.0f} "
+        f"Gbit/s effective, RTT {2 * m.one_way_s * 1e6:.0f} us, prompts {lengths}, "
+        f"{a.output_tokens} output tokens\n"
+    )
+    print(table)
+    if a.json:
+        a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))
+    return 0
+
+
+def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
+    kw: dict[str, Any] = {}
+    if a.prefill:
+        kw["n_prefill"] = a.prefill
+    if a.decode:
+        kw["n_decode"] = a.decode
+    if a.bandwidth_gbps:
+        kw["nic_bandwidth"] = a.bandwidth_gbps * 1e9 / 8
+    if a.rtt_us is not None:
+        kw["one_way_s"] = a.rtt_us / 2e6
+    if a.ctrl_us is not None:
+        kw["ctrl_s"] = a.ctrl_us / 1e6
+    if a.http_us is not None:
+        kw["http_s"] = a.http_us / 1e6
+    if a.prefill_us_per_token:
+        kw["prefill_s_per_token"] = a.prefill_us_per_token / 1e6
+    if a.decode_step_ms:
+        kw["decode_step_s"] = a.decode_step_ms / 1000
+    fields = ClusterModel.__dataclass_fields__
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or key in ("name", "notes"):
+            raise SystemExit(
+                f"kvpush sim: --set {item!r}: use FIELD=VALUE with a numeric field "
+                f"of ClusterModel ({', '.join(k for k in fields if k not in ('name', 'notes'))})"
+            )
+        kw[key] = int(value) if isinstance(getattr(m, key), int) else float(value)
+    return m.with_(**kw) if kw else m

@@ -1,0 +1,592 @@
+"""The simulated cluster: prefill and decode engines with step-based compute, NIC links, a
+router, and three ways to move the KV: ``pull`` (vLLM NixlConnector behind a sequential
+proxy), ``push`` (vLLM NixlPushConnector, both legs at once, one WRITE per request, no
+credits, coordination on the engine step) and ``kvpush`` (our connector: the real Sender,
+Receiver and PushScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
+
+Only the protocol decisions come from the core; compute and wires are simple models whose
+parameters live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvpush_prod.core.actions import (
+    Note,
+    PostWrite,
+    ReleaseSend,
+    ReportFailed,
+    ReportFinished,
+    SendMessage,
+)
+from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.messages import Layout, PeerInfo, Region
+from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.scheduler import SchedulerSettings
+from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.sim.events import Link, Loop
+
+MODES = ("pull", "push", "kvpush")
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """Every number the simulator runs on (seconds, bytes, bytes/s)."""
+
+    name: str
+    n_prefill: int = 1
+    n_decode: int = 1
+    # wires
+    nic_bandwidth: float = 50e9  # per prefill node, egress, shared by its transfers
+    one_way_s: float = 10e-6  # data-path latency (RTT / 2)
+    ctrl_s: float = 50e-6  # one control message between engines (ZMQ / NIXL notif)
+    http_s: float = 300e-6  # one HTTP leg through the router, each way
+    # compute
+    prefill_s_per_token: float = 50e-6
+    prefill_s_per_token2: float = 0.0  # attention: cost growing with the square of the length
+    prefill_step_s: float = 2e-3  # fixed cost of a prefill step
+    max_batched_tokens: int = 8192
+    decode_step_s: float = 15e-3  # fixed cost of a decode step
+    decode_s_per_seq: float = 0.1e-3  # extra per running sequence
+    # KV cache
+    kv_bytes_per_token: float = 320 * 1024
+    block_tokens: int = 16
+    kv_regions: int = 160  # registered KV regions per rank (layers x K/V): descriptors per block
+    decode_kv_blocks: int = 200_000
+    # connector software costs
+    vllm_xfer_overhead_s: float = 1e-3  # per vLLM transfer, beyond bytes / bandwidth
+    pull_coord_s: float = 3e-3  # D engine-thread time per pulled request (handshake, descs, post)
+    desc_s: float = 0.15e-6  # building and posting one NIXL descriptor (Python + prep)
+    push_reg_coord_s: float = 0.3e-3  # D engine-thread time per vLLM push registration
+    push_post_coord_s: float = 0.5e-3  # P engine-thread time per vLLM push post
+    kvpush_chunk_overhead_s: float = 20e-6  # per posted chunk, beyond bytes / bandwidth
+    kvpush_pump_s: float = 50e-6  # our pump thread's reaction time to an event
+    chunk_bytes: int = 16 * 1024 * 1024
+    target_latency_s: float = 0.005
+    credit_budget_fraction: float = 0.5
+    credit_per_peer_fraction: float = 1.0
+    notes: str = ""
+
+    def with_(self, **kw: Any) -> ClusterModel:
+        return replace(self, **kw)
+
+    def kv_bytes(self, tokens: int) -> float:
+        return self.kv_bytes_per_token * tokens
+
+    def blocks(self, tokens: int) -> int:
+        return max(1, math.ceil(tokens / self.block_tokens))
+
+    def desc_cost(self, tokens: int) -> float:
+        """Time to build and post the descriptors of a whole transfer of ``tokens``."""
+        return self.desc_s * self.kv_regions * self.blocks(tokens)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``closed``: ``concurrency`` requests in flight until ``requests`` were sent;
+    ``poisson``: arrivals at ``rate`` per second; ``burst``: ``burst`` requests at once every
+    ``burst_every_s`` on top of the Poisson load."""
+
+    requests: int = 64
+    lengths: tuple[int, ...] = (1024,)
+    output_tokens: int = 64
+    kind: str = "closed"
+    concurrency: int = 1
+    rate: float = 1.0
+    burst: int = 0
+    burst_every_s: float = 1.0
+    seed: int = 0
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    length: int
+    out: int
+    arrive: float
+    p: int = 0
+    d: int = 0
+    p_start: float = -1.0
+    p_done: float = -1.0
+    kv_at_d: float = -1.0
+    first_token: float = -1.0
+    done: float = -1.0
+    tokens: int = 0
+    stalls: int = 0
+    d_blocks: list[int] = field(default_factory=list)
+    p_blocks: list[int] = field(default_factory=list)
+    registered_at: float = -1.0  # P got D's registration (push modes)
+    xfer_start: float = -1.0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrive
+
+    @property
+    def tpot(self) -> float | None:
+        if self.tokens < 2 or self.done < 0:
+            return None
+        return (self.done - self.first_token) / (self.tokens - 1)
+
+
+class PrefillEngine:
+    """FIFO batches up to ``max_batched_tokens``; a step costs fixed + per-token time plus any
+    engine-thread work a connector put on it (``debt``)."""
+
+    def __init__(self, sim: Sim, idx: int) -> None:
+        self.sim, self.idx = sim, idx
+        self.queue: deque[Req] = deque()
+        self.busy = False
+        self.debt = 0.0
+        self.next_block = 0
+        self.busy_time = 0.0
+
+    def submit(self, req: Req) -> None:
+        self.queue.append(req)
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        m, loop = self.sim.m, self.sim.loop
+        if not self.queue:
+            self.busy = False
+            return
+        self.busy = True
+        batch, tokens = [], 0
+        while self.queue and (not batch or tokens + self.queue[0].length <= m.max_batched_tokens):
+            r = self.queue.popleft()
+            r.p_start = loop.now
+            batch.append(r)
+            tokens += r.length
+        quad = sum(r.length**2 for r in batch) * m.prefill_s_per_token2
+        dur = m.prefill_step_s + tokens * m.prefill_s_per_token + quad + self.debt
+        self.debt = 0.0
+        self.busy_time += dur
+
+        def end() -> None:
+            for r in batch:
+                r.p_done = loop.now
+                n = m.blocks(r.length)
+                r.p_blocks = [(self.next_block + i) % 1_000_000 for i in range(n)]
+                self.next_block += n
+                self.sim.on_prefill_done(r)
+            self._step()
+
+        loop.after(dur, end)
+
+
+class DecodeEngine:
+    """Continuous batching: each step admits new work (connector hook), adds requests whose
+    KV arrived, and emits one token per running request at its end."""
+
+    def __init__(self, sim: Sim, idx: int) -> None:
+        self.sim, self.idx = sim, idx
+        m = sim.m
+        self.free: list[int] = list(range(m.decode_kv_blocks))
+        self.incoming: deque[Req] = deque()  # requests D's scheduler has not placed yet
+        self.arrived: list[Req] = []  # KV here, joins the batch at the next step
+        self.running: list[Req] = []
+        self.waiting_kv = 0  # placed, KV not here yet (the engine keeps stepping)
+        self.busy = False
+        self.debt = 0.0
+        self.busy_time = 0.0
+
+    def alloc(self, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        out = self.free[-n:]
+        del self.free[-n:]
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+    def submit(self, req: Req) -> None:
+        self.incoming.append(req)
+        self.wake()
+
+    def kv_arrived(self, req: Req) -> None:
+        req.kv_at_d = self.sim.loop.now
+        self.waiting_kv -= 1
+        self.arrived.append(req)
+        self.wake()
+
+    def wake(self) -> None:
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        m, loop = self.sim.m, self.sim.loop
+        cost = self.sim.schedule_decode(self)  # admits from incoming, returns engine time
+        new, self.arrived = self.arrived, []
+        self.running.extend(new)
+        if not self.running and not self.waiting_kv and not self.incoming and not cost:
+            self.busy = False
+            return
+        self.busy = True
+        n = len(self.running)
+        # New requests also compute their last prompt token in this step.
+        dur = (
+            m.decode_step_s
+            + n * m.decode_s_per_seq
+            + len(new) * m.prefill_s_per_token
+            + cost
+            + self.debt
+        )
+        self.debt = 0.0
+        self.busy_time += dur
+        batch = list(self.running)
+
+        def end() -> None:
+            now = loop.now
+            done = []
+            for r in batch:
+                need = m.blocks(r.length + r.tokens + 1)
+                if need > len(r.d_blocks):
+                    more = self.alloc(need - len(r.d_blocks))
+                    if more is None:
+                        r.stalls += 1  # no block for the next token: it waits (vLLM preempts)
+                        continue
+                    r.d_blocks += more
+                r.tokens += 1
+                if r.tokens == 1:
+                    r.first_token = now
+                if r.tokens >= r.out:
+                    r.done = now
+                    done.append(r)
+            for r in done:
+                self.running.remove(r)
+                self.release(r.d_blocks)
+                r.d_blocks = []
+                self.sim.on_request_done(r)
+            self._step()
+
+        loop.after(dur, end)
+
+
+class Sim:
+    """One run of one mode on one cluster model and workload."""
+
+    def __init__(self, m: ClusterModel, mode: str, w: Workload) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        self.m, self.mode, self.w = m, mode, w
+        self.loop = Loop()
+        self.rng = random.Random(w.seed)
+        self.prefill = [PrefillEngine(self, i) for i in range(m.n_prefill)]
+        self.decode = [DecodeEngine(self, i) for i in range(m.n_decode)]
+        self.links = [
+            Link(self.loop, m.nic_bandwidth, m.one_way_s, f"p{i}") for i in range(m.n_prefill)
+        ]
+        self.reqs: list[Req] = []
+        self.finished = 0
+        self._rr_p = 0
+        self._rr_d = 0
+        self._sent = 0
+        self._by_tid: dict[str, Req] = {}
+        self.registrations: dict[int, Req] = {}  # vLLM push: registered at P
+        self.p_ready: dict[int, Req] = {}  # vLLM push: prefill done, waiting for registration
+        self.counters: dict[str, int] = {}
+        if mode == "kvpush":
+            self._setup_core()
+
+    # -------------------------------------------------------------------- the core (kvpush)
+    def _setup_core(self) -> None:
+        m = self.m
+        block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
+        sched = SchedulerSettings(
+            chunk_bytes=m.chunk_bytes,
+            target_latency_s=m.target_latency_s,
+            stop_margin_s=0.5,
+            initial_bandwidth_bytes_per_s=m.nic_bandwidth,
+        )
+        self.senders: list[Sender] = []
+        self.receivers: list[Receiver] = []
+        self.ledgers: list[CreditLedger] = []
+        self.endpoint: dict[str, Any] = {}
+        self.agent_link: dict[str, int] = {}
+        for i in range(m.n_prefill):
+            layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, 1_000_000)])
+            info = PeerInfo(f"p{i}", 1, 0, f"tcp://p{i}", f"agent-p{i}", b"x", layout)
+            s = Sender(
+                info,
+                SenderSettings(
+                    block_bytes=block_bytes, scheduler=sched, send_lease_s=60.0, stop_margin_s=0.5
+                ),
+                random.Random(i),
+            )
+            self.senders.append(s)
+            self.endpoint[info.control] = s
+        for j in range(m.n_decode):
+            layout = Layout(
+                "sim", "DRAM", [Region(0, block_bytes, block_bytes, m.decode_kv_blocks)]
+            )
+            info = PeerInfo(f"d{j}", 1, 0, f"tcp://d{j}", f"agent-d{j}", b"x", layout)
+            r = Receiver(
+                info,
+                ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0, scheduler=sched),
+                random.Random(100 + j),
+            )
+            self.receivers.append(r)
+            self.endpoint[info.control] = r
+            budget = max(1, int(m.credit_budget_fraction * m.decode_kv_blocks))
+            self.ledgers.append(
+                CreditLedger(
+                    CreditSettings(
+                        budget_blocks=budget,
+                        per_peer_cap_blocks=max(1, int(m.credit_per_peer_fraction * budget)),
+                    )
+                )
+            )
+        self._tick_core()
+
+    def _tick_core(self) -> None:
+        if self.finished >= self.w.requests:
+            return
+        now = self.loop.now
+        for s in self.senders:
+            self._do(s, s.tick(now))
+        for r in self.receivers:
+            self._do(r, r.tick(now))
+        self.loop.after(0.05, self._tick_core)
+
+    def _do(self, who: Any, actions: list[Any]) -> None:
+        """Carry out core actions as the shells would, with the model's delays."""
+        m, loop = self.m, self.loop
+        for a in actions:
+            if isinstance(a, SendMessage):
+                target = self.endpoint.get(a.peer)
+                if target is not None:
+                    msg = a.message
+                    loop.after(
+                        m.ctrl_s + m.kvpush_pump_s,
+                        lambda t=target, msg=msg: self._do(t, t.on_message(msg, loop.now)),
+                    )
+            elif isinstance(a, PostWrite):
+                req = self._by_tid[a.transfer_id]
+                if req.xfer_start < 0:
+                    req.xfer_start = loop.now
+                link = self.links[req.p]
+                sender = who
+
+                def landed(a: PostWrite = a, sender: Any = sender, req: Req = req) -> None:
+                    self._do(sender, sender.on_chunk(a.chunk_id, True, "", loop.now))
+                    if a.done is not None:
+                        rcv = self.receivers[req.d]
+                        loop.after(
+                            m.kvpush_pump_s, lambda: self._do(rcv, rcv.on_done(a.done, loop.now))
+                        )
+
+                self.counters["chunks"] = self.counters.get("chunks", 0) + 1
+                descs = m.kv_regions * len(a.src_blocks)
+                loop.after(
+                    m.kvpush_chunk_overhead_s + m.desc_s * descs,
+                    lambda n=a.nbytes, f=landed, lk=link: lk.send(n, f),
+                )
+            elif isinstance(a, ReportFinished):
+                req = self._by_tid[a.transfer_id]
+                self.ledgers[req.d].release(a.transfer_id)
+                self.decode[req.d].kv_arrived(req)
+            elif isinstance(a, ReportFailed):
+                self.counters["failed"] = self.counters.get("failed", 0) + 1
+                req = self._by_tid[a.transfer_id]
+                self.ledgers[req.d].release(a.transfer_id)
+                self.decode[req.d].kv_arrived(req)  # recomputed: counted, not modelled
+            elif isinstance(a, Note):
+                self.counters[a.kind] = self.counters.get(a.kind, 0) + 1
+            elif isinstance(a, ReleaseSend):
+                pass  # P's blocks are not modelled
+
+    # -------------------------------------------------------------------- request flow
+    def run(self) -> list[Req]:
+        w = self.w
+        if w.kind == "closed":
+            for _ in range(min(w.concurrency, w.requests)):
+                self._new_request()
+        else:
+            t = 0.0
+            times = []
+            for _ in range(w.requests):
+                t += self.rng.expovariate(w.rate) if w.rate > 0 else 0.0
+                times.append(t)
+            if w.burst > 0:
+                k, t = 0, 0.0
+                while k < len(times):
+                    for _ in range(w.burst):
+                        if k < len(times):
+                            times[k] = min(times[k], t)
+                            k += 1
+                    k += max(1, int(w.rate * w.burst_every_s))
+                    t += w.burst_every_s
+            for at in sorted(times):
+                self.loop.at(at, self._new_request)
+        self.loop.run()
+        return self.reqs
+
+    def _new_request(self) -> None:
+        w, m = self.w, self.m
+        if self._sent >= w.requests:
+            return
+        length = w.lengths[self._sent % len(w.lengths)]
+        req = Req(self._sent, length, w.output_tokens, self.loop.now)
+        self._sent += 1
+        req.p = self._rr_p % m.n_prefill
+        # Least loaded decode engine, ties round robin.
+        loads = [len(d.running) + d.waiting_kv + len(d.incoming) for d in self.decode]
+        best = min(loads)
+        choices = [j for j, x in enumerate(loads) if x == best]
+        req.d = choices[self._rr_d % len(choices)]
+        self._rr_p += 1
+        self._rr_d += 1
+        self.reqs.append(req)
+        self._by_tid[f"t{req.rid}"] = req
+        loop = self.loop
+        p, d = self.prefill[req.p], self.decode[req.d]
+        if self.mode == "pull":
+            loop.after(m.http_s, lambda: p.submit(req))
+        else:
+            loop.after(m.http_s, lambda: p.submit(req))
+            loop.after(m.http_s, lambda: d.submit(req))
+
+    def on_prefill_done(self, req: Req) -> None:
+        m, loop = self.m, self.loop
+        if self.mode == "pull":
+            # P answers the router, which then sends D's leg with P's block ids.
+            loop.after(2 * m.http_s, lambda: self.decode[req.d].submit(req))
+        elif self.mode == "push":
+            self.p_ready[req.rid] = req
+            self._maybe_vllm_push(req)
+        else:
+            s = self.senders[req.p]
+            tid = f"t{req.rid}"
+            loop.after(
+                m.kvpush_pump_s,
+                lambda: (
+                    self._do(s, s.blocks_ready(tid, req.p_blocks, loop.now)),
+                    self._do(s, s.hold(tid)),
+                ),
+            )
+
+    def _maybe_vllm_push(self, req: Req) -> None:
+        if req.rid not in self.p_ready or req.rid not in self.registrations:
+            return
+        del self.p_ready[req.rid], self.registrations[req.rid]
+        m, loop = self.m, self.loop
+        p = self.prefill[req.p]
+        p.debt += m.push_post_coord_s  # the P worker posts on its engine thread
+
+        def post() -> None:
+            req.xfer_start = loop.now
+            self.links[req.p].send(
+                m.kv_bytes(req.length),
+                lambda: loop.after(
+                    m.vllm_xfer_overhead_s + m.ctrl_s, lambda: self.decode[req.d].kv_arrived(req)
+                ),
+            )
+
+        loop.after(m.push_post_coord_s + m.desc_cost(req.length), post)
+
+    def schedule_decode(self, d: DecodeEngine) -> float:
+        """D's scheduler at the start of a step: place new requests; returns engine time."""
+        m, loop = self.m, self.loop
+        cost = 0.0
+        keep: deque[Req] = deque()
+        while d.incoming:
+            req = d.incoming.popleft()
+            n = m.blocks(req.length)
+            tid = f"t{req.rid}"
+            if self.mode == "kvpush":
+                ledger = self.ledgers[d.idx]
+                adm = ledger.request(tid, f"p{req.p}", n, loop.now)
+                if adm.decision is Decision.LATER:
+                    keep.append(req)
+                    continue
+                if adm.decision is Decision.REFUSE:
+                    # Can never fit the credit budget: D computes the prompt itself.
+                    blocks = d.alloc(n)
+                    if blocks is None:
+                        keep.append(req)
+                        continue
+                    self.counters["refused"] = self.counters.get("refused", 0) + 1
+                    req.d_blocks = blocks
+                    req.kv_at_d = loop.now
+                    cost += (
+                        req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
+                    )
+                    d.arrived.append(req)
+                    continue
+            blocks = d.alloc(n)
+            if blocks is None:
+                if self.mode == "kvpush":
+                    self.ledgers[d.idx].release(tid)
+                keep.append(req)
+                continue
+            req.d_blocks = blocks
+            d.waiting_kv += 1
+            if self.mode == "pull":
+                # vLLM pull posts the READ from D's engine thread (start_load_kv): the whole
+                # descriptor list is built and posted there, holding up every running decode.
+                cost += m.pull_coord_s + m.desc_cost(req.length)
+
+                def read(req: Req = req) -> None:
+                    req.xfer_start = loop.now
+                    # READ: the request travels to P, the data comes back.
+                    loop.after(
+                        m.one_way_s,
+                        lambda: self.links[req.p].send(
+                            m.kv_bytes(req.length),
+                            lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
+                        ),
+                    )
+
+                loop.after(cost, read)
+            elif self.mode == "push":
+                cost += m.push_reg_coord_s
+
+                def registered(req: Req = req) -> None:
+                    self.registrations[req.rid] = req
+                    self._maybe_vllm_push(req)
+
+                loop.after(cost + m.ctrl_s, registered)
+            else:
+                r = self.receivers[d.idx]
+                self._do(r, r.expect(tid, f"tcp://p{req.p}", blocks, 0, req.length, loop.now))
+        d.incoming = keep
+        return cost
+
+    def on_request_done(self, req: Req) -> None:
+        self.finished += 1
+        if self.w.kind == "closed":
+            self._new_request()
+
+
+def simulate(m: ClusterModel, mode: str, w: Workload) -> dict[str, Any]:
+    """Run one simulation; the summary has the same keys as a bench cell."""
+    from kvpush_prod.bench.stats import summary_ms
+
+    sim = Sim(m, mode, w)
+    reqs = sim.run()
+    done = [r for r in reqs if r.done >= 0]
+    end = max((r.done for r in done), default=0.0)
+    xfer = [r.kv_at_d - r.p_done for r in done if r.kv_at_d >= 0 and r.p_done >= 0]
+    return {
+        "mode": mode,
+        "requests": len(reqs),
+        "ok": len(done),
+        "ttft_ms": summary_ms(r.ttft for r in done),
+        "tpot_ms": summary_ms(t for r in done if (t := r.tpot) is not None),
+        "kv_transfer_ms": summary_ms(xfer),
+        "queue_p_ms": summary_ms(r.p_start - r.arrive for r in done),
+        "throughput_tok_s": sum(r.tokens for r in done) / end if end > 0 else None,
+        "stalls": sum(r.stalls for r in done),
+        "p_busy": [round(p.busy_time / end, 3) if end else 0 for p in sim.prefill],
+        "d_busy": [round(d.busy_time / end, 3) if end else 0 for d in sim.decode],
+        "counters": dict(sim.counters),
+        "events": sim.loop.events,
+        "sim_end_s": end,
+    }

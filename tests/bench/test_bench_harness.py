@@ -1,0 +1,208 @@
+"""Harness pieces without engines: resume plan, prompts, the closed loop, reports, CLI,
+and the sitecustomize that neutralises NIXL's progress-thread spin in vLLM's engines."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import types
+
+import pytest
+
+from kvpush_prod.bench import report
+from kvpush_prod.bench.cli import build_parser
+from kvpush_prod.bench.cli import main as bench_main
+from kvpush_prod.bench.runner import (
+    BenchSettings,
+    ResultStore,
+    Workload,
+    cell_key,
+    estimate_wall_s,
+    plan,
+    prompts_for,
+    run_requests,
+)
+from kvpush_prod.bench.sides import SIDES, SPINFIX_DIR, SideSettings
+from kvpush_prod.bench.stats import Sample
+
+
+def _settings(tmp_path, sides, **kw):
+    return BenchSettings(
+        out=tmp_path,
+        sides=sides,
+        workload=Workload(**kw),
+        side=SideSettings(workdir=tmp_path / "work"),
+    )
+
+
+def test_plan_skips_cells_already_in_results_json_unless_forced(tmp_path):
+    store = ResultStore(tmp_path / "results.json")
+    store.put("kvpush", cell_key(1024, 1), {"length": 1024, "concurrency": 1})
+    s = _settings(tmp_path, ["kvpush", "single"], lengths=[1024], concurrency=[1, 4])
+    again = ResultStore(tmp_path / "results.json")  # reloaded from disk
+    assert plan(again, s) == {"kvpush": [(1024, 4)], "single": [(1024, 1), (1024, 4)]}
+    s.force = True
+    assert plan(again, s)["kvpush"] == [(1024, 1), (1024, 4)]
+    assert estimate_wall_s(plan(again, s), s.workload) > 0
+
+
+def test_prompts_are_distinct_within_a_cell_and_identical_across_sides():
+    a = prompts_for(256, 4, 8, salt=0)
+    assert len(set(a)) == 8 and all(len(p.split()) == 256 for p in a)
+    assert a == prompts_for(256, 4, 8, salt=0)
+    assert set(a).isdisjoint(prompts_for(256, 16, 8, salt=0))
+
+
+def test_workload_sends_at_least_two_rounds_of_the_concurrency():
+    assert Workload(requests=8).requests_in(1024, 16) == 32
+
+
+async def test_closed_loop_never_exceeds_the_concurrency():
+    inflight = peak = 0
+
+    async def send(url, prompt, n, max_tokens):
+        nonlocal inflight, peak
+        inflight += 1
+        peak = max(peak, inflight)
+        await asyncio.sleep(0.005)
+        inflight -= 1
+        return Sample(True, 0.001, 0.002, (0.001,), 2)
+
+    samples, wall = await run_requests(send, "http://x", ["p"] * 20, 1, 4, 2)
+    assert len(samples) == 20 and peak == 4 and wall > 0
+
+
+def _cell(length, conc, ttft, tpot, transfer=None):
+    return {
+        "length": length,
+        "concurrency": conc,
+        "requests": 8,
+        "ok": 8,
+        "errors": 0,
+        "ttft_ms": {"p50": ttft, "p90": ttft * 1.2, "p99": ttft * 1.5},
+        "tpot_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
+        "itl_ms": {"p50": tpot, "p90": tpot, "p99": tpot},
+        "throughput_tok_s": 100.0,
+        "loadavg": [0.5, 0.5, 0.5],
+        "transfer": transfer or {},
+    }
+
+
+RESULTS = {
+    "meta": {
+        "cpu": "Test CPU",
+        "simd": "AVX2",
+        "dtype": "float32",
+        "workload": {"lengths": [1024], "concurrency": [1, 4], "max_tokens": 64},
+    },
+    "sides": {
+        "vllm-pull": {
+            "label": "pull",
+            "spin": "neutralised",
+            "spin_markers": 2,
+            "idle_cpu_pct": {"prefill": 1.0, "decode": 2.0},
+        }
+    },
+    "cells": {
+        "single": {"1024x1": _cell(1024, 1, 20.0, 5.0)},
+        "vllm-pull": {
+            "1024x1": _cell(1024, 1, 50.0, 6.0, {"nixl_xfer_time_seconds_decode": {"p50_s": 0.003}})
+        },
+        "vllm-push": {"1024x1": _cell(1024, 1, 40.0, 6.0)},
+        "kvpush": {"1024x1": _cell(1024, 1, 25.0, 5.5, {"kv_ready_to_d_knows_ms": {"p50": 0.4}})},
+    },
+}
+
+
+def test_ratios_and_targets_are_computed_against_each_baseline():
+    (row,) = report.ratios(RESULTS)
+    assert row["ttft_p50_vs_vllm-pull"] == pytest.approx(0.5)
+    assert row["ttft_p50_vs_single"] == pytest.approx(1.25)
+    assert row["ttft_p50_vs_vllm-pull-shipped"] is None
+    t = {x["target"]: x for x in report.targets(RESULTS)}
+    assert t["TTFT p50 vs vLLM pull, 1024 tok, c=1"]["ok"] is True
+    assert t["TTFT p50 vs vLLM push, 1024 tok, c=1"]["ok"] is True  # 0.625 <= 0.85
+    assert t["TTFT p50 vs vLLM pull, 1024 tok, c=4"]["ok"] is None  # not measured
+    assert t["KV transfer p50 (prefill done -> D knows), 1024 tok, c=1, ms"]["ok"] is True
+
+
+def test_markdown_and_plots_come_from_results_alone(tmp_path):
+    md = report.markdown(RESULTS)
+    assert "Test CPU (AVX2" in md and "| 1024 | 1 | kvpush | 25.0 |" in md
+    assert "neutralised (transport.progress_delay_us)" in md
+    assert report.transfer_ms(RESULTS["cells"]["vllm-pull"]["1024x1"])[0] == pytest.approx(3.0)
+    pytest.importorskip("matplotlib")
+    paths = report.plots(RESULTS, tmp_path / "plots")
+    assert paths and all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_cli_rejects_unknown_sides_and_too_small_max_num_seqs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--sides", "vllm-pul"])
+    assert bench_main(["--out", str(tmp_path), "--concurrency", "64"]) == 2
+    assert (
+        bench_main(["--out", str(tmp_path), "--plan", "--sides", "kvpush", "--lengths", "256"]) == 0
+    )
+    assert "kvpush: 256x1, 256x4, 256x16" in capsys.readouterr().out
+
+
+def test_every_side_states_its_spin():
+    assert {s.spin for s in SIDES.values()} == {"n/a", "neutralised", "as shipped"}
+    assert SIDES["vllm-pull-shipped"].kind == "vllm-pull"
+
+
+def test_spinfix_sets_the_progress_thread_delay_of_nixl_agents(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("spinfix_test", SPINFIX_DIR / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("KVPUSH_BENCH_PTHR_DELAY_US", raising=False)
+    spec.loader.exec_module(mod)  # without the env var it installs no hook
+
+    made = {}
+
+    class Config:
+        pthrDelay = None
+
+    class Bind:
+        nixlAgentConfig = Config
+
+        @staticmethod
+        def nixlAgent(name, cfg):
+            made["delay"] = cfg.pthrDelay
+            return object()
+
+    fake = types.ModuleType("nixl_fake._api")
+    fake.nixlBind = Bind
+
+    class nixl_agent:  # noqa: N801 - the name nixl uses
+        def __init__(self, name):
+            cfg = fake.nixlBind.nixlAgentConfig()
+            cfg.pthrDelay = 0  # what nixl hard-codes
+            self.agent = fake.nixlBind.nixlAgent(name, cfg)
+
+    fake.nixl_agent = nixl_agent
+    monkeypatch.setenv("KVPUSH_BENCH_PTHR_DELAY_US", "1234")
+    mod._patch(fake)
+    nixl_agent("a")
+    assert made["delay"] == 1234
+    assert fake.nixlBind is Bind  # restored after the constructor
+    assert mod.MARKER in capsys.readouterr().err
+
+
+def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp_path):
+    import sys
+    import time
+
+    from kvpush_prod.bench.sides import _port, wait_started
+    from kvpush_prod.launch import Proc
+
+    # vLLM's API server stays alive when its EngineCore dies; only the log says so.
+    script = "print('zmq.error.ZMQError: Address already in use', flush=True); " \
+             "import time; time.sleep(60)"
+    proc = Proc("prefill", [sys.executable, "-c", script], {}, tmp_path / "p.log")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            wait_started(f"http://127.0.0.1:{_port()}", proc, timeout=120)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 30
