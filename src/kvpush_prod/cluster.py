@@ -51,6 +51,8 @@ class ClusterSpec:
     decode_env: dict[str, str] = field(default_factory=dict)
     router_args: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)  # extra engine args, P only
+    decode_args: list[str] = field(default_factory=list)  # extra engine args, D only
     prefill_engine_id: str | None = None
     decode_engine_id: str | None = None
 
@@ -78,12 +80,14 @@ class Cluster:
         if name == "prefill":
             kv = push_kv_config("kv_producer", profile, self.p_control,
                                 {**s.extra, **s.prefill_extra}, s.prefill_engine_id)
+            common["extra_args"] += s.prefill_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
         if name == "decode":
             kv = push_kv_config("kv_consumer", profile, self.d_control,
                                 {**s.extra, **s.decode_extra}, s.decode_engine_id,
                                 s.kv_load_failure_policy)
+            common["extra_args"] += s.decode_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
                               kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
         return EngineSpec(name, port=free_port(), cpu_bind="0", **common)

@@ -1,0 +1,82 @@
+"""Chaos CI: real clusters shared between scenarios, one cluster alive at a time.
+
+Scenarios that can share a cluster run on it in a row; a cluster left broken by a failed
+scenario is replaced before the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the top-level chaos/ scenarios
+
+from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch  # noqa: E402
+from kvpush_prod.cluster import Cluster  # noqa: E402
+
+
+def _healthy(cluster: Cluster) -> bool:
+    if not all(p.alive() for p in cluster.procs.values()):
+        return False
+    try:
+        return httpx.get(cluster.urls["router"] + "/health", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class ClusterPool:
+    """Hands out the cluster of a group, starting it (and stopping the previous one) on demand."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.current: tuple[str, Cluster] | None = None
+        self.starts: list[tuple[str, float]] = []
+
+    def get(self, group: str, needs: Needs) -> Cluster:
+        if self.current is not None:
+            name, cluster = self.current
+            if name == group and _healthy(cluster):
+                fault_switch(cluster.spec.workdir).unlink(missing_ok=True)
+                return cluster
+            self.close()
+        workdir = self.root / f"{group}-{len(self.starts)}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        cluster = Cluster(cluster_spec(needs, workdir))
+        t0 = time.monotonic()
+        cluster.start()
+        self.starts.append((group, time.monotonic() - t0))
+        self.current = (group, cluster)
+        return cluster
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current[1].stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def cluster_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterPool]:
+    root_env = os.environ.get("KVPUSH_TEST_WORKDIR")
+    root = Path(root_env) / "chaos" if root_env else tmp_path_factory.mktemp("chaos")
+    root.mkdir(parents=True, exist_ok=True)
+    pool = ClusterPool(root)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def reports_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = os.environ.get("KVPUSH_CHAOS_REPORTS")
+    path = Path(d) if d else tmp_path_factory.mktemp("chaos-reports")
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,58 @@
+"""Every chaos scenario in a short form, on real engines: the verdict must be PASS.
+
+Three clusters, one at a time: a plain pair (kills and restarts), a pair whose P fails 30%
+of its WRITEs, and a pair whose P fails every WRITE while a switch file exists (bad_peer;
+stall_prefill and client_cancel run there with the switch off, policy ``fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
+from kvpush_prod.chaos.verdict import table_markdown
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
+
+SHORT: dict[str, Any] = {"requests": 32, "concurrency": 6, "timeout": 120.0,
+                         "quiesce_timeout": 90.0, "progress_every": 8}
+
+# group -> (the scenario whose needs define the cluster, D's kv_load_failure_policy)
+GROUPS = {
+    "plain": ("kill_prefill", "recompute"),
+    "write30": ("write_failures", "recompute"),
+    "switch": ("bad_peer", "fail"),
+}
+CASES = [
+    ("plain", "kill_prefill", {}),
+    ("plain", "kill_decode", {}),
+    ("plain", "restart_under_load", {"events": "prefill:term,decode:kill,prefill:rolling"}),
+    ("write30", "write_failures", {}),
+    ("switch", "bad_peer", {"heal_timeout": 240.0}),
+    ("switch", "stall_prefill", {"stall_s": 9.0}),
+    ("switch", "client_cancel", {}),
+]
+_REPORTS: list[dict[str, Any]] = []
+
+
+@pytest.mark.parametrize(("group", "name", "extra"), CASES, ids=[c[1] for c in CASES])
+def test_chaos_scenario_verdict_is_pass(cluster_pool: Any, reports_dir: Path, group: str,
+                                        name: str, extra: dict[str, Any]) -> None:
+    definer, policy = GROUPS[group]
+    opts = Options(**SHORT, policy=policy, extra=extra)
+    needs = importlib.import_module(f"chaos.{definer}").needs(opts)
+    cluster = cluster_pool.get(group, needs)
+    module = importlib.import_module(f"chaos.{name}")
+    report = asyncio.run(run_on_cluster(module, cluster, opts, log=print, needs=needs))
+    print_report(report)
+    write_report(report, reports_dir / f"{name}.json")
+    _REPORTS.append(report.as_dict())
+    (reports_dir / "table.md").write_text(table_markdown(_REPORTS) + "\n")
+    (reports_dir / "cluster_starts.json").write_text(json.dumps(cluster_pool.starts))
+    assert report.passed, report.verdict_line()
