@@ -20,7 +20,7 @@ from kvpush_prod.launch import (
     start_engine,
     wait_healthy,
 )
-from kvpush_prod.tinymodel import write_tiny_model
+from kvpush_prod.tinymodel import TinyModelSpec, write_tiny_model
 
 PROFILES = Path(__file__).resolve().parent.parent.parent / "configs"
 
@@ -55,6 +55,7 @@ class ClusterSpec:
     decode_args: list[str] = field(default_factory=list)  # extra engine args, D only
     prefill_engine_id: str | None = None
     decode_engine_id: str | None = None
+    model: TinyModelSpec | None = None  # shape of the generated model (the lab's tiny Llama)
 
 
 class Cluster:
@@ -62,7 +63,7 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.model = str(write_tiny_model(spec.workdir / "tiny-llama"))
+        self.model = str(write_tiny_model(spec.workdir / "tiny-llama", spec.model))
         self.log_dir = spec.workdir / "logs"
         self.procs: dict[str, Proc] = {}
         self.specs: dict[str, EngineSpec] = {}
