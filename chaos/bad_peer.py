@@ -10,7 +10,14 @@ import asyncio
 import sys
 import time
 
-from kvpush_prod.chaos.harness import Context, Needs, Options, fault_switch, main
+from kvpush_prod.chaos.harness import (
+    Context,
+    Needs,
+    Options,
+    check_all_answered,
+    fault_switch,
+    main,
+)
 from kvpush_prod.chaos.observe import BREAKER_STATE, BREAKER_TRIPS, TRANSFERS
 
 NAME = "bad_peer"
@@ -112,11 +119,8 @@ async def run(ctx: Context) -> None:
                      pushed > 0 and pulled == 0,
                      "" if pushed > 0 and pulled == 0 else
                      f"healed phase: {pushed:g} pushed, {pulled:g} pulled")
-    failed = [r for g in ctx.generators for r in g.records if not r.ok]
-    ctx.report.check("every request answered (pull and recompute absorb the bad link)",
-                     not failed, f"{len(failed)} failed; first: "
-                     f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
-                     if failed else "")
+    check_all_answered(ctx, [r for g in ctx.generators for r in g.records],
+                       "pull and recompute absorb the bad link")
 
 
 if __name__ == "__main__":

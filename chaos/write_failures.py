@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from kvpush_prod.chaos.harness import Context, Needs, Options, main
+from kvpush_prod.chaos.harness import Context, Needs, Options, check_all_answered, main
 
 NAME = "write_failures"
 DESCRIPTION = "30% injected WRITE failures on P: retries, then pull fallback; every answer correct"
@@ -36,11 +36,7 @@ async def run(ctx: Context) -> None:
     recovered = produced["retried"] + produced["pull_fallback"]
     ctx.report.check("failed pushes were retried or fell back to pull", recovered > 0,
                      "" if recovered else f"no retried/pull_fallback transfer: {produced}")
-    failed = [r for r in gen.records if not r.ok]
-    ctx.report.check("every request answered (retries, pull and recompute absorb the faults)",
-                     not failed, f"{len(failed)} failed; first: "
-                     f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
-                     if failed else "")
+    check_all_answered(ctx, gen.records, "retries, pull and recompute absorb the faults")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ block size, started once per session and shared by every test that asks for it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,12 @@ def _workdir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         return path
     return tmp_path_factory.mktemp(name)
+
+
+@pytest.fixture(scope="session")
+def e2e_workdir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A fresh folder per cluster (under ``KVPUSH_TEST_WORKDIR`` when set, to keep logs)."""
+    return lambda name: _workdir(tmp_path_factory, name)
 
 
 @pytest.fixture(scope="session", params=BLOCK_SIZES, ids=lambda b: f"B{b or 'default'}")

@@ -7,8 +7,7 @@ exactly layers x 2 (K and V) x block x kv_heads x head_dim float32 values.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,17 +25,9 @@ BLOCK = 64  # the CPU attention backend takes multiples of 32
 MAX_TOKENS = 24
 
 
-def _workdir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    root = os.environ.get("KVPUSH_TEST_WORKDIR")
-    if root:
-        (Path(root) / name).mkdir(parents=True, exist_ok=True)
-        return Path(root) / name
-    return tmp_path_factory.mktemp(name)
-
-
 @pytest.fixture(scope="module")
-def shaped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec(workdir=_workdir(tmp_path_factory, "e2e-shape"), block_size=BLOCK,
+def shaped(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+    spec = ClusterSpec(workdir=e2e_workdir("e2e-shape"), block_size=BLOCK,
                        prefill_kv_gib=1, decode_kv_gib=1, model=SHAPE)
     c = Cluster(spec)
     c.start()

@@ -288,6 +288,15 @@ def check_resumed(ctx: Context, phase: str, what: str, until: float | None = Non
     ctx.report.check(what, bool(recs) and not bad, detail)
 
 
+def check_all_answered(ctx: Context, records: list[Record], why: str) -> None:
+    """A check that every request in ``records`` succeeded; the detail names the first failure."""
+    failed = [r for r in records if not r.ok]
+    ctx.report.check(f"every request answered ({why})", not failed,
+                     f"{len(failed)} failed; first: "
+                     f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
+                     if failed else "")
+
+
 def allow_after(gen: LoadGenerator, total: int, at_least: int) -> None:
     """Let the generator finish: ``total`` requests in all, and ``at_least`` more from now."""
     gen.limit = max(gen.limit, total, gen.progress.sent + at_least)
