@@ -394,17 +394,7 @@ class Dispatcher:
     async def _pull_prefill_leg(
         self, p: Backend, path: str, content: bytes, headers: dict[str, str]
     ) -> dict[str, Any]:
-        self.pool.leg_started(p)
-        try:
-            r = await self.client.post(
-                p.url + path, content=content, headers=headers, timeout=self._prefill_timeout
-            )
-        except httpx.HTTPError as e:
-            raise self._leg_error(p, e) from None
-        finally:
-            self.pool.leg_ended(p)
-        check_status(p, r.status_code, r.content, r.headers.get("content-type", ""))
-        return prefill_kv_params(p, r.content)
+        return prefill_kv_params(p, await self._post_prefill(p, path, content, headers))
 
     async def _cancel_legs(self, *tasks: asyncio.Task[Any]) -> None:
         for t in tasks:
@@ -435,6 +425,12 @@ class Dispatcher:
     async def _prefill_leg(
         self, p: Backend, path: str, content: bytes, headers: dict[str, str]
     ) -> None:
+        self.health.note_prefill_response(p, await self._post_prefill(p, path, content, headers))
+
+    async def _post_prefill(
+        self, p: Backend, path: str, content: bytes, headers: dict[str, str]
+    ) -> bytes:
+        """POST the prefill leg to ``p``; its body, or a LegFailure (P marked down on connect)."""
         self.pool.leg_started(p)
         try:
             r = await self.client.post(
@@ -445,7 +441,7 @@ class Dispatcher:
         finally:
             self.pool.leg_ended(p)
         check_status(p, r.status_code, r.content, r.headers.get("content-type", ""))
-        self.health.note_prefill_response(p, r.content)
+        return r.content
 
     def _leg_error(self, b: Backend, e: BaseException) -> LegFailure:
         f = failure_from_exception(b, e)
