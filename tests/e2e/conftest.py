@@ -40,9 +40,5 @@ def cluster(request: pytest.FixtureRequest,
     block_size = request.param
     spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
                        block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
-    c = Cluster(spec)
-    c.start()
-    try:
+    with Cluster(spec) as c:
         yield c
-    finally:
-        c.stop()

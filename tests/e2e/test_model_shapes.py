@@ -29,12 +29,8 @@ MAX_TOKENS = 24
 def shaped(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     spec = ClusterSpec(workdir=e2e_workdir("e2e-shape"), block_size=BLOCK,
                        prefill_kv_gib=1, decode_kv_gib=1, model=SHAPE)
-    c = Cluster(spec)
-    c.start()
-    try:
+    with Cluster(spec) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.mark.parametrize("length", [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 3, 1000])

@@ -284,14 +284,7 @@ class Dispatcher:
         p, d = self.pool.choose_pair(req.model, req.exclude)
         assert p.identity is not None  # choose_pair only returns prefill backends that are up
         tid = uuid.uuid4().hex
-        headers = {
-            "X-Request-Id": tid,
-            "Content-Type": "application/json",
-            # Compressing on a datacenter hop costs more latency than it saves.
-            "Accept-Encoding": "identity",
-        }
-        if req.authorization is not None:
-            headers["Authorization"] = req.authorization
+        headers = _leg_headers(req, tid)
         p_content = dumps(prefill_body(req.body, req.path, tid))
         d_body = decode_body(req.body, p.identity, tid)
         if self.settings.vllm_push_compat:
@@ -342,13 +335,7 @@ class Dispatcher:
         READs it; the legs run one after the other, as vLLM's NixlConnector needs."""
         p, d = self.pool.choose_pair(req.model, req.exclude)
         tid = uuid.uuid4().hex
-        headers = {
-            "X-Request-Id": tid,
-            "Content-Type": "application/json",
-            "Accept-Encoding": "identity",
-        }
-        if req.authorization is not None:
-            headers["Authorization"] = req.authorization
+        headers = _leg_headers(req, tid)
         p_content = dumps(pull_prefill_body(req.body, req.path, tid))
         p_task = asyncio.create_task(self._pull_prefill_leg(p, req.path, p_content, headers))
         try:
@@ -513,7 +500,7 @@ class Dispatcher:
     # -- streaming -----------------------------------------------------------------------------
 
     async def _relay(
-        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[None], outcome: Outcome
+        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[Any], outcome: Outcome
     ) -> AsyncIterator[bytes]:
         """D's SSE bytes to the client as they arrive; never retried once begun."""
         try:
@@ -536,3 +523,16 @@ class Dispatcher:
         finally:
             await d.aclose()
             self._finish(req, outcome)
+
+
+def _leg_headers(req: _Request, tid: str) -> dict[str, str]:
+    """Headers of both legs: the pairing id, JSON, the client's credentials."""
+    headers = {
+        "X-Request-Id": tid,
+        "Content-Type": "application/json",
+        # Compressing on a datacenter hop costs more latency than it saves.
+        "Accept-Encoding": "identity",
+    }
+    if req.authorization is not None:
+        headers["Authorization"] = req.authorization
+    return headers
