@@ -267,12 +267,15 @@ def test_every_transfer_that_keeps_asking_is_admitted_within_the_aging_bound(
                 led.release(tid)
         while pending and pending[0][0] <= step:
             _, tid, peer, n, hold = pending.pop(0)
-            ahead[tid] = len(waiting)
             waiting[tid] = (peer, n, hold, step)
         order = list(waiting)
         order_seed.shuffle(order)
         for tid in order:
             peer, n, hold, first = waiting[tid]
+            if tid not in ahead:
+                # The ledger queues waiters in the order they first asked: k counts those
+                # still waiting that asked before (same-step arrivals ask in any order).
+                ahead[tid] = sum(1 for t in waiting if t in ahead)
             a = led.request(tid, peer, n, float(step))
             if a.decision is Decision.REFUSE:
                 assert n > budget or n > cap
