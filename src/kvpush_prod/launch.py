@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
+import re
 import socket
 import subprocess
 import sys
@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from kvpush_prod.control.endpoint import ephemeral_range
 from kvpush_prod.tinymodel import write_tiny_model
 
 DEFAULT_ENV = {
@@ -32,16 +33,30 @@ DEFAULT_ENV = {
 }
 
 
+RUN_MARKER = "=== kvpush: start of"
+_CAUSE = re.compile(r"Error|Exception|error:|Traceback|Killed|Address already in use")
+
+
+def _port_range() -> tuple[int, int]:
+    """Ports to hand out: below Linux's ephemeral range (32768+ by default), so that an
+    outgoing connection of another process cannot take an engine's port while it restarts."""
+    lo, hi = ephemeral_range() or (32768, 60999)
+    if lo > 11000:
+        return 10000, lo
+    return (hi + 1, 65500) if hi < 64000 else (10000, 60000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, outside the ephemeral range."""
+    return free_port_block(1)
 
 
-def free_port_block(n: int, start: int = 20000, end: int = 60000) -> int:
-    """A base port p such that p..p+n-1 are all free now."""
+def free_port_block(n: int, start: int | None = None, end: int | None = None) -> int:
+    """A base port p such that p..p+n-1 are all free now (default: outside the ephemeral range)."""
     import random
 
+    lo, hi = _port_range()
+    start, end = start or lo, end or hi
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(200):
         base = rng.randrange(start, end - n)
@@ -100,6 +115,9 @@ class Proc:
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the process
+        # Restarts append to the same log: a marker lets tail() show this run only.
+        self._log.write(f"{RUN_MARKER} {name} {time.strftime('%H:%M:%S')}\n".encode())
+        self._log.flush()
         self.popen = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     @property
@@ -122,8 +140,13 @@ class Proc:
                 p.send_signal(sig)
 
     def kill(self) -> None:
-        """SIGKILL the whole tree (what a crash looks like)."""
-        self.signal_tree(signal.SIGKILL)
+        """SIGKILL the whole tree (what a crash looks like) and wait until every process of it
+        is gone: a restart must not race a dying child that still holds a port."""
+        procs = self.tree()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(procs, timeout=30)
         self.popen.wait(timeout=30)
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -135,15 +158,28 @@ class Proc:
         for p in alive:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
+        psutil.wait_procs(alive, timeout=10)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=10)
         self._log.close()
 
     def tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of this run's log, after the lines that name an error earlier
+        in it (vLLM's own message says only "see root cause above")."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith(RUN_MARKER):
+                lines = lines[i + 1:]
+                break
+        head = len(lines) - n
+        causes = [line for line in lines[:max(0, head)] if _CAUSE.search(line)][-20:]
+        out = lines[-n:]
+        if causes:
+            out = ["[earlier lines naming an error]", *causes, "[last lines]", *out]
+        return "\n".join(out)
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

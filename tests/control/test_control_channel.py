@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import msgspec
@@ -9,6 +11,7 @@ import pytest
 import zmq
 
 from kvpush_prod.control import ControlCodec, ControlEndpoint
+from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ProtocolError
 from kvpush_prod.launch import free_port
@@ -111,7 +114,8 @@ def test_endpoint_send_reaches_a_peer_endpoint() -> None:
         b.close()
 
 
-def test_binding_a_busy_port_names_the_port_and_the_fix() -> None:
+def test_binding_a_busy_port_names_the_port_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(endpoint_mod, "BIND_WAIT_S", 0.5)
     port = free_port()
     a = ControlEndpoint(ControlCodec(None, 4096), "127.0.0.1", port)
     try:
@@ -119,3 +123,20 @@ def test_binding_a_busy_port_names_the_port_and_the_fix() -> None:
             ControlEndpoint(ControlCodec(None, 4096), "127.0.0.1", port)
     finally:
         a.close()
+
+
+def test_a_port_freed_during_the_bind_wait_is_taken() -> None:
+    """A restarted engine may race its dying predecessor for the control port: the bind
+    waits for the port instead of failing the engine's start-up."""
+    port = free_port()
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    threading.Timer(1.0, holder.close).start()
+    ep = ControlEndpoint(ControlCodec(None, 4096), "127.0.0.1", port)
+    try:
+        assert ep.address == f"tcp://127.0.0.1:{port}"
+    finally:
+        ep.close()
+        holder.close()

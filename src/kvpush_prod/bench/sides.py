@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_prod.launch import EngineSpec, Proc, free_port_block, start_engine, wait_healthy
+from kvpush_prod.launch import EngineSpec, Proc, free_port, start_engine, wait_healthy
 
 SPINFIX_DIR = Path(__file__).resolve().parent / "spinfix"
 SPINFIX_ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
@@ -30,12 +30,6 @@ FATAL_MARKERS = (
     "Engine core initialization failed",
     "Address already in use",
 )
-
-
-def _port() -> int:
-    """A free port below Linux's ephemeral range (32768+), so that outgoing connections of
-    the other processes on a busy box cannot take it between choosing and binding."""
-    return free_port_block(1, 20000, 32000)
 
 
 def wait_started(url: str, proc: Proc, timeout: float) -> None:
@@ -168,7 +162,7 @@ class RunningSide:
 
     def _start_single(self, timeout: float) -> None:
         spec = EngineSpec(
-            "single", port=_port(), cpu_bind=self.settings.single_cores, **self._common()
+            "single", port=free_port(), cpu_bind=self.settings.single_cores, **self._common()
         )
         self.procs["single"] = start_engine(spec, self.log_dir)
         self.engine_urls["single"] = f"http://127.0.0.1:{spec.port}"
@@ -178,7 +172,7 @@ class RunningSide:
     def _start_vllm(self, timeout: float) -> None:
         connector = "NixlConnector" if self.side.kind == "vllm-pull" else "NixlPushConnector"
         for name, role, core in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
-            side_port = _port()
+            side_port = free_port()
             env = {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
@@ -208,7 +202,7 @@ class RunningSide:
                 }
             spec = EngineSpec(
                 name,
-                port=_port(),
+                port=free_port(),
                 kv_transfer_config=kv,
                 cpu_bind=core,
                 env=env,
@@ -249,7 +243,7 @@ class RunningSide:
         self._start_router("push")
 
     def _start_router(self, mode: str) -> None:
-        port = _port()
+        port = free_port()
         prefill = ["--prefill", self.engine_urls["prefill"]]
         if self._identity and mode == "push":
             self.dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import httpx
 
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import TRANSFERS, Observer, idle_problems
-from kvpush_prod.chaos.verdict import Report, attribute_streaming, tally
+from kvpush_prod.chaos.verdict import Report, attribute_streaming, describe_wrong, tally
 from kvpush_prod.chaos.workload import Mix, RequestSpec, workload
 from kvpush_prod.cluster import Cluster, ClusterSpec
 
@@ -495,7 +495,8 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     report.check("every request ended within the bound", t.hung == 0,
                  f"{t.hung} hung past {opts.timeout:.0f} s" if t.hung else "")
     report.check("every successful answer equals the single engine", t.wrong_tokens == 0,
-                 f"{t.wrong_tokens} answers differ from the reference" if t.wrong_tokens else "")
+                 f"{t.wrong_tokens} answers differ from the reference; first: "
+                 f"{describe_wrong(t.wrong[0])}" if t.wrong_tokens else "")
     report.check("every failure is a clear error", t.failed_unclear == 0,
                  f"{t.failed_unclear} failures without a clear HTTP error or stream error event"
                  if t.failed_unclear else "")

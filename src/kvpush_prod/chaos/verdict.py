@@ -98,6 +98,17 @@ def _short(rec: Record) -> str:
     return f"{rec.status or rec.error_kind}: {msg[:140]}"
 
 
+def describe_wrong(w: dict[str, Any]) -> str:
+    """One line on a wrong answer: which request, how it was served, where it first differs."""
+    got, expected = str(w.get("got", "")), str(w.get("expected", ""))
+    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+              min(len(got), len(expected)))
+    return (f"#{w.get('idx')} phase={w.get('phase')} request={w.get('request_id')} "
+            f"prompt_len={w.get('prompt_len')} stream={w.get('stream')} "
+            f"kvpush={w.get('kvpush')} differs at char {at}: "
+            f"got {got[max(0, at - 20):at + 40]!r}, expected {expected[max(0, at - 20):at + 40]!r}")
+
+
 def tally(records: list[Record], references: dict[int, str | None]) -> Tally:
     """Classify every record; ``references[idx]`` is the reference text (None: unavailable).
 

@@ -6,8 +6,10 @@ Single-threaded by design: only the transfer pump thread touches the sockets.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -18,6 +20,29 @@ from kvpush_prod.core import messages
 from kvpush_prod.errors import ConfigError, ProtocolError
 
 logger = logging.getLogger(__name__)
+BIND_WAIT_S = 10.0  # how long a taken control port is retried before giving up
+
+
+def ephemeral_range() -> tuple[int, int] | None:
+    """This host's range of ports for outgoing connections (Linux), or None if unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return None
+
+
+def warn_if_ephemeral(port: int) -> None:
+    """A listening port inside the ephemeral range can be taken, while this engine restarts, by
+    any outgoing connection, even by a peer's reconnect attempt to it (TCP self-connect)."""
+    rng = ephemeral_range()
+    if rng is not None and rng[0] <= port <= rng[1]:
+        logger.warning(
+            "kvpush: control port %d is inside this host's ephemeral port range %d-%d "
+            "(net.ipv4.ip_local_port_range); an outgoing connection may take it while the "
+            "engine restarts. Set control.port below %d, or reserve it with "
+            "net.ipv4.ip_local_reserved_ports", port, rng[0], rng[1], rng[0])
 
 
 class ControlEndpoint:
@@ -30,16 +55,25 @@ class ControlEndpoint:
         self._router.setsockopt(zmq.LINGER, 0)
         # A frame bigger than this is dropped by ZMQ itself before we allocate it.
         self._router.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes + 4096)
-        try:
-            self._router.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            self._router.close(0)
-            raise ConfigError(
-                f"cannot bind the control endpoint to tcp://{host}:{port}: {exc}. Set "
-                "control.port to a free port (each rank uses port + rank) or control.host "
-                "to an address of this machine"
-            ) from None
+        # A process restarted at once may race its dying predecessor for the port: wait a
+        # little for it to go before calling the port taken.
+        deadline = time.monotonic() + BIND_WAIT_S
+        while True:
+            try:
+                self._router.bind(f"tcp://{host}:{port}")
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                    time.sleep(0.25)
+                    continue
+                self._router.close(0)
+                raise ConfigError(
+                    f"cannot bind the control endpoint to tcp://{host}:{port}: {exc}. Set "
+                    "control.port to a free port (each rank uses port + rank) or control.host "
+                    "to an address of this machine"
+                ) from None
         self.address = f"tcp://{host}:{port}"
+        warn_if_ephemeral(port)
         self._peers: dict[str, zmq.Socket] = {}
         self.rejected: Counter[str] = Counter()
         self._wake_r, self._wake_w = os.pipe()

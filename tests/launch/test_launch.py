@@ -1,0 +1,54 @@
+"""Child-process helpers used by demo, tests, benchmarks and chaos: restarts must not race
+the dying process, and a failed start-up must show its cause."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from kvpush_prod.launch import Proc, _port_range, free_port, free_port_block
+
+CHILD_TREE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill_waits_for_every_process_of_the_tree(tmp_path: Path) -> None:
+    proc = Proc("tree", [sys.executable, "-c", CHILD_TREE], {}, tmp_path / "tree.log")
+    deadline = time.monotonic() + 30
+    while len(proc.tree()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs = proc.tree()
+    assert len(procs) == 2
+    proc.kill()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    proc.stop()
+
+
+def test_tail_shows_this_run_and_the_error_lines_above_it(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    failing = "print('RuntimeError: the root cause')\nfor i in range(100): print('filler', i)\n"
+    first = Proc("engine", [sys.executable, "-c", "print('ValueError: a previous run')"], {},
+                 log)
+    first.popen.wait(timeout=30)
+    first.stop()
+    second = Proc("engine", [sys.executable, "-c", failing], {}, log)
+    second.popen.wait(timeout=30)
+    second.stop()
+    tail = second.tail(10)
+    assert "RuntimeError: the root cause" in tail
+    assert "a previous run" not in tail
+    assert tail.splitlines()[-1] == "filler 99"
+
+
+def test_ports_are_handed_out_below_the_ephemeral_range() -> None:
+    lo, hi = _port_range()
+    for port in (free_port(), free_port_block(8)):
+        assert lo <= port < hi
+    assert free_port_block(8) + 8 <= hi
