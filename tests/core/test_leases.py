@@ -235,3 +235,15 @@ def test_many_renewals_keep_the_expiry_heap_small_and_expiry_exact() -> None:
     assert t.expire(5.0) == ["b"]
     assert t.expire(6.999) == []
     assert t.expire(7.0) == ["a"]
+
+
+def test_retired_incarnations_keep_the_latest_and_forget_the_oldest() -> None:
+    from kvpush_prod.core.incarnations import RetiredIncarnations
+
+    retired = RetiredIncarnations(keep=3)
+    for inc in range(1, 6):
+        retired.add(inc)
+    assert list(retired) == [3, 4, 5] and len(retired) == 3
+    assert 5 in retired and 2 not in retired
+    retired.add(3)  # seen again: the newest now
+    assert list(retired) == [4, 5, 3]

@@ -18,6 +18,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit
 from kvpush_prod.core.messages import (
     PROTOCOL_VERSION,
@@ -89,7 +90,8 @@ class _In:
 class _Peer:
     last_heard: float = -1e18
     incarnation: int | None = None
-    retired: set[int] = field(default_factory=set)  # earlier processes at this address
+    # earlier processes at this address (their late messages are dropped)
+    retired: RetiredIncarnations = field(default_factory=RetiredIncarnations)
 
 
 class Receiver:

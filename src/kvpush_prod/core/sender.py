@@ -17,6 +17,7 @@ from kvpush_prod.core.actions import (
     ReleaseSend,
     SendMessage,
 )
+from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
     PROTOCOL_VERSION,
@@ -112,7 +113,8 @@ class Sender:
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
         self._tombstones: dict[str, float] = {}
         self._peers: dict[tuple[str, int], PeerInfo] = {}  # D (engine, rank) -> latest info
-        self._retired: dict[tuple[str, int], set[int]] = {}  # D rank -> replaced incarnations
+        # D rank -> replaced incarnations (their late messages are dropped)
+        self._retired: dict[tuple[str, int], RetiredIncarnations] = {}
         self._next_heartbeat = 0.0
 
     # ------------------------------------------------------------------ introspection
@@ -431,7 +433,7 @@ class Sender:
         self._peers[key] = info
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
         if known is not None:
-            self._retired.setdefault(key, set()).add(known.incarnation)
+            self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
             out.append(Note("peer_restart", "decode", f"{key} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
