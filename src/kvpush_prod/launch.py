@@ -143,11 +143,17 @@ class Proc:
         """SIGKILL the whole tree (what a crash looks like) and wait until every process of it
         is gone: a restart must not race a dying child that still holds a port."""
         procs = self.tree()
+        shm = _shared_memory_of(procs)
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(procs, timeout=30)
         self.popen.wait(timeout=30)
+        # A killed tree cannot unlink its shared memory (vLLM's engine core maps a segment
+        # of 160-240 MiB): remove it, as a container restart would.
+        for path in shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def stop(self, timeout: float = 20.0) -> None:
         procs = self.tree()
@@ -180,6 +186,15 @@ class Proc:
         if causes:
             out = ["[earlier lines naming an error]", *causes, "[last lines]", *out]
         return "\n".join(out)
+
+
+def _shared_memory_of(procs: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files mapped by ``procs``."""
+    paths: set[str] = set()
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            paths.update(m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/"))
+    return paths
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

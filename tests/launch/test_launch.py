@@ -13,6 +13,9 @@ from kvpush_prod.launch import Proc, _port_range, free_port, free_port_block
 
 CHILD_TREE = """
 import subprocess, sys, time
+from multiprocessing import shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+print(shm.name, flush=True)
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("ready", flush=True)
 time.sleep(600)
@@ -22,12 +25,17 @@ time.sleep(600)
 def test_kill_waits_for_every_process_of_the_tree(tmp_path: Path) -> None:
     proc = Proc("tree", [sys.executable, "-c", CHILD_TREE], {}, tmp_path / "tree.log")
     deadline = time.monotonic() + 30
-    while len(proc.tree()) < 2 and time.monotonic() < deadline:
+    log = tmp_path / "tree.log"
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     procs = proc.tree()
-    assert len(procs) == 2
+    assert len(procs) >= 2  # the script, its sleeping child (and the resource tracker)
+    shm_name = log.read_text().split()[-2]
+    assert Path("/dev/shm", shm_name.lstrip("/")).exists()
     proc.kill()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    # The shared memory the killed tree could not unlink is gone too.
+    assert not Path("/dev/shm", shm_name.lstrip("/")).exists()
     proc.stop()
 
 
