@@ -127,6 +127,8 @@ class Chaos:
     ambiguous: float = 0.0
     # What a crashed process had sent is still delivered, possibly after its restart.
     zombie: bool = False
+    # P's forward raises (vLLM still calls wait_for_save): the blocks hold garbage.
+    forward_fail: float = 0.0
 
 
 # ------------------------------------------------------------------------------ world parts
@@ -1024,10 +1026,19 @@ class World:
                 blocks = node.pool.alloc(preq.nblocks, preq.tid)
                 if blocks is None:
                     continue  # no room yet: vLLM would keep it waiting
-                for i, b in enumerate(blocks):
-                    node.pool.content[b] = (preq.tid, i)
                 preq.blocks, preq.state = blocks, "computed"
                 preq.hold_at = self.now + self.r("hold", preq.tid).uniform(0.0, 0.1)
+                if self.r("forward", preq.tid).random() < self.chaos.forward_fail:
+                    # The forward raised (vLLM still calls wait_for_save): the blocks hold
+                    # garbage that must never reach D as a pushed prompt.
+                    self.count("forward_failed")
+                    for i, b in enumerate(blocks):
+                        node.pool.content[b] = ("garbage", preq.tid, i)
+                    self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.forward_failed(
+                        t, bl, now))
+                    continue
+                for i, b in enumerate(blocks):
+                    node.pool.content[b] = (preq.tid, i)
                 self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.blocks_ready(
                     t, bl, now))
             elif preq.state == "computed" and preq.hold_at <= self.now:

@@ -63,6 +63,7 @@ chaos_st = st.builds(
     skew=st.booleans(),
     ambiguous=st.sampled_from([0.0, 0.0, 0.3]),
     zombie=st.booleans(),
+    forward_fail=st.sampled_from([0.0, 0.0, 0.1]),
 )
 
 

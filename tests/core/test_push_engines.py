@@ -317,6 +317,23 @@ def test_prefill_abort_fails_a_waiting_decode_at_once() -> None:
     assert len(msgs(s.on_message(register(gen=2), 0.2), m.Failed)) == 1
 
 
+def test_a_prompt_whose_forward_raised_is_never_written_and_decode_hears_at_once() -> None:
+    # Registered first: D is told at once, nothing is written, the blocks go when held.
+    s = sender()
+    s.on_message(register(), 0.0)
+    out = s.forward_failed("t", [1, 2, 3], 0.1)
+    assert of(out, PostWrite) == []
+    (failed,) = msgs(out, m.Failed)
+    assert failed.reason == "prefill_failed" and failed.generation == 1
+    assert s.hold("t") == [ReleaseSend("t", "failed", 0)]
+    # Not registered yet: a REGISTER that comes later is failed, never written to.
+    s = sender()
+    assert msgs(s.forward_failed("u", [1, 2, 3], 0.0), m.Failed) == []
+    late = s.on_message(register(tid="u"), 0.1)
+    assert of(late, PostWrite) == [] and len(msgs(late, m.Failed)) == 1
+    assert s.hold("u") == [ReleaseSend("u", "failed", 0)]
+
+
 def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> None:
     s = sender()
     s.blocks_ready("t", [1], 0.0)

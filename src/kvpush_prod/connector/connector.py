@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -138,9 +139,13 @@ class PushConnector(KVConnectorBase_V1):
         """Worker: no per-layer save; the push starts once the forward has finished."""
 
     def wait_for_save(self) -> None:
-        """Worker, after the forward: prompts completed in this step are handed to the pump."""
+        """Worker, after the forward: prompts completed in this step are handed to the pump.
+
+        vLLM calls this from a ``finally``, so also when the forward raised (a fatal error,
+        or SIGTERM mid-step): then this step's prompts were not computed and pushing their
+        blocks would hand D garbage under a valid DONE."""
         if self._worker is not None:
-            self._worker.after_forward()
+            self._worker.after_forward(forward_failed=sys.exc_info()[0] is not None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker: sends whose blocks may be freed, receives that ended (failed ones too)."""

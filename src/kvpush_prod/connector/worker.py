@@ -231,15 +231,25 @@ class WorkerSide:
     def _address(self, host: str, port: int) -> str:
         return f"tcp://{host}:{port + self.tp_rank}"
 
-    def after_forward(self) -> None:
-        """P: this step's prompts are computed; hand their blocks to the pump."""
+    def after_forward(self, forward_failed: bool = False) -> None:
+        """P: this step's prompts are computed; hand their blocks to the pump. With
+        ``forward_failed`` the forward raised: the blocks hold no usable KV and D is told."""
         if not self._pending_sends or self._pump is None:
+            return
+        sends, self._pending_sends = self._pending_sends, []
+        if forward_failed:
+            logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
+                           "pushed and their decode engines are told", len(sends))
+            for spec in sends:
+                self.trace("forward_failed", spec.transfer_id)
+                self._pump.request_of[spec.transfer_id] = spec.request_id
+                self._pump.run_now(lambda s, sp=spec: s.forward_failed(
+                    sp.transfer_id, sp.block_ids, time.monotonic()))
             return
         if self._device == "cuda":
             import torch
 
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
-        sends, self._pending_sends = self._pending_sends, []
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
             self._pump.request_of[spec.transfer_id] = spec.request_id

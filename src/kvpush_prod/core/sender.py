@@ -158,6 +158,20 @@ class Sender:
         self._fire(o, E.BLOCKS_READY, now)
         return self._maybe_start(o, now)
 
+    def forward_failed(self, tid: str, blocks: list[int], now: float) -> list[Action]:
+        """The forward that was to compute this prompt raised (a fatal error, or a shutdown
+        signal mid-step): ``blocks`` hold no usable KV. Nothing is pushed; D hears at once
+        (it recomputes the prompt or fails the request) and the blocks are freed once held."""
+        self._tombstones[tid] = now + self.s.tombstone_s
+        o = self._get(tid, now)
+        o.blocks, o.expected = list(blocks), True
+        self._fire(o, E.FAIL, now)
+        out: list[Action] = []
+        if o.reg is not None:
+            out.append(self._failed(o.reg, "prefill_failed",
+                                    "the prefill forward that computes this prompt raised"))
+        return out + self._close(o, "failed")
+
     def hold(self, tid: str) -> list[Action]:
         """The request finished; its blocks are ours until ReleaseSend."""
         o = self._out.get(tid)
