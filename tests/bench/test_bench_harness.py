@@ -192,8 +192,8 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
     import sys
     import time
 
-    from kvpush_prod.bench.sides import _port, wait_started
-    from kvpush_prod.launch import Proc
+    from kvpush_prod.bench.sides import wait_started
+    from kvpush_prod.launch import Proc, free_port
 
     # vLLM's API server stays alive when its EngineCore dies; only the log says so.
     script = "print('zmq.error.ZMQError: Address already in use', flush=True); " \
@@ -202,7 +202,7 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
     t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="Address already in use"):
-            wait_started(f"http://127.0.0.1:{_port()}", proc, timeout=120)
+            wait_started(f"http://127.0.0.1:{free_port()}", proc, timeout=120)
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 30
