@@ -126,6 +126,9 @@ class ControlEndpoint:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10_000)
             sock.setsockopt(zmq.IMMEDIATE, 0)
+            # While the peer is down, retry its port at 100 ms doubling up to 1 s instead of
+            # every 100 ms for as long as it stays down.
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sock.connect(address)
             self._peers[address] = sock
         try:
