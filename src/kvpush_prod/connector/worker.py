@@ -237,12 +237,13 @@ class WorkerSide:
         if not self._pending_sends or self._pump is None:
             return
         sends, self._pending_sends = self._pending_sends, []
+        for spec in sends:
+            self._pump.request_of[spec.transfer_id] = spec.request_id
         if forward_failed:
             logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
                            "pushed and their decode engines are told", len(sends))
             for spec in sends:
                 self.trace("forward_failed", spec.transfer_id)
-                self._pump.request_of[spec.transfer_id] = spec.request_id
                 self._pump.run_now(lambda s, sp=spec: s.forward_failed(
                     sp.transfer_id, sp.block_ids, time.monotonic()))
             return
@@ -252,7 +253,6 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
-            self._pump.request_of[spec.transfer_id] = spec.request_id
             self._pump.run_now(lambda s, sp=spec: s.blocks_ready(
                 sp.transfer_id, sp.block_ids, time.monotonic()))
 
