@@ -151,6 +151,10 @@ async def test_healthy_run_exports_the_documented_series_with_plausible_values(
                       outcome="pushed") >= n
             and metric_sum(now["prefill"][1], "kvpush_connector_blocks") == 0
             and metric_sum(now["decode"][1], "kvpush_connector_blocks") == 0
+            # A streamed answer is counted once its relay ends, just after the client read
+            # the last bytes.
+            and delta(now, "router", "kvpush_router_requests_total", outcome="ok") >= n
+            and delta(now, "router", "kvpush_router_request_seconds_count") >= n
         )
         if settled or time.monotonic() > deadline:
             break
