@@ -51,12 +51,11 @@ def free_port() -> int:
     return free_port_block(1)
 
 
-def free_port_block(n: int, start: int | None = None, end: int | None = None) -> int:
-    """A base port p such that p..p+n-1 are all free now (default: outside the ephemeral range)."""
+def free_port_block(n: int) -> int:
+    """A base port p such that p..p+n-1 are all free now, outside the ephemeral range."""
     import random
 
-    lo, hi = _port_range()
-    start, end = start or lo, end or hi
+    start, end = _port_range()
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(200):
         base = rng.randrange(start, end - n)
