@@ -6,6 +6,7 @@ Built from a YAML profile, then ``kv_connector_extra_config`` overrides, then en
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import types
 import typing
@@ -22,13 +23,36 @@ from pydantic.fields import FieldInfo
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.transport.faults import FaultSettings
 
-SECRET_ENV = "KVPUSH_SECRET"
+PARAMS_KEY_ENV = "KVPUSH_PARAMS_KEY"  # the router's params key (a secret: never in a file)
+KEY_FILE_ENV = "KVPUSH_KEY_FILE"
+ALLOWED_KEYS_ENV = "KVPUSH_ALLOWED_KEYS"
+REMOVED_SECRET_ENV = "KVPUSH_SECRET"
 PROFILE_ENV = "KVPUSH_PROFILE"
+SECURITY_DOCS = "docs/security.md"
+# Keys that existed once: an old profile gets told what replaced them, not "unknown key".
+REMOVED_KEYS = {
+    ("control", "secret"): (
+        "the shared HMAC secret was replaced by per-engine CurveZMQ keys (encrypted, mutually "
+        "authenticated, replay-safe): run `kvpush keys generate NAME --dir DIR` for each "
+        "engine, then set control.key_file and control.allowed_keys (see docs/security.md)"
+    ),
+}
 DOCS = "docs/configuration.md"
 MASK = "<set, masked>"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "*")
+_LOOPBACK_HOSTS = ("localhost", "ip6-localhost")
 
 Source = Literal["default", "profile", "extra", "env"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host in _LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _secret(description: str) -> Any:
@@ -58,9 +82,44 @@ class ControlSettings(_Section):
         description="Base port; tensor-parallel rank r of data-parallel rank d listens on "
         "port + d * tp_size + r.",
     )
-    secret: str | None = _secret(
-        "Shared HMAC-SHA256 secret; when set, unauthenticated messages are rejected. "
-        f"Prefer the {SECRET_ENV} environment variable (it wins over profile and extra config)."
+    key_file: str | None = Field(
+        None,
+        description="This engine's CurveZMQ key pair: the secret certificate written by "
+        f"`kvpush keys generate` (or ${KEY_FILE_ENV}). With `allowed_keys` it makes the "
+        "control channel encrypted and mutually authenticated.",
+    )
+    allowed_keys: str | None = Field(
+        None,
+        description="The engines this one talks to: a directory of public certificates "
+        f"(`*.key`) or one such file (or ${ALLOWED_KEYS_ENV}). A peer whose key is not "
+        "listed is refused at the handshake.",
+    )
+    insecure: bool = Field(
+        False,
+        description="Run the control channel without keys on a non-loopback address "
+        "(plaintext, unauthenticated: any host that reaches the port can forge messages). "
+        "Logged at start-up, exported as kvpush_control_insecure and alerted on.",
+    )
+    allowed_peers: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Networks (CIDR, e.g. 10.0.0.0/16) a prefill address in "
+        "kv_transfer_params may be in; empty: any. An address outside is refused and the "
+        "prompt computed locally.",
+    )
+    params_key_file: str | None = Field(
+        None,
+        description="File holding the router's params key: when set (or "
+        f"${PARAMS_KEY_ENV}), the engine accepts only kv_transfer_params the router signed, "
+        "so a client that reaches the engine directly cannot name peers.",
+    )
+    params_key: str | None = _secret(
+        f"The router's params key itself; only from ${PARAMS_KEY_ENV} (keep it out of files)."
+    )
+    max_peers: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Most peers (and sockets to them) remembered at once; the least recently "
+        "used is forgotten first.",
     )
     max_message_bytes: int = Field(
         1 << 20, ge=1024, le=64 << 20, description="Largest control message accepted."
@@ -68,6 +127,34 @@ class ControlSettings(_Section):
 
     @model_validator(mode="after")
     def _reachable(self) -> ControlSettings:
+        if (self.key_file is None) != (self.allowed_keys is None):
+            given, missing = (("key_file", "allowed_keys") if self.allowed_keys is None
+                              else ("allowed_keys", "key_file"))
+            raise ValueError(
+                f"{given} is set but {missing} is not: CurveZMQ needs both this engine's key "
+                f"pair and the list of peers it accepts (see {SECURITY_DOCS})"
+            )
+        if self.key_file is not None and self.insecure:
+            raise ValueError(
+                "insecure: true together with key_file: the keys make the channel secure; "
+                "remove insecure (or the keys)"
+            )
+        if self.key_file is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"host={self.host!r} exposes the control port to the network without "
+                "authentication: any host that reaches it could make this engine write or "
+                "free KV blocks. Give each engine keys (`kvpush keys generate NAME --dir DIR`, "
+                "then control.key_file and control.allowed_keys), or, on a network you "
+                f"trust, set control.insecure: true (see {SECURITY_DOCS})"
+            )
+        for net in self.allowed_peers:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"allowed_peers entry {net!r} is not a network: write it as CIDR, e.g. "
+                    "10.0.0.0/16 or fd00::/8"
+                ) from None
         if self.host in _WILDCARD_HOSTS and not self.advertise_host:
             raise ValueError(
                 f"host={self.host!r} binds every interface, so peers cannot be told where to "
@@ -409,7 +496,7 @@ def _show(path: tuple[str | int, ...], value: Any) -> str:
 
 
 _ORIGIN = {"profile": "from the profile", "extra": "from kv_connector_extra_config",
-           "env": f"from ${SECRET_ENV}"}
+           "env": "from the environment"}
 
 
 def allowed_text(f: FieldInfo) -> str:
@@ -461,6 +548,9 @@ def _format_validation(err: ValidationError, source: str,
 
 
 def _unknown_key(loc: tuple[str | int, ...], path: str, value: Any, where: str) -> str:
+    removed = REMOVED_KEYS.get(tuple(str(p) for p in loc))  # type: ignore[arg-type]
+    if removed is not None:
+        return f"  - {path}{where}: no longer exists: {removed}"
     sections = _sections()
     if len(loc) == 1:
         known = list(sections)
@@ -511,7 +601,7 @@ def resolve_config(
     overrides: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> ResolvedConfig:
-    """Profile YAML, then overrides (kv_connector_extra_config), then env secrets."""
+    """Profile YAML, then overrides (kv_connector_extra_config), then the environment."""
     env = dict(os.environ) if env is None else env
     profile = profile or env.get(PROFILE_ENV) or None
     layers: list[tuple[Source, dict[str, Any]]] = []
@@ -523,9 +613,17 @@ def resolve_config(
                 f"kv_connector_extra_config must be a mapping, got {type(overrides).__name__}"
             )
         layers.append(("extra", overrides))
-    secret = env.get(SECRET_ENV)
-    if secret:
-        layers.append(("env", {"control": {"secret": secret}}))
+    if env.get(REMOVED_SECRET_ENV):
+        raise ConfigError(
+            f"${REMOVED_SECRET_ENV} is set, but {REMOVED_KEYS[('control', 'secret')]}; unset "
+            f"{REMOVED_SECRET_ENV}"
+        )
+    from_env = {key: env[name] for key, name in (("params_key", PARAMS_KEY_ENV),
+                                                  ("key_file", KEY_FILE_ENV),
+                                                  ("allowed_keys", ALLOWED_KEYS_ENV))
+                if env.get(name)}
+    if from_env:
+        layers.append(("env", {"control": from_env}))
     data: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     for origin, layer in layers:

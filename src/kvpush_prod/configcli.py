@@ -17,8 +17,10 @@ import yaml
 from kvpush_prod.config import (
     CROSS_FIELD_RULES,
     MASK,
+    ALLOWED_KEYS_ENV,
+    KEY_FILE_ENV,
+    PARAMS_KEY_ENV,
     PROFILE_ENV,
-    SECRET_ENV,
     ResolvedConfig,
     allowed_range,
     field_rows,
@@ -46,7 +48,7 @@ SOURCE_MEANING = {
     "default": "built-in default",
     "profile": "the YAML profile",
     "extra": "kv_connector_extra_config (--extra)",
-    "env": f"environment (${SECRET_ENV})",
+    "env": f"environment (${KEY_FILE_ENV}, ${ALLOWED_KEYS_ENV}, ${PARAMS_KEY_ENV})",
 }
 
 
@@ -149,9 +151,16 @@ def summary(resolved: ResolvedConfig) -> str:
     return (
         f"OK: {where} is a valid kvpush configuration (backend {cfg.transport.backend}, "
         f"chunk_bytes {cfg.push.chunk_bytes}, control {cfg.control.host}:{cfg.control.port}, "
-        f"secret {'set' if cfg.control.secret else 'not set'}; values: "
+        f"{_auth_summary(cfg)}; values: "
         + ", ".join(f"{n} {o}" for o, n in counts.items()) + ")"
     )
+
+
+def _auth_summary(cfg: Any) -> str:
+    c = cfg.control
+    auth = "curve keys" if c.key_file else ("INSECURE" if c.insecure else "loopback only")
+    signed = c.params_key or c.params_key_file
+    return f"control auth {auth}, params {'router-signed' if signed else 'unsigned'}"
 
 
 # --------------------------------------------------------------------------- docs
@@ -196,7 +205,9 @@ winning key by key:
    absent), a path relative to the engine's working directory;
 3. section overrides in `kv_connector_extra_config`, e.g.
    `{{"profile": "configs/efa-p5en.yaml", "control": {{"advertise_host": "10.0.0.11"}}}}`;
-4. the environment: `${SECRET_ENV}` sets `control.secret` (keep secrets out of files).
+4. the environment: `${KEY_FILE_ENV}` and `${ALLOWED_KEYS_ENV}` set `control.key_file` and
+   `control.allowed_keys`; `${PARAMS_KEY_ENV}` sets `control.params_key` (keep secrets out of
+   files). See `docs/security.md` for keys and their rotation.
 
 Unknown sections or keys and out-of-range values stop the engine at start-up with an error
 that names the key, the value, where it came from, the allowed range and the fix.
