@@ -15,10 +15,10 @@ from typing import Any
 import yaml
 
 from kvpush_prod.config import (
-    CROSS_FIELD_RULES,
-    MASK,
     ALLOWED_KEYS_ENV,
+    CROSS_FIELD_RULES,
     KEY_FILE_ENV,
+    MASK,
     PARAMS_KEY_ENV,
     PROFILE_ENV,
     ResolvedConfig,

@@ -55,10 +55,22 @@ class PostRead:
 
 @dataclass(frozen=True, slots=True)
 class SendMessage:
-    """Either side: send a control message to the endpoint at ``peer`` (an address)."""
+    """Either side: send a control message to the endpoint at ``peer`` (an address).
+
+    ``to`` is the identity the endpoint there must prove (its public key on an authenticated
+    channel): a message never goes to an address on its own word.
+    """
 
     peer: str
     message: ControlMessage
+    to: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DropPeer:
+    """Forget a peer's NIXL agent (it was pushed out of the bounded peer directory)."""
+
+    agent_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +117,7 @@ class Note:
 
 Action = (
     ConnectPeer
+    | DropPeer
     | PostWrite
     | PostRead
     | SendMessage

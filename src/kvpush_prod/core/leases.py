@@ -11,11 +11,15 @@ import heapq
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from kvpush_prod.errors import ConfigError, ProtocolError
 
 K = TypeVar("K", bound=Hashable)
+
+
+class RandomBits(Protocol):
+    def getrandbits(self, k: int, /) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +62,16 @@ class LeaseSettings:
 
     skew_margin_s: float = 1.0
     first_generation: int = 1
+    # Low bits of every generation drawn at random (with ``rng``): a generation then names
+    # its grant unguessably, so only the holder it was sent to can speak for it. The high
+    # bits still count up, so generations of one key stay ordered.
+    random_bits: int = 0
 
     def __post_init__(self) -> None:
         if not (self.skew_margin_s >= 0 and math.isfinite(self.skew_margin_s)):
             raise ConfigError(f"lease skew_margin_s must be >= 0 seconds, got {self.skew_margin_s}")
+        if not 0 <= self.random_bits <= 32:
+            raise ConfigError(f"lease random_bits must be 0-32, got {self.random_bits}")
         if self.first_generation < 1:
             raise ConfigError(
                 f"lease first_generation must be >= 1 (0 means none), got {self.first_generation}"
@@ -91,8 +101,12 @@ class LeaseTable(Generic[K]):
     its finished blocks. Generations are unique and increasing over the whole table.
     """
 
-    def __init__(self, settings: LeaseSettings | None = None) -> None:
+    def __init__(self, settings: LeaseSettings | None = None,
+                 rng: RandomBits | None = None) -> None:
         self._settings = settings if settings is not None else LeaseSettings()
+        if self._settings.random_bits and rng is None:
+            raise ConfigError("a LeaseTable with random_bits needs an rng")
+        self._rng = rng
         self._entries: dict[K, _Entry[K]] = {}
         self._next_generation = self._settings.first_generation
         # (expires_at, generation, key): lazy heap, an entry is current only if it still
@@ -126,6 +140,12 @@ class LeaseTable(Generic[K]):
             )
         generation = self._next_generation
         self._next_generation += 1
+        bits = self._settings.random_bits
+        if bits and self._rng is not None:
+            # Counter bits wrap before 2**63: only one key's generations need to be ordered.
+            counter = generation % (1 << (63 - bits - 1))
+            generation = (counter << bits) | self._rng.getrandbits(bits)
+            generation = generation or 1  # 0 means "none"
         lease = Lease(key, generation, now + ttl)
         self._entries[key] = _Entry(lease, ttl, LeaseState.LIVE)
         self._push_expiry(lease)

@@ -1,13 +1,37 @@
 """Wire messages between engines: versioned msgspec Structs, encoded as msgpack.
 
 Shared by the control channel (ZMQ frames) and the DONE notification carried by the last WRITE.
+Every field is bounded here, so decoding rejects an oversized or out-of-range field before any
+engine sees it.
 """
 
 from __future__ import annotations
 
-import msgspec
+from typing import Annotated, Literal
 
-PROTOCOL_VERSION = 1
+import msgspec
+from msgspec import Meta
+
+PROTOCOL_VERSION = 2
+
+# Field bounds (decoding enforces them; a message over one is malformed and dropped).
+MAX_ID_LEN = 256  # transfer ids, engine ids, agent names
+MAX_ADDRESS_LEN = 300  # "tcp://host:port"
+MAX_TEXT_LEN = 1024  # reasons and details
+MAX_AGENT_META = 256 << 10  # NIXL agent metadata (a few hundred bytes to a few KiB)
+MAX_REGIONS = 8192  # KV regions of one rank (layers x K/V x ...)
+MAX_BLOCKS = 1 << 20  # block ids in one message, and blocks per region
+MAX_LIVE = 1 << 16  # transfers listed in one heartbeat
+U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]  # generations, incarnations, addresses
+Count = Annotated[int, Meta(ge=0, le=1 << 40)]
+Id = Annotated[str, Meta(max_length=MAX_ID_LEN)]
+TransferId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+Address = Annotated[str, Meta(max_length=MAX_ADDRESS_LEN)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_LEN)]
+BlockIds = Annotated[list[Annotated[int, Meta(ge=0, le=1 << 40)]], Meta(max_length=MAX_BLOCKS)]
+TtlMs = Annotated[int, Meta(ge=0, le=86_400_000)]
+Rank = Annotated[int, Meta(ge=0, le=65_535)]
+WallTime = Annotated[float, Meta(ge=0.0, le=1e11)]  # seconds since the epoch, 0: unknown
 
 # Prefix of a NIXL notification that carries a Done message (lets a receiver skip foreign notifs).
 NOTIF_PREFIX = b"KVP1"
@@ -19,30 +43,30 @@ class Region(msgspec.Struct, frozen=True):
     Block ``b`` of the region occupies ``[base + b * block_stride, + block_len)``.
     """
 
-    base: int
-    block_stride: int
-    block_len: int
-    num_blocks: int
-    dev_id: int = 0
+    base: U63
+    block_stride: Count
+    block_len: Annotated[int, Meta(ge=1, le=1 << 40)]
+    num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS)]
+    dev_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
 class Layout(msgspec.Struct, frozen=True):
     """How an engine rank's KV cache is laid out; both sides must agree on ``compat``."""
 
-    compat: str  # hash of model shape, dtype, block size, tp size, region block lengths
-    mem_type: str  # "DRAM" or "VRAM"
-    regions: list[Region]
+    compat: Id  # hash of model shape, dtype, block size, tp size, region block lengths
+    mem_type: Literal["DRAM", "VRAM"]
+    regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
     """Who sent a message: engine, process incarnation, rank, and how to reach it."""
 
-    engine_id: str
-    incarnation: int  # random per process start: a restarted peer is a new peer
-    rank: int
-    control: str  # "tcp://host:port" of this rank's control endpoint
-    agent_name: str = ""
-    agent_meta: bytes = b""  # NIXL agent metadata (a few hundred bytes)
+    engine_id: Id
+    incarnation: U63  # random per process start: a restarted peer is a new peer
+    rank: Rank
+    control: Address  # "tcp://host:port" of this rank's control endpoint
+    agent_name: Id = ""
+    agent_meta: Annotated[bytes, Meta(max_length=MAX_AGENT_META)] = b""  # NIXL agent metadata
     layout: Layout | None = None
 
 
@@ -54,14 +78,14 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     """
 
     v: int
-    transfer_id: str
+    transfer_id: TransferId
     sender: PeerInfo
-    block_ids: list[int]
-    first_block: int
-    num_tokens: int
-    generation: int
-    permit_ttl_ms: int
-    sent_at: float = 0.0  # sender's wall clock when sent: the receiver subtracts the message's age
+    block_ids: BlockIds
+    first_block: Count
+    num_tokens: Count
+    generation: U63
+    permit_ttl_ms: TtlMs
+    sent_at: WallTime = 0.0  # sender's wall clock when sent: the receiver subtracts the message's age
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -73,28 +97,28 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
     v: int
     sender: PeerInfo
-    peer_incarnation: int
-    live: list[tuple[str, int]]
-    permit_ttl_ms: int = 0  # from D: the permits of ``live`` are renewed for this long
-    sent_at: float = 0.0
+    peer_incarnation: U63
+    live: Annotated[list[tuple[TransferId, U63]], Meta(max_length=MAX_LIVE)]
+    permit_ttl_ms: TtlMs = 0  # from D: the permits of ``live`` are renewed for this long
+    sent_at: WallTime = 0.0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True):
     """D -> P: stop pushing ``transfer_id`` (D aborted); P answers CancelAck once nothing is in flight."""
 
     v: int
-    transfer_id: str
-    generation: int
+    transfer_id: TransferId
+    generation: U63
     sender: PeerInfo
-    reason: str
+    reason: Text
 
 
 class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True):
     """P -> D: no WRITE for (transfer_id, generation) is or will be in flight: D may reuse its blocks."""
 
     v: int
-    transfer_id: str
-    generation: int
+    transfer_id: TransferId
+    generation: U63
     sender: PeerInfo
 
 
@@ -102,34 +126,34 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     """P -> D: P will not complete this transfer and nothing is in flight; D fails the receive now."""
 
     v: int
-    transfer_id: str
-    generation: int
+    transfer_id: TransferId
+    generation: U63
     sender: PeerInfo
-    reason: str
-    detail: str = ""
+    reason: Text
+    detail: Text = ""
 
 
 class Fallback(msgspec.Struct, tag="fallback", frozen=True):
     """P -> D: the push failed; D should pull (READ) ``block_ids`` from P, then send PullDone."""
 
     v: int
-    transfer_id: str
-    generation: int
+    transfer_id: TransferId
+    generation: U63
     sender: PeerInfo
-    block_ids: list[int]
-    first_block: int
-    reason: str
-    permit_ttl_ms: int = 30_000  # D may READ P's blocks for this long
-    checksum: int = -1
-    sent_at: float = 0.0
+    block_ids: BlockIds
+    first_block: Count
+    reason: Text
+    permit_ttl_ms: TtlMs = 30_000  # D may READ P's blocks for this long
+    checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1
+    sent_at: WallTime = 0.0
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
     """D -> P: D finished (or gave up) pulling; P may free its blocks."""
 
     v: int
-    transfer_id: str
-    generation: int
+    transfer_id: TransferId
+    generation: U63
     sender: PeerInfo
     ok: bool
 
@@ -138,10 +162,10 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     """P -> D, as the notification of the last WRITE: every block of the transfer has landed."""
 
     v: int
-    transfer_id: str
-    generation: int
-    num_blocks: int
-    checksum: int = -1  # crc32 of the blocks P wrote when verification is on, else -1
+    transfer_id: TransferId
+    generation: U63
+    num_blocks: Count
+    checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1  # crc32 of the blocks P wrote when verification is on, else -1
 
 
 ControlMessage = Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone

@@ -3,10 +3,16 @@ them while P is alive, wait for DONE, pull on FALLBACK, and release blocks only 
 
 Sans-IO: events in (with ``now``), actions out. A block is handed back to vLLM only after
 P acknowledged (DONE, Failed, CancelAck, FALLBACK) or the permit expired plus the skew margin.
+
+Trust: each transfer has an owner, the prefill identity the router named (its public key;
+without keys, its control address). Only messages whose authenticated ``origin`` is the owner
+change the transfer, and a generation is unguessable, so DONE names a grant only its holder
+knows.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvpush_prod.core.actions import (
@@ -19,8 +25,9 @@ from kvpush_prod.core.actions import (
     SendMessage,
 )
 from kvpush_prod.core.incarnations import RetiredIncarnations
-from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit
+from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit, RandomBits
 from kvpush_prod.core.messages import (
+    MAX_LIVE,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
@@ -63,6 +70,7 @@ class ReceiverSettings:
     retry: RetrySettings = field(default_factory=RetrySettings)
     budget: BudgetSettings = field(default_factory=BudgetSettings)
     timeouts: TransferTimeouts = field(default_factory=TransferTimeouts)
+    max_peers: int = 1024  # prefill ranks remembered (least recently heard forgotten first)
 
 
 @dataclass(eq=False)
@@ -77,6 +85,8 @@ class _In:
     # The P process that holds this transfer, once a message of it named the transfer with
     # our generation (so it got our REGISTER); None until then.
     p_incarnation: int | None
+    owner: str = ""  # the prefill identity this transfer belongs to
+    p_rank: int = -1  # the rank of that P process
     cancelling: bool = False
     renew: bool = True
     fallback: Fallback | None = None
@@ -90,6 +100,7 @@ class _In:
 class _Peer:
     last_heard: float = -1e18
     incarnation: int | None = None
+    agent: str = ""  # NIXL agent of ``incarnation``
     # earlier processes at this address (their late messages are dropped)
     retired: RetiredIncarnations = field(default_factory=RetiredIncarnations)
 
@@ -97,17 +108,25 @@ class _Peer:
 class Receiver:
     """D side of one rank."""
 
-    def __init__(self, me: PeerInfo, settings: ReceiverSettings, rng: RandomLike) -> None:
+    def __init__(self, me: PeerInfo, settings: ReceiverSettings, rng: RandomLike,
+                 tokens: RandomBits | None = None) -> None:
+        """``tokens`` draws the random low bits of generations (a CSPRNG in the shells); without
+        it generations only count up (tests that want to read them)."""
         self.me = me
         self.slim = PeerInfo(me.engine_id, me.incarnation, me.rank, me.control, me.agent_name)
         self.s = settings
-        self.leases: LeaseTable[str] = LeaseTable(LeaseSettings(skew_margin_s=settings.skew_margin_s))
+        self.leases: LeaseTable[str] = LeaseTable(
+            LeaseSettings(skew_margin_s=settings.skew_margin_s,
+                          random_bits=32 if tokens is not None else 0), tokens)
         self.reads = PushScheduler(settings.scheduler)
         self.policy = RetryPolicy.from_settings(settings.retry, rng)
         self.budget = RetryBudget(settings.budget)
         self._in: dict[str, _In] = {}
-        self._waiting: dict[str, str] = {}  # transfer waiting for credit -> P address
-        self._peers: dict[str, _Peer] = {}  # P address -> liveness
+        # transfer waiting for credit -> (P address, P identity)
+        self._waiting: dict[str, tuple[str, str]] = {}
+        # P rank (origin, rank) -> liveness and incarnation, least recently heard first
+        self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
+        self._heard: OrderedDict[str, float] = OrderedDict()  # origin -> last heard
         self._chunks: dict[int, tuple[Chunk, str]] = {}
         self._next_heartbeat = 0.0
 
@@ -131,9 +150,9 @@ class Receiver:
         return sum(1 for i in self._in.values() if i.fallback is None)
 
     # ------------------------------------------------------------------ engine events
-    def await_admission(self, tid: str, address: str) -> list[Action]:
+    def await_admission(self, tid: str, address: str, owner: str = "") -> list[Action]:
         """D has no credit for ``tid`` yet: ask P (in heartbeats) to keep its blocks."""
-        self._waiting[tid] = address
+        self._waiting[tid] = (address, owner or address)
         return []
 
     def admission_over(self, tid: str) -> list[Action]:
@@ -141,8 +160,9 @@ class Receiver:
         return []
 
     def expect(self, tid: str, address: str, blocks: list[int], first_block: int,
-               num_tokens: int, now: float) -> list[Action]:
-        """D reserved ``blocks`` for ``tid``: grant P a write permit on them."""
+               num_tokens: int, now: float, owner: str = "") -> list[Action]:
+        """D reserved ``blocks`` for ``tid``: grant the prefill engine ``owner`` at ``address``
+        a write permit on them (``owner`` "": the address stands in for it, no keys)."""
         self._waiting.pop(tid, None)
         if tid in self._in:
             return [Note("rejected", "duplicate", f"transfer {tid} is already being received")]
@@ -150,18 +170,19 @@ class Receiver:
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
         inc = _In(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                  lease.generation, now, now, None)
+                  lease.generation, now, now, None, owner or address)
         inc.machine.fire(E.REGISTER, now)
         inc.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = inc
         reg = Register(PROTOCOL_VERSION, tid, self.me, list(blocks), first_block, num_tokens,
                        lease.generation, int(self.s.permit_ttl_s * 1000))
-        return [SendMessage(address, reg)]
+        return [SendMessage(address, reg, inc.owner)]
 
-    def not_needed(self, tid: str, address: str) -> list[Action]:
+    def not_needed(self, tid: str, address: str, owner: str = "") -> list[Action]:
         """D will not receive ``tid`` (it computes locally): P may free its blocks now."""
         self._waiting.pop(tid, None)
-        return [SendMessage(address, Cancel(PROTOCOL_VERSION, tid, 0, self.slim, "not_needed"))]
+        return [SendMessage(address, Cancel(PROTOCOL_VERSION, tid, 0, self.slim, "not_needed"),
+                            owner or address)]
 
     def abort(self, tid: str, now: float) -> list[Action]:
         """D's request was aborted while receiving: stop P; free only once fenced."""
@@ -173,13 +194,19 @@ class Receiver:
             self.reads.cancel(tid)
             return self._finish_pull(inc, now)
         return [SendMessage(inc.address, Cancel(PROTOCOL_VERSION, tid, inc.generation,
-                                                self.slim, "aborted"))]
+                                                self.slim, "aborted"), inc.owner)]
 
     # ------------------------------------------------------------------ network events
-    def on_done(self, done: Done, now: float, verified: bool = True) -> list[Action]:
+    def on_done(self, done: Done, now: float, verified: bool = True,
+                agent: str = "") -> list[Action]:
+        """The DONE notification of a last WRITE, from NIXL agent ``agent`` ("" unknown)."""
         inc = self._in.get(done.transfer_id)
         if inc is None:
             return [Note("rejected", "unknown_transfer", f"DONE for {done.transfer_id}")]
+        expected = self._owner_agent(inc)
+        if agent and expected and agent != expected:
+            return [Note("rejected", "not_owner",
+                         f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's")]
         if done.generation != inc.generation or inc.fallback is not None:
             return [Note("fenced", "stale_generation",
                          f"DONE {done.transfer_id} gen {done.generation}, expected "
@@ -193,19 +220,27 @@ class Receiver:
         inc.machine.fire(E.DONE, now)
         return self._end(inc, now, ReportFinished(inc.tid, "pushed"))
 
-    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0) -> list[Action]:
+    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
+                   origin: str = "") -> list[Action]:
+        """A control message from ``origin`` (the authenticated sender; "" when the channel
+        has no keys: then the control address the message claims stands in for it)."""
+        origin = origin or msg.sender.control
         if isinstance(msg, Heartbeat):
-            return self._on_heartbeat(msg, now)
+            return self._on_heartbeat(msg, now, origin)
         if not isinstance(msg, (Failed, CancelAck, Fallback)):
             return [Note("rejected", "unexpected",
                          f"{type(msg).__name__} is not for a decode engine")]
-        out = self._note_peer(msg.sender, now)
+        out = self._note_peer(msg.sender, origin, now)
         if out is None:
             return [self._retired_note(msg.sender)]
         inc = self._in.get(msg.transfer_id)
         if inc is None:
             return [*out, Note("rejected", "unknown_transfer",
                                f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
+        if inc.owner != origin:
+            return [*out, Note("rejected", "not_owner",
+                               f"{type(msg).__name__} {msg.transfer_id} from an engine that "
+                               "does not own it")]
         if msg.generation != inc.generation:
             return [*out, Note("fenced", "stale_generation",
                                f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
@@ -223,35 +258,42 @@ class Receiver:
             return out + self._end(inc, now, ReportFailed(inc.tid, msg.reason, msg.detail))
         return out + self._end(inc, now, ReportFailed(inc.tid, "cancelled_by_peer"))
 
-    def _on_heartbeat(self, hb: Heartbeat, now: float) -> list[Action]:
-        out = self._note_peer(hb.sender, now)
+    def _on_heartbeat(self, hb: Heartbeat, now: float, origin: str) -> list[Action]:
+        out = self._note_peer(hb.sender, origin, now)
         if out is None:
             return [self._retired_note(hb.sender)]
         for tid, gen in hb.live:
             inc = self._in.get(tid)
-            if inc is not None and inc.address == hb.sender.control and gen == inc.generation:
+            if inc is not None and inc.owner == origin and gen == inc.generation:
                 inc.listed_at = now
-                inc.p_incarnation = hb.sender.incarnation
+                inc.p_incarnation, inc.p_rank = hb.sender.incarnation, hb.sender.rank
         return out
 
-    def _note_peer(self, sender: PeerInfo, now: float) -> list[Action] | None:
-        """Track P's liveness; a new incarnation at the same address means P restarted.
+    def _note_peer(self, sender: PeerInfo, origin: str, now: float) -> list[Action] | None:
+        """Track P's liveness; a new incarnation of a rank means that P rank restarted.
 
-        None: the sender is a process already replaced at its address (a message it sent
+        Keyed by the authenticated ``origin`` and the rank: only P's own key can announce
+        its restart. None: the sender is a process already replaced (a message it sent
         before dying, delivered late): the caller drops the message.
         """
-        peer = self._peers.setdefault(sender.control, _Peer())
+        key = (origin, sender.rank)
+        peer = self._peers.get(key)
+        if peer is None:
+            peer = self._peers[key] = _Peer()
+        self._peers.move_to_end(key)
         if sender.incarnation in peer.retired:
             return None
         peer.last_heard = now
+        self._heard[origin] = now
+        self._heard.move_to_end(origin)
         if peer.incarnation == sender.incarnation:
-            return []
-        old, peer.incarnation = peer.incarnation, sender.incarnation
+            return self._prune_peers()
+        old, peer.incarnation, peer.agent = peer.incarnation, sender.incarnation, sender.agent_name
         if old is not None:
             peer.retired.add(old)
         out: list[Action] = []
         for inc in list(self._in.values()):
-            if inc.address != sender.control or inc.p_incarnation is None:
+            if inc.owner != origin or inc.p_incarnation is None or inc.p_rank != sender.rank:
                 continue  # not known to be held by the old process: its permit decides
             if inc.p_incarnation != sender.incarnation and inc.fallback is None:
                 # The process that had this transfer is gone (its port is taken by a new
@@ -265,7 +307,25 @@ class Receiver:
                                                             f"prefill {sender.control} restarted"))
         if old is not None:
             out.append(Note("peer_restart", "prefill", f"{sender.control} -> {sender.incarnation}"))
-        return out
+        return out + self._prune_peers()
+
+    def _prune_peers(self) -> list[Action]:
+        """Forget the least recently heard P ranks over ``max_peers`` (their late messages may
+        then count as news: a transfer is still changed only by its owner)."""
+        while len(self._peers) > self.s.max_peers:
+            self._peers.popitem(last=False)
+        while len(self._heard) > self.s.max_peers:
+            self._heard.popitem(last=False)
+        return []
+
+    def _owner_agent(self, inc: _In) -> str:
+        """The NIXL agent of the P process known to hold ``inc`` ("" if not known yet)."""
+        if inc.p_incarnation is None:
+            return ""
+        peer = self._peers.get((inc.owner, inc.p_rank))
+        if peer is None or peer.incarnation != inc.p_incarnation:
+            return ""
+        return peer.agent
 
     @staticmethod
     def _retired_note(sender: PeerInfo) -> Note:
@@ -280,14 +340,13 @@ class Receiver:
         self.leases.ack(inc.tid, inc.generation)
         if inc.cancelling:
             ack = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, False)
-            return [SendMessage(inc.address, ack),
+            return [SendMessage(inc.address, ack, inc.owner),
                     *self._end(inc, now, ReportFinished(inc.tid, "aborted"))]
-        if len(msg.block_ids) != len(inc.blocks) or msg.permit_ttl_ms <= 0 \
-                or msg.sender.layout is None:
+        problem = self._fallback_problem(inc, msg)
+        if problem:
             inc.fallback = msg
             inc.read_failed = "bad_fallback"
-            return [Note("rejected", "bad_blocks", f"FALLBACK {inc.tid}: {len(msg.block_ids)} "
-                                                   f"blocks for {len(inc.blocks)}"),
+            return [Note("rejected", "bad_blocks", f"FALLBACK {inc.tid}: {problem}"),
                     *self._finish_pull(inc, now)]
         inc.machine.fire(E.FALLBACK, now)
         inc.fallback, inc.renew, inc.checksum = msg, False, msg.checksum
@@ -298,6 +357,24 @@ class Receiver:
         self.reads.add(inc.tid, msg.sender.agent_name, self.s.block_bytes, len(inc.blocks),
                        inc.read_permit.expires_at, now)
         return out + self.poll(now)
+
+    def _fallback_problem(self, inc: _In, msg: Fallback) -> str:
+        """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours."""
+        if len(msg.block_ids) != len(inc.blocks) or msg.permit_ttl_ms <= 0:
+            return f"{len(msg.block_ids)} blocks for {len(inc.blocks)}"
+        mine, theirs = self.me.layout, msg.sender.layout
+        if theirs is None:
+            return "no layout to read from"
+        if mine is not None and (theirs.compat != mine.compat
+                                 or len(theirs.regions) != len(mine.regions)
+                                 or any(a.block_len != b.block_len
+                                        for a, b in zip(theirs.regions, mine.regions,
+                                                        strict=True))):
+            return f"prefill KV layout {theirs.compat} is not this engine's {mine.compat}"
+        limit = min((r.num_blocks for r in theirs.regions), default=0)
+        if any(b >= limit for b in msg.block_ids):
+            return f"block ids outside the prefill KV cache of {limit} blocks"
+        return ""
 
     def on_chunk(self, chunk_id: int, ok: bool, error: str, now: float) -> list[Action]:
         """A READ posted during a fallback completed or failed."""
@@ -383,27 +460,29 @@ class Receiver:
     # ------------------------------------------------------------------ internals
     def _heartbeats(self, now: float) -> list[Action]:
         """Renew the permits of transfers whose P is alive and still holds them."""
-        per_peer: dict[str, list[tuple[str, int]]] = {}
-        for tid, address in self._waiting.items():
-            per_peer.setdefault(address, []).append((tid, 0))
+        per_peer: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        for tid, dest in self._waiting.items():
+            per_peer.setdefault(dest, []).append((tid, 0))
         for inc in self._in.values():
             if not inc.renew or inc.fallback is not None:
                 continue
-            peer = self._peers.get(inc.address)
-            alive = peer is not None and now - peer.last_heard < self.s.peer_timeout_s
+            heard = self._heard.get(inc.owner)
+            alive = heard is not None and now - heard < self.s.peer_timeout_s
             fresh = now - inc.registered_at < self.s.peer_timeout_s
             listed = now - inc.listed_at < self.s.peer_timeout_s
             if not (fresh or (alive and listed)):
                 continue
             if self.leases.renew(inc.tid, inc.generation, now) is LeaseCheck.OK:
-                per_peer.setdefault(inc.address, []).append((inc.tid, inc.generation))
+                per_peer.setdefault((inc.address, inc.owner), []).append(
+                    (inc.tid, inc.generation))
         out: list[Action] = []
-        for address, live in per_peer.items():
-            peer = self._peers.get(address)
-            hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
-                           peer.incarnation is not None else 0, live,
-                           int(self.s.permit_ttl_s * 1000))
-            out.append(SendMessage(address, hb))
+        for (address, owner), live in per_peer.items():
+            peer = self._peers.get((owner, self.me.rank))
+            for i in range(0, len(live), MAX_LIVE):
+                hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
+                               peer.incarnation is not None else 0, live[i:i + MAX_LIVE],
+                               int(self.s.permit_ttl_s * 1000))
+                out.append(SendMessage(address, hb, owner))
         return out
 
     def _finish_pull(self, inc: _In, now: float) -> list[Action]:
@@ -414,7 +493,7 @@ class Receiver:
             return []
         ok = not inc.read_failed and not inc.cancelling
         msg = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, ok)
-        out: list[Action] = [SendMessage(inc.address, msg)]
+        out: list[Action] = [SendMessage(inc.address, msg, inc.owner)]
         if inc.cancelling:
             return out + self._end(inc, now, ReportFinished(inc.tid, "aborted"))
         if ok:

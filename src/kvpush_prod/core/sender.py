@@ -3,15 +3,22 @@ through the push scheduler, retry, fall back to D pulling, and say when blocks m
 
 Sans-IO: events in (with ``now``), actions out. Time comes from the shell; a message's
 ``age`` (how long it travelled, from its ``sent_at``) is subtracted from any term it grants.
+
+Trust: every message comes with its ``origin``, the identity the channel authenticated (the
+sender's public key; without keys, the control address it claims). A transfer belongs to
+one decode origin, the one the router named or else the first to register it; nothing from
+another origin changes it, and P writes only to the agent and layout it met for that origin.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
+    DropPeer,
     Note,
     PostWrite,
     ReleaseSend,
@@ -20,6 +27,7 @@ from kvpush_prod.core.actions import (
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
+    MAX_LIVE,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
@@ -72,6 +80,16 @@ class SenderSettings:
     # the prefill leg can reach P seconds after the decode leg reached D.
     register_grace_s: float = 10.0
     tombstone_s: float = 300.0  # how long a cancelled/aborted transfer id is remembered
+    # Bounds on what the network can make P remember (the engine's own requests are bounded
+    # by its KV cache): transfers first named by a REGISTER, tombstones, peers.
+    max_transfers: int = 65_536
+    max_tombstones: int = 65_536
+    max_peers: int = 1024
+    max_contenders: int = 4  # other origins' REGISTERs kept while the owner is unknown
+    # A decode layout may have at most this many times our blocks (its KV cache may be
+    # bigger than ours, not absurdly so: describing 1M blocks costs seconds).
+    max_peer_blocks_ratio: int = 16
+    min_peer_blocks_limit: int = 65_536
 
 
 @dataclass(eq=False)
@@ -83,6 +101,10 @@ class _Out:
     expected: bool = False  # P's scheduler has the request: blocks will come
     reg: Register | None = None
     reg_at: float = 0.0
+    owner: str = ""  # origin of ``reg``: the decode engine this transfer belongs to
+    required: str = ""  # the decode origin the router named for it ("" if none)
+    # REGISTERs of other origins while the owner is not known yet: origin -> (reg, at, age)
+    contenders: dict[str, tuple[Register, float, float]] = field(default_factory=dict)
     peer: str = ""  # D's agent name
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
@@ -111,10 +133,14 @@ class Sender:
         self.breakers = PeerBreakers(settings.breaker)
         self._out: dict[str, _Out] = {}
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
-        self._tombstones: dict[str, float] = {}
-        self._peers: dict[tuple[str, int], PeerInfo] = {}  # D (engine, rank) -> latest info
+        # transfer id -> (until, origin that asked; "" for this engine): the blocks of a
+        # cancelled or aborted transfer are freed unpushed when they come
+        self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # The peer directory: D rank (origin, rank) -> the info P met it with, least recently
+        # used first. The only source of write targets and layouts.
+        self._peers: OrderedDict[tuple[str, int], PeerInfo] = OrderedDict()
         # D rank -> replaced incarnations (their late messages are dropped)
-        self._retired: dict[tuple[str, int], RetiredIncarnations] = {}
+        self._retired: OrderedDict[tuple[str, int], RetiredIncarnations] = OrderedDict()
         self._next_heartbeat = 0.0
 
     # ------------------------------------------------------------------ introspection
@@ -140,35 +166,40 @@ class Sender:
         return {str(k): v for k, v in self.breakers.states(now).items()}
 
     # ------------------------------------------------------------------ engine events
-    def expect(self, tid: str, now: float) -> list[Action]:
-        """P's scheduler has the request: its blocks will come (keeps D's permit renewed)."""
+    def expect(self, tid: str, now: float, owner: str = "") -> list[Action]:
+        """P's scheduler has the request: its blocks will come (keeps D's permit renewed).
+
+        ``owner``: the decode origin the router named for this transfer, if any; then only
+        that origin's REGISTER is taken."""
         o = self._get(tid, now)
         o.expected = True
-        return []
+        return self._require(o, owner, now)
 
-    def blocks_ready(self, tid: str, blocks: list[int], now: float) -> list[Action]:
+    def blocks_ready(self, tid: str, blocks: list[int], now: float,
+                     owner: str = "") -> list[Action]:
         """The prompt's KV is in ``blocks`` (this step's forward has finished)."""
         o = self._get(tid, now)
         o.blocks, o.expected = list(blocks), True
         o.lease_until = now + self.s.send_lease_s
-        if tid in self._tombstones:
+        out = self._require(o, owner, now)
+        if self._tombstoned(tid, o.owner or o.required):
             # D does not want it (or P aborted it): free once the scheduler hands it over.
             self._fire(o, E.CANCEL, now)
-            return self._close(o, "cancelled")
+            return out + self._close(o, "cancelled")
         self._fire(o, E.BLOCKS_READY, now)
-        return self._maybe_start(o, now)
+        return out + self._maybe_start(o, now)
 
     def forward_failed(self, tid: str, blocks: list[int], now: float) -> list[Action]:
         """The forward that was to compute this prompt raised (a fatal error, or a shutdown
         signal mid-step): ``blocks`` hold no usable KV. Nothing is pushed; D hears at once
         (it recomputes the prompt or fails the request) and the blocks are freed once held."""
-        self._tombstones[tid] = now + self.s.tombstone_s
+        self._tombstone(tid, now, "")
         o = self._get(tid, now)
         o.blocks, o.expected = list(blocks), True
         self._fire(o, E.FAIL, now)
         out: list[Action] = []
         if o.reg is not None:
-            out.append(self._failed(o.reg, "prefill_failed",
+            out.append(self._failed(o, "prefill_failed",
                                     "the prefill forward that computes this prompt raised"))
         return out + self._close(o, "failed")
 
@@ -182,29 +213,46 @@ class Sender:
 
     def abort(self, tid: str, now: float) -> list[Action]:
         """P's request ended before its KV was computed: the transfer can never happen."""
-        self._tombstones[tid] = now + self.s.tombstone_s
+        self._tombstone(tid, now, "")
         o = self._out.pop(tid, None)
         if o is not None and o.reg is not None:
-            return [self._failed(o.reg, "prefill_aborted", "the prefill request ended early")]
+            return [self._failed(o, "prefill_aborted", "the prefill request ended early")]
         return []
 
     # ------------------------------------------------------------------ network events
-    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0) -> list[Action]:
+    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
+                   origin: str = "") -> list[Action]:
+        """A control message from ``origin`` (the authenticated sender; "" when the channel
+        has no keys: then the control address the message claims stands in for it)."""
+        origin = origin or msg.sender.control
         if isinstance(msg, Register):
-            return self._on_register(msg, now, age)
+            return self._on_register(msg, now, age, origin)
         if isinstance(msg, Heartbeat):
-            return self._on_heartbeat(msg, now, age)
+            return self._on_heartbeat(msg, now, age, origin)
         if isinstance(msg, Cancel):
-            return self._on_cancel(msg, now)
+            return self._on_cancel(msg, now, origin)
         if isinstance(msg, PullDone):
-            return self._on_pull_done(msg, now)
+            return self._on_pull_done(msg, now, origin)
         return [Note("rejected", "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
 
-    def _on_register(self, reg: Register, now: float, age: float) -> list[Action]:
-        out = self._learn_peer(reg.sender, now)
+    def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
+        out = self._learn_peer(reg.sender, origin, now)
         if out is None:
             return [self._retired_note(reg.sender)]
+        if any(isinstance(a, Note) and a.reason == "incompatible" for a in out):
+            # A layout we cannot write into: D hears at once instead of waiting out its permit.
+            return [*out, SendMessage(reg.sender.control, Failed(
+                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
+                out[-1].detail if isinstance(out[-1], Note) else ""), origin)]
         o = self._out.get(reg.transfer_id)
+        if o is not None and o.required and origin != o.required:
+            return [*out, self._not_owner(reg, origin, "the router named another decode engine")]
+        if o is not None and o.reg is not None and origin != o.owner:
+            if o.required or len(o.contenders) >= self.s.max_contenders:
+                return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
+            # The owner is not known yet: keep it, the prefill leg may name this origin.
+            o.contenders[origin] = (reg, now, age)
+            return out
         if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
                 return out  # a duplicate: idempotent
@@ -212,22 +260,59 @@ class Sender:
                 return [*out, Note("fenced", "stale_generation",
                                    f"REGISTER {reg.transfer_id} gen {reg.generation} after "
                                    f"{o.reg.generation}")]
-        if reg.transfer_id in self._tombstones:
-            return [*out, self._failed(reg, "prefill_aborted", "the prefill request is gone")]
-        o = self._get(reg.transfer_id, now)
-        ttl = reg.permit_ttl_ms / 1000.0
-        if ttl <= 0:
-            return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {ttl}")]
-        o.reg, o.reg_at, o.peer = reg, now, reg.sender.agent_name
+        if self._tombstoned(reg.transfer_id, origin):
+            return [*out, SendMessage(reg.sender.control, Failed(
+                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "prefill_aborted",
+                "the prefill request is gone"), origin)]
+        if o is None and len(self._out) >= self.s.max_transfers:
+            return [*out, Note("rejected", "overloaded",
+                               f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
+                               f"the most this engine keeps")]
+        if reg.permit_ttl_ms <= 0:
+            return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
+        return out + self._bind(self._get(reg.transfer_id, now), reg, origin, now, age)
+
+    def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
+        """``reg`` (from ``origin``) becomes the registration of ``o``."""
+        info = self._peers.get((origin, reg.sender.rank))
+        o.reg, o.reg_at, o.owner = reg, now, origin
+        # The write target is the agent P met for that authenticated D rank, never a name the
+        # message carries.
+        o.peer = info.agent_name if info is not None else ""
         # The term counts from when D granted it: subtract how long the message travelled.
-        o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, ttl, now - age,
-                                   self.s.stop_margin_s)
+        o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, reg.permit_ttl_ms / 1000.0,
+                                   now - age, self.s.stop_margin_s)
         if o.machine.state in (S.NEW, S.WAITING_REGISTER):
             self._fire(o, E.REGISTER, now)
-        return out + self._maybe_start(o, now)
+        return self._maybe_start(o, now)
 
-    def _on_heartbeat(self, hb: Heartbeat, now: float, age: float) -> list[Action]:
-        out = self._learn_peer(hb.sender, now)
+    def _require(self, o: _Out, owner: str, now: float) -> list[Action]:
+        """The router named ``owner`` as this transfer's decode engine: keep only its REGISTER."""
+        if not owner or o.required == owner:
+            return []
+        o.required = owner
+        out: list[Action] = []
+        if o.reg is not None and o.owner != owner:
+            if o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
+                return []  # already pushing (cannot happen: blocks come after expect)
+            out.append(self._not_owner(o.reg, o.owner, "the router named another decode engine"))
+            o.reg, o.owner, o.peer, o.permit = None, "", "", None
+        contender = o.contenders.pop(owner, None)
+        for origin, (reg, _, _) in o.contenders.items():
+            out.append(self._not_owner(reg, origin, "the router named another decode engine"))
+        o.contenders.clear()
+        if contender is not None and o.reg is None:
+            reg, at, age = contender
+            out += self._bind(o, reg, owner, now, age + (now - at))
+        return out
+
+    def _not_owner(self, reg: Register, origin: str, why: str) -> Note:
+        return Note("rejected", "not_owner",
+                    f"REGISTER {reg.transfer_id} from {origin[:16]} ({reg.sender.engine_id} rank "
+                    f"{reg.sender.rank}): {why}")
+
+    def _on_heartbeat(self, hb: Heartbeat, now: float, age: float, origin: str) -> list[Action]:
+        out = self._learn_peer(hb.sender, origin, now)
         if out is None:
             return [self._retired_note(hb.sender)]
         ttl = hb.permit_ttl_ms / 1000.0
@@ -237,7 +322,10 @@ class Sender:
                 continue
             if gen == 0:
                 # D still waits for credit to admit it: keep the blocks.
-                o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
+                if not o.required or o.required == origin:
+                    o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
+            elif o.owner != origin:
+                continue  # only the transfer's own decode engine speaks for it
             elif o.reg is not None and o.permit is not None and gen == o.reg.generation:
                 if ttl > 0:
                     o.permit = o.permit.renewed(gen, now - age + ttl)
@@ -249,16 +337,20 @@ class Sender:
                                 f"heartbeat for {tid} gen {gen}, current {o.reg.generation}"))
         return out
 
-    def _on_cancel(self, msg: Cancel, now: float) -> list[Action]:
+    def _on_cancel(self, msg: Cancel, now: float, origin: str) -> list[Action]:
         ack = SendMessage(msg.sender.control, CancelAck(PROTOCOL_VERSION, msg.transfer_id,
-                                                        msg.generation, self.slim))
+                                                        msg.generation, self.slim), origin)
         o = self._out.get(msg.transfer_id)
+        owner = (o.owner or o.required) if o is not None else ""
+        if owner and origin != owner:
+            return [Note("rejected", "not_owner",
+                         f"CANCEL {msg.transfer_id} from an engine that does not own it")]
         if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
             # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
             return [Note("fenced", "stale_generation",
                          f"CANCEL {msg.transfer_id} gen {msg.generation}, "
                          f"current {o.reg.generation}")]
-        self._tombstones[msg.transfer_id] = now + self.s.tombstone_s
+        self._tombstone(msg.transfer_id, now, origin)
         if o is None:
             return [ack]  # blocks that still come are freed unpushed (tombstone)
         self._fire(o, E.CANCEL, now)
@@ -270,10 +362,13 @@ class Sender:
             return []
         return [ack, *self._close(o, "cancelled")]
 
-    def _on_pull_done(self, msg: PullDone, now: float) -> list[Action]:
+    def _on_pull_done(self, msg: PullDone, now: float, origin: str) -> list[Action]:
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None or msg.generation != o.reg.generation:
             return [Note("rejected", "unknown_transfer", f"PullDone for {msg.transfer_id}")]
+        if origin != o.owner:
+            return [Note("rejected", "not_owner",
+                         f"PullDone {msg.transfer_id} from an engine that does not own it")]
         if msg.ok:
             self._fire(o, E.PULL_DONE, now)
             return self._close(o, "pull_fallback")
@@ -366,7 +461,9 @@ class Sender:
             ))
         for tid in self.sched.take_expired():
             o = self._out.get(tid)
-            if o is not None:
+            # Only a push still queued: one given up meanwhile (falling back, D reading our
+            # blocks) must not be ended as expired under D's READs.
+            if o is not None and o.queued:
                 o.queued = False
                 out.append(Note("lease_expired", "permit", f"permit of {tid} ran out mid-push"))
                 o.drain_then, o.reason = "expired", "permit_expired"
@@ -376,13 +473,14 @@ class Sender:
     def tick(self, now: float) -> list[Action]:
         """Leases, deadlines, heartbeats and tombstones (call every few tens of ms)."""
         out = self.poll(now)
-        for tid in [t for t, at in self._tombstones.items() if at <= now]:
+        for tid in [t for t, (at, _) in self._tombstones.items() if at <= now]:
             del self._tombstones[tid]
         for o in list(self._out.values()):
             if o.outcome:
                 continue
             st = o.machine.state
-            if st is S.WAITING_REGISTER and now >= o.lease_until:
+            if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
+                    and now >= o.lease_until:
                 # D never registered nor asked us to wait: the send lease is over.
                 out.append(Note("lease_expired", "send", o.tid))
                 self._fire(o, E.EXPIRE, now)
@@ -390,7 +488,7 @@ class Sender:
             elif st is S.WAITING_BLOCKS and o.permit is not None and not o.permit.usable(now):
                 # The permit ran out before our blocks did: D fails the receive itself, and
                 # blocks that still come are freed unpushed.
-                self._tombstones[o.tid] = now + self.s.tombstone_s
+                self._tombstone(o.tid, now, "")
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, "expired")
             elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
@@ -411,7 +509,7 @@ class Sender:
                     continue
                 self._fire(o, E.EXPIRE, now)
                 if o.reg is not None:
-                    out.append(self._failed(o.reg, "timeout", f"transfer stuck in {st.value}"))
+                    out.append(self._failed(o, "timeout", f"transfer stuck in {st.value}"))
                 out += self._close(o, "expired")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
@@ -430,25 +528,34 @@ class Sender:
             return False
         return o.machine.fire(event, now)
 
-    def _learn_peer(self, info: PeerInfo, now: float) -> list[Action] | None:
+    def _learn_peer(self, info: PeerInfo, origin: str, now: float) -> list[Action] | None:
         """Connect to a D rank on first sight; a new incarnation supersedes the old one.
 
-        None: ``info`` is a process already replaced (a message it sent before dying,
-        delivered late); the caller drops the message.
+        Peers are keyed by the authenticated ``origin`` and the rank: a message can speak
+        only for ranks of its own engine. None: ``info`` is a process already replaced (a
+        message it sent before dying, delivered late); the caller drops the message. A
+        ``Note(rejected, incompatible)`` last: its layout is not one P can write into.
         """
-        key = (info.engine_id, info.rank)
-        if info.incarnation in self._retired.get(key, ()):
+        key = (origin, info.rank)
+        retired = self._retired.get(key)
+        if retired is not None and info.incarnation in retired:
             return None
         known = self._peers.get(key)
         if known is not None and known.incarnation == info.incarnation:
+            self._peers.move_to_end(key)
             return []
         if info.layout is None or not info.agent_meta:
             return []  # a slim message (heartbeat) of a rank we have not met: nothing to do
+        problem = self._layout_problem(info)
+        if problem:
+            return [Note("rejected", "incompatible", problem)]
         self._peers[key] = info
+        self._peers.move_to_end(key)
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
         if known is not None:
             self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
-            out.append(Note("peer_restart", "decode", f"{key} incarnation {info.incarnation}"))
+            self._retired.move_to_end(key)
+            out.append(Note("peer_restart", "decode", f"{key[1]} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
                 if o.peer == known.agent_name and not o.outcome:
@@ -460,7 +567,60 @@ class Sender:
                         o.drain_then, o.reason = "dropped", "peer_restarted"
                     else:
                         out += self._close(o, "failed")
+        return out + self._prune_peers()
+
+    def _layout_problem(self, info: PeerInfo) -> str:
+        """Why P cannot write into ``info``'s KV cache ("" if it can): the layout must be
+        this engine's model facts (compat, regions, block sizes) with a sane block count."""
+        mine, theirs = self.me.layout, info.layout
+        if mine is None or theirs is None:
+            return ""
+        if theirs.compat != mine.compat or len(theirs.regions) != len(mine.regions) \
+                or theirs.mem_type not in ("DRAM", "VRAM"):
+            return (f"{info.engine_id} rank {info.rank}: KV layout {theirs.compat} with "
+                    f"{len(theirs.regions)} regions, this engine {mine.compat} with "
+                    f"{len(mine.regions)}: prefill and decode must run the same model, dtype, "
+                    "block size and tensor-parallel size")
+        if any(a.block_len != b.block_len for a, b in zip(theirs.regions, mine.regions,
+                                                           strict=True)):
+            return f"{info.engine_id} rank {info.rank}: KV block sizes differ from this engine's"
+        own = max((r.num_blocks for r in mine.regions), default=0)
+        limit = max(own * self.s.max_peer_blocks_ratio, self.s.min_peer_blocks_limit)
+        most = max((r.num_blocks for r in theirs.regions), default=0)
+        if most > limit:
+            return (f"{info.engine_id} rank {info.rank}: a KV cache of {most} blocks, over "
+                    f"{limit} ({self.s.max_peer_blocks_ratio}x this engine's {own})")
+        return ""
+
+    def _prune_peers(self) -> list[Action]:
+        """Forget the least recently used peers over ``max_peers`` that no transfer uses."""
+        out: list[Action] = []
+        if len(self._peers) <= self.s.max_peers:
+            return out
+        in_use = {o.peer for o in self._out.values()}
+        for key in list(self._peers)[:-1]:  # never the one just met
+            if len(self._peers) <= self.s.max_peers:
+                break
+            info = self._peers[key]
+            if info.agent_name in in_use:
+                continue
+            del self._peers[key]
+            out.append(DropPeer(info.agent_name))
+        while len(self._retired) > self.s.max_peers:
+            self._retired.popitem(last=False)
         return out
+
+    def _tombstone(self, tid: str, now: float, origin: str) -> None:
+        self._tombstones[tid] = (now + self.s.tombstone_s, origin)
+        self._tombstones.move_to_end(tid)
+        while len(self._tombstones) > self.s.max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    def _tombstoned(self, tid: str, origin: str) -> bool:
+        """A cancel or abort stands for ``tid``: this engine's own, or that of ``origin``
+        (or of anyone while the transfer has no owner yet)."""
+        tomb = self._tombstones.get(tid)
+        return tomb is not None and (not tomb[1] or not origin or tomb[1] == origin)
 
     @staticmethod
     def _retired_note(info: PeerInfo) -> Note:
@@ -473,11 +633,11 @@ class Sender:
         if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
             return []
         reg = o.reg
-        problem = self._check(o.blocks, reg)
+        problem = self._check(o, reg)
         if problem:
             self._fire(o, E.FAIL, now)
             return [Note("rejected", "bad_blocks", problem),
-                    self._failed(reg, "bad_blocks", problem), *self._close(o, "failed")]
+                    self._failed(o, "bad_blocks", problem), *self._close(o, "failed")]
         assert o.permit is not None
         if not o.permit.usable(now):
             self._fire(o, E.EXPIRE, now)
@@ -490,9 +650,14 @@ class Sender:
         o.queued, o.ready_at = True, now
         return self.poll(now)
 
-    def _check(self, blocks: list[int], reg: Register) -> str:
-        layout = reg.sender.layout
-        limit = layout.regions[0].num_blocks if layout and layout.regions else 0
+    def _check(self, o: _Out, reg: Register) -> str:
+        blocks = o.blocks or []
+        info = self._peers.get((o.owner, reg.sender.rank))
+        if info is None or info.agent_name != o.peer or not o.peer:
+            return (f"REGISTER of {reg.transfer_id}: no connected decode agent for "
+                    f"{reg.sender.engine_id} rank {reg.sender.rank}")
+        layout = info.layout  # what P connected to, not what the message says
+        limit = min((r.num_blocks for r in layout.regions), default=0) if layout else 0
         if reg.first_block < 0 or reg.first_block + len(reg.block_ids) != len(blocks):
             return (f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
                     f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here")
@@ -509,7 +674,7 @@ class Sender:
         then, o.drain_then = o.drain_then, ""
         if then == "ack" and o.reg is not None:
             ack = CancelAck(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim)
-            return [SendMessage(o.reg.sender.control, ack), *self._close(o, "cancelled")]
+            return [SendMessage(o.reg.sender.control, ack, o.owner), *self._close(o, "cancelled")]
         if then == "fallback":
             out: list[Action] = [Note("fallback", o.reason.split(":")[0] or "push_failed", o.reason)]
             return out + self._fallback(o, now, o.reason)
@@ -517,7 +682,7 @@ class Sender:
             return self._close(o, "failed")
         assert o.reg is not None
         self._fire(o, E.FAIL if then == "failed" else E.EXPIRE, now)
-        return [self._failed(o.reg, o.reason or then, "the push could not complete"),
+        return [self._failed(o, o.reason or then, "the push could not complete"),
                 *self._close(o, "failed" if then == "failed" else "expired")]
 
     def _fallback(self, o: _Out, now: float, reason: str) -> list[Action]:
@@ -528,7 +693,7 @@ class Sender:
         msg = Fallback(PROTOCOL_VERSION, o.tid, reg.generation, self.me,
                        o.blocks[reg.first_block:], reg.first_block, reason,
                        int(self.s.pull_permit_s * 1000))
-        return [SendMessage(reg.sender.control, msg)]
+        return [SendMessage(reg.sender.control, msg, o.owner)]
 
     def _close(self, o: _Out, outcome: str) -> list[Action]:
         o.outcome = o.outcome or outcome
@@ -550,21 +715,28 @@ class Sender:
         nbytes = o.pushed_bytes if o.outcome in ("pushed", "retried") else 0
         return [ReleaseSend(o.tid, o.outcome, nbytes)]
 
-    def _failed(self, reg: Register, reason: str, detail: str) -> SendMessage:
+    def _failed(self, o: _Out, reason: str, detail: str) -> SendMessage:
+        reg = o.reg
+        assert reg is not None
         return SendMessage(reg.sender.control, Failed(PROTOCOL_VERSION, reg.transfer_id,
-                                                      reg.generation, self.slim, reason, detail))
+                                                      reg.generation, self.slim, reason,
+                                                      detail[:1000]), o.owner)
 
     def _heartbeats(self, now: float) -> list[Action]:
         """Tell each D which of its transfers we still hold (it renews their permits)."""
-        per_peer: dict[str, tuple[int, list[tuple[str, int]]]] = {}
+        per_peer: dict[tuple[str, str], tuple[int, list[tuple[str, int]]]] = {}
         for o in self._out.values():
             if o.reg is None or o.outcome:
                 continue
             if (o.machine.state is S.WAITING_BLOCKS and not o.expected
                     and now - o.reg_at > self.s.register_grace_s):
                 continue  # the request never reached us: let D's permit run out
-            addr = o.reg.sender.control
-            _, live = per_peer.setdefault(addr, (o.reg.sender.incarnation, []))
+            dest = (o.reg.sender.control, o.owner)
+            _, live = per_peer.setdefault(dest, (o.reg.sender.incarnation, []))
             live.append((o.tid, o.reg.generation))
-        return [SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc, live))
-                for addr, (inc, live) in per_peer.items()]
+        out: list[Action] = []
+        for (addr, owner), (inc, live) in per_peer.items():
+            for i in range(0, len(live), MAX_LIVE):
+                out.append(SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc,
+                                                       live[i:i + MAX_LIVE]), owner))
+        return out
