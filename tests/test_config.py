@@ -32,12 +32,13 @@ def test_every_shipped_profile_is_valid() -> None:
         load_config(p, env={})
 
 
-def test_overrides_win_over_the_profile_and_env_secret_wins_over_both() -> None:
+def test_overrides_win_over_the_profile_and_the_environment_wins_over_both() -> None:
     cfg = config_from_extra({"profile": str(CONFIGS / "cpu-loopback.yaml"),
                              "control": {"port": 17000}})
     assert cfg.control.port == 17000
-    cfg = load_config(None, {"control": {"secret": "a"}}, env={"KVPUSH_SECRET": "b"})
-    assert cfg.control.secret == "b"
+    cfg = load_config(None, {"control": {"key_file": "a", "allowed_keys": "d"}},
+                      env={"KVPUSH_KEY_FILE": "b", "KVPUSH_PARAMS_KEY": "p" * 32})
+    assert cfg.control.key_file == "b" and cfg.control.params_key == "p" * 32
 
 
 @pytest.mark.parametrize(
@@ -145,9 +146,38 @@ def test_a_section_that_is_not_a_mapping_is_explained() -> None:
 
 def test_secrets_never_appear_in_errors() -> None:
     with pytest.raises(ConfigError) as info:
-        load_config(None, {"control": {"secrte": "hunter2", "port": 1}}, env={})
+        load_config(None, {"control": {"params_kye": "hunter2", "port": 1}}, env={})
     assert "hunter2" not in str(info.value)
-    assert "did you mean 'secret'" in str(info.value)
+    assert "did you mean 'params_key'" in str(info.value)
+
+
+def test_the_removed_shared_secret_says_what_replaced_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"control": {"secret": "hunter2"}}, env={})
+    assert "hunter2" not in str(info.value) and "kvpush keys generate" in str(info.value)
+    with pytest.raises(ConfigError, match="KVPUSH_SECRET is set.*CurveZMQ"):
+        load_config(None, None, env={"KVPUSH_SECRET": "hunter2"})
+
+
+@pytest.mark.parametrize(("control", "needle"), [
+    ({"host": "10.0.0.5"}, "without authentication"),
+    ({"host": "0.0.0.0", "advertise_host": "10.0.0.5"}, "without authentication"),
+    ({"key_file": "k"}, "allowed_keys is not"),
+    ({"allowed_keys": "d"}, "key_file is not"),
+    ({"key_file": "k", "allowed_keys": "d", "insecure": True}, "remove insecure"),
+    ({"allowed_peers": ["10.0.0.0/33"]}, "not a network"),
+])
+def test_a_network_control_port_needs_keys_or_an_explicit_insecure(control: dict,
+                                                                   needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, {"control": control}, env={})
+
+
+def test_keys_or_an_explicit_insecure_allow_a_network_address() -> None:
+    for control in ({"host": "10.0.0.5", "key_file": "k", "allowed_keys": "d"},
+                    {"host": "10.0.0.5", "insecure": True},
+                    {"host": "::1"}, {"host": "localhost"}):
+        load_config(None, {"control": control}, env={})
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
@@ -164,8 +194,8 @@ def test_rules_across_keys_are_enforced(overrides: dict, needle: str) -> None:
 
 
 def test_a_wildcard_bind_with_an_advertised_address_is_fine() -> None:
-    cfg = load_config(None, {"control": {"host": "0.0.0.0", "advertise_host": "10.0.0.5"}},
-                      env={})
+    cfg = load_config(None, {"control": {"host": "0.0.0.0", "advertise_host": "10.0.0.5",
+                                         "insecure": True}}, env={})
     assert cfg.control.advertise_host == "10.0.0.5"
 
 
@@ -228,10 +258,11 @@ def test_in_range_values_of_one_key_are_accepted(data: st.DataObject) -> None:
 def test_resolve_config_says_where_each_value_came_from(tmp_path: Path) -> None:
     profile = tmp_path / "p.yaml"
     profile.write_text("push:\n  chunk_bytes: 1048576\ncontrol:\n  port: 16000\n")
-    r = resolve_config(profile, {"control": {"port": 17000}}, env={"KVPUSH_SECRET": "s"})
+    r = resolve_config(profile, {"control": {"port": 17000}},
+                       env={"KVPUSH_PARAMS_KEY": "s" * 32})
     assert r.source_of("push", "chunk_bytes") == "profile"
     assert r.source_of("control", "port") == "extra"
-    assert r.source_of("control", "secret") == "env"
+    assert r.source_of("control", "params_key") == "env"
     assert r.source_of("leases", "permit_ttl_s") == "default"
     assert r.config.control.port == 17000 and r.profile == str(profile)
 

@@ -127,6 +127,16 @@ class ControlSettings(_Section):
 
     @model_validator(mode="after")
     def _reachable(self) -> ControlSettings:
+        if self.host in _WILDCARD_HOSTS and not self.advertise_host:
+            raise ValueError(
+                f"host={self.host!r} binds every interface, so peers cannot be told where to "
+                "connect: set advertise_host to this engine's address on the KV network"
+            )
+        if self.advertise_host is not None and self.advertise_host in _WILDCARD_HOSTS:
+            raise ValueError(
+                f"advertise_host={self.advertise_host!r} is not an address peers can reach: "
+                "set it to this engine's address on the KV network"
+            )
         if (self.key_file is None) != (self.allowed_keys is None):
             given, missing = (("key_file", "allowed_keys") if self.allowed_keys is None
                               else ("allowed_keys", "key_file"))
@@ -155,16 +165,6 @@ class ControlSettings(_Section):
                     f"allowed_peers entry {net!r} is not a network: write it as CIDR, e.g. "
                     "10.0.0.0/16 or fd00::/8"
                 ) from None
-        if self.host in _WILDCARD_HOSTS and not self.advertise_host:
-            raise ValueError(
-                f"host={self.host!r} binds every interface, so peers cannot be told where to "
-                "connect: set advertise_host to this engine's address on the KV network"
-            )
-        if self.advertise_host is not None and self.advertise_host in _WILDCARD_HOSTS:
-            raise ValueError(
-                f"advertise_host={self.advertise_host!r} is not an address peers can reach: "
-                "set it to this engine's address on the KV network"
-            )
         return self
 
 

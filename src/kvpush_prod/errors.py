@@ -31,4 +31,9 @@ class TransportError(KvpushError):
 
 
 class KVTransferParamsError(KvpushError, ValueError):
-    """A request's kv_transfer_params are missing a field or hold a bad value."""
+    """A request's kv_transfer_params are missing a field, hold a bad value or are not
+    trusted; ``reason`` is the short label the rejection is counted under."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason

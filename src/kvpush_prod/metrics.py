@@ -55,7 +55,11 @@ DECISIONS = ("admit", "later", "refuse")
 LEASE_KINDS = ("permit", "send")
 CONTROL_REJECT_REASONS = ("oversize", "malformed", "unauthenticated", "version",
                           "unknown_transfer", "stale_generation", "bad_blocks", "incompatible",
-                          "duplicate", "unexpected")
+                          "duplicate", "unexpected", "not_owner", "overloaded", "bad_permit",
+                          "bad_address", "unknown_peer_key", "handshake_failed")
+PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
+                         "foreign_peer")
+PUMP_STAGES = ("message", "command", "action", "completion", "timer")
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 # Labels vLLM puts on every connector series, and what Prometheus adds on a scrape.
@@ -154,9 +158,19 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
        "Control messages and notifications dropped (never acted on), by reason.",
        values={"reason": CONTROL_REJECT_REASONS}, healthy=False),
-    _s("kvpush_kv_params_rejected", "counter", _R,
-       "Requests whose kv_transfer_params were malformed (served by local compute).",
-       healthy=False),
+    _s("kvpush_kv_params_rejected", "counter", ("role", "reason"),
+       "Requests whose kv_transfer_params were refused: malformed, unsigned / bad_signature "
+       "/ expired (not signed by the router's params key), unknown_key (a peer key outside "
+       "the allow-list), foreign_peer (an address outside control.allowed_peers). D computes "
+       "such a prompt locally; P does not push it.",
+       values={"reason": PARAMS_REJECT_REASONS}, healthy=False),
+    _s("kvpush_control_insecure", "gauge", _R,
+       "1 while the control channel runs without keys on a non-loopback address "
+       "(control.insecure: true): any host that reaches the port can forge messages."),
+    _s("kvpush_pump_errors", "counter", ("role", "reason"),
+       "Inputs or actions of the transfer pump that raised, by stage (message, command, "
+       "action, completion, timer); each is contained: the others of the pass go on.",
+       values={"reason": PUMP_STAGES}, healthy=False),
     _s("kvpush_connector_blocks", "gauge", _R,
        "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
        "D: reserved for inbound transfers)."),

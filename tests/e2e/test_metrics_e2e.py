@@ -36,6 +36,7 @@ HEALTHY_NOW = {
     ("kvpush_chunk_post_seconds", "producer"),
     ("kvpush_chunks", "producer"),
     ("kvpush_connector_blocks", "producer"), ("kvpush_connector_blocks", "consumer"),
+    ("kvpush_control_insecure", "producer"), ("kvpush_control_insecure", "consumer"),
 }
 # (series, role): samples on every healthy run once the connector emits them (issue 4:
 # connector wiring of credits, leases, scheduler and breaker). Checked when present,
@@ -58,7 +59,7 @@ HEALTHY_BY_ISSUE_4 = {
 EMITTED_ON_FAULTS = {
     "kvpush_retries", "kvpush_fallbacks", "kvpush_breaker_trips", "kvpush_leases_expired",
     "kvpush_leases_fenced", "kvpush_control_messages_rejected", "kvpush_kv_params_rejected",
-    "kvpush_peer_restarts",
+    "kvpush_peer_restarts", "kvpush_pump_errors",
 }
 
 _seeds = itertools.count(10_000)  # prompts differ from other e2e files' prompts
@@ -196,6 +197,8 @@ async def test_healthy_run_exports_the_documented_series_with_plausible_values(
               f"{expected_bytes} ({bytes_per_block} per block)")
         check(metric_sum(now[engine][1], "kvpush_connector_blocks", role=role) == 0,
               f"{role}: connector blocks not back to 0 when idle")
+        check(metric_sum(now[engine][1], "kvpush_control_insecure", role=role) == 0,
+              f"{role}: the test cluster's control channel runs without keys")
     count = delta(now, "prefill", "kvpush_transfer_seconds_count", role="producer")
     total = delta(now, "prefill", "kvpush_transfer_seconds_sum", role="producer")
     check(count == n, f"producer transfer_seconds_count grew by {count}, expected {n}")

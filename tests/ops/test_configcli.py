@@ -18,7 +18,8 @@ EFA = str(CONFIGS / "efa-p5en.yaml")
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVPUSH_SECRET", raising=False)
+    for name in ("KVPUSH_SECRET", "KVPUSH_PARAMS_KEY", "KVPUSH_KEY_FILE", "KVPUSH_ALLOWED_KEYS"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("KVPUSH_PROFILE", raising=False)
 
 
@@ -73,14 +74,14 @@ def test_extra_from_a_file_and_as_a_whole_kv_transfer_config(
 
 def test_show_says_where_each_value_came_from_and_masks_the_secret(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("KVPUSH_SECRET", "hunter2-very-secret")
+    monkeypatch.setenv("KVPUSH_PARAMS_KEY", "hunter2-very-secret")
     assert main(["show", EFA, "--extra", '{"control": {"port": 15600}}']) == 0
     out = capsys.readouterr().out
     assert "hunter2" not in out
     lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if not ln.startswith("#")}
     assert lines["port"].endswith("# extra")
     assert lines["backend"].endswith("# profile")
-    assert lines["secret"].endswith("# env")
+    assert lines["params_key"].endswith("# env")
     assert lines["max_message_bytes"].endswith("# default")
 
 

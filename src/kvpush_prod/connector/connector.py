@@ -21,6 +21,7 @@ from kvpush_prod.config import config_from_extra
 from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
 from kvpush_prod.connector.scheduler import SchedulerSide
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
+from kvpush_prod.connector.trust import Trust
 from kvpush_prod.connector.worker import WorkerSide
 from kvpush_prod.errors import ConfigError
 
@@ -91,6 +92,7 @@ class PushConnector(KVConnectorBase_V1):
                 dp_index=parallel.data_parallel_index,
                 num_blocks=kv_cache_config.num_blocks,
                 recompute_on_failure=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
+                trust=Trust.from_config(self.cfg),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

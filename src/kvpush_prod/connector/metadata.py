@@ -24,6 +24,7 @@ class RecvSpec:
     block_ids: list[int]
     first_block: int
     num_tokens: int
+    p_key: str = ""  # the prefill engine's public key ("" without keys)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class SendSpec:
     request_id: str
     transfer_id: str
     block_ids: list[int]
+    owner: str = ""  # the decode engine's public key the router named ("" if none)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class PeerRef:
     transfer_id: str
     p_host: str
     p_port: int
+    p_key: str = ""
 
 
 @dataclass
@@ -55,7 +58,8 @@ class PushMetadata(KVConnectorMetadata):
     not_needed: list[PeerRef] = field(default_factory=list)
     abort_recv: list[str] = field(default_factory=list)  # transfer ids
     # producer
-    expect_send: list[str] = field(default_factory=list)  # prefill queued: blocks will come
+    # prefill queued, blocks will come: (transfer id, decode key the router named)
+    expect_send: list[tuple[str, str]] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)  # transfer ids whose request finished
     abort_send: list[str] = field(default_factory=list)  # transfer ids

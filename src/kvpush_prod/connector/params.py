@@ -1,10 +1,13 @@
 """Reading the ``kv_transfer_params`` a router puts on each leg of a request.
 
-The same fields vLLM's NixlPushConnector takes, plus our optional ``transfer_id``.
+The same fields vLLM's NixlPushConnector takes, plus our optional ``transfer_id``,
+``remote_key`` (the prefill engine's public key) and ``decode_key`` (the decode engine the
+router chose). Everything here comes from a client: each field is checked before use.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +16,40 @@ from kvpush_prod.errors import KVTransferParamsError
 
 # vLLM appends "-<8 hex>" to the request id it got in X-Request-Id.
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+_Z85 = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+MAX_ID_LEN = 256
+
+
+def check_host(host: object, field: str = "remote_host") -> str:
+    """``host`` if it is an IP address or a host name, else KVTransferParamsError."""
+    if not isinstance(host, str) or not host:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{field} must be a host name or IP address, got {host!r}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    else:  # an IPv6 address goes in brackets in tcp://HOST:PORT
+        return f"[{ip}]" if ip.version == 6 else str(ip)
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253 or not all(_LABEL.match(label) for label in name.split(".")):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{field}={host[:80]!r} is neither an IP address nor a host "
+            "name (letters, digits, hyphens, dots): send the prefill engine's control address "
+            "from its kv_transfer_params")
+    return host
+
+
+def check_key(key: object, field: str) -> str:
+    """``key`` if it is a Z85 CurveZMQ public key (40 characters), else KVTransferParamsError."""
+    if not isinstance(key, str) or not _Z85.match(key):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{field} must be a 40-character Z85 public key (as the engine "
+            f"answers it in its kv_transfer_params), got {str(key)[:60]!r}")
+    return key
 
 
 def base_request_id(request_id: str) -> str:
@@ -25,7 +62,7 @@ def transfer_id_of(request_id: str, params: dict[str, Any]) -> str:
     tid = params.get("transfer_id")
     if tid is None:
         return base_request_id(request_id)
-    if not isinstance(tid, str) or not tid or len(tid) > 256:
+    if not isinstance(tid, str) or not tid or len(tid) > MAX_ID_LEN:
         raise KVTransferParamsError(
             f"kv_transfer_params.transfer_id must be a non-empty string of at most 256 "
             f"characters, got {tid!r}; send the same value to both legs (or omit it)"
@@ -42,6 +79,7 @@ class RemotePrefill:
     port: int
     engine_id: str
     tp_size: int
+    key: str = ""  # the prefill engine's public key ("" if the params name none)
 
 
 def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> RemotePrefill | None:
@@ -54,23 +92,34 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
             f"kv_transfer_params has do_remote_prefill but no {', '.join(missing)}: the router "
             "must send the prefill engine's control host and port (from its kv_transfer_params)"
         )
-    host, port = params["remote_host"], params["remote_port"]
-    if not isinstance(host, str):
-        raise KVTransferParamsError(f"kv_transfer_params.remote_host must be a string, got {host!r}")
+    host, port = check_host(params["remote_host"]), params["remote_port"]
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise KVTransferParamsError(
             f"kv_transfer_params.remote_port must be a port number 1-65535, got {port!r}"
         )
     tp = params.get("tp_size", 1)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise KVTransferParamsError(f"kv_transfer_params.tp_size must be >= 1, got {tp!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 1024:
+        raise KVTransferParamsError(f"kv_transfer_params.tp_size must be 1-1024, got {tp!r}")
+    engine_id = params.get("remote_engine_id") or ""
+    if not isinstance(engine_id, str) or len(engine_id) > MAX_ID_LEN:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.remote_engine_id must be a string of at most {MAX_ID_LEN} "
+            f"characters, got {str(engine_id)[:60]!r}")
+    key = params.get("remote_key")
     return RemotePrefill(
         transfer_id=transfer_id_of(request_id, params),
         host=host,
         port=port,
-        engine_id=str(params.get("remote_engine_id", "")),
+        engine_id=engine_id,
         tp_size=tp,
+        key=check_key(key, "remote_key") if key else "",
     )
+
+
+def decode_key_of(params: dict[str, Any]) -> str:
+    """P: the public key of the decode engine the router chose ("" if it named none)."""
+    key = params.get("decode_key")
+    return check_key(key, "decode_key") if key else ""
 
 
 def is_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -18,9 +18,9 @@ from kvpush_prod.connector.params import (
     RemotePrefill,
     is_probe,
     is_remote_decode,
-    parse_remote_prefill,
     transfer_id_of,
 )
+from kvpush_prod.connector.trust import Trust
 from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
@@ -52,7 +52,7 @@ class _Recv:
         return f"{self.remote.host}:{self.remote.port}"
 
     def ref(self) -> PeerRef:
-        return PeerRef(self.transfer_id, self.remote.host, self.remote.port)
+        return PeerRef(self.transfer_id, self.remote.host, self.remote.port, self.remote.key)
 
 
 class SchedulerSide:
@@ -60,7 +60,7 @@ class SchedulerSide:
 
     def __init__(self, cfg: KvpushConfig, role: str, engine_id: str, block_size: int,
                  block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
-                 recompute_on_failure: bool = False) -> None:
+                 recompute_on_failure: bool = False, trust: Trust | None = None) -> None:
         self.cfg = cfg
         self.role = role  # "producer" | "consumer"
         self.engine_id = engine_id
@@ -70,6 +70,7 @@ class SchedulerSide:
         self.control_host = cfg.control.advertise_host or cfg.control.host
         self.control_port = cfg.control.port + dp_index * tp_size
         self.recompute_on_failure = recompute_on_failure
+        self.trust = trust if trust is not None else Trust()
         self.stats = StatsBuffer()
         self._kv_cache_manager: Any = None
         # consumer
@@ -85,6 +86,7 @@ class SchedulerSide:
         self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
         # producer
         self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
+        self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
         self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
         self._meta = PushMetadata()
@@ -95,13 +97,16 @@ class SchedulerSide:
     # ------------------------------------------------------------------ identity
     def identity(self) -> dict[str, Any]:
         """What a router needs to point a decode engine at this prefill engine."""
-        return {
+        out: dict[str, Any] = {
             "remote_engine_id": self.engine_id,
             "remote_host": self.control_host,
             "remote_port": self.control_port,
             "tp_size": self.tp_size,
             "kvpush": True,
         }
+        if self.trust.public_key:
+            out["remote_key"] = self.trust.public_key
+        return out
 
     # ------------------------------------------------------------------ consumer (D)
     def get_num_new_matched_tokens(self, request: Request,
@@ -114,10 +119,10 @@ class SchedulerSide:
         recv = self._recv.get(rid)
         if recv is None:
             try:
-                remote = parse_remote_prefill(rid, request.kv_transfer_params)
+                remote = self.trust.remote_prefill(rid, request.kv_transfer_params)
             except KVTransferParamsError as exc:
                 logger.warning("kvpush: request %s computes its prompt locally: %s", rid, exc)
-                self.stats.inc("kvpush_kv_params_rejected", ("consumer",))
+                self.stats.inc("kvpush_kv_params_rejected", ("consumer", exc.reason))
                 self._consumed.add(rid)
                 return 0, False
             if remote is None:
@@ -181,17 +186,30 @@ class SchedulerSide:
         recv.allocated, recv.nblocks = True, len(d_blocks)
         self._consumed.add(rid)
         self._meta.recv.append(RecvSpec(rid, recv.transfer_id, recv.remote.host,
-                                        recv.remote.port, d_blocks, first_block, num_prompt))
+                                        recv.remote.port, d_blocks, first_block, num_prompt,
+                                        recv.remote.key))
 
     # ------------------------------------------------------------------ producer (P)
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
         if self.role != "producer" or not is_remote_decode(params) or is_probe(params):
             return
-        self._requests[request.request_id] = request
+        assert params is not None
+        rid = request.request_id
+        try:
+            owner = self.trust.decode_owner(params)
+        except KVTransferParamsError as exc:
+            # Not pushed: a decode engine that registers it hears at once (and recomputes).
+            logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
+            self.stats.inc("kvpush_kv_params_rejected", ("producer", exc.reason))
+            with contextlib.suppress(KVTransferParamsError):
+                self._meta.abort_send.append(transfer_id_of(rid, params))
+            return
+        self._requests[rid] = request
+        self._owners[rid] = owner
         # A malformed transfer_id is reported when the prompt completes.
         with contextlib.suppress(KVTransferParamsError):
-            self._meta.expect_send.append(transfer_id_of(request.request_id, params or {}))
+            self._meta.expect_send.append((transfer_id_of(rid, params), owner))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
         if self.role == "producer" and self._requests:
@@ -210,12 +228,12 @@ class SchedulerSide:
                 tid = transfer_id_of(rid, req.kv_transfer_params or {})
             except KVTransferParamsError as exc:
                 logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-                self.stats.inc("kvpush_kv_params_rejected", ("producer",))
+                self.stats.inc("kvpush_kv_params_rejected", ("producer", exc.reason))
                 continue
             nblocks = cdiv(req.num_prompt_tokens, self.block_size)
             blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
             self._sent[rid] = (tid, len(blocks))
-            self._meta.send.append(SendSpec(rid, tid, blocks))
+            self._meta.send.append(SendSpec(rid, tid, blocks, self._owners.get(rid, "")))
 
     # ------------------------------------------------------------------ both
     def request_finished(self, request: Request,
@@ -224,6 +242,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.role == "producer":
             self._requests.pop(rid, None)
+            self._owners.pop(rid, None)
             if not is_remote_decode(params):
                 return False, None
             if is_probe(params):
@@ -243,6 +262,8 @@ class SchedulerSide:
             self._meta.hold.append(tid)
             return True, {**self.identity(), "transfer_id": tid}
         # consumer
+        if is_probe(params):
+            return False, self.identity()  # a router asks who we are (our key)
         self._consumed.discard(rid)
         recv = self._recv.get(rid)
         if recv is None:

@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvpush_prod.config import KvpushConfig
+from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
+from kvpush_prod.control.endpoint import EndpointSecurity
+from kvpush_prod.control.keys import load_allowed, load_keypair
 from kvpush_prod.core import messages
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
+    DropPeer,
     Note,
     PostRead,
     PostWrite,
@@ -53,6 +56,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+MESSAGES_PER_PASS = 256  # a flood of control messages cannot hold the pump (and its lock)
+MAX_MESSAGE_AGE_S = 3600.0  # a sent_at further back is a broken clock, not a slow network
+
+
+def endpoint_security(cfg: KvpushConfig) -> EndpointSecurity | None:
+    """The CurveZMQ keys of this engine and its allow-list, or None without keys (loopback,
+    or a network the operator declared trusted with control.insecure)."""
+    c = cfg.control
+    if not (c.key_file and c.allowed_keys):
+        return None
+    return EndpointSecurity(load_keypair(c.key_file), load_allowed(c.allowed_keys))
 
 
 @dataclass
@@ -152,7 +166,8 @@ class WorkerSide:
         block_bytes = sum(r.block_len for r in layout.regions)
         shared = _core_settings(self.cfg, block_bytes)
         leases = self.cfg.leases
-        rng = random.Random(self.incarnation)
+        # Not seeded from anything a peer sees: generations must be unguessable.
+        rng = random.SystemRandom()
         protocol: Sender | Receiver
         if self.role == "producer":
             protocol = Sender(me, SenderSettings(
@@ -164,6 +179,7 @@ class WorkerSide:
                     max_cooldown_s=self.cfg.breaker.max_cooldown_s,
                 ),
                 send_lease_s=leases.send_lease_ttl_s,
+                max_peers=self.cfg.control.max_peers,
                 stop_margin_s=leases.stop_margin_s,
                 skew_margin_s=leases.skew_margin_s,
                 heartbeat_s=leases.heartbeat_interval_s,
@@ -180,13 +196,25 @@ class WorkerSide:
                 stop_margin_s=leases.stop_margin_s,
                 heartbeat_s=leases.heartbeat_interval_s,
                 peer_timeout_s=leases.peer_timeout_s,
+                max_peers=self.cfg.control.max_peers,
                 **shared,
-            ), rng)
+            ), rng, tokens=rng)
+        security = endpoint_security(self.cfg)
         endpoint = ControlEndpoint(
-            ControlCodec(self.cfg.control.secret, self.cfg.control.max_message_bytes),
+            ControlCodec(self.cfg.control.max_message_bytes),
             self.cfg.control.host,
             self.port,
+            security=security,
+            max_peers=self.cfg.control.max_peers,
         )
+        insecure = security is None and not is_loopback(self.cfg.control.host)
+        self.stats.set("kvpush_control_insecure", (self.role,), 1.0 if insecure else 0.0)
+        if insecure:
+            logger.error(
+                "kvpush: INSECURE control channel on %s:%d (control.insecure: true): plaintext "
+                "and unauthenticated, any host that reaches this port can make the engine write "
+                "or free KV blocks. Give each engine keys (kvpush keys generate; docs/security.md)",
+                self.cfg.control.host, self.port)
         self._pump = TransferPump(self.cfg, self.role, transport, endpoint, protocol,
                                   self.results, self.stats, self.trace)
         self._pump.start()
@@ -204,7 +232,8 @@ class WorkerSide:
             return
         for ref in meta.wait_admission:
             address = self._address(ref.p_host, ref.p_port)
-            pump.submit(lambda r, t=ref.transfer_id, a=address: r.await_admission(t, a))
+            pump.submit(lambda r, t=ref.transfer_id, a=address, k=ref.p_key:
+                        r.await_admission(t, a, k))
         for tid in meta.admission_over:
             pump.submit(lambda r, t=tid: r.admission_over(t))
         for spec in meta.recv:
@@ -214,14 +243,16 @@ class WorkerSide:
             pump.began[spec.transfer_id] = time.monotonic()
             address = self._address(spec.p_host, spec.p_port)
             pump.submit(lambda r, s=spec, a=address: r.expect(
-                s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic()))
+                s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic(),
+                owner=s.p_key))
         for ref in meta.not_needed:
             address = self._address(ref.p_host, ref.p_port)
-            pump.submit(lambda r, t=ref.transfer_id, a=address: r.not_needed(t, a))
+            pump.submit(lambda r, t=ref.transfer_id, a=address, k=ref.p_key:
+                        r.not_needed(t, a, k))
         for tid in meta.abort_recv:
             pump.submit(lambda r, t=tid: r.abort(t, time.monotonic()))
-        for tid in meta.expect_send:
-            pump.submit(lambda s, t=tid: s.expect(t, time.monotonic()))
+        for tid, owner in meta.expect_send:
+            pump.submit(lambda s, t=tid, o=owner: s.expect(t, time.monotonic(), o))
         for tid in meta.abort_send:
             pump.submit(lambda s, t=tid: s.abort(t, time.monotonic()))
         for tid in meta.hold:
@@ -254,7 +285,7 @@ class WorkerSide:
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
             self._pump.run_now(lambda s, sp=spec: s.blocks_ready(
-                sp.transfer_id, sp.block_ids, time.monotonic()))
+                sp.transfer_id, sp.block_ids, time.monotonic(), sp.owner))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         sending, recving, failed = self.results.take()
@@ -341,8 +372,14 @@ class TransferPump(threading.Thread):
                 with self.lock:
                     self._pass(readable, receiver)
             except Exception:  # noqa: BLE001 - the pump must survive to keep leases honest
-                logger.exception("kvpush: transfer pump error (continuing)")
+                self._contained("timer", "the pass")
                 time.sleep(0.01)
+
+    def _contained(self, stage: str, what: str) -> None:
+        """Log and count an input or action that raised; the rest of the pass goes on."""
+        self.stats.inc("kvpush_pump_errors", (self.role, stage))
+        logger.exception("kvpush: %s raised in the transfer pump (%s stage); it is dropped "
+                         "and everything else goes on", what, stage)
 
     def run_now(self, command: Callable[[Any], list[Action]]) -> None:
         """Run ``command`` on the protocol in the calling thread (the engine thread's hot path:
@@ -356,21 +393,26 @@ class TransferPump(threading.Thread):
 
     def _pass(self, readable: bool, receiver: Receiver | None) -> None:
         """One round of the loop: messages, commands, completions, scheduling, timers."""
-        actions: list[Action] = []
-        for msg in self.endpoint.receive() if readable else ():
-            if self.trace.on:
-                self.trace("msg_in", getattr(msg, "transfer_id", ""),
-                           kind=type(msg).__name__)
-            sent_at = getattr(msg, "sent_at", 0.0)
-            age = max(0.0, time.time() - sent_at) if sent_at else 0.0
-            actions += self.protocol.on_message(msg, time.monotonic(), age)
+        for msg, origin in self.endpoint.receive(MESSAGES_PER_PASS) if readable else ():
+            # Each message on its own: one that raises never drops or delays another.
+            try:
+                if self.trace.on:
+                    self.trace("msg_in", getattr(msg, "transfer_id", ""),
+                               kind=type(msg).__name__)
+                sent_at = getattr(msg, "sent_at", 0.0)
+                age = min(max(0.0, time.time() - sent_at), MAX_MESSAGE_AGE_S) if sent_at else 0.0
+                self._execute(self.protocol.on_message(msg, time.monotonic(), age, origin))
+            except Exception:  # noqa: BLE001 - contained, counted, logged
+                self._contained("message", type(msg).__name__)
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            actions += command(self.protocol)
-        self._execute(actions)
+            try:
+                self._execute(command(self.protocol))
+            except Exception:  # noqa: BLE001 - contained, counted, logged
+                self._contained("command", "an engine-thread command")
         if self._handles:
             self._check_chunks()
         if receiver is not None and receiver.active > 0:
@@ -393,38 +435,51 @@ class TransferPump(threading.Thread):
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, SendMessage):
-                msg = action.message
-                if hasattr(msg, "sent_at"):
-                    msg = msgspec.structs.replace(msg, sent_at=time.time())  # type: ignore[type-var]
-                self.endpoint.send(action.peer, msg)
-                if self.trace.on:
-                    self.trace("msg_out", getattr(msg, "transfer_id", ""),
-                               kind=type(msg).__name__)
-            elif isinstance(action, PostWrite):
-                self._post(action.chunk_id, action.transfer_id, "WRITE", action.peer,
-                           action.src_blocks, action.dst_blocks, self._done_notif(action))
-            elif isinstance(action, PostRead):
-                self._post(action.chunk_id, action.transfer_id, "READ", action.peer,
-                           action.local_blocks, action.remote_blocks, b"")
-            elif isinstance(action, ConnectPeer):
-                self._connect(action)
-            elif isinstance(action, ReleaseSend):
-                self._release_send(action)
-            elif isinstance(action, ReportFinished):
-                self._report_finished(action)
-            elif isinstance(action, ReportFailed):
-                self._report(action.transfer_id, ok=False, outcome="failed")
-                logger.warning("kvpush: receive of %s failed: %s %s", action.transfer_id,
-                               action.reason, action.detail)
-            elif isinstance(action, Note):
-                self._note(action)
+            # Each action on its own: one that raises never drops the others.
+            try:
+                self._execute_one(action)
+            except Exception:  # noqa: BLE001 - contained, counted, logged
+                self._contained("action", type(action).__name__)
+
+    def _execute_one(self, action: Action) -> None:
+        if isinstance(action, SendMessage):
+            msg = action.message
+            if hasattr(msg, "sent_at"):
+                msg = msgspec.structs.replace(msg, sent_at=time.time())  # type: ignore[type-var]
+            self.endpoint.send(action.peer, msg, action.to)
+            if self.trace.on:
+                self.trace("msg_out", getattr(msg, "transfer_id", ""),
+                           kind=type(msg).__name__)
+        elif isinstance(action, PostWrite):
+            self._post(action.chunk_id, action.transfer_id, "WRITE", action.peer,
+                       action.src_blocks, action.dst_blocks, self._done_notif(action))
+        elif isinstance(action, PostRead):
+            self._post(action.chunk_id, action.transfer_id, "READ", action.peer,
+                       action.local_blocks, action.remote_blocks, b"")
+        elif isinstance(action, ConnectPeer):
+            self._connect(action)
+        elif isinstance(action, DropPeer):
+            self._drop(action.agent_name)
+        elif isinstance(action, ReleaseSend):
+            self._release_send(action)
+        elif isinstance(action, ReportFinished):
+            self._report_finished(action)
+        elif isinstance(action, ReportFailed):
+            self._report(action.transfer_id, ok=False, outcome="failed")
+            logger.warning("kvpush: receive of %s failed: %s %s", action.transfer_id,
+                           action.reason, action.detail)
+        elif isinstance(action, Note):
+            self._note(action)
 
     # -- actions
+    def _drop(self, agent_name: str) -> None:
+        self.transport.disconnect(agent_name)
+        self._peers.pop(agent_name, None)
+        self._peer_label.pop(agent_name, None)
+
     def _connect(self, action: ConnectPeer) -> None:
         if action.replaces:
-            self.transport.disconnect(action.replaces)
-            self._peers.pop(action.replaces, None)
+            self._drop(action.replaces)
         info = action.info
         self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
         if info.agent_name in self._peers or info.layout is None:
@@ -467,42 +522,56 @@ class TransferPump(threading.Thread):
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
 
     def _check_chunks(self) -> None:
+        for cid in list(self._handles):
+            try:
+                self._check_chunk(cid)
+            except Exception:  # noqa: BLE001 - contained, counted, logged
+                self._handles.pop(cid, None)
+                self._contained("completion", f"chunk {cid}")
+
+    def _check_chunk(self, cid: int) -> None:
         now = time.monotonic()
-        for cid, (handle, posted, nbytes) in list(self._handles.items()):
-            state = self.transport.state(handle)
-            if state == "PROC":
-                if now - posted < self._chunk_timeout:
-                    continue
-                state = "TIMEOUT"
-            del self._handles[cid]
-            self.inflight_bytes -= nbytes
-            self.transport.release(handle)
-            ok = state == "DONE"
-            self.trace("chunk_end", "", chunk=cid, state=state)
-            self.stats.inc("kvpush_chunks", (self.role, "ok" if ok else "error"))
-            if not ok:
-                logger.warning("kvpush: chunk %d failed: %s", cid, state)
-            self._execute(self.protocol.on_chunk(cid, ok, "" if ok else state, now))
+        handle, posted, nbytes = self._handles[cid]
+        state = self.transport.state(handle)
+        if state == "PROC":
+            if now - posted < self._chunk_timeout:
+                return
+            state = "TIMEOUT"
+        del self._handles[cid]
+        self.inflight_bytes -= nbytes
+        self.transport.release(handle)
+        ok = state == "DONE"
+        self.trace("chunk_end", "", chunk=cid, state=state)
+        self.stats.inc("kvpush_chunks", (self.role, "ok" if ok else "error"))
+        if not ok:
+            logger.warning("kvpush: chunk %d failed: %s", cid, state)
+        self._execute(self.protocol.on_chunk(cid, ok, "" if ok else state, now))
 
     def _check_notifications(self, receiver: Receiver) -> None:
-        for _agent, notifs in self.transport.notifications().items():
+        for agent, notifs in self.transport.notifications().items():
             for raw in notifs:
                 try:
-                    done = messages.decode_done(raw)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    self._note(Note("rejected", "malformed", f"bad DONE notification: {exc}"))
-                    continue
-                if done is None:
-                    continue
-                self.trace("done_in", done.transfer_id)
-                verified = True
-                if done.checksum >= 0:
-                    blocks = receiver.blocks_of(done.transfer_id)
-                    if blocks is not None:
-                        verified = self._checksum(blocks) == done.checksum
-                        if not verified:
-                            logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
-                self._execute(receiver.on_done(done, time.monotonic(), verified))
+                    self._on_notification(receiver, str(agent), raw)
+                except Exception:  # noqa: BLE001 - contained, counted, logged
+                    self._contained("completion", f"a notification of {str(agent)[:64]}")
+
+    def _on_notification(self, receiver: Receiver, agent: str, raw: bytes) -> None:
+        try:
+            done = messages.decode_done(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._note(Note("rejected", "malformed", f"bad DONE notification: {exc}"))
+            return
+        if done is None:
+            return
+        self.trace("done_in", done.transfer_id)
+        verified = True
+        if done.checksum >= 0:
+            blocks = receiver.blocks_of(done.transfer_id)
+            if blocks is not None:
+                verified = self._checksum(blocks) == done.checksum
+                if not verified:
+                    logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
+        self._execute(receiver.on_done(done, time.monotonic(), verified, agent))
 
     def _release_send(self, action: ReleaseSend) -> None:
         rid = self.request_of.pop(action.transfer_id, None)
