@@ -63,10 +63,12 @@ class KeyPair:
 
 
 @dataclass(frozen=True)
-class _Certificate:
-    public: bytes
-    secret: bytes | None
+class Certificate:
+    """What one certificate file holds: its name, public key, and secret key if any."""
+
     name: str
+    public: bytes
+    secret: bytes | None = field(repr=False)
 
 
 def generate(name: str, directory: str | os.PathLike[str],
@@ -166,7 +168,9 @@ def _check_key(path: Path, what: str, key: bytes) -> None:
         )
 
 
-def _read(path: Path, role: str) -> _Certificate:
+def read_certificate(path: str | os.PathLike[str], role: str = "certificate") -> Certificate:
+    """One certificate file, checked (keys well formed and matching, name valid)."""
+    path = Path(path)
     if not path.exists():
         raise ConfigError(
             f"{path}: no such {role}. Create key pairs with {GENERATE_HINT}, or fix the path"
@@ -196,13 +200,13 @@ def _read(path: Path, role: str) -> _Certificate:
         check_name(name)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}; rename the file or fix its metadata name") from None
-    return _Certificate(public, secret, name)
+    return Certificate(name, public, secret)
 
 
 def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
     """The key pair in a secret certificate (``NAME.key_secret``); ConfigError if unusable."""
     path = Path(path)
-    cert = _read(path, "key file")
+    cert = read_certificate(path, "key file")
     if cert.secret is None:
         beside = path.with_name(_stem(path) + SECRET_SUFFIX)
         hint = (f"use {beside}" if beside.exists() and beside != path
@@ -245,7 +249,7 @@ def load_allowed(path: str | os.PathLike[str]) -> dict[bytes, str]:
     allowed: dict[bytes, str] = {}
     where: dict[bytes, Path] = {}
     for file in files:
-        cert = _read(file, "public certificate")
+        cert = read_certificate(file, "public certificate")
         if cert.secret is not None:
             raise ConfigError(
                 f"{file}: holds a secret key, but an allow-list is shared with every engine: "
