@@ -97,8 +97,9 @@ class ControlEndpoint:
         self._closed = False
         # A context of our own: the ZAP handler is per context, and so is the socket limit.
         self._ctx: zmq.Context[Socket] = zmq.Context()
-        # Each peer costs a DEALER and the two ends of its monitor.
-        self._ctx.set(zmq.MAX_SOCKETS, max(1024, 3 * max_peers + 64))
+        # Each peer costs a DEALER and the two ends of its monitor; closed sockets hold their
+        # slot until ZMQ's reaper thread gets to them, which a burst of new peers can outrun.
+        self._ctx.set(zmq.MAX_SOCKETS, 4 * max_peers + 4096)
         self._auth: AllowListAuthenticator | None = None
         self._peers: OrderedDict[tuple[str, str], tuple[Socket, Socket]] = OrderedDict()
         self._monitors: dict[Socket, _Watch] = {}
@@ -327,10 +328,27 @@ class ControlEndpoint:
             logger.debug("kvpush: closed the least recently used peer socket (%s)", old_address)
         try:
             sock = self._ctx.socket(zmq.DEALER)
-        except zmq.ZMQError as exc:  # out of file descriptors or ZMQ sockets
-            self._reject(RejectReason.NO_SOCKET, f"cannot open a socket to {address}: {exc}; "
-                         "raise the open-files limit (ulimit -n) or lower control.max_peers")
+        except zmq.ZMQError as exc:
+            self._no_socket(address, exc)
             return None
+        try:
+            self._configure_dealer(sock, address, to)
+            monitor = self._watch(sock, _Watch(address, outbound=True))
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._no_socket(address, exc)
+            return None
+        try:
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._close_peer((sock, monitor))
+            self._reject(RejectReason.BAD_ADDRESS, f"cannot connect to {address}: {exc}")
+            return None
+        entry = (sock, monitor)
+        self._peers[(address, to)] = entry
+        return entry
+
+    def _configure_dealer(self, sock: Socket, address: str, to: str) -> None:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.IMMEDIATE, 0)
@@ -344,16 +362,10 @@ class ControlEndpoint:
             sock.curve_secretkey = self._security.keypair.secret
             sock.curve_publickey = self._security.keypair.public
             sock.curve_serverkey = to.encode("ascii")
-        monitor = self._watch(sock, _Watch(address, outbound=True))
-        try:
-            sock.connect(address)
-        except zmq.ZMQError as exc:
-            self._close_peer((sock, monitor))
-            self._reject(RejectReason.BAD_ADDRESS, f"cannot connect to {address}: {exc}")
-            return None
-        entry = (sock, monitor)
-        self._peers[(address, to)] = entry
-        return entry
+
+    def _no_socket(self, address: str, exc: zmq.ZMQError) -> None:
+        self._reject(RejectReason.NO_SOCKET, f"cannot open a socket to {address}: {exc}; raise "
+                     "the open-files limit (ulimit -n) or lower control.max_peers")
 
     def _close_peer(self, entry: tuple[Socket, Socket]) -> None:
         sock, monitor = entry
