@@ -236,7 +236,8 @@ def test_plaintext_send_to_a_malformed_address_is_dropped_and_counted() -> None:
     try:
         a.send("tcp://a b:1", cancel())
         a.send(None, cancel())  # type: ignore[arg-type]
-        assert a.rejected == {"bad_address": 2}
+        a.send(["tcp://127.0.0.1:5"], cancel(), to=[])  # type: ignore[arg-type]
+        assert a.rejected == {"bad_address": 3}
     finally:
         a.close()
 

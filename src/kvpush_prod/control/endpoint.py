@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import zmq
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush_prod.control.addresses import address_problem, is_ipv6
@@ -63,6 +64,10 @@ def warn_if_ephemeral(port: int) -> None:
             "(net.ipv4.ip_local_port_range); an outgoing connection may take it while the "
             "engine restarts. Set control.port below %d, or reserve it with "
             "net.ipv4.ip_local_reserved_ports", port, rng[0], rng[1], rng[0])
+
+
+def _port_taken(exc: BaseException) -> bool:
+    return isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE
 
 
 @dataclass(frozen=True)
@@ -148,20 +153,17 @@ class ControlEndpoint:
     def _bind(self, address: str) -> None:
         # A process restarted at once may race its dying predecessor for the port: wait a
         # little for it to go before calling the port taken.
-        deadline = time.monotonic() + BIND_WAIT_S
-        while True:
-            try:
-                self._router.bind(address)
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
-                    time.sleep(0.25)
-                    continue
-                raise ConfigError(
-                    f"cannot bind the control endpoint to {address}: {exc}. Set "
-                    "control.port to a free port (each rank uses port + rank) or control.host "
-                    "to an address of this machine"
-                ) from None
+        try:
+            for attempt in Retrying(stop=stop_after_delay(BIND_WAIT_S), wait=wait_fixed(0.25),
+                                    retry=retry_if_exception(_port_taken), reraise=True):
+                with attempt:
+                    self._router.bind(address)
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"cannot bind the control endpoint to {address}: {exc}. Set "
+                "control.port to a free port (each rank uses port + rank) or control.host "
+                "to an address of this machine"
+            ) from None
 
     # ------------------------------------------------------------------ identity
     @property
@@ -282,8 +284,10 @@ class ControlEndpoint:
             logger.debug("kvpush: endpoint closed; not sending %s to %s", type(msg).__name__,
                          address)
             return
+        if not isinstance(to, str):  # the type says str; a caller's bug must not raise here
+            to = ""
         peer_key = (address, to if self._security is not None else "")
-        entry = self._peers.get(peer_key)
+        entry = self._peers.get(peer_key) if isinstance(address, str) else None
         if entry is None:
             problem = address_problem(address)
             if problem is not None:
@@ -314,11 +318,12 @@ class ControlEndpoint:
             self._reject(RejectReason.QUEUE_FULL, f"control queue to {address} is full "
                          f"({SNDHWM} messages: the peer is down or slow); dropped "
                          f"{type(msg).__name__}")
+        except zmq.ZMQError as exc:
+            self._reject(RejectReason.NO_SOCKET, f"cannot send to {address}: {exc}")
 
-    def _known_key(self, to: object) -> bool:
+    def _known_key(self, to: str) -> bool:
         assert self._security is not None
-        return isinstance(to, str) and bool(to) and \
-            to.encode("ascii", "replace") in self._security.allowed
+        return bool(to) and to.encode("ascii", "replace") in self._security.allowed
 
     def _open_peer(self, address: str, to: str) -> tuple[Socket, Socket] | None:
         while len(self._peers) >= self._max_peers:
