@@ -1,4 +1,4 @@
-"""``kvpush``: the command line (config, demo, router, serve).
+"""``kvpush``: the command line (config, keys, demo, router, serve).
 
 Each subcommand hands the rest of the command line to its own module.
 """
@@ -12,6 +12,7 @@ USAGE = """usage: kvpush <command> [args]
 commands:
   bench     side-by-side benchmark vs vLLM's connectors; bench transfer: NIXL push vs memcpy
   config    validate a profile, show the effective config, render docs (kvpush config --help)
+  keys      CurveZMQ keys of the control channel: generate, list, check (kvpush keys --help)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
   chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
   router    run the push-aware P/D router (kvpush router --help)
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpush_prod.configcli import main as config_main
 
         return config_main(rest)
+    if cmd == "keys":
+        from kvpush_prod.control.keyscli import main as keys_main
+
+        return keys_main(rest)
     if cmd == "demo":
         from kvpush_prod.demo import main as demo_main
 

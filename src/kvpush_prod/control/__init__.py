@@ -1,6 +1,20 @@
-"""The control channel between engines: authenticated, size-limited msgpack messages over ZMQ."""
+"""The control channel between engines: CurveZMQ-authenticated, size-limited msgpack messages.
+
+Each engine holds its own key pair and accepts only the keys of the deployment's allow-list.
+"""
 
 from kvpush_prod.control.codec import ControlCodec, RejectReason
 from kvpush_prod.control.endpoint import ControlEndpoint
+from kvpush_prod.control.keys import KeyPair, fingerprint, load_allowed, load_keypair
+from kvpush_prod.control.security import EndpointSecurity
 
-__all__ = ["ControlCodec", "ControlEndpoint", "RejectReason"]
+__all__ = [
+    "ControlCodec",
+    "ControlEndpoint",
+    "EndpointSecurity",
+    "KeyPair",
+    "RejectReason",
+    "fingerprint",
+    "load_allowed",
+    "load_keypair",
+]
