@@ -4,6 +4,8 @@ router, and optionally a plain single engine as the reference. Used by demo, tes
 
 from __future__ import annotations
 
+import secrets
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_prod.client import metric_sum, scrape
+from kvpush_prod.control.keys import generate
 from kvpush_prod.launch import (
     EngineSpec,
     Proc,
@@ -56,6 +59,12 @@ class ClusterSpec:
     prefill_engine_id: str | None = None
     decode_engine_id: str | None = None
     model: TinyModelSpec | None = None  # shape of the generated model (the lab's tiny Llama)
+    # Each engine gets its own CurveZMQ key pair and the allow-list of the cluster's keys
+    # (plus ``extra_keys``, engines that may authenticate but own nothing: hostile tests).
+    secure: bool = True
+    extra_keys: tuple[str, ...] = ()
+    # The router signs kv_transfer_params with a params key the engines require.
+    signed_params: bool = True
 
 
 class Cluster:
@@ -71,6 +80,34 @@ class Cluster:
         ports = free_port_block(8)
         self.p_control, self.d_control = ports, ports + 4
         self.router_port = free_port()
+        self.keys_dir = spec.workdir / "keys"
+        self.allowed_dir = spec.workdir / "allowed"
+        self.params_key_file = spec.workdir / "params.key"
+        if spec.secure:
+            self._make_keys(("prefill", "decode", *spec.extra_keys))
+        if spec.signed_params:
+            self.params_key_file.write_text(secrets.token_hex(32) + "\n")
+            self.params_key_file.chmod(0o600)
+
+    def _make_keys(self, names: tuple[str, ...]) -> None:
+        """A fresh key pair per engine name and an allow-list directory holding them all."""
+        shutil.rmtree(self.allowed_dir, ignore_errors=True)
+        self.allowed_dir.mkdir(parents=True)
+        for name in names:
+            public, _ = generate(name, self.keys_dir, force=True)
+            shutil.copy(public, self.allowed_dir / public.name)
+
+    def key_file(self, name: str) -> Path:
+        return self.keys_dir / f"{name}.key_secret"
+
+    def _security_extra(self, name: str) -> dict[str, Any]:
+        control: dict[str, Any] = {}
+        if self.spec.secure:
+            control.update(key_file=str(self.key_file(name)),
+                           allowed_keys=str(self.allowed_dir))
+        if self.spec.signed_params:
+            control["params_key_file"] = str(self.params_key_file)
+        return {"control": control} if control else {}
 
     def _engine_spec(self, name: str) -> EngineSpec:
         s = self.spec
@@ -80,14 +117,15 @@ class Cluster:
                                   "extra_args": list(s.engine_args)}
         if name == "prefill":
             kv = push_kv_config("kv_producer", profile, self.p_control,
-                                {**s.extra, **s.prefill_extra}, s.prefill_engine_id)
+                                {**s.extra, **s.prefill_extra}, s.prefill_engine_id,
+                                security=self._security_extra(name))
             common["extra_args"] += s.prefill_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
         if name == "decode":
             kv = push_kv_config("kv_consumer", profile, self.d_control,
                                 {**s.extra, **s.decode_extra}, s.decode_engine_id,
-                                s.kv_load_failure_policy)
+                                s.kv_load_failure_policy, security=self._security_extra(name))
             common["extra_args"] += s.decode_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
                               kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
@@ -120,6 +158,8 @@ class Cluster:
         cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
                "--port", str(self.router_port), "--prefill", self.urls["prefill"],
                "--decode", self.urls["decode"], *self.spec.router_args]
+        if self.spec.signed_params:
+            cmd += ["--params-key-file", str(self.params_key_file)]
         import os
 
         self.procs["router"] = Proc("router", cmd, dict(os.environ),

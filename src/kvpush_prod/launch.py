@@ -228,12 +228,14 @@ def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0) -> 
 
 def push_kv_config(role: str, profile: str | None, control_port: int,
                    extra: dict[str, Any] | None = None, engine_id: str | None = None,
-                   kv_load_failure_policy: str | None = None) -> dict[str, Any]:
-    """A ``kv_transfer_config`` that loads PushConnector."""
+                   kv_load_failure_policy: str | None = None,
+                   security: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``kv_transfer_config`` that loads PushConnector (``security``: the control keys and
+    params key, merged before ``extra`` so a test can override them)."""
     extra_config: dict[str, Any] = {"control": {"port": control_port}}
     if profile:
         extra_config["profile"] = profile
-    for key, value in (extra or {}).items():
+    for key, value in [*(security or {}).items(), *(extra or {}).items()]:
         if isinstance(value, dict):
             extra_config.setdefault(key, {}).update(value)
         else:

@@ -53,10 +53,19 @@ OUTCOMES = ("pushed", "retried", "pull_fallback", "recompute", "failed", "expire
 CHUNK_RESULTS = ("ok", "error", "post_failed")
 DECISIONS = ("admit", "later", "refuse")
 LEASE_KINDS = ("permit", "send")
-CONTROL_REJECT_REASONS = ("oversize", "malformed", "unauthenticated", "version",
-                          "unknown_transfer", "stale_generation", "bad_blocks", "incompatible",
-                          "duplicate", "unexpected", "not_owner", "overloaded", "bad_permit",
-                          "bad_address", "unknown_peer_key", "handshake_failed")
+CONTROL_REJECT_REASONS = (
+    # inbound messages
+    "oversize", "malformed", "unauthenticated", "version",
+    # what the protocol core refused
+    "unknown_transfer", "stale_generation", "bad_blocks", "incompatible", "duplicate",
+    "unexpected", "not_owner", "overloaded", "bad_permit",
+    # handshakes on this engine's port (CurveZMQ)
+    "handshake_unknown_key", "handshake_crypto", "handshake_mechanism", "handshake_protocol",
+    "handshake_failed",
+    # outbound
+    "bad_address", "unknown_peer_key", "oversize_outbound", "queue_full", "no_socket",
+    "peer_refused_key", "peer_handshake_failed",
+)
 PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
                          "foreign_peer")
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")

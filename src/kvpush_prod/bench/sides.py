@@ -82,6 +82,8 @@ SIDES: dict[str, Side] = {
             "vLLM NixlPushConnector (push), as shipped",
         ),
         Side("kvpush", "kvpush", "neutralised", "kvpush (ours)"),
+        # The same without keys or signed params: what authentication costs.
+        Side("kvpush-insecure", "kvpush", "neutralised", "kvpush without keys (insecure)"),
     )
 }
 DEFAULT_SIDES = [
@@ -122,6 +124,7 @@ class RunningSide:
         self.entry = ""
         self._cluster: Any = None
         self._identity: dict[str, Any] = {}
+        self._params_key: Path | None = None  # the router signs kv_transfer_params with it
 
     # -- start
     def start(self, timeout: float = 900.0) -> RunningSide:
@@ -232,8 +235,12 @@ class RunningSide:
             prefill_env=dict(trace),
             decode_env=dict(trace),
             engine_args=list(s.engine_args),
+            secure=self.side.name != "kvpush-insecure",
+            signed_params=self.side.name != "kvpush-insecure",
         )
         cluster = Cluster(spec)
+        if spec.signed_params:
+            self._params_key = cluster.params_key_file
         cluster.model = self._model()
         cluster.log_dir = self.log_dir
         self._cluster = cluster
@@ -265,6 +272,7 @@ class RunningSide:
             "--mode",
             mode,
             *(["--vllm-push-compat"] if self.side.kind == "vllm-push" else []),
+            *(["--params-key-file", str(self._params_key)] if self._params_key else []),
             "--log-level",
             "warning",
         ]

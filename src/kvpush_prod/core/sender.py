@@ -236,17 +236,19 @@ class Sender:
         return [Note("rejected", "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
+        o = self._out.get(reg.transfer_id)
+        if o is not None and o.required and origin != o.required:
+            # Before anything of the message is believed (its agent, its layout).
+            return [self._not_owner(reg, origin, "the router named another decode engine")]
         out = self._learn_peer(reg.sender, origin, now)
         if out is None:
             return [self._retired_note(reg.sender)]
+        o = self._out.get(reg.transfer_id)  # a peer restart may just have ended it
         if any(isinstance(a, Note) and a.reason == "incompatible" for a in out):
             # A layout we cannot write into: D hears at once instead of waiting out its permit.
             return [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
                 out[-1].detail if isinstance(out[-1], Note) else ""), origin)]
-        o = self._out.get(reg.transfer_id)
-        if o is not None and o.required and origin != o.required:
-            return [*out, self._not_owner(reg, origin, "the router named another decode engine")]
         if o is not None and o.reg is not None and origin != o.owner:
             if o.required or len(o.contenders) >= self.s.max_contenders:
                 return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
