@@ -23,6 +23,7 @@ from kvpush_prod.launch import (
     start_engine,
     wait_healthy,
 )
+from kvpush_prod.signing import sign_params
 from kvpush_prod.tinymodel import TinyModelSpec, write_tiny_model
 
 PROFILES = Path(__file__).resolve().parent.parent.parent / "configs"
@@ -96,6 +97,12 @@ class Cluster:
         for name in names:
             public, _ = generate(name, self.keys_dir, force=True)
             shutil.copy(public, self.allowed_dir / public.name)
+
+    def sign(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as the cluster's router would send them (signed when it signs)."""
+        if not self.spec.signed_params:
+            return params
+        return sign_params(params, self.params_key_file.read_text().strip().encode(), time.time())
 
     def key_file(self, name: str) -> Path:
         return self.keys_dir / f"{name}.key_secret"

@@ -178,12 +178,12 @@ async def test_missing_prefill_leg_fails_fast_with_a_clear_error(cluster: Cluste
     prompt = prompt_of_length(300, seed=next(_seeds))
     params = {"do_remote_prefill": True, "transfer_id": f"orphan-{next(_seeds)}",
               **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port",
-                                        "tp_size")}}
+                                        "tp_size", "remote_key")}}
     before = scrape(cluster.urls["decode"])
     t0 = time.monotonic()
     async with httpx.AsyncClient() as client:
-        got = await request(client, cluster.urls["decode"],
-                            completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=params))
+        got = await request(client, cluster.urls["decode"], completion_body(
+            prompt, MAX_TOKENS, False, kv_transfer_params=cluster.sign(params)))
     waited = time.monotonic() - t0
     assert not got.ok and got.status >= 400, (got.status, got.text)
     # Bounded by the register grace, the permit term and margins (10 + 5 + 1 s here), never
