@@ -132,13 +132,21 @@ def test_main_returns_2_and_prints_the_bad_key(tmp_path, capsys):
     assert "kvpush router: error:" in err and "max_retries = -1" in err
 
 
-def test_main_runs_uvicorn_with_the_settings(monkeypatch):
-    import uvicorn
+def test_main_runs_uvicorn_with_the_settings_and_the_limited_protocol(monkeypatch):
+    from kvpush_prod.router.server import LimitedHttpProtocol, RouterServer
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(RouterServer, "run", lambda self: seen.update(server=self))
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # keep pytest's logging
-    rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123"])
+    rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123",
+               "--header-timeout", "3", "--drain-timeout", "7"])  # fmt: skip
     assert rc == 0
-    assert (seen["host"], seen["port"], seen["access_log"]) == ("127.0.0.1", 8123, False)
-    assert seen["app"].state.settings.prefill[0].url == "http://a:1"
+    server = seen["server"]
+    config = server.config
+    assert (config.host, config.port, config.access_log) == ("127.0.0.1", 8123, False)
+    assert config.app.state.settings.prefill[0].url == "http://a:1"
+    assert issubclass(config.http, LimitedHttpProtocol)
+    assert config.http.settings.header_timeout_s == 3.0
+    assert config.timeout_keep_alive == 75
+    assert server.drain_timeout_s == 7.0
+    assert server.admission is config.app.state.admission

@@ -1,0 +1,281 @@
+"""How the router is served: uvicorn plus the connection limits it lacks, and a drain on SIGTERM.
+
+``serve(settings)`` runs it; tests use ``uvicorn_config`` and ``RouterServer`` directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import FrameType
+from typing import Any, ClassVar
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvpush_prod.router.config import RouterSettings
+from kvpush_prod.router.legs import error_body
+from kvpush_prod.router.limits import Admission
+from kvpush_prod.router.metrics import RejectReason, RouterMetrics
+
+log = logging.getLogger(__name__)
+
+# Keep-alive longer than the client pools' so the router is never the side that closes a
+# connection a client is about to reuse (an idle connection costs one socket).
+KEEP_ALIVE_S = 75
+# After the drain (or its deadline), what is left (a /metrics scrape, a stream past the
+# deadline) gets this long before uvicorn cancels it.
+SHUTDOWN_GRACE_S = 2
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+class _HeadersTooLarge(Exception):
+    """Raised inside the parser's callback to stop parsing; answered with 431."""
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the connection limits uvicorn has no knob for.
+
+    - headers: a request's line and headers must arrive within ``header_timeout_s`` of its
+      first byte (or of the connection opening) and fit ``max_header_bytes``: 408 / 431,
+      then closed (an idle new connection is just closed);
+    - a request answered before its body was all read (413, 408, 503) closes the
+      connection, instead of reading and dropping the rest for as long as it comes;
+    - writes: a client whose socket accepts nothing for ``client_write_timeout_s`` (buffers
+      full: it stopped reading) is dropped at once, which cancels its legs.
+
+    Configure a subclass with :func:`limited_protocol`.
+    """
+
+    settings: ClassVar[RouterSettings]
+    metrics: ClassVar[RouterMetrics]
+
+    _header_timer: asyncio.TimerHandle | None = None
+    _stall_timer: asyncio.TimerHandle | None = None
+    _header_bytes: int = 0
+    _partial: bool = False  # some of a request's headers arrived, not all
+    _too_large: bool = False
+
+    # -- headers ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._partial = True
+        self._arm_header_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._partial = False
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def _count_header_bytes(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self.settings.max_header_bytes:
+            self._too_large = True
+            raise _HeadersTooLarge()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn answers any parser error with 400; an error we raised gets its own answer.
+        if self.transport.is_closing():
+            return
+        if self._too_large:
+            self.metrics.count_rejected(RejectReason.HEADER_TOO_LARGE)
+            limit = self.settings.max_header_bytes
+            self._answer_and_close(
+                431,
+                f"request line and headers exceed {limit} bytes (max_header_bytes); "
+                "send fewer or shorter headers",
+            )
+            return
+        super().send_400_response(msg)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(
+                self.settings.header_timeout_s, self._header_timed_out
+            )
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # An earlier request's answer is still going out (a pipelined request behind
+            # it): it is not this request's to cut short; look again later.
+            self._arm_header_timer()
+            return
+        self.metrics.count_rejected(RejectReason.HEADER_TIMEOUT)
+        if not self._partial:
+            self.transport.close()  # nothing sent: nobody to answer
+            return
+        t = self.settings.header_timeout_s
+        self._answer_and_close(
+            408,
+            f"request headers not received within {t} s (header_timeout_s); send the whole "
+            "request line and headers at once",
+        )
+
+    def _answer_and_close(self, status: int, message: str) -> None:
+        body = error_body(message, status, "invalid_request_error", _code(status))
+        head = (
+            f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
+    # -- bodies left unread --------------------------------------------------------------------
+
+    def on_response_complete(self) -> None:
+        # With nothing pipelined, self.cycle is the request just answered (a pipelined
+        # one's body was complete before the next request could begin).
+        if not self.pipeline and self.cycle is not None and self.cycle.more_body:
+            self.server_state.total_requests += 1
+            self.transport.close()
+            return
+        super().on_response_complete()
+
+    # -- write stalls -----------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(
+                self.settings.client_write_timeout_s, self._write_stalled
+            )
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _write_stalled(self) -> None:
+        self._stall_timer = None
+        self.metrics.count_rejected(RejectReason.WRITE_STALL)
+        log.warning(
+            "client %s read nothing for %s s (client_write_timeout_s): dropping it",
+            self.client,
+            self.settings.client_write_timeout_s,
+        )
+        # abort, not close: close would wait for the client to read what is buffered.
+        # The ASGI side sees a disconnect and closes this request's legs.
+        self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        super().connection_lost(exc)
+
+
+def _code(status: int) -> str:
+    return "header_too_large" if status == 431 else "header_timeout"
+
+
+def limited_protocol(
+    settings: RouterSettings, metrics: RouterMetrics
+) -> type[LimitedHttpProtocol]:
+    """A :class:`LimitedHttpProtocol` that applies ``settings`` and counts in ``metrics``."""
+    return type(
+        "LimitedHttpProtocol",
+        (LimitedHttpProtocol,),
+        {"settings": settings, "metrics": metrics},
+    )
+
+
+def uvicorn_config(app: FastAPI, settings: RouterSettings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's config for the router's ``app``: its protocol, keep-alive and shutdown."""
+    kwargs: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": settings.access_log,
+        "http": limited_protocol(settings, app.state.metrics),
+        "timeout_keep_alive": KEEP_ALIVE_S,
+        "timeout_graceful_shutdown": SHUTDOWN_GRACE_S,
+        "lifespan": "on",
+    }
+    kwargs.update(overrides)
+    return uvicorn.Config(app, **kwargs)
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, with a drain: the first SIGTERM (or SIGINT) stops admitting
+    requests (503, /health says draining) while the listener stays open, and exits when
+    the open ones are done or after ``drain_timeout_s``; a second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout_s: float):
+        super().__init__(config)
+        self.admission = admission
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None
+        self._announced = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: only flags here, the main loop (on_tick) acts on them.
+        if self.drain_deadline is None and not self.should_exit:
+            self.begin_drain()
+        else:
+            self.should_exit = True
+            self.force_exit = True
+
+    def begin_drain(self) -> None:
+        """Stop admitting requests; exit once the open ones end or the deadline passes."""
+        self.admission.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.drain_deadline is None:
+            return False
+        open_now = self.admission.inflight
+        if not self._announced:
+            self._announced = True
+            log.warning(
+                "draining: refusing new requests, waiting up to %s s for %d open",
+                self.drain_timeout_s,
+                open_now,
+            )
+        if open_now == 0:
+            log.warning("drained: no request open, exiting")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            log.warning("drain deadline passed with %d requests open: closing them", open_now)
+            return True
+        return False
+
+
+def serve(settings: RouterSettings) -> None:
+    """Run the router until it has drained after SIGTERM (or a second signal)."""
+    from kvpush_prod.router.app import build_app
+
+    app = build_app(settings)
+    server = RouterServer(
+        uvicorn_config(app, settings), app.state.admission, settings.drain_timeout_s
+    )
+    server.run()
+
