@@ -28,6 +28,11 @@ KEEP_ALIVE_S = 75
 # After the drain (or its deadline), what is left (a /metrics scrape, a stream past the
 # deadline) gets this long before uvicorn cancels it.
 SHUTDOWN_GRACE_S = 2
+# A connection answered before its request was all read (413, 431, an early 503) keeps
+# reading and dropping the rest this long after the answer, so the client can finish
+# sending and read the answer: closing with unread input makes the kernel reset the
+# connection, and the client sees a reset instead of the 413 (and the OpenAI SDK retries).
+LINGER_S = 5.0
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
@@ -41,8 +46,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     - headers: a request's line and headers must arrive within ``header_timeout_s`` of its
       first byte (or of the connection opening) and fit ``max_header_bytes``: 408 / 431,
       then closed (an idle new connection is just closed);
-    - a request answered before its body was all read (413, 408, 503) closes the
-      connection, instead of reading and dropping the rest for as long as it comes;
+    - a request answered before its body was all read (413, 431, 503) ends the connection
+      with a lingering close: the answer, then the rest of the request is read and dropped
+      for up to LINGER_S (never parsed), then closed;
     - writes: a client whose socket accepts nothing for ``client_write_timeout_s`` (buffers
       full: it stopped reading) is dropped at once, which cancels its legs.
 
@@ -54,9 +60,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     _header_timer: asyncio.TimerHandle | None = None
     _stall_timer: asyncio.TimerHandle | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
     _header_bytes: int = 0
     _partial: bool = False  # some of a request's headers arrived, not all
     _too_large: bool = False
+    _lingering: bool = False
 
     # -- headers ---------------------------------------------------------------------------
 
@@ -82,6 +90,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._partial = False
         self._cancel_header_timer()
         super().on_headers_complete()
+        if self.cycle is not None and not isinstance(self.cycle.transport, _CycleTransport):
+            # The cycle closes the connection after a "Connection: close" answer: let that
+            # close linger when the request's body was not all read.
+            self.cycle.transport = _CycleTransport(self)
 
     def _count_header_bytes(self, n: int) -> None:
         self._header_bytes += n
@@ -96,11 +108,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._too_large:
             self.metrics.count_rejected(RejectReason.HEADER_TOO_LARGE)
             limit = self.settings.max_header_bytes
-            self._answer_and_close(
+            self._answer(
                 431,
                 f"request line and headers exceed {limit} bytes (max_header_bytes); "
                 "send fewer or shorter headers",
             )
+            self._linger()
             return
         super().send_400_response(msg)
 
@@ -129,31 +142,57 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.transport.close()  # nothing sent: nobody to answer
             return
         t = self.settings.header_timeout_s
-        self._answer_and_close(
+        self._answer(
             408,
             f"request headers not received within {t} s (header_timeout_s); send the whole "
             "request line and headers at once",
         )
+        self.transport.close()  # a slow client: no lingering for it
 
-    def _answer_and_close(self, status: int, message: str) -> None:
+    def _answer(self, status: int, message: str) -> None:
         body = error_body(message, status, "invalid_request_error", _code(status))
         head = (
             f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         )
         self.transport.write(head.encode() + body)
-        self.transport.close()
 
     # -- bodies left unread --------------------------------------------------------------------
 
-    def on_response_complete(self) -> None:
-        # With nothing pipelined, self.cycle is the request just answered (a pipelined
+    def _body_unread(self) -> bool:
+        # With nothing pipelined, self.cycle is the request being answered (a pipelined
         # one's body was complete before the next request could begin).
-        if not self.pipeline and self.cycle is not None and self.cycle.more_body:
-            self.server_state.total_requests += 1
+        return not self.pipeline and self.cycle is not None and self.cycle.more_body
+
+    def close_after_answer(self) -> None:
+        """Close after an answer: at once, or lingering if the body was not all read."""
+        if self._body_unread() and not self.transport.is_closing():
+            self._linger()
+        elif not self._lingering:
             self.transport.close()
+
+    def on_response_complete(self) -> None:
+        if self._lingering or self._body_unread():
+            # Answered early (keep-alive or not): the rest of the body is dropped, and the
+            # connection ends, instead of being read for as long as the client sends it.
+            self.server_state.total_requests += 1
+            if not self._lingering and not self.transport.is_closing():
+                self._linger()
             return
         super().on_response_complete()
+
+    def _linger(self) -> None:
+        self._lingering = True
+        self._cancel_header_timer()
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the answer, then FIN: the client reads it all
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a request already answered: dropped, never parsed
+        super().data_received(data)
 
     # -- write stalls -----------------------------------------------------------------------
 
@@ -184,10 +223,33 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        for timer in (self._stall_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._linger_timer = None
         super().connection_lost(exc)
+
+
+class _CycleTransport(asyncio.Transport):
+    """The transport as one request's cycle sees it: the same, except that closing after
+    an answer goes through the protocol (which may linger)."""
+
+    def __init__(self, protocol: LimitedHttpProtocol) -> None:
+        super().__init__()
+        self._protocol = protocol
+        self._transport = protocol.transport
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_after_answer()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
 
 
 def _code(status: int) -> str:
