@@ -286,7 +286,8 @@ def uvicorn_config(app: FastAPI, settings: RouterSettings, **overrides: Any) -> 
 class RouterServer(uvicorn.Server):
     """uvicorn's server, with a drain: the first SIGTERM (or SIGINT) stops admitting
     requests (503, /health says draining) while the listener stays open, and exits when
-    the open ones are done or after ``drain_timeout_s``; a second signal exits at once.
+    the open ones are done or after ``drain_timeout_s``; a second signal closes the open
+    ones and exits at once (a third skips even closing the backend clients).
     """
 
     def __init__(self, config: uvicorn.Config, admission: Admission, drain_timeout_s: float):
@@ -295,14 +296,17 @@ class RouterServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline: float | None = None
         self._announced = False
+        self._forced = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: only flags here, the main loop (on_tick) acts on them.
         if self.drain_deadline is None and not self.should_exit:
             self.begin_drain()
+        elif not self.should_exit:
+            self.should_exit = True  # connections dropped, then uvicorn's quick shutdown
+            self._forced = True
         else:
-            self.should_exit = True
-            self.force_exit = True
+            self.force_exit = True  # a third: not even the shutdown (clients closed)
 
     def begin_drain(self) -> None:
         """Stop admitting requests; exit once the open ones end or the deadline passes."""
@@ -310,6 +314,9 @@ class RouterServer(uvicorn.Server):
         self.drain_deadline = time.monotonic() + self.drain_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
+        if self._forced:
+            log.warning("second signal: closing %d open requests now", self.admission.inflight)
+            self.drop_connections()
         if await super().on_tick(counter):
             return True
         if self.drain_deadline is None:
@@ -327,8 +334,15 @@ class RouterServer(uvicorn.Server):
             return True
         if time.monotonic() >= self.drain_deadline:
             log.warning("drain deadline passed with %d requests open: closing them", open_now)
+            self.drop_connections()
             return True
         return False
+
+    def drop_connections(self) -> None:
+        """Abort every client connection: each open request then ends as if its client
+        had left (its legs closed, so the engines abort them), not cancelled mid-await."""
+        for conn in list(self.server_state.connections):
+            conn.transport.abort()
 
 
 def serve(settings: RouterSettings) -> None:
