@@ -6,8 +6,8 @@ clients: one for the legs, one for health checks and probes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
@@ -42,37 +42,12 @@ def build_app(
     pool = BackendPool(settings, metrics)
     admission = Admission(settings.max_concurrent_requests)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        legs_client = _client(
-            settings,
-            transport,
-            max_connections=settings.max_connections,
-            timeout=httpx.Timeout(
-                None, connect=settings.connect_timeout_s, pool=settings.pool_timeout_s
-            ),
-        )
-        # A health check and a probe (or models refresh) per backend at most at once.
-        health_client = _client(
-            settings,
-            transport,
-            max_connections=2 * len(pool.all) + 2,
-            timeout=httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s),
-        )
-        health = HealthMonitor(settings, pool, health_client)
-        dispatcher = Dispatcher(settings, pool, health, legs_client, metrics)
-        app.state.health = health
-        app.state.dispatcher = dispatcher
-        await health.start()
-        try:
-            yield
-        finally:
-            await health.stop()
-            await dispatcher.aclose()
-            await legs_client.aclose()
-            await health_client.aclose()
-
-    app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvpush router",
+        lifespan=_lifespan(settings, pool, metrics, transport),
+        docs_url=None,
+        redoc_url=None,
+    )
     app.add_middleware(
         LimitsMiddleware,
         admission=admission,
@@ -108,30 +83,76 @@ def build_app(
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         client: httpx.AsyncClient = request.app.state.dispatcher.client
-        errors = []
-        for b in pool.decode:
-            if not b.up:
-                continue
-            try:
-                r = await client.get(b.url + "/v1/models", timeout=settings.health_timeout_s)
-            except httpx.HTTPError as e:
-                errors.append(f"{b.url}: {type(e).__name__}: {e}")
-                continue
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        down = ", ".join(f"{b.url} ({b.last_error})" for b in pool.decode if not b.up)
-        detail = "; ".join(errors) if errors else f"down: {down}"
-        return error_response(
-            503,
-            f"no healthy decode backend to list models ({detail})",
-            "server_error",
-            "no_backend",
-        )
+        return await _list_models(pool, client, settings.health_timeout_s)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _lifespan(
+    settings: RouterSettings,
+    pool: BackendPool,
+    metrics: RouterMetrics,
+    transport: httpx.AsyncBaseTransport | None,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup and shutdown: the two clients, the health monitor and the dispatcher."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        legs_client = _client(
+            settings,
+            transport,
+            max_connections=settings.max_connections,
+            timeout=httpx.Timeout(
+                None, connect=settings.connect_timeout_s, pool=settings.pool_timeout_s
+            ),
+        )
+        # A health check and a probe (or models refresh) per backend at most at once.
+        health_client = _client(
+            settings,
+            transport,
+            max_connections=2 * len(pool.all) + 2,
+            timeout=httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s),
+        )
+        health = HealthMonitor(settings, pool, health_client)
+        dispatcher = Dispatcher(settings, pool, health, legs_client, metrics)
+        app.state.health = health
+        app.state.dispatcher = dispatcher
+        await health.start()
+        try:
+            yield
+        finally:
+            await health.stop()
+            await dispatcher.aclose()
+            await legs_client.aclose()
+            await health_client.aclose()
+
+    return lifespan
+
+
+async def _list_models(pool: BackendPool, client: httpx.AsyncClient, timeout: float) -> Response:
+    """``GET /v1/models`` of the first up decode backend that answers; 503 if none does."""
+    errors = []
+    for b in pool.decode:
+        if not b.up:
+            continue
+        try:
+            r = await client.get(b.url + "/v1/models", timeout=timeout)
+        except httpx.HTTPError as e:
+            errors.append(f"{b.url}: {type(e).__name__}: {e}")
+            continue
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+    down = ", ".join(f"{b.url} ({b.last_error})" for b in pool.decode if not b.up)
+    detail = "; ".join(errors) if errors else f"down: {down}"
+    return error_response(
+        503,
+        f"no healthy decode backend to list models ({detail})",
+        "server_error",
+        "no_backend",
+    )
 
 
 def _client(

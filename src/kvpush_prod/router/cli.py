@@ -78,6 +78,31 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         dest="connect_timeout_s",
         help="seconds to connect to a backend (default 2)",
     )
+    _add_limit_flags(p)
+    _add_key_flags(p)
+    p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
+    p.add_argument(
+        "--backend-api-key",
+        dest="backend_api_key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.add_argument(
+        "--access-log",
+        dest="access_log",
+        action="store_true",
+        default=None,
+        help="log every request (costs latency under load)",
+    )
+    return p
+
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """The most used limits (docs/router.md, "Limits"); the rest are YAML-only."""
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -114,6 +139,10 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         dest="drain_timeout_s",
         help="on SIGTERM, seconds to finish open requests before exiting (default 25)",
     )
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    """Router-signed kv_transfer_params and the engines' control-channel keys."""
     p.add_argument(
         "--params-key-file",
         dest="params_key_file",
@@ -138,25 +167,6 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         help="probe decode backends for their control-channel key and name it to P "
         "(decode_key), so P accepts the transfer only from that D",
     )
-    p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
-    p.add_argument(
-        "--backend-api-key",
-        dest="backend_api_key",
-        default=os.environ.get("VLLM_API_KEY") or None,
-        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
-    )
-    p.add_argument(
-        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
-    )
-    p.add_argument(
-        "--access-log",
-        dest="access_log",
-        action="store_true",
-        default=None,
-        help="log every request (costs latency under load)",
-    )
-    return p
-
 
 def settings_from_args(
     argv: list[str] | None = None, *, prog: str = "kvpush router"
