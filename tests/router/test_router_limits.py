@@ -199,6 +199,7 @@ async def test_body_nested_too_deep_is_400(fakes, router, depth):
     ("extra", "reason", "needle"),
     [
         ({"n": 2}, "n_gt_1", "send 2 separate requests with n = 1"),
+        ({"n": 10**400}, "n_gt_1", "`n` = 1000"),  # too big for a float: still a 400
         ({"best_of": 3}, "n_gt_1", "`best_of` = 3"),
         ({"use_beam_search": True}, "beam_search", "use_beam_search"),
     ],

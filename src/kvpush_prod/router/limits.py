@@ -215,8 +215,9 @@ def parse_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     return body
 
 
-def _count(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+def _more_than_one(v: Any) -> bool:
+    # Compared as given: float() of a huge JSON integer (10**400) would overflow.
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1
 
 
 def check_one_sequence(body: dict[str, Any]) -> None:
@@ -226,8 +227,7 @@ def check_one_sequence(body: dict[str, Any]) -> None:
     cannot go through a P/D pair.
     """
     for key in ("n", "best_of"):
-        v = _count(body.get(key))
-        if v is not None and v > 1:
+        if _more_than_one(body.get(key)):
             raise RequestRejected(
                 RejectReason.N_GT_1,
                 400,
