@@ -144,7 +144,7 @@ class RouterSettings(_Strict):
     drain_timeout_s: float = Field(default=25.0, ge=0)
     # -- router-signed kv_transfer_params (kvpush_prod.signing) --
     # The file holding the params key shared with the engines; the key itself comes only
-    # from that file or $KVPUSH_PARAMS_KEY (see cli.load_params_key), never from a flag.
+    # from that file or $KVPUSH_PARAMS_KEY (see with_params_key), never from a flag.
     params_key_file: str | None = None
     params_key: bytes | None = Field(default=None, repr=False, exclude=True)
     # The engines refuse signatures valid for more than an hour (verify_params' max_ttl_s).
