@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from router_fakes import FakeVLLM, Server
 
 from kvpush_prod.router import RouterSettings, build_app, settings_from_mapping
+from kvpush_prod.router.server import limited_protocol
 
 # Fast health polling keeps kill/restart tests short.
 FAST = {
@@ -82,7 +83,8 @@ async def router() -> AsyncIterator[Callable[..., Awaitable[RouterHandle]]]:
         settings = settings_from_mapping(data)
         registry = CollectorRegistry()
         app = build_app(settings, registry=registry)
-        server = Server(app)
+        # Served as `kvpush router` serves it: with the router's connection limits.
+        server = Server(app, http=limited_protocol(app.state.settings, app.state.metrics))
         await server.start()
         client = httpx.AsyncClient(timeout=10.0, trust_env=False)
         h = RouterHandle(settings, app, server, client, registry)

@@ -41,8 +41,9 @@ Hook = Callable[["FakeVLLM", Seen], Awaitable[Response | None]]
 class Server:
     """A uvicorn server in the test's event loop, on 127.0.0.1 and a chosen or free port."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         self.app = app
+        self.config = config  # uvicorn.Config arguments over the defaults below
         self.port = 0
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -58,16 +59,16 @@ class Server:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            log_config=None,
-            log_level="critical",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=1,
-            timeout_keep_alive=30,
-        )
-        self._server = uvicorn.Server(config)
+        kwargs: dict[str, Any] = {
+            "log_config": None,
+            "log_level": "critical",
+            "access_log": False,
+            "lifespan": "on",
+            "timeout_graceful_shutdown": 1,
+            "timeout_keep_alive": 30,
+            **self.config,
+        }
+        self._server = uvicorn.Server(uvicorn.Config(self.app, **kwargs))
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         deadline = time.monotonic() + 10
         while not self._server.started:
@@ -114,6 +115,8 @@ class FakeVLLM:
         self.control_host = "10.0.0.7"
         self.control_port = control_port
         self.tp_size = 1
+        # The engine's control-channel public key (Z85), or None: an engine without keys.
+        self.remote_key: str | None = None
         self.requests: list[Seen] = []  # completions and chat, probes excluded
         self.probes: list[Seen] = []
         self.arrived = asyncio.Event()  # set on the first non-probe request
@@ -151,7 +154,7 @@ class FakeVLLM:
     # -- vLLM-shaped bodies --------------------------------------------------------------
 
     def identity_params(self, request_id: str) -> dict[str, Any]:
-        return {
+        out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [[1, 2]],
@@ -161,6 +164,17 @@ class FakeVLLM:
             "remote_port": self.control_port,
             "tp_size": self.tp_size,
         }
+        if self.remote_key is not None:
+            out["remote_key"] = self.remote_key
+        return out
+
+    def probe_answer(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
+        """A probe's answer: P's identity; a D with a key answers its identity too, a D
+        without keys like vLLM (``kv_transfer_params: null``)."""
+        out = self.full_body(path, body, rid)
+        if self.role == "decode" and self.remote_key is not None:
+            out["kv_transfer_params"] = self.identity_params(rid)
+        return out
 
     def full_body(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
         n = min(int(body.get("max_tokens") or len(self.tokens)), len(self.tokens))
@@ -273,7 +287,7 @@ class FakeVLLM:
         rid = request.headers.get("x-request-id", uuid.uuid4().hex)
         if (body.get("kv_transfer_params") or {}).get("kvpush_probe"):
             self.probes.append(seen)
-            return JSONResponse(self.full_body(path, body, rid))
+            return JSONResponse(self.probe_answer(path, body, rid))
         self.requests.append(seen)
         self.arrived.set()
         if self.hook is not None:

@@ -83,6 +83,19 @@ first_byte_timeout_s: null
             "prefill: [http://a:1, http://a:1/]\ndecode: [http://b:2]\n",
             ["prefill[1].url = 'http://a:1' is listed twice"],
         ),
+        (
+            "prefill: [http://a:1]\ndecode: [http://b:2]\nmax_concurrent_requests: 3000\n",
+            ["max_concurrent_requests = 3000 needs up to 6000 backend connections",
+             "max_connections = 4096"],
+        ),
+        (
+            "prefill: [{url: http://a:1, remote_key: short}]\ndecode: [http://b:2]\n",
+            ["prefill[0].remote_key = 'short'", "at least 40 characters"],
+        ),
+        (
+            "prefill: [http://a:1]\ndecode: [http://b:2]\nparams_key: hunter2hunter2hunter2\n",
+            ["params_key in", "never read from a config file", "params_key_file"],
+        ),
     ],
 )
 def test_bad_yaml_names_key_and_value(tmp_path, yaml_text, needles):
@@ -132,13 +145,74 @@ def test_main_returns_2_and_prints_the_bad_key(tmp_path, capsys):
     assert "kvpush router: error:" in err and "max_retries = -1" in err
 
 
-def test_main_runs_uvicorn_with_the_settings(monkeypatch):
-    import uvicorn
+def test_main_runs_uvicorn_with_the_settings_and_the_limited_protocol(monkeypatch):
+    from kvpush_prod.router.server import LimitedHttpProtocol, RouterServer
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(RouterServer, "run", lambda self: seen.update(server=self))
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)  # keep pytest's logging
-    rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123"])
+    rc = main(["--prefill", "http://a:1", "--decode", "http://b:2", "--port", "8123",
+               "--header-timeout", "3", "--drain-timeout", "7"])  # fmt: skip
     assert rc == 0
-    assert (seen["host"], seen["port"], seen["access_log"]) == ("127.0.0.1", 8123, False)
-    assert seen["app"].state.settings.prefill[0].url == "http://a:1"
+    server = seen["server"]
+    config = server.config
+    assert (config.host, config.port, config.access_log) == ("127.0.0.1", 8123, False)
+    assert config.app.state.settings.prefill[0].url == "http://a:1"
+    assert issubclass(config.http, LimitedHttpProtocol)
+    assert config.http.settings.header_timeout_s == 3.0
+    assert config.timeout_keep_alive == 75
+    assert server.drain_timeout_s == 7.0
+    assert server.admission is config.app.state.admission
+
+
+SECRET = "s3cret-s3cret-s3cret-s3cret"
+BACKENDS = ["--prefill", "http://a:1", "--decode", "http://b:2"]
+
+
+def test_limits_have_their_defaults_and_flags():
+    s = settings_from_args(BACKENDS)
+    assert (s.max_body_bytes, s.max_concurrent_requests, s.max_json_depth) == (16 << 20, 1024, 128)
+    assert (s.header_timeout_s, s.body_timeout_s, s.client_write_timeout_s) == (10, 30, 30)
+    assert (s.drain_timeout_s, s.params_ttl_s, s.params_key, s.probe_decode) == (
+        25, 120, None, False)  # fmt: skip
+    s = settings_from_args([*BACKENDS, "--max-body-bytes", "2048", "--max-concurrent-requests",
+                            "8", "--body-timeout", "5", "--probe-decode", "--params-ttl", "30"])
+    assert (s.max_body_bytes, s.max_concurrent_requests, s.body_timeout_s) == (2048, 8, 5)
+    assert (s.probe_decode, s.params_ttl_s) == (True, 30)
+
+
+def test_the_params_key_comes_from_its_file_and_stays_out_of_repr(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPUSH_PARAMS_KEY", "from-the-environment-but-the-file-wins")
+    key = tmp_path / "params.key"
+    key.write_text(SECRET + "\n")
+    s = settings_from_args([*BACKENDS, "--params-key-file", str(key)])
+    assert s.params_key == SECRET.encode()
+    assert SECRET not in repr(s) and SECRET not in str(s.model_dump())
+
+
+def test_the_params_key_comes_from_the_environment_without_a_file(monkeypatch):
+    monkeypatch.setenv("KVPUSH_PARAMS_KEY", SECRET)
+    assert settings_from_args(BACKENDS).params_key == SECRET.encode()
+    monkeypatch.delenv("KVPUSH_PARAMS_KEY")
+    assert settings_from_args(BACKENDS).params_key is None
+
+
+def test_a_params_key_on_the_command_line_is_refused_without_echoing_it(capsys):
+    for argv in (["--params-key", SECRET], [f"--params-key={SECRET}"]):
+        assert main([*BACKENDS, *argv]) == 2
+        err = capsys.readouterr().err
+        assert "--params-key is not accepted" in err and "--params-key-file" in err
+        assert SECRET not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(None, "cannot read the params key file"), ("\n", "is empty"), ("short", "too weak")],
+)
+def test_a_bad_params_key_file_is_named(tmp_path, content, needle):
+    key = tmp_path / "params.key"
+    if content is not None:
+        key.write_text(content)
+    with pytest.raises(ConfigError, match=needle) as e:
+        settings_from_args([*BACKENDS, "--params-key-file", str(key)])
+    assert str(key) in str(e.value)

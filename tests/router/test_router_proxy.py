@@ -208,7 +208,10 @@ async def test_prefill_connect_error_marks_it_down_and_retries(fakes, router):
     resp = await r.post("/v1/completions", COMPLETION)
 
     assert resp.status_code == 200, resp.text
-    assert len(p2.requests) == 1 and len(d.requests) == 2
+    # D's first leg may be cancelled before it is sent: the legs' pool has no connection
+    # to D yet (health checks use their own), and P's connect error comes first.
+    assert len(p2.requests) == 1 and len(d.requests) in (1, 2)
+    assert d.requests[-1].headers["x-request-id"] == p2.requests[0].headers["x-request-id"]
     assert r.sample("kvpush_router_retries_total", reason="prefill_connect") == 1
     health = (await r.client.get(r.url + "/health")).json()
     assert [b["up"] for b in health["prefill"]] == [False, True]

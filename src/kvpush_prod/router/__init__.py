@@ -14,12 +14,13 @@ from kvpush_prod.router.config import (
     load_settings,
     settings_from_mapping,
 )
-from kvpush_prod.router.metrics import Outcome, RouterMetrics
+from kvpush_prod.router.metrics import Outcome, RejectReason, RouterMetrics
 
 __all__ = [
     "DecodeBackendConfig",
     "Outcome",
     "PrefillBackendConfig",
+    "RejectReason",
     "RouterMetrics",
     "RouterSettings",
     "build_app",

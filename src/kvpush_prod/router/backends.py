@@ -32,6 +32,25 @@ class PrefillIdentity:
     host: str
     port: int
     tp_size: int
+    # P's control-channel public key (Z85); None when P runs without keys.
+    remote_key: str | None = None
+
+
+_Z85 = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def check_remote_key(v: Any) -> str | None:
+    """A control-channel public key as probed (40 Z85 characters) or None; ValueError else."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) != 40 or not _Z85.issuperset(v):
+        raise ValueError(
+            f"remote_key {v!r} is not a control-channel public key (40 Z85 characters); "
+            "check the engine's control.key_file"
+        )
+    return v
 
 
 _IDENTITY_KEYS = {
@@ -73,12 +92,14 @@ def resolve_identity(
             "prefill engine with a push kv connector (kv_role kv_producer or kv_both), or set "
             "engine_id/control_host/control_port/tp_size for it in the router YAML"
         )
+    given_key = overrides.remote_key if overrides is not None else None
     try:
         return PrefillIdentity(
             engine_id=str(values["engine_id"]),
             host=str(values["host"]),
             port=int(values["port"]),
             tp_size=int(values["tp_size"]),
+            remote_key=check_remote_key(given_key or probed.get("remote_key")),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(
@@ -105,6 +126,10 @@ class Backend:
     served: frozenset[str] = field(default_factory=frozenset)
     # Push mode needs P's identity for D's leg; pull mode takes it from P's answer.
     needs_identity: bool = True
+    # Decode only (probe_decode): D's control-channel key, and whether D answered the probe
+    # (with a key or without: an engine without keys has none to give).
+    remote_key: str | None = None
+    key_probed: bool = False
 
     @property
     def up(self) -> bool:
@@ -134,8 +159,11 @@ class Backend:
                     "control_host": ident.host,
                     "control_port": ident.port,
                     "tp_size": ident.tp_size,
+                    "remote_key": ident.remote_key,
                 }
             )
+        elif self.key_probed:
+            out["remote_key"] = self.remote_key
         if not self.up:
             out["error"] = self.last_error
         return out
@@ -189,6 +217,9 @@ class BackendPool:
             # A restarted engine has a new engine id and maybe a new control port:
             # forget the old identity so it is probed again before use.
             b.identity = None
+        # Likewise a restarted D may come back with another key.
+        b.remote_key = None
+        b.key_probed = False
         self._publish(b, was_up)
 
     def mark_healthy(self, b: Backend, epoch: int) -> None:
@@ -213,6 +244,13 @@ class BackendPool:
         elif b.healthy:
             b.last_error = None
         self._publish(b, was_up)
+
+    def set_decode_key(self, b: Backend, key: str | None) -> None:
+        """Record what D answered the key probe with (None: D runs without keys)."""
+        if key != b.remote_key or not b.key_probed:
+            log.info("decode backend %s control key: %s", b.url, key or "none (no keys)")
+        b.remote_key = key
+        b.key_probed = True
 
     def set_models(self, b: Backend, models: Iterable[str]) -> None:
         b.models = tuple(models)

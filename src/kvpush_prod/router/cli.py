@@ -12,7 +12,13 @@ import sys
 from typing import Any
 
 from kvpush_prod.errors import ConfigError
-from kvpush_prod.router.config import RouterSettings, read_yaml, settings_from_mapping
+from kvpush_prod.router.config import (
+    RouterSettings,
+    read_yaml,
+    settings_from_mapping,
+    with_params_key,
+)
+from kvpush_prod.signing import PARAMS_KEY_ENV
 
 
 def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
@@ -72,6 +78,8 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         dest="connect_timeout_s",
         help="seconds to connect to a backend (default 2)",
     )
+    _add_limit_flags(p)
+    _add_key_flags(p)
     p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
     p.add_argument(
         "--backend-api-key",
@@ -92,13 +100,88 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
     return p
 
 
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """The most used limits (docs/router.md, "Limits"); the rest are YAML-only."""
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        dest="max_body_bytes",
+        help="largest request body; a larger one gets 413 (default 16777216, 16 MiB)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        dest="max_concurrent_requests",
+        help="completion requests in progress at once; beyond it 503 (default 1024)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        dest="header_timeout_s",
+        help="seconds a client may take to send a request's headers (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        dest="body_timeout_s",
+        help="seconds a client may take to send a request's body (default 30)",
+    )
+    p.add_argument(
+        "--client-write-timeout",
+        type=float,
+        dest="client_write_timeout_s",
+        help="seconds a client may stop reading its answer before it is dropped (default 30)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        dest="drain_timeout_s",
+        help="on SIGTERM, seconds to finish open requests before exiting (default 25)",
+    )
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    """Router-signed kv_transfer_params and the engines' control-channel keys."""
+    p.add_argument(
+        "--params-key-file",
+        dest="params_key_file",
+        metavar="PATH",
+        help=f"file holding the params key shared with the engines: sign both legs' "
+        f"kv_transfer_params (default: ${PARAMS_KEY_ENV} if set, else unsigned)",
+    )
+    # A trap, not an option: a key given here would be readable by every user of the
+    # machine (ps, /proc/*/cmdline); refuse it without echoing the value.
+    p.add_argument("--params-key", dest="params_key_on_command_line", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--params-ttl",
+        type=float,
+        dest="params_ttl_s",
+        help="seconds a signature on kv_transfer_params stays valid (default 120)",
+    )
+    p.add_argument(
+        "--probe-decode",
+        dest="probe_decode",
+        action="store_true",
+        default=None,
+        help="probe decode backends for their control-channel key and name it to P "
+        "(decode_key), so P accepts the transfer only from that D",
+    )
+
 def settings_from_args(
     argv: list[str] | None = None, *, prog: str = "kvpush router"
 ) -> RouterSettings:
     """Parse flags (and the --config file) into validated settings; raises ConfigError."""
     args = build_parser(prog).parse_args(argv)
+    if args.params_key_on_command_line is not None:
+        raise ConfigError(
+            "--params-key is not accepted: a key on the command line is visible to every "
+            "user of the machine; write it to a file only the router can read and pass "
+            f"--params-key-file PATH, or set ${PARAMS_KEY_ENV}"
+        )
     data: dict[str, Any] = read_yaml(args.config) if args.config else {}
-    flags = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    skip = ("config", "params_key_on_command_line")
+    flags = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     data.update(flags)
     source = f"{args.config} + command line" if args.config else "command line"
     if "prefill" not in data or "decode" not in data:
@@ -106,32 +189,22 @@ def settings_from_args(
             f"router needs at least one prefill and one decode backend ({source}): "
             "pass --prefill URL and --decode URL, or list them under prefill:/decode: in --config"
         )
-    return settings_from_mapping(data, source=source)
+    return with_params_key(settings_from_mapping(data, source=source), os.environ)
 
 
 def main(argv: list[str] | None = None, *, prog: str = "kvpush router") -> int:
-    """Run the router until interrupted; returns the process exit status (2: bad config)."""
+    """Run the router until SIGTERM/SIGINT and its drain; returns the process exit status
+    (2: bad config)."""
     try:
         settings = settings_from_args(argv, prog=prog)
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
-    from kvpush_prod.router.app import build_app
+    from kvpush_prod.router.server import serve
 
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    uvicorn.run(
-        build_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        # Keep-alive longer than the client pools' so the router is never the side that
-        # closes a connection a client is about to reuse.
-        timeout_keep_alive=75,
-    )
+    serve(settings)
     return 0

@@ -6,6 +6,7 @@ Validated with pydantic; every error names the key, the offending value and the 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key
 
 PolicyName = Literal["round_robin", "least_loaded"]
 # push: both legs at once (push connectors); pull: P first, then D with P's
@@ -62,6 +64,9 @@ class PrefillBackendConfig(_Strict):
     control_port: int | None = Field(default=None, ge=1, le=65535)
     engine_id: str | None = None
     tp_size: int | None = Field(default=None, ge=1)
+    # P's control-channel public key (Z85, 40 characters); wins over the probed one. Not
+    # part of the identity proper: P may run without keys.
+    remote_key: str | None = Field(default=None, min_length=40, max_length=40)
 
     @field_validator("url")
     @classmethod
@@ -108,6 +113,45 @@ class RouterSettings(_Strict):
     # Sent as a bearer token on every backend request (vLLM --api-key); without it the
     # client's own Authorization header is forwarded on both legs.
     backend_api_key: str | None = Field(default=None, repr=False)
+    # -- limits (docs/router.md, "Limits") --
+    # 16 MiB: a prompt at the longest context windows (as text or token ids) is about
+    # 1 MiB, which leaves room for a few base64 images in a chat request; vLLM itself has
+    # no limit, so a body larger than this is almost certainly a mistake or an attack.
+    max_body_bytes: int = Field(default=16 << 20, ge=1024)
+    # Request line plus headers; bearer tokens and a few proxies' headers fit many times.
+    max_header_bytes: int = Field(default=64 << 10, ge=1024, le=16 << 20)
+    # From a connection's first byte (or its opening) to the end of a request's headers.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # From the end of the headers to the last body byte: 16 MiB at 0.5 MiB/s fits.
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # Nesting of arrays and objects in a request body; far above any real request and far
+    # below Python's recursion limit, so parsing and re-encoding the legs cannot fail.
+    max_json_depth: int = Field(default=128, ge=2, le=500)
+    # Completion requests in progress (reading the body, waiting, streaming); beyond it a
+    # request gets 503 with Retry-After at once. Each holds at most two backend connections
+    # (P and D), hence the check against max_connections below.
+    max_concurrent_requests: int = Field(default=1024, ge=1)
+    # Waiting for a free connection in the legs' pool (max_connections).
+    pool_timeout_s: float = Field(default=5.0, gt=0)
+    # Sending a leg's request to a backend that stopped reading it.
+    backend_write_timeout_s: float = Field(default=30.0, gt=0)
+    # A client whose socket accepts no more of its answer for this long is dropped and its
+    # legs closed: otherwise the stalled stream holds D's connection and pool slot forever.
+    client_write_timeout_s: float = Field(default=30.0, gt=0)
+    # SIGTERM: finish open requests for up to this long, then close the rest and exit.
+    # Below Kubernetes' default 30 s grace period, so the router closes its legs itself
+    # (the engines abort them) before a SIGKILL would.
+    drain_timeout_s: float = Field(default=25.0, ge=0)
+    # -- router-signed kv_transfer_params (kvpush_prod.signing) --
+    # The file holding the params key shared with the engines; the key itself comes only
+    # from that file or $KVPUSH_PARAMS_KEY (see with_params_key), never from a flag.
+    params_key_file: str | None = None
+    params_key: bytes | None = Field(default=None, repr=False, exclude=True)
+    # The engines refuse signatures valid for more than an hour (verify_params' max_ttl_s).
+    params_ttl_s: float = Field(default=120.0, gt=0, le=3600)
+    # Probe decode backends for their control-channel key, so P accepts the transfer only
+    # from the D chosen for it (prefill leg's ``decode_key``).
+    probe_decode: bool = False
     access_log: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -132,6 +176,26 @@ class RouterSettings(_Strict):
                 seen.add(url)
         return self
 
+    @model_validator(mode="after")
+    def _pool_fits_requests(self) -> RouterSettings:
+        if self.max_concurrent_requests * 2 > self.max_connections:
+            raise ValueError(
+                f"max_concurrent_requests = {self.max_concurrent_requests} needs up to "
+                f"{self.max_concurrent_requests * 2} backend connections (a P and a D leg "
+                f"each) but max_connections = {self.max_connections}; raise max_connections "
+                "or lower max_concurrent_requests"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _key_is_strong(self) -> RouterSettings:
+        if self.params_key is not None:
+            try:
+                check_key(self.params_key)
+            except SignatureError as e:
+                raise ValueError(f"params key: {e}") from None
+        return self
+
 
 def _loc(loc: tuple[int | str, ...]) -> str:
     out = ""
@@ -149,7 +213,8 @@ def _allowed_keys(loc: tuple[int | str, ...]) -> list[str]:
         model = PrefillBackendConfig
     elif loc and loc[0] == "decode":
         model = DecodeBackendConfig
-    return list(model.model_fields)
+    # params_key is set from a file or the environment only, never written as a key.
+    return [k for k in model.model_fields if k != "params_key"]
 
 
 def _describe(err: Any) -> str:
@@ -169,12 +234,62 @@ def _describe(err: Any) -> str:
 
 
 def settings_from_mapping(data: Mapping[str, Any], source: str = "settings") -> RouterSettings:
-    """Validate a plain mapping (parsed YAML, merged CLI flags) into :class:`RouterSettings`."""
+    """Validate a plain mapping (parsed YAML, merged CLI flags) into :class:`RouterSettings`.
+
+    The params key is read from ``params_key_file`` when given; a ``params_key`` in the
+    mapping itself is refused (config files and flags are not for secrets).
+    """
+    if "params_key" in data:
+        raise ConfigError(
+            f"params_key in {source}: the params key is never read from a config file or a "
+            f"flag; put it in a file (params_key_file / --params-key-file, readable only by "
+            f"the router) or in ${PARAMS_KEY_ENV}"
+        )
     try:
-        return RouterSettings.model_validate(dict(data))
+        settings = RouterSettings.model_validate(dict(data))
     except ValidationError as e:
         lines = "\n  ".join(_describe(err) for err in e.errors())
         raise ConfigError(f"invalid router config in {source}:\n  {lines}") from None
+    return with_params_key(settings)
+
+
+def read_params_key(path: str | Path) -> bytes:
+    """The params key in ``path``: its text without surrounding whitespace, as UTF-8."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ConfigError(
+            f"cannot read the params key file {str(path)!r}: {why}; check params_key_file "
+            "(--params-key-file)"
+        ) from None
+    key = text.strip().encode()
+    if not key:
+        raise ConfigError(
+            f"the params key file {str(path)!r} is empty; write the key the engines share "
+            "into it (e.g. `openssl rand -hex 32`)"
+        )
+    return key
+
+
+def with_params_key(
+    settings: RouterSettings, environ: Mapping[str, str] | None = None
+) -> RouterSettings:
+    """``settings`` with ``params_key`` loaded from ``params_key_file``, else from
+    ``$KVPUSH_PARAMS_KEY`` in ``environ`` (not consulted when None); unchanged if neither."""
+    if settings.params_key is not None:
+        return settings
+    if settings.params_key_file is not None:
+        key, where = read_params_key(settings.params_key_file), repr(settings.params_key_file)
+    elif environ is not None and environ.get(PARAMS_KEY_ENV, "").strip():
+        key, where = environ[PARAMS_KEY_ENV].strip().encode(), f"${PARAMS_KEY_ENV}"
+    else:
+        return settings
+    try:
+        check_key(key)
+    except SignatureError as e:
+        raise ConfigError(f"the params key from {where} is too weak: {e}") from None
+    return settings.model_copy(update={"params_key": key})
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -201,7 +316,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_settings(path: str | Path, **overrides: Any) -> RouterSettings:
-    """Load and validate a router YAML file; keyword overrides (not None) win over the file."""
+    """Load and validate a router YAML file; keyword overrides (not None) win over the file.
+
+    The params key comes from the file's params_key_file, else from $KVPUSH_PARAMS_KEY.
+    """
     data = read_yaml(path)
     data.update({k: v for k, v in overrides.items() if v is not None})
-    return settings_from_mapping(data, source=str(path))
+    return with_params_key(settings_from_mapping(data, source=str(path)), os.environ)

@@ -1,4 +1,5 @@
-"""Router-side failures: a leg that failed, a backend's 4xx to pass on, no backend to use.
+"""Router-side failures: a leg that failed, a backend's 4xx to pass on, no backend to use,
+a request a router limit refused.
 
 All derive from kvpush_prod.errors.KvpushError; messages name the backend and what happened.
 """
@@ -11,6 +12,7 @@ from kvpush_prod.errors import KvpushError
 
 if TYPE_CHECKING:
     from kvpush_prod.router.backends import Backend
+    from kvpush_prod.router.metrics import RejectReason
 
 
 class RouterError(KvpushError):
@@ -24,7 +26,7 @@ class NoBackendError(RouterError):
 class LegFailure(RouterError):
     """One leg (P or D) of one attempt failed in a way another (P, D) pair may not.
 
-    ``kind`` is one of connect, timeout, status, disconnect, stream_error; with the role
+    ``kind`` is one of connect, timeout, pool, status, disconnect, stream_error; with the role
     it makes the bounded ``reason`` label of the retries counter.
     """
 
@@ -50,3 +52,32 @@ class BackendClientError(RouterError):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class ClientGone(RouterError):
+    """The client disconnected before the response started."""
+
+
+class RequestRejected(RouterError):
+    """The router refused the request itself: the client gets ``status`` with the message.
+
+    ``reason`` names the router limit that refused it (None: a plain bad request, such as
+    a body that is not JSON); ``param`` the offending request field, if one; ``close``
+    asks to close the connection after the answer (the rest of the request was not read).
+    """
+
+    def __init__(
+        self,
+        reason: RejectReason | None,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        close: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.param = param
+        self.close = close

@@ -15,9 +15,15 @@ from typing import Any
 
 import httpx
 
-from kvpush_prod.router.backends import Backend, BackendPool, Role, resolve_identity
+from kvpush_prod.router.backends import (
+    Backend,
+    BackendPool,
+    Role,
+    check_remote_key,
+    resolve_identity,
+)
 from kvpush_prod.router.config import RouterSettings
-from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body
+from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body, signed
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +33,12 @@ def _err(e: BaseException) -> str:
 
 
 class HealthMonitor:
-    """Keeps each backend's ``healthy``, ``models`` and (for P) ``identity`` current."""
+    """Keeps each backend's ``healthy``, ``models``, (for P) ``identity`` and (for D, with
+    probe_decode) control-channel key current.
+
+    ``client`` is its own, never the legs' one: a pool full of streams (or of clients that
+    stopped reading) must not make healthy backends look down.
+    """
 
     def __init__(self, settings: RouterSettings, pool: BackendPool, client: httpx.AsyncClient):
         self.settings = settings
@@ -36,6 +47,7 @@ class HealthMonitor:
         self._tasks: list[asyncio.Task[None]] = []
         self._models_lock = asyncio.Lock()
         self._models_refreshed_at = float("-inf")
+        self._key_failures: dict[str, str] = {}
         t = settings.health_timeout_s
         self._health_timeout = httpx.Timeout(t, connect=min(t, settings.connect_timeout_s))
         self._probe_timeout = httpx.Timeout(
@@ -83,6 +95,8 @@ class HealthMonitor:
                 return
         if b.role is Role.PREFILL and b.identity is None and b.needs_identity:
             await self.probe(b, epoch)
+        if b.role is Role.DECODE and self.settings.probe_decode and not b.key_probed:
+            await self.probe_decode_key(b, epoch)
         self.pool.mark_healthy(b, epoch)
 
     async def fetch_models(self, b: Backend) -> None:
@@ -101,15 +115,7 @@ class HealthMonitor:
             self.pool.set_identity(b, None, "cannot probe identity: /v1/models lists no model")
             return
         try:
-            r = await self.client.post(
-                b.url + COMPLETIONS_PATH,
-                content=dumps(probe_body(b.models[0])),
-                headers={
-                    "Content-Type": "application/json",
-                    "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
-                },
-                timeout=self._probe_timeout,
-            )
+            r = await self._post_probe(b)
         except httpx.HTTPError as e:
             self.pool.set_identity(b, None, f"identity probe failed: {_err(e)}")
             return
@@ -129,6 +135,51 @@ class HealthMonitor:
             return
         log.info("prefill backend %s identity %s", b.url, identity)
         self.pool.set_identity(b, identity, None)
+
+    async def _post_probe(self, b: Backend) -> httpx.Response:
+        body = signed(
+            probe_body(b.models[0]),
+            self.settings.params_key,
+            time.time(),
+            self.settings.params_ttl_s,
+        )
+        return await self.client.post(
+            b.url + COMPLETIONS_PATH,
+            content=dumps(body),
+            headers={
+                "Content-Type": "application/json",
+                "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
+            },
+            timeout=self._probe_timeout,
+        )
+
+    async def probe_decode_key(self, b: Backend, epoch: int) -> None:
+        """Learn D's control-channel key from the same probe; on failure D stays usable
+        (its legs go without ``decode_key``) and the next poll asks again."""
+        failure = None
+        try:
+            r = await self._post_probe(b) if b.models else None
+        except httpx.HTTPError as e:
+            r, failure = None, f"key probe failed: {_err(e)}"
+        if b.epoch != epoch:
+            return
+        if r is None:
+            failure = failure or "cannot probe the key: /v1/models lists no model"
+        elif r.status_code != 200:
+            failure = f"key probe answered HTTP {r.status_code}: {r.text[:300]}"
+        else:
+            try:
+                params = r.json().get("kv_transfer_params")
+                key = check_remote_key(params.get("remote_key") if isinstance(params, dict) else None)
+            except (ValueError, AttributeError) as e:
+                failure = f"key probe: {e}"
+            else:
+                self.pool.set_decode_key(b, key)
+                self._key_failures.pop(b.url, None)
+                return
+        if self._key_failures.get(b.url) != failure:  # one failing every poll is logged once
+            self._key_failures[b.url] = failure
+            log.warning("decode backend %s: %s; its legs go without decode_key", b.url, failure)
 
     def note_prefill_response(self, b: Backend, body: bytes) -> None:
         """Pick up a changed identity (P restarted between polls) from a P leg's answer."""

@@ -12,6 +12,7 @@ import httpx
 
 from kvpush_prod.router.backends import Backend, PrefillIdentity
 from kvpush_prod.router.errors import BackendClientError, LegFailure
+from kvpush_prod.signing import sign_params
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -25,8 +26,14 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
-    """P's leg: the client's request cut to one token, non-streaming, producing KV for D."""
+def prefill_body(
+    body: dict[str, Any], path: str, transfer_id: str, decode_key: str | None = None
+) -> dict[str, Any]:
+    """P's leg: the client's request cut to one token, non-streaming, producing KV for D.
+
+    ``decode_key`` (the chosen D's control-channel key, when known) tells P to accept the
+    transfer from that D only.
+    """
     out = dict(body)
     out["max_tokens"] = 1
     if path == CHAT_PATH:
@@ -40,11 +47,14 @@ def prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str,
         "do_remote_prefill": False,
         "transfer_id": transfer_id,
     }
+    if decode_key is not None:
+        out["kv_transfer_params"]["decode_key"] = decode_key
     return out
 
 
 def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> dict[str, Any]:
-    """D's leg: the client's request unchanged, told to receive the KV pushed by P."""
+    """D's leg: the client's request unchanged, told to receive the KV pushed by P (and,
+    when P has one, which control-channel key P's messages must carry)."""
     out = dict(body)
     out["kv_transfer_params"] = {
         "do_remote_prefill": True,
@@ -55,7 +65,17 @@ def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> d
         "tp_size": p.tp_size,
         "transfer_id": transfer_id,
     }
+    if p.remote_key is not None:
+        out["kv_transfer_params"]["remote_key"] = p.remote_key
     return out
+
+
+def signed(body: dict[str, Any], key: bytes | None, now: float, ttl_s: float) -> dict[str, Any]:
+    """``body`` with its ``kv_transfer_params`` signed by the params key, valid ``ttl_s``
+    from ``now`` (wall-clock: the engines check it against theirs); unchanged without a key."""
+    if key is None:
+        return body
+    return {**body, "kv_transfer_params": sign_params(body["kv_transfer_params"], key, now, ttl_s)}
 
 
 def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
@@ -107,7 +127,8 @@ def vllm_request_id(path: str, transfer_id: str) -> str:
 
 
 def probe_body(model: str) -> dict[str, Any]:
-    """The identity probe: one token on P whose response carries P's kv_transfer_params."""
+    """The identity probe: one token whose response carries the engine's kv_transfer_params
+    (P's identity; a D's control-channel key)."""
     return {
         "model": model,
         "prompt": "probe",
@@ -121,6 +142,9 @@ def failure_from_exception(b: Backend, e: BaseException) -> LegFailure:
     detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
         return LegFailure(b, "connect", detail)
+    if isinstance(e, httpx.PoolTimeout):
+        # The router's own pool is full (max_connections), not the backend's fault.
+        return LegFailure(b, "pool", detail)
     if isinstance(e, (httpx.TimeoutException, TimeoutError)):
         return LegFailure(b, "timeout", detail)
     return LegFailure(b, "disconnect", detail)
@@ -195,9 +219,12 @@ def sse_error_event(message: str, code: int = 502) -> bytes:
     )
 
 
-def error_body(message: str, status: int, err_type: str, code: str | None = None) -> bytes:
+def error_body(
+    message: str, status: int, err_type: str, code: str | None = None, param: str | None = None
+) -> bytes:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    param = "model" if code == "model_not_found" else None
+    if param is None and code == "model_not_found":
+        param = "model"
     return dumps(
         {"error": {"message": message, "type": err_type, "param": param, "code": code or status}}
     )

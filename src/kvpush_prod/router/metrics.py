@@ -43,6 +43,23 @@ class Outcome(str, Enum):
     BACKEND_ERROR = "backend_error"
     NO_BACKEND = "no_backend"
     CLIENT_CANCELLED = "client_cancelled"
+    REJECTED = "rejected"  # refused by a router limit (RejectReason says which)
+
+
+class RejectReason(str, Enum):
+    """Which router limit refused or cut off a client: ``reason`` of
+    ``kvpush_router_requests_rejected_total`` (docs/router.md, "Limits")."""
+
+    BODY_TOO_LARGE = "body_too_large"
+    HEADER_TOO_LARGE = "header_too_large"
+    HEADER_TIMEOUT = "header_timeout"
+    BODY_TIMEOUT = "body_timeout"
+    TOO_DEEP = "too_deep"
+    CONCURRENCY = "concurrency"
+    DRAINING = "draining"
+    N_GT_1 = "n_gt_1"
+    BEAM_SEARCH = "beam_search"
+    WRITE_STALL = "write_stall"
 
 
 class RouterMetrics:
@@ -77,6 +94,15 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.rejected = Counter(
+            "kvpush_router_requests_rejected_total",
+            "Clients refused or cut off by a router limit, by the limit.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in RejectReason:
+            # Every reason from the start, at 0: rate() and alerts see the first hit.
+            self.rejected.labels(reason.value)
         self.backend_up = Gauge(
             "kvpush_router_backend_up",
             "1 if the router routes to this backend (healthy, and for prefill: identity known).",
@@ -99,6 +125,9 @@ class RouterMetrics:
 
     def count_retry(self, reason: str) -> None:
         self.retries.labels(reason).inc()
+
+    def count_rejected(self, reason: RejectReason) -> None:
+        self.rejected.labels(reason.value).inc()
 
     def set_backend_up(self, role: str, backend: str, up: bool) -> None:
         self.backend_up.labels(role, backend).set(1.0 if up else 0.0)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -30,7 +29,13 @@ from tenacity import (
 
 from kvpush_prod.router.backends import Backend, BackendPool
 from kvpush_prod.router.config import RouterSettings
-from kvpush_prod.router.errors import BackendClientError, LegFailure, NoBackendError
+from kvpush_prod.router.errors import (
+    BackendClientError,
+    ClientGone,
+    LegFailure,
+    NoBackendError,
+    RequestRejected,
+)
 from kvpush_prod.router.health import HealthMonitor
 from kvpush_prod.router.legs import (
     check_status,
@@ -43,10 +48,12 @@ from kvpush_prod.router.legs import (
     prefill_kv_params,
     pull_decode_body,
     pull_prefill_body,
+    signed,
     sse_error_event,
     strip_null_kv_params,
     vllm_request_id,
 )
+from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -55,13 +62,20 @@ log = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
-
-
-def error_response(status: int, message: str, err_type: str, code: str | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    err_type: str,
+    code: str | None = None,
+    *,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     return Response(
-        error_body(message, status, err_type, code), status, media_type="application/json"
+        error_body(message, status, err_type, code, param),
+        status,
+        headers=headers,
+        media_type="application/json",
     )
 
 
@@ -146,12 +160,18 @@ class Dispatcher:
         self.health = health
         self.client = client
         self.metrics = metrics
-        self._prefill_timeout = httpx.Timeout(
-            settings.prefill_timeout_s, connect=settings.connect_timeout_s
-        )
-        # D streams for as long as generation lasts: only connecting is bounded here; the
-        # wait for the first byte is bounded separately (first_byte_timeout_s).
-        self._decode_timeout = httpx.Timeout(None, connect=settings.connect_timeout_s)
+        # Every leg bounds waiting for a pool slot and sending its request: a full pool
+        # or a backend that stopped reading fails the leg instead of holding it forever.
+        bounded = {
+            "connect": settings.connect_timeout_s,
+            "write": settings.backend_write_timeout_s,
+            "pool": settings.pool_timeout_s,
+        }
+        self._prefill_timeout = httpx.Timeout(settings.prefill_timeout_s, **bounded)
+        # D streams for as long as generation lasts: reading is not bounded here; the wait
+        # for the first byte is (first_byte_timeout_s), and a client that stops reading is
+        # dropped by the server (client_write_timeout_s), which closes this leg.
+        self._decode_timeout = httpx.Timeout(None, **bounded)
         # Detached P legs (D answered first); kept referenced so they are not collected.
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -164,27 +184,16 @@ class Dispatcher:
 
     async def handle(self, request: Request, path: str) -> Response:
         start = time.perf_counter()
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            return self._reject(
-                path,
-                start,
-                400,
-                f"request body is not valid JSON ({e}); send a JSON object such as "
-                '{"model": "...", "prompt": "..."}',
+            body = await self._read_request(request)
+        except RequestRejected as e:
+            return self._refuse(path, start, e)
+        except ClientGone:
+            self.metrics.observe_request(
+                path, Outcome.CLIENT_CANCELLED, time.perf_counter() - start
             )
-        if not isinstance(body, dict):
-            return self._reject(
-                path,
-                start,
-                400,
-                f"request body must be a JSON object, got a JSON {type(body).__name__}",
-            )
+            return Response(status_code=_CLIENT_CLOSED)
         model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            return self._reject(path, start, 400, f"`model` must be a string, got {model!r}")
         if model is not None and not await self.health.knows_model(model):
             served = ", ".join(self.pool.known_models()) or "none known (are the backends up?)"
             return self._reject(
@@ -213,11 +222,49 @@ class Dispatcher:
         finally:
             req.disconnect.cancel()
 
+    async def _read_request(self, request: Request) -> dict[str, Any]:
+        """The client's body as a JSON object within every request limit, or
+        RequestRejected (ClientGone if the client left while sending it)."""
+        s = self.settings
+        raw = await read_body(
+            request.receive, request.headers.get("content-length"), s.max_body_bytes,
+            s.body_timeout_s,
+        )  # fmt: skip
+        body = parse_body(raw, s.max_json_depth)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestRejected(None, 400, f"`model` must be a string, got {model!r}")
+        check_one_sequence(body)
+        return body
+
+    def _refuse(self, path: str, start: float, e: RequestRejected) -> Response:
+        if e.reason is None:
+            outcome, code = Outcome.CLIENT_ERROR, None
+        else:
+            self.metrics.count_rejected(e.reason)
+            outcome, code = Outcome.REJECTED, e.reason.value
+        self.metrics.observe_request(path, outcome, time.perf_counter() - start)
+        return error_response(
+            e.status,
+            e.message,
+            "invalid_request_error",
+            code,
+            param=e.param,
+            # The rest of the body was not read: a new request on this connection would
+            # start in the middle of it.
+            headers={"Connection": "close"} if e.close else None,
+        )
+
     def _reject(
         self, path: str, start: float, status: int, message: str, code: str | None = None
     ) -> Response:
         self.metrics.observe_request(path, Outcome.CLIENT_ERROR, time.perf_counter() - start)
         return error_response(status, message, "invalid_request_error", code)
+
+    def _seal(self, body: dict[str, Any]) -> bytes:
+        """A leg's body as sent: its kv_transfer_params signed when a params key is set."""
+        s = self.settings
+        return dumps(signed(body, s.params_key, time.time(), s.params_ttl_s))
 
     def _finish(self, req: _Request, outcome: Outcome) -> None:
         self.metrics.observe_request(req.path, outcome, time.perf_counter() - req.start)
@@ -285,11 +332,11 @@ class Dispatcher:
         assert p.identity is not None  # choose_pair only returns prefill backends that are up
         tid = uuid.uuid4().hex
         headers = _leg_headers(req, tid)
-        p_content = dumps(prefill_body(req.body, req.path, tid))
+        p_content = self._seal(prefill_body(req.body, req.path, tid, d.remote_key))
         d_body = decode_body(req.body, p.identity, tid)
         if self.settings.vllm_push_compat:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
-        d_content = dumps(d_body)
+        d_content = self._seal(d_body)
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
@@ -336,14 +383,14 @@ class Dispatcher:
         p, d = self.pool.choose_pair(req.model, req.exclude)
         tid = uuid.uuid4().hex
         headers = _leg_headers(req, tid)
-        p_content = dumps(pull_prefill_body(req.body, req.path, tid))
+        p_content = self._seal(pull_prefill_body(req.body, req.path, tid))
         p_task = asyncio.create_task(self._pull_prefill_leg(p, req.path, p_content, headers))
         try:
             await asyncio.wait({p_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if req.disconnect.done() and not p_task.done():
                 raise ClientGone()
             params = p_task.result()
-            d_content = dumps(pull_decode_body(req.body, params))
+            d_content = self._seal(pull_decode_body(req.body, params))
             d_task = asyncio.create_task(
                 self._decode_leg(d, req.path, d_content, headers, req.stream)
             )
