@@ -167,6 +167,8 @@ class Cluster:
                "--decode", self.urls["decode"], *self.spec.router_args]
         if self.spec.signed_params:
             cmd += ["--params-key-file", str(self.params_key_file)]
+        if self.spec.secure:
+            cmd.append("--probe-decode")  # D's key goes to P: only that D may register
         import os
 
         self.procs["router"] = Proc("router", cmd, dict(os.environ),

@@ -45,7 +45,8 @@ ROUTER_LABELS: dict[str, str] = {
     "backend": "a backend's base URL, from the router's configuration",
     "endpoint": "the OpenAI path: `/v1/completions` or `/v1/chat/completions`",
     "outcome": "how a client request ended",
-    "reason": "the failure that made the router retry on another pair",
+    "reason": "the failure that made the router retry on another pair, or the limit that "
+              "refused a client's request",
 }
 ROLES = ("producer", "consumer")
 OUTCOMES = ("pushed", "retried", "pull_fallback", "recompute", "failed", "expired", "aborted",

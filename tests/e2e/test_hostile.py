@@ -11,6 +11,7 @@ counted in a metric.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import socket
@@ -174,10 +175,9 @@ def spray(stop: threading.Event, socks: list[tuple[zmq.Socket, list[m.ControlMes
     while not stop.is_set():
         for sock, msgs in socks:
             for msg in msgs:
-                try:
+                # A socket that never completes its handshake fills up: drop the rest.
+                with contextlib.suppress(zmq.Again):
                     sock.send(m.encode(msg), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # a socket that never completes its handshake fills up
         time.sleep(0.002)
 
 
