@@ -24,6 +24,7 @@ from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
+    DropPeer,
     Note,
     PostRead,
     PostWrite,
@@ -272,6 +273,9 @@ class Wire:
     msg: m.ControlMessage
     sent: float
     at: float
+    # The identity the channel authenticated (the sender's key): a real engine's is its
+    # address here, so ``origin == msg.sender.control`` unless the message is forged.
+    origin: str = ""
 
 
 @dataclass
@@ -294,6 +298,11 @@ class Flight:
     torn: bool
 
 
+def agent_name(node: str, inc: int) -> str:
+    """The NIXL agent of one process (incarnation ``inc``) of ``node``."""
+    return f"agent-{node}-{inc}"
+
+
 # ------------------------------------------------------------------------------ the world
 class World:
     """N prefill and M decode ranks, a network and NICs, in simulated (true) time ``now``."""
@@ -306,7 +315,8 @@ class World:
         self.nodes: dict[str, Node] = {}
         self.wires: dict[int, Wire] = {}
         self.flights: dict[tuple[str, int, int], Flight] = {}
-        self.notifs: dict[int, tuple[float, str, m.Done]] = {}  # id -> (at, D agent, done)
+        # id -> (at, D agent, done, the agent that sent it)
+        self.notifs: dict[int, tuple[float, str, m.Done, str]] = {}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count(1)
         self._ids = itertools.count(1)
@@ -368,7 +378,7 @@ class World:
     def start(self, node: Node) -> None:
         node.alive = True
         node.inc = next(self._incs)
-        node.agent = f"agent-{node.name}-{node.inc}"
+        node.agent = agent_name(node.name, node.inc)
         r = self.r("start", node.name, node.inc)
         node.mono_off = r.uniform(0.0, 500.0)  # monotonic clocks share no origin
         node.wall_off = r.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
@@ -386,7 +396,9 @@ class World:
         if node.role == "P":
             node.engine = Sender(node.info, SENDER, rng)
         else:
-            node.engine = Receiver(node.info, RECEIVER, rng)
+            # As the shells: generations get random low bits (unguessable), here from the seed.
+            tokens = random.Random(f"{self.seed}:tokens:{node.name}:{node.inc}")
+            node.engine = Receiver(node.info, RECEIVER, rng, tokens=tokens)
             node.ledger = CreditLedger(CREDITS)
         self._push(self.now + r.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
         self.log(f"{node.name} starts as incarnation {node.inc}")
@@ -457,6 +469,8 @@ class World:
                 if a.replaces:
                     node.connected.discard(a.replaces)
                 node.connected.add(a.info.agent_name)
+            elif isinstance(a, DropPeer):
+                node.connected.discard(a.agent_name)
             elif isinstance(a, ReleaseSend):
                 self.on_release(node, a)
             elif isinstance(a, (ReportFinished, ReportFailed)):
@@ -484,7 +498,7 @@ class World:
             delay = r.uniform(0.0002, c.delay_max_s)
             if r.random() < c.spike:
                 delay = r.uniform(0.0, SPIKE_MAX_S)
-            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay)
+            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay, node.address)
 
     def partition(self, a: str, b: str, dt: float, both: bool = True) -> None:
         """Cut the control network from node ``a`` to ``b`` (and back if ``both``) for
@@ -510,8 +524,8 @@ class World:
         return any(a == src and b == dst and until > self.now for a, b, until in self.cuts)
 
     def enqueue(self, src: str, src_inc: int, dst: str, msg: m.ControlMessage,
-                at: float) -> Wire:
-        w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at)
+                at: float, origin: str) -> Wire:
+        w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at, origin)
         self.wires[w.id] = w
         self._push(w.at, "wire", w.id)
         self.history.append(w)
@@ -535,16 +549,19 @@ class World:
             eng = node.engine
             if isinstance(eng, Receiver):
                 for tid, inc in eng._in.items():
-                    p, peer = self.by_address(inc.address), eng._peers.get(inc.address)
-                    if p and p.alive and peer and peer.incarnation == p.inc:
+                    p = self.by_address(inc.address)
+                    peer = eng._peers.get((inc.owner, 0))
+                    if p and p.alive and inc.owner == p.address and peer \
+                            and peer.incarnation == p.inc:
                         out.append((node.name, tid))
             else:
                 for tid, o in eng._out.items():
                     if o.reg is None:
                         continue
                     d = self.by_address(o.reg.sender.control)
-                    known = eng._peers.get((o.reg.sender.engine_id, o.reg.sender.rank))
-                    if (d and d.alive and d.inc == o.reg.sender.incarnation and known
+                    known = eng._peers.get((o.owner, o.reg.sender.rank))
+                    if (d and d.alive and o.owner == d.address
+                            and d.inc == o.reg.sender.incarnation and known
                             and known.incarnation == d.inc):
                         out.append((node.name, tid))
         return out
@@ -563,7 +580,8 @@ class World:
             kind = self._FOR_D[kind]
             if kind == "Done":
                 nid = next(self._ids)
-                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)))
+                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)),
+                                    p.agent)
                 self.count("rule:stale")
                 self.deliver_notif(nid)
                 return
@@ -593,11 +611,11 @@ class World:
             else:
                 msg = m.Heartbeat(v, d.info, node.inc, [(tid, g)], 3000, sent_at=d.wall(self.now))
             src = d
-        if not self.stale_key(node, msg):
+        if not self.stale_key(node, msg, src.address):
             return  # e.g. a newer REGISTER while P waits: a re-registration, not stale
         self.count("rule:stale")
         self.deliver(Wire(next(self._ids), src.name, src.inc, node.address, msg, self.now,
-                          self.now))
+                          self.now, src.address))
 
     def deliver(self, w: Wire) -> None:
         self.wires.pop(w.id, None)
@@ -613,9 +631,9 @@ class World:
         age = max(0.0, node.wall(self.now) - sent_at) if sent_at else 0.0
         self.log(f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
                  f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}")
-        stale = self.stale_key(node, msg)
+        stale = self.stale_key(node, msg, w.origin)
         before = self.snapshot(node, stale) if stale else None
-        out: list[Action] = eng.on_message(msg, now, age)
+        out: list[Action] = eng.on_message(msg, now, age, origin=w.origin)
         if stale:
             self.count("stale_checked")
             bad = [a for a in out if not (isinstance(a, Note) and a.kind in ("fenced", "rejected"))]
@@ -626,34 +644,36 @@ class World:
                                 f"actions {bad}, state {before} -> {after}")
         return out
 
-    def stale_key(self, node: Node, msg: m.ControlMessage) -> str:
-        """The transfer id if ``msg`` carries a stale generation for ``node`` (and comes from
-        a sender incarnation ``node`` already knows, so only the generation is at stake)."""
+    def stale_key(self, node: Node, msg: m.ControlMessage, origin: str) -> str:
+        """The transfer id if ``msg`` (from ``origin``, the transfer's owner) carries a stale
+        generation for ``node`` (and comes from a sender incarnation ``node`` already knows,
+        so only the generation is at stake)."""
         eng = node.engine
         if isinstance(eng, Receiver):
             if not isinstance(msg, (m.Failed, m.CancelAck, m.Fallback)):
                 return ""
-            peer = eng._peers.get(msg.sender.control)
+            peer = eng._peers.get((origin, msg.sender.rank))
             if peer is None or peer.incarnation != msg.sender.incarnation:
                 return ""
             inc = eng._in.get(msg.transfer_id)
-            return msg.transfer_id if inc is not None and inc.generation != msg.generation else ""
+            return msg.transfer_id if (inc is not None and inc.owner == origin
+                                       and inc.generation != msg.generation) else ""
         assert isinstance(eng, Sender)
         if isinstance(msg, m.Heartbeat):
             if len(msg.live) != 1:
                 return ""
             tid, gen = msg.live[0]
             o = eng._out.get(tid)
-            ok = o is None or o.reg is None or gen in (0, o.reg.generation)
+            ok = o is None or o.reg is None or o.owner != origin or gen in (0, o.reg.generation)
             return "" if ok else tid
         if not isinstance(msg, (m.Register, m.Cancel, m.PullDone)):
             return ""
-        known = eng._peers.get((msg.sender.engine_id, msg.sender.rank))
+        known = eng._peers.get((origin, msg.sender.rank))
         if isinstance(msg, m.Register) and (known is None
                                             or known.incarnation != msg.sender.incarnation):
             return ""
         o = eng._out.get(msg.transfer_id)
-        if o is None or o.reg is None:
+        if o is None or o.reg is None or o.owner != origin:
             return ""
         g, cur = msg.generation, o.reg.generation
         if isinstance(msg, m.Register):
@@ -678,11 +698,12 @@ class World:
                 if peer.role == r.role or not peer.alive:
                     continue
                 eng = r.engine
+                # Peers are keyed by (origin, rank): a real engine's origin is its address.
                 if isinstance(eng, Receiver):
-                    known = eng._peers.get(peer.address)
+                    known = eng._peers.get((peer.address, 0))
                     retired = known.retired if known else set()
                 else:
-                    retired = eng._retired.get((peer.name, 0), set())
+                    retired = eng._retired.get((peer.address, 0), set())
                 out += [(r.name, peer.name, inc) for inc in sorted(retired) if inc in peer.past]
         return out
 
@@ -710,7 +731,8 @@ class World:
 
         def run(e: Any, now: float) -> list[Action]:
             before = self.full_snapshot(r)
-            out: list[Action] = e.on_message(msg, now, 0.0)
+            # Its key is the engine's: a restarted process speaks with the same identity.
+            out: list[Action] = e.on_message(msg, now, 0.0, origin=peer.address)
             if any(not isinstance(a, Note) for a in out) or self.full_snapshot(r) != before:
                 raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
                                 f"incarnation {old.incarnation} was acted on: {out}")
@@ -903,7 +925,8 @@ class World:
                 and r.random() >= self.chaos.notif_loss):
             nid = next(self._ids)
             at = self.now + r.uniform(0.0, 0.005)
-            self.notifs[nid] = (at, target.agent, fl.done)
+            # From the agent of the process that posted the WRITE (even if it died since).
+            self.notifs[nid] = (at, target.agent, fl.done, agent_name(*fl.key[:2]))
             self._push(at, "notif", nid)
         if poster.alive and poster.inc == fl.key[1]:
             cid, now_err = fl.key[2], err
@@ -913,7 +936,7 @@ class World:
         rec = self.notifs.pop(nid, None)
         if rec is None:
             return
-        _, agent, done = rec
+        _, agent, done, src_agent = rec
         node = self.by_agent(agent)
         if node is None:
             return
@@ -925,7 +948,8 @@ class World:
             inc = eng._in.get(done.transfer_id)
             stale = inc is not None and inc.generation != done.generation
             before = self.snapshot(node, done.transfer_id) if stale else None
-            out: list[Action] = eng.on_done(done, now)
+            # NIXL names the agent a notification came from.
+            out: list[Action] = eng.on_done(done, now, agent=src_agent)
             if stale and (before != self.snapshot(node, done.transfer_id) or any(
                     not isinstance(a, Note) for a in out)):
                 raise self.fail(f"{node.name}: a DONE with a stale generation changed state")

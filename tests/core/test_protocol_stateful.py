@@ -132,7 +132,7 @@ class ProtocolWorld(RuleBasedStateMachine):
             src = w.nodes[old.src]
             if src.alive and src.inc == old.src_inc:  # a dead process sends nothing more
                 w.count("rule:duplicate")
-                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra)
+                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra, old.origin)
             return
         if not w.wires:
             return
