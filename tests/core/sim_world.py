@@ -75,6 +75,7 @@ PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
 RESTART_MIN_S = 1.0  # a process takes at least this long to come back
 COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
+NAMED_SHARE = 0.8  # of requests: the router names the decode engine to P (owner=)
 
 TIMEOUTS = TransferTimeouts(new_s=TOTAL_S, waiting_s=TOTAL_S, registered_s=TOTAL_S,
                             pushing_s=TOTAL_S, retrying_s=TOTAL_S,
@@ -209,6 +210,9 @@ class PReq:
     state: str = "coming"  # coming | queued | computed | held | released | aborted
     blocks: list[int] = field(default_factory=list)
     hold_at: float = 0.0
+    # The decode identity the router named (D's address here); "" for a router that names
+    # none: then the first REGISTER binds the transfer (a documented limitation).
+    owner: str = ""
 
 
 @dataclass
@@ -482,6 +486,17 @@ class World:
 
     # ------------------------------------------------------------------ network
     def send(self, node: Node, a: SendMessage) -> None:
+        if not a.to:
+            raise self.fail(f"{node.name} sends {type(a.message).__name__} to {a.peer} without "
+                            "naming the identity it must reach")
+        dst = self.by_address(a.peer)
+        if dst is None or dst.address != a.to:
+            # The channel to that address cannot prove ``to`` (a reply to a forged claim): the
+            # handshake fails and nothing is delivered.
+            self.count(f"send:refused:{type(a.message).__name__}")
+            self.log(f"{node.name} sends {type(a.message).__name__} "
+                     f"{getattr(a.message, 'transfer_id', '')} to {a.peer} as {a.to[:16]}: refused")
+            return
         msg = a.message
         if "sent_at" in type(msg).__struct_fields__:
             msg = msgspec.structs.replace(msg, sent_at=node.wall(self.now))
@@ -1028,8 +1043,12 @@ class World:
         if p.alive:
             r = self.r("request", tid)
             lag = r.choice([0.0, 0.0, 0.0, r.uniform(0.0, P_LAG_MAX_S)])
+            # Mostly the router names the decode engine; sometimes (a third-party router) not.
+            owner = d.address if r.random() < NAMED_SHARE else ""
+            if not owner:
+                self.count("request:unnamed")
             p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
-                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag)
+                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag, owner=owner)
             if not lag:
                 self.p_step(p)
         if d.alive:
@@ -1037,14 +1056,15 @@ class World:
             if first >= total:
                 # D has the whole prompt already: P may free at once.
                 self.close(d, d.dreqs[tid], "ended")
-                self.call(d, lambda eng, now: eng.not_needed(tid, p.address))
+                self.call(d, lambda eng, now: eng.not_needed(tid, p.address, owner=p.address))
         return tid
 
     def p_step(self, node: Node) -> None:
         for preq in list(node.preqs.values()):
             if preq.state == "coming" and preq.arrive_at <= self.now:
                 preq.state = "queued"
-                self.call(node, lambda eng, now, t=preq.tid: eng.expect(t, now))
+                self.call(node, lambda eng, now, t=preq.tid, o=preq.owner: eng.expect(
+                    t, now, owner=o))
             if preq.state == "queued" and preq.compute_at <= self.now:
                 assert node.pool is not None
                 blocks = node.pool.alloc(preq.nblocks, preq.tid)
@@ -1063,8 +1083,8 @@ class World:
                     continue
                 for i, b in enumerate(blocks):
                     node.pool.content[b] = (preq.tid, i)
-                self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.blocks_ready(
-                    t, bl, now))
+                self.call(node, lambda eng, now, t=preq.tid, bl=blocks, o=preq.owner:
+                          eng.blocks_ready(t, bl, now, owner=o))
             elif preq.state == "computed" and preq.hold_at <= self.now:
                 preq.state = "held"
                 self.call(node, lambda eng, now, t=preq.tid: eng.hold(t))
@@ -1091,7 +1111,8 @@ class World:
                         Action]:
                     out: list[Action] = eng.admission_over(d.tid) if w else []
                     acts: list[Action] = eng.expect(d.tid, d.p_address, list(d.blocks),
-                                                    d.first_block, d.total_blocks * 16, now)
+                                                    d.first_block, d.total_blocks * 16, now,
+                                                    owner=d.p_address)
                     d.gen = eng._in[d.tid].generation
                     assert node.pool is not None
                     for b in d.blocks:
@@ -1104,12 +1125,13 @@ class World:
                     dreq.state = "waiting"
                     self.count("later")
                     self.call(node, lambda eng, now, d=dreq: eng.await_admission(
-                        d.tid, d.p_address))
+                        d.tid, d.p_address, owner=d.p_address))
             else:
                 self.close(node, dreq, "ended")
                 self.count("refuse")
                 ledger.release(dreq.tid)
-                self.call(node, lambda eng, now, d=dreq: eng.not_needed(d.tid, d.p_address))
+                self.call(node, lambda eng, now, d=dreq: eng.not_needed(
+                    d.tid, d.p_address, owner=d.p_address))
 
     def abort_d(self, node: Node, tid: str) -> None:
         dreq = node.dreqs[tid]
@@ -1119,7 +1141,8 @@ class World:
             self.close(node, dreq, "ended")
             assert node.ledger is not None
             node.ledger.release(tid)
-            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address))
+            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address,
+                                                            owner=dreq.p_address))
         elif dreq.state == "admitted" and not dreq.aborting:
             dreq.aborting = True
             self.call(node, lambda eng, now: eng.abort(tid, now))

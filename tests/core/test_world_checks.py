@@ -64,12 +64,13 @@ def restarted_world(seed: int, who: str) -> World:
     """``who`` crashed and came back; its peer heard the new incarnation."""
     w = World(1, 1, Chaos(skew=True), seed)
     p, d = w.nodes["P0"], w.nodes["D0"]
-    w.new_request(p, d, 4, 0)
+    w.slow_down("P0", "D0", 60.0)  # pushes long enough for both sides to heartbeat
+    w.new_request(p, d, 8, 0)
     w.run_until(3.0)
     w.crash(w.nodes[who])
     w.run_until(w.now + 0.1)
     w.start(w.nodes[who])
-    w.new_request(p, d, 4, 0)  # the peer meets the new process (REGISTER or heartbeats)
+    w.new_request(p, d, 8, 0)  # the peer meets the new process (REGISTER or heartbeats)
     while not w.dead_candidates():
         w.run_until(w.now + 0.05)
         assert w.now < 15.0, "the restart was never noticed"
