@@ -851,6 +851,11 @@ class World:
 
 
     # ------------------------------------------------------------------ the attacker
+    def live_transfers(self) -> list[tuple[str, str]]:
+        """(engine, transfer id) of every transfer an engine of the world holds now."""
+        return [(n.name, t) for n in self.nodes.values() if n.alive
+                for t in (n.engine._in if n.role == "D" else n.engine._out)]
+
     def attack_targets(self, node: Node, how: str) -> list[str]:
         """Transfer ids the attacker aims at on ``node``: its live ones, or any id seen, or
         the router's next id, or a bogus one."""

@@ -87,7 +87,7 @@ attack_st = st.builds(
     forger=st.sampled_from(["attacker", "attacker", "attacker-2", "engine"]),
     claim=st.sampled_from(["owner", "owner", "owner_new", "owner_old", "own", "other"]),
     guess=st.sampled_from(["current", "current", "near", "past", "random", "zero"]),
-    target=st.sampled_from(["live", "live", "live", "live", "any", "future", "bogus"]),
+    target=st.sampled_from(["live", "live", "live", "live", "live", "any", "future", "bogus"]),
     rank=st.sampled_from([0, 0, 1, 2]),
     delay=st.sampled_from([0.0, 0.0, 0.01, 0.5]),
     layout=st.sampled_from(["full", "full", "slim", "foreign"]),
@@ -212,18 +212,25 @@ class ProtocolWorld(RuleBasedStateMachine):
         if cands:
             w.deliver_from_dead(self._pick(data, cands), kind)
 
-    @rule(data=st.data(), role=st.sampled_from(["P", "D"]), attack=attack_st)
-    def forge(self, data: st.DataObject, role: str, attack: Attack) -> None:
-        """The attacker (no engine's key: an identity of its own), or an engine that does not
-        own the transfer, sends a forged control message or DONE, mostly about a live
-        transfer: it must be refused and change nothing that is not its own."""
+    @precondition(lambda self: bool(self.world.live_transfers()))
+    @rule(data=st.data(), role=st.sampled_from(["P", "D"]),
+          attacks=st.lists(attack_st, min_size=1, max_size=4))
+    def forge(self, data: st.DataObject, role: str, attacks: list[Attack]) -> None:
+        """While transfers are live, the attacker (no engine's key: an identity of its own),
+        or an engine that does not own the transfer, sends a few forged control messages or
+        DONEs, mostly about live transfers: each must be refused and change nothing that is
+        not the forger's own."""
         w = self.world
-        nodes = [n for n in w.nodes if n.startswith(role) and w.nodes[n].alive]
-        if not nodes:
-            return
-        node = w.nodes[self._pick(data, nodes)]
-        tids = w.attack_targets(node, attack.target) or w.attack_targets(node, "future")
-        w.attack(node, self._pick(data, tids), attack)
+        for attack in attacks:
+            live = w.live_transfers()
+            if attack.target == "live" and live:
+                name, tid = self._pick(data, live)
+                w.attack(w.nodes[name], tid, attack)
+                continue
+            nodes = [n for n in w.nodes if n.startswith(role) and w.nodes[n].alive]
+            if nodes:
+                node = w.nodes[self._pick(data, nodes)]
+                w.attack(node, self._pick(data, w.attack_targets(node, attack.target)), attack)
 
     # ------------------------------------------------------------------ NICs
     @precondition(lambda self: bool(self.world.flights))
