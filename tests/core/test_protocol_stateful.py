@@ -230,7 +230,8 @@ class ProtocolWorld(RuleBasedStateMachine):
             nodes = [n for n in w.nodes if n.startswith(role) and w.nodes[n].alive]
             if nodes:
                 node = w.nodes[self._pick(data, nodes)]
-                w.attack(node, self._pick(data, w.attack_targets(node, attack.target)), attack)
+                tids = w.attack_targets(node, attack.target) or w.attack_targets(node, "future")
+                w.attack(node, self._pick(data, tids), attack)
 
     # ------------------------------------------------------------------ NICs
     @precondition(lambda self: bool(self.world.flights))

@@ -1,12 +1,13 @@
-"""The simulated world's own checks bite: its stale-generation and dead-process checks find
-what they look for in the engines (keyed as the core keys them), and catch an engine that acts."""
+"""The simulated world's own checks bite: its stale-generation, dead-process and forgery
+checks find what they look for in the engines (keyed as the core keys them), and catch an
+engine that acts on what it should refuse."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from sim_world import Chaos, Violation, World
+from sim_world import Attack, Chaos, Violation, World
 
 KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat"]
 
@@ -102,3 +103,58 @@ def test_a_message_of_a_dead_process_that_is_acted_on_is_caught(monkeypatch: Any
     monkeypatch.setattr(eng, "on_message", careless)
     with pytest.raises(Violation, match="dead incarnation"):
         w.deliver_from_dead((r, peer, inc), "heartbeat")
+
+
+# ------------------------------------------------------------------ the attacker
+
+
+def every_attack() -> list[Attack]:
+    return [Attack(kind, forger, claim, guess, "live", layout=layout)
+            for kind in range(6)
+            for forger in ("attacker", "engine")
+            for claim in ("owner", "owner_new", "own")
+            for guess in ("current", "random")
+            for layout in ("full", "slim")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forgeries_of_every_kind_about_a_live_transfer_are_refused(seed: int) -> None:
+    w = World(2, 2, Chaos(skew=True), seed)
+    w.run_until(0.5)
+    for p, d in (("P0", "D0"), ("P1", "D1")):
+        w.slow_down(p, d, 30.0)
+    tids = [w.new_request(w.nodes[p], w.nodes[d], 8, 0) for p, d in (("P0", "D0"), ("P1", "D1"))]
+    while not all(t in w.nodes["D0"].engine._in or t in w.nodes["D1"].engine._in for t in tids):
+        w.run_until(w.now + 0.01)
+    w.run_until(w.now + 0.2)  # P heard the REGISTERs: pushing
+    for a in every_attack():
+        for name, tid in w.live_transfers():
+            w.attack(w.nodes[name], tid, a)
+    assert w.stats["attack:delivered"] >= 300
+    assert w.stats["attack:note:rejected:not_owner"] >= 50
+    assert w.stats.get("attack:note:fenced:stale_generation", 0) > 0  # guessed DONEs
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+    assert w.stats["report:ReportFinished(pushed)"] == 2  # the attacks changed nothing
+
+
+def test_a_forgery_that_is_acted_on_is_caught(monkeypatch: Any) -> None:
+    w, tid = pushing_world(0)
+    d = w.nodes["D0"]
+    real = d.engine.on_message
+
+    def trusting(msg: Any, now: float, age: float = 0.0, origin: str = "") -> Any:
+        return real(msg, now, age, origin=d.engine._in[tid].owner)  # believes any claim
+
+    monkeypatch.setattr(d.engine, "on_message", trusting)
+    with pytest.raises(Violation, match="forged Failed from attacker was acted on"):
+        w.attack(d, tid, Attack(1, "attacker", "owner", "current", "live"))
+
+
+def test_a_reply_reaches_only_the_identity_it_names() -> None:
+    w, tid = pushing_world(0)
+    # A CANCEL for an id P does not hold, claiming D0's address under the attacker's key:
+    # P acks it to that address, but only the attacker's own channel could take it.
+    w.attack(w.nodes["P0"], "x-bogus", Attack(3, "attacker", "owner", "zero", "bogus"))
+    assert w.stats["attack:action:SendMessage"] == 1
+    assert w.stats["send:refused:CancelAck"] == 1
