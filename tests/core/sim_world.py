@@ -1,5 +1,10 @@
 """A fake world for the protocol core: N prefill x M decode engines, block pools, a lossy
-network and NICs, driving the real Sender/Receiver engines the way the worker shells do.
+network and NICs, driving the real Sender/Receiver engines the way the worker shells do,
+and an attacker that forges messages (``World.attack``).
+
+Every message carries the identity its channel authenticated (``origin``: a real engine's
+address here, the attacker's own name for a forgery), and a reply reaches only the identity
+it names.
 
 Every safety invariant is checked at the moment it could break (a WRITE posted, a chunk
 landing, blocks freed); ``World.check`` adds the per-step ones and ``World.quiesce`` the
@@ -24,6 +29,7 @@ from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
+    DropPeer,
     Note,
     PostRead,
     PostWrite,
@@ -74,6 +80,7 @@ PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
 RESTART_MIN_S = 1.0  # a process takes at least this long to come back
 COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
+NAMED_SHARE = 0.8  # of requests: the router names the decode engine to P (owner=)
 
 TIMEOUTS = TransferTimeouts(new_s=TOTAL_S, waiting_s=TOTAL_S, registered_s=TOTAL_S,
                             pushing_s=TOTAL_S, retrying_s=TOTAL_S,
@@ -84,15 +91,20 @@ RETRY = RetrySettings(max_attempts=3, max_delay_s=5.0, backoff_base_s=0.02, back
 BUDGET = BudgetSettings(rate_per_s=5.0, burst=10.0)
 BREAKER = BreakerSettings(failure_threshold=3, window_s=10.0, cooldown_s=5.0,
                           max_cooldown_s=20.0, probe_timeout_s=5.0)
+# Peer directories small enough that the world can fill them: every engine, the attackers
+# and the engines that forge fit at rank 0 (at most 3 P + 2 attackers + 1 D on a D).
+PEER_DIR = 6
 SENDER = SenderSettings(block_bytes=BLOCK_BYTES, scheduler=SCHED, retry=RETRY, budget=BUDGET,
                         breaker=BREAKER, timeouts=TIMEOUTS, send_lease_s=SEND_LEASE_S,
                         stop_margin_s=STOP_MARGIN_S, skew_margin_s=SKEW_MARGIN_S,
                         heartbeat_s=HEARTBEAT_S, fallback=True, pull_permit_s=PULL_PERMIT_S,
-                        register_grace_s=REGISTER_GRACE_S, tombstone_s=60.0)
+                        register_grace_s=REGISTER_GRACE_S, tombstone_s=60.0,
+                        max_peers=PEER_DIR)
 RECEIVER = ReceiverSettings(block_bytes=BLOCK_BYTES, permit_ttl_s=PERMIT_TTL_S,
                             skew_margin_s=SKEW_MARGIN_S, stop_margin_s=STOP_MARGIN_S,
                             heartbeat_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S,
-                            scheduler=SCHED, retry=RETRY, budget=BUDGET, timeouts=TIMEOUTS)
+                            scheduler=SCHED, retry=RETRY, budget=BUDGET, timeouts=TIMEOUTS,
+                            max_peers=PEER_DIR)
 CREDITS = CreditSettings(budget_blocks=CREDIT_BUDGET, per_peer_cap_blocks=PEER_CAP)
 
 _SLACK_S = 0.5
@@ -107,6 +119,57 @@ RETRYABLE = ("ERR:nixlBackendError", "TIMEOUT", "NIXL_ERR_NOT_POSTED", "ERR")
 DISCONNECT = "ERR:nixlRemoteDisconnectError"
 INVALID = "NIXL_ERR_INVALID_PARAM"
 NOT_CONNECTED = "RuntimeError: NIXL_ERR_NOT_FOUND: no connection to agent"
+
+
+ATTACKERS = ("attacker", "attacker-2")  # identities (keys) of no engine of the world
+ATTACKER_ADDRESS = "tcp://attacker:6666"
+# Known core bugs the attacker found, each with its deterministic reproduction (xfail) in
+# test_attacker_findings.py. While a flag is set, the attacker leaves out the one move that
+# trips it, so the world keeps testing everything else; clear it once that test passes.
+KNOWN_BUGS: dict[str, bool] = {
+    # P keys peers by (origin, rank) but knows their agents by the name a message claims: a
+    # REGISTER under another key claiming a real decode's agent name makes P write into
+    # that decode, and a "restart" of it fails the real decode's transfers. The attacker
+    # then claims only agent names of its own.
+    "agent_names": True,
+    # A CANCEL of any origin for an id nobody owns on P replaces the tombstone that P's own
+    # abort (or failed forward) or the owner's CANCEL left. The attacker then cancels no
+    # tombstoned id.
+    "tombstone_overwrite": True,
+    # One LRU over (origin, rank) on D: a key with more ranks than PEER_DIR pushes out a
+    # prefill's entry and retired incarnations; a late message of a replaced prefill process
+    # then counts as a restart and D reuses blocks the live process may still write. The
+    # attacker then speaks for rank 0 only (the directories never fill).
+    "peer_eviction": True,
+}
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One forged message: what it is, who forges it and what it claims.
+
+    ``forger``: "attacker"/"attacker-2" (an identity of its own, no engine's key) or "engine"
+    (an authenticated engine of the world that does not own the transfer). ``claim``: whose
+    PeerInfo the message carries: the owner's (as is, with a new or a past incarnation),
+    the forger's own, or another engine's. ``guess``: the generation it names (the current one
+    tests that the origin alone is refused; a DONE names it only where the owner's agent is
+    known). ``target``: a live transfer of the target engine, any transfer id seen, the next
+    id the router will use, or a bogus one.
+    """
+
+    kind: int  # an index into the target role's message kinds (ATTACK_KINDS)
+    forger: str
+    claim: str  # owner | owner_new | owner_old | own | other
+    guess: str  # current | near | past | random | zero
+    target: str  # live | any | future | bogus
+    rank: int = 0
+    delay: float = 0.0
+    layout: str = "full"  # full | slim | foreign
+    ttl_ms: int = 3000
+
+
+ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", "Failed"),
+                "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register")}
 
 
 @dataclass(frozen=True)
@@ -208,6 +271,9 @@ class PReq:
     state: str = "coming"  # coming | queued | computed | held | released | aborted
     blocks: list[int] = field(default_factory=list)
     hold_at: float = 0.0
+    # The decode identity the router named (D's address here); "" for a router that names
+    # none: then the first REGISTER binds the transfer (a documented limitation).
+    owner: str = ""
 
 
 @dataclass
@@ -272,6 +338,10 @@ class Wire:
     msg: m.ControlMessage
     sent: float
     at: float
+    # The identity the channel authenticated (the sender's key): a real engine's is its
+    # address here, so ``origin == msg.sender.control`` unless the message is forged.
+    origin: str = ""
+    attack: bool = False  # forged by the attacker: checked to change nothing of others
 
 
 @dataclass
@@ -294,6 +364,11 @@ class Flight:
     torn: bool
 
 
+def agent_name(node: str, inc: int) -> str:
+    """The NIXL agent of one process (incarnation ``inc``) of ``node``."""
+    return f"agent-{node}-{inc}"
+
+
 # ------------------------------------------------------------------------------ the world
 class World:
     """N prefill and M decode ranks, a network and NICs, in simulated (true) time ``now``."""
@@ -306,13 +381,15 @@ class World:
         self.nodes: dict[str, Node] = {}
         self.wires: dict[int, Wire] = {}
         self.flights: dict[tuple[str, int, int], Flight] = {}
-        self.notifs: dict[int, tuple[float, str, m.Done]] = {}  # id -> (at, D agent, done)
+        # id -> (at, D agent, done, the agent that sent it)
+        self.notifs: dict[int, tuple[float, str, m.Done, str]] = {}
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count(1)
         self._ids = itertools.count(1)
         self._incs = itertools.count(101)
-        self._tids = itertools.count(1)
+        self.tid_count = 0  # requests so far (ids t1, t2, ...)
         self.history: deque[Wire] = deque(maxlen=64)  # recent messages, for stale replays
+        self.generations: deque[int] = deque(maxlen=64)  # granted ones, for the attacker
         self.reported: dict[tuple[str, int, str], str] = {}  # (D, inc, tid) -> report
         self.released: dict[tuple[str, int, str], str] = {}  # (P, inc, tid) -> outcome
         self.stats: dict[str, int] = {}
@@ -368,7 +445,7 @@ class World:
     def start(self, node: Node) -> None:
         node.alive = True
         node.inc = next(self._incs)
-        node.agent = f"agent-{node.name}-{node.inc}"
+        node.agent = agent_name(node.name, node.inc)
         r = self.r("start", node.name, node.inc)
         node.mono_off = r.uniform(0.0, 500.0)  # monotonic clocks share no origin
         node.wall_off = r.uniform(-WALL_SKEW_S, WALL_SKEW_S) if self.chaos.skew else 0.0
@@ -386,7 +463,9 @@ class World:
         if node.role == "P":
             node.engine = Sender(node.info, SENDER, rng)
         else:
-            node.engine = Receiver(node.info, RECEIVER, rng)
+            # As the shells: generations get random low bits (unguessable), here from the seed.
+            tokens = random.Random(f"{self.seed}:tokens:{node.name}:{node.inc}")
+            node.engine = Receiver(node.info, RECEIVER, rng, tokens=tokens)
             node.ledger = CreditLedger(CREDITS)
         self._push(self.now + r.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
         self.log(f"{node.name} starts as incarnation {node.inc}")
@@ -457,6 +536,8 @@ class World:
                 if a.replaces:
                     node.connected.discard(a.replaces)
                 node.connected.add(a.info.agent_name)
+            elif isinstance(a, DropPeer):
+                node.connected.discard(a.agent_name)
             elif isinstance(a, ReleaseSend):
                 self.on_release(node, a)
             elif isinstance(a, (ReportFinished, ReportFailed)):
@@ -468,6 +549,17 @@ class World:
 
     # ------------------------------------------------------------------ network
     def send(self, node: Node, a: SendMessage) -> None:
+        if not a.to:
+            raise self.fail(f"{node.name} sends {type(a.message).__name__} to {a.peer} without "
+                            "naming the identity it must reach")
+        dst = self.by_address(a.peer)
+        if dst is None or dst.address != a.to:
+            # The channel to that address cannot prove ``to`` (a reply to a forged claim): the
+            # handshake fails and nothing is delivered.
+            self.count(f"send:refused:{type(a.message).__name__}")
+            self.log(f"{node.name} sends {type(a.message).__name__} "
+                     f"{getattr(a.message, 'transfer_id', '')} to {a.peer} as {a.to[:16]}: refused")
+            return
         msg = a.message
         if "sent_at" in type(msg).__struct_fields__:
             msg = msgspec.structs.replace(msg, sent_at=node.wall(self.now))
@@ -484,7 +576,7 @@ class World:
             delay = r.uniform(0.0002, c.delay_max_s)
             if r.random() < c.spike:
                 delay = r.uniform(0.0, SPIKE_MAX_S)
-            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay)
+            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay, node.address)
 
     def partition(self, a: str, b: str, dt: float, both: bool = True) -> None:
         """Cut the control network from node ``a`` to ``b`` (and back if ``both``) for
@@ -510,8 +602,8 @@ class World:
         return any(a == src and b == dst and until > self.now for a, b, until in self.cuts)
 
     def enqueue(self, src: str, src_inc: int, dst: str, msg: m.ControlMessage,
-                at: float) -> Wire:
-        w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at)
+                at: float, origin: str) -> Wire:
+        w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at, origin)
         self.wires[w.id] = w
         self._push(w.at, "wire", w.id)
         self.history.append(w)
@@ -535,16 +627,19 @@ class World:
             eng = node.engine
             if isinstance(eng, Receiver):
                 for tid, inc in eng._in.items():
-                    p, peer = self.by_address(inc.address), eng._peers.get(inc.address)
-                    if p and p.alive and peer and peer.incarnation == p.inc:
+                    p = self.by_address(inc.address)
+                    peer = eng._peers.get((inc.owner, 0))
+                    if p and p.alive and inc.owner == p.address and peer \
+                            and peer.incarnation == p.inc:
                         out.append((node.name, tid))
             else:
                 for tid, o in eng._out.items():
                     if o.reg is None:
                         continue
                     d = self.by_address(o.reg.sender.control)
-                    known = eng._peers.get((o.reg.sender.engine_id, o.reg.sender.rank))
-                    if (d and d.alive and d.inc == o.reg.sender.incarnation and known
+                    known = eng._peers.get((o.owner, o.reg.sender.rank))
+                    if (d and d.alive and o.owner == d.address
+                            and d.inc == o.reg.sender.incarnation and known
                             and known.incarnation == d.inc):
                         out.append((node.name, tid))
         return out
@@ -563,7 +658,8 @@ class World:
             kind = self._FOR_D[kind]
             if kind == "Done":
                 nid = next(self._ids)
-                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)))
+                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)),
+                                    p.agent)
                 self.count("rule:stale")
                 self.deliver_notif(nid)
                 return
@@ -593,11 +689,11 @@ class World:
             else:
                 msg = m.Heartbeat(v, d.info, node.inc, [(tid, g)], 3000, sent_at=d.wall(self.now))
             src = d
-        if not self.stale_key(node, msg):
+        if not self.stale_key(node, msg, src.address):
             return  # e.g. a newer REGISTER while P waits: a re-registration, not stale
         self.count("rule:stale")
         self.deliver(Wire(next(self._ids), src.name, src.inc, node.address, msg, self.now,
-                          self.now))
+                          self.now, src.address))
 
     def deliver(self, w: Wire) -> None:
         self.wires.pop(w.id, None)
@@ -613,9 +709,17 @@ class World:
         age = max(0.0, node.wall(self.now) - sent_at) if sent_at else 0.0
         self.log(f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
                  f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}")
-        stale = self.stale_key(node, msg)
+        if w.attack:
+            tomb = getattr(eng, "_tombstones", {}).get(getattr(msg, "transfer_id", ""))
+            if (KNOWN_BUGS.get("tombstone_overwrite") and isinstance(msg, m.Cancel)
+                    and tomb is not None and tomb[1] != w.origin):
+                self.count("attack:skipped:tombstone_overwrite")
+                return []
+            return self._under_attack(node, w.origin, type(msg).__name__,
+                                      lambda: eng.on_message(msg, now, age, origin=w.origin))
+        stale = self.stale_key(node, msg, w.origin)
         before = self.snapshot(node, stale) if stale else None
-        out: list[Action] = eng.on_message(msg, now, age)
+        out: list[Action] = eng.on_message(msg, now, age, origin=w.origin)
         if stale:
             self.count("stale_checked")
             bad = [a for a in out if not (isinstance(a, Note) and a.kind in ("fenced", "rejected"))]
@@ -626,34 +730,36 @@ class World:
                                 f"actions {bad}, state {before} -> {after}")
         return out
 
-    def stale_key(self, node: Node, msg: m.ControlMessage) -> str:
-        """The transfer id if ``msg`` carries a stale generation for ``node`` (and comes from
-        a sender incarnation ``node`` already knows, so only the generation is at stake)."""
+    def stale_key(self, node: Node, msg: m.ControlMessage, origin: str) -> str:
+        """The transfer id if ``msg`` (from ``origin``, the transfer's owner) carries a stale
+        generation for ``node`` (and comes from a sender incarnation ``node`` already knows,
+        so only the generation is at stake)."""
         eng = node.engine
         if isinstance(eng, Receiver):
             if not isinstance(msg, (m.Failed, m.CancelAck, m.Fallback)):
                 return ""
-            peer = eng._peers.get(msg.sender.control)
+            peer = eng._peers.get((origin, msg.sender.rank))
             if peer is None or peer.incarnation != msg.sender.incarnation:
                 return ""
             inc = eng._in.get(msg.transfer_id)
-            return msg.transfer_id if inc is not None and inc.generation != msg.generation else ""
+            return msg.transfer_id if (inc is not None and inc.owner == origin
+                                       and inc.generation != msg.generation) else ""
         assert isinstance(eng, Sender)
         if isinstance(msg, m.Heartbeat):
             if len(msg.live) != 1:
                 return ""
             tid, gen = msg.live[0]
             o = eng._out.get(tid)
-            ok = o is None or o.reg is None or gen in (0, o.reg.generation)
+            ok = o is None or o.reg is None or o.owner != origin or gen in (0, o.reg.generation)
             return "" if ok else tid
         if not isinstance(msg, (m.Register, m.Cancel, m.PullDone)):
             return ""
-        known = eng._peers.get((msg.sender.engine_id, msg.sender.rank))
+        known = eng._peers.get((origin, msg.sender.rank))
         if isinstance(msg, m.Register) and (known is None
                                             or known.incarnation != msg.sender.incarnation):
             return ""
         o = eng._out.get(msg.transfer_id)
-        if o is None or o.reg is None:
+        if o is None or o.reg is None or o.owner != origin:
             return ""
         g, cur = msg.generation, o.reg.generation
         if isinstance(msg, m.Register):
@@ -678,11 +784,12 @@ class World:
                 if peer.role == r.role or not peer.alive:
                     continue
                 eng = r.engine
+                # Peers are keyed by (origin, rank): a real engine's origin is its address.
                 if isinstance(eng, Receiver):
-                    known = eng._peers.get(peer.address)
+                    known = eng._peers.get((peer.address, 0))
                     retired = known.retired if known else set()
                 else:
-                    retired = eng._retired.get((peer.name, 0), set())
+                    retired = eng._retired.get((peer.address, 0), set())
                 out += [(r.name, peer.name, inc) for inc in sorted(retired) if inc in peer.past]
         return out
 
@@ -710,7 +817,8 @@ class World:
 
         def run(e: Any, now: float) -> list[Action]:
             before = self.full_snapshot(r)
-            out: list[Action] = e.on_message(msg, now, 0.0)
+            # Its key is the engine's: a restarted process speaks with the same identity.
+            out: list[Action] = e.on_message(msg, now, 0.0, origin=peer.address)
             if any(not isinstance(a, Note) for a in out) or self.full_snapshot(r) != before:
                 raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
                                 f"incarnation {old.incarnation} was acted on: {out}")
@@ -740,6 +848,337 @@ class World:
                                         o.drain_then, o.queued, o.outcome, o.released,
                                         o.held, frozenset(o.inflight), o.pull_until, o.blocks),
                 tid in eng._tombstones, eng.sched.has_transfer(tid))
+
+
+    # ------------------------------------------------------------------ the attacker
+    def live_transfers(self) -> list[tuple[str, str]]:
+        """(engine, transfer id) of every transfer an engine of the world holds now."""
+        return [(n.name, t) for n in self.nodes.values() if n.alive
+                for t in (n.engine._in if n.role == "D" else n.engine._out)]
+
+    def attack_targets(self, node: Node, how: str) -> list[str]:
+        """Transfer ids the attacker aims at on ``node``: its live ones, or any id seen, or
+        the router's next id, or a bogus one."""
+        eng = node.engine
+        if how == "live":
+            return sorted(eng._in if isinstance(eng, Receiver) else eng._out)
+        if how == "any":
+            return sorted({t for n in self.nodes.values()
+                           for t in (*n.preqs, *n.dreqs, *n.closed)})
+        if how == "future":
+            return [f"t{self.tid_count + 1}"]
+        return ["x-bogus"]
+
+    def _owner_of(self, node: Node, tid: str) -> tuple[str, Node | None]:
+        """The identity ``tid`` belongs to on ``node`` (or will: the router's pick) and the
+        engine it names ("" and None if nobody yet)."""
+        eng = node.engine
+        owner = ""
+        if isinstance(eng, Receiver):
+            inc = eng._in.get(tid)
+            waiting = eng._waiting.get(tid)
+            owner = inc.owner if inc else waiting[1] if waiting else ""
+            req = node.dreqs.get(tid) or node.closed.get(tid)
+            if not owner and isinstance(req, DReq):
+                owner = req.p_address
+        else:
+            o = eng._out.get(tid)
+            owner = (o.owner or o.required) if o else ""
+            req = node.preqs.get(tid) or node.closed.get(tid)
+            if not owner and isinstance(req, PReq):
+                owner = self.nodes[req.d_name].address
+        return owner, self.by_address(owner) if owner else None
+
+    def attack(self, node: Node, tid: str, a: Attack) -> None:
+        """The attacker (or an engine that does not own ``tid``) sends ``node`` a forged message."""
+        if not node.alive:
+            return
+        eng = node.engine
+        r = self.r("attack", next(self._ids))
+        kinds = ATTACK_KINDS[node.role]
+        kind = kinds[a.kind % len(kinds)]
+        owner, owner_node = self._owner_of(node, tid)
+        # Who forges: an identity of its own, or an engine that does not own the transfer
+        # (never the owner itself: it speaks for its own transfers).
+        forger: Node | None = None
+        if a.forger == "engine":
+            others = sorted(n.name for n in self.nodes.values()
+                            if n.alive and n is not node and n.address != owner
+                            and (owner_node is None or n is not owner_node)
+                            and (node.role == "D" or n.name != self._d_of(node, tid)))
+            forger = self.nodes[r.choice(others)] if others else None
+        if forger is not None:
+            origin, rank = forger.address, 0
+            assert forger.info is not None
+            own = forger.info
+        else:
+            origin = a.forger if a.forger in ATTACKERS else ATTACKERS[0]
+            rank = 0 if KNOWN_BUGS.get("peer_eviction") else a.rank
+            own = m.PeerInfo(origin, 7000 + rank, rank, ATTACKER_ADDRESS, f"agent-{origin}-r{rank}",
+                             b"meta", self._layout("P" if node.role == "D" else "D"))
+        claim = self._claim(a, own, owner_node, node, r)
+        if forger is not None:
+            # With its own key an engine can only hurt itself by announcing a restart of its
+            # own (its live process would then be cut off): it keeps its incarnation.
+            claim = msgspec.structs.replace(claim, incarnation=forger.inc, rank=0)
+        else:
+            claim = msgspec.structs.replace(claim, rank=rank)
+        if KNOWN_BUGS.get("agent_names") and claim.agent_name != own.agent_name:
+            claim = msgspec.structs.replace(claim, agent_name=own.agent_name)
+        if a.layout == "slim":
+            claim = msgspec.structs.replace(claim, agent_meta=b"", layout=None)
+        elif a.layout == "foreign":
+            claim = msgspec.structs.replace(claim, layout=m.Layout(
+                "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]))
+        gen = self._guess(node, tid, a.guess, kind, r)
+        v = m.PROTOCOL_VERSION
+        sent_at = (forger or node).wall(self.now)
+        msg: m.ControlMessage
+        if kind == "Done":
+            self._attack_done(node, tid, gen, forger.agent if forger else own.agent_name, origin)
+            return
+        if node.role == "P":
+            n = self._size(node, tid, r)
+            if kind == "Register":
+                o = eng._out.get(tid)
+                if forger is not None and not (o is not None and o.required
+                                               and o.required != origin):
+                    # An engine registering a transfer nobody named with its own key gets
+                    # P's writes into its own memory: its own doing, not the core's.
+                    self.count("attack:skipped:engine_register")
+                    return
+                blocks = [r.choice(range(D_BLOCKS)) for _ in range(n)]
+                msg = m.Register(v, tid, claim, blocks, 0, n * 16, gen, a.ttl_ms,
+                                 sent_at=sent_at)
+            elif kind in ("Heartbeat", "Waiting"):
+                msg = m.Heartbeat(v, claim, node.inc, [(tid, 0 if kind == "Waiting" else gen)],
+                                  a.ttl_ms, sent_at=sent_at)
+            elif kind == "Cancel":
+                msg = m.Cancel(v, tid, gen if a.guess != "zero" else 0, claim, "forged")
+            elif kind == "PullDone":
+                msg = m.PullDone(v, tid, gen, claim, r.random() < 0.7)
+            else:
+                msg = m.Failed(v, tid, gen, claim, "forged")
+        else:
+            inc = eng._in.get(tid)
+            n = len(inc.blocks) if inc is not None else self._size(node, tid, r)
+            if kind == "Heartbeat":
+                msg = m.Heartbeat(v, claim, node.inc, [(tid, gen)], a.ttl_ms, sent_at=sent_at)
+            elif kind == "Failed":
+                msg = m.Failed(v, tid, gen, claim, "forged")
+            elif kind == "CancelAck":
+                msg = m.CancelAck(v, tid, gen, claim)
+            elif kind == "Fallback":
+                msg = m.Fallback(v, tid, gen, claim, [r.choice(range(P_BLOCKS)) for _ in range(n)],
+                                 0, "forged", a.ttl_ms, sent_at=sent_at)
+            else:
+                msg = m.Register(v, tid, claim, list(range(n)), 0, n * 16, gen, a.ttl_ms,
+                                 sent_at=sent_at)
+        self.count(f"attack:sent:{node.role}:{kind}")
+        self.count(f"attack:target_live:{tid in (eng._in if node.role == 'D' else eng._out)}")
+        w = Wire(next(self._ids), forger.name if forger else origin, forger.inc if forger else 0,
+                 node.address, msg, self.now, self.now + a.delay, origin, attack=True)
+        self.log(f"{origin[:20]} forges {kind} {tid} g{gen} claiming {claim.engine_id}#"
+                 f"{claim.incarnation} r{claim.rank} -> {node.name}")
+        if a.delay <= 0.0:
+            self.deliver(w)
+        else:
+            self.wires[w.id] = w
+            self._push(w.at, "wire", w.id)
+
+    def _d_of(self, node: Node, tid: str) -> str:
+        """The decode engine of ``tid`` as P's request names it ("" if none)."""
+        req = node.preqs.get(tid) or node.closed.get(tid)
+        return req.d_name if isinstance(req, PReq) else ""
+
+    def _layout(self, role: str) -> m.Layout:
+        n = D_BLOCKS if role == "D" else P_BLOCKS
+        return m.Layout("sim", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, n)])
+
+    def _claim(self, a: Attack, own: m.PeerInfo, owner: Node | None, node: Node,
+               r: KeyedRandom) -> m.PeerInfo:
+        peers = sorted(n.name for n in self.nodes.values() if n.info is not None
+                       and n.role != node.role)
+        if owner is None or owner.info is None:
+            if a.claim == "own" or not peers:
+                return own
+            owner = self.nodes[r.choice(peers)]
+            assert owner.info is not None
+        info = owner.info
+        if a.claim == "own":
+            return own
+        if a.claim == "owner_new":
+            return msgspec.structs.replace(info, incarnation=int(r.random() * 2**40) + 1)
+        if a.claim == "owner_old":
+            old = sorted(owner.past)
+            return owner.past[r.choice(old)] if old else msgspec.structs.replace(
+                info, incarnation=int(r.random() * 2**40) + 1)
+        if a.claim == "other":
+            other = [p for p in peers if p != owner.name]
+            if other:
+                o_info = self.nodes[r.choice(other)].info
+                assert o_info is not None
+                return o_info
+        return info
+
+    def _size(self, node: Node, tid: str, r: KeyedRandom) -> int:
+        """How many blocks the attacker says ``tid`` has (what the router sent, usually)."""
+        o = node.engine._out.get(tid) if node.role == "P" else None
+        if o is not None and o.blocks is not None and r.random() < 0.8:
+            return len(o.blocks)
+        req = node.preqs.get(tid) or node.dreqs.get(tid) or node.closed.get(tid)
+        if isinstance(req, PReq) and r.random() < 0.8:
+            return req.nblocks
+        if isinstance(req, DReq) and r.random() < 0.8:
+            return req.nblocks
+        return 1 + int(r.random() * 8)
+
+    def _guess(self, node: Node, tid: str, how: str, kind: str, r: KeyedRandom) -> int:
+        """The generation a forged message names: the attacker does not know the current one
+        (it is unguessable); a control message may carry it anyway (its origin alone must be
+        refused), a DONE only where D knows the owner's agent (that alone must refuse it)."""
+        eng = node.engine
+        current = 0
+        if isinstance(eng, Receiver):
+            inc = eng._in.get(tid)
+            current = inc.generation if inc is not None else 0
+            if how == "current" and kind == "Done" and (inc is None or not eng._owner_agent(inc)):
+                how = "near"
+        else:
+            o = eng._out.get(tid)
+            if o is not None and o.reg is not None:
+                current = o.reg.generation
+            else:  # D's grant, if it made one: the REGISTER may still be on its way
+                for n in self.nodes.values():
+                    if n.alive and n.role == "D" and tid in n.engine._in:
+                        current = n.engine._in[tid].generation
+        if how == "current" and current:
+            return current
+        if how in ("current", "near") and current:
+            return max(1, current + r.choice((-1, 1)))
+        if how == "past" and self.generations:
+            past = [g for g in self.generations if g != current]
+            if past:
+                return r.choice(past)
+        if how == "zero":
+            return 0
+        return int(r.random() * 2**62) + 1
+
+    def _attack_done(self, node: Node, tid: str, gen: int, agent: str, origin: str) -> None:
+        eng = node.engine
+        inc = eng._in.get(tid)
+        done = m.Done(m.PROTOCOL_VERSION, tid, gen, len(inc.blocks) if inc else 1)
+        self.count("attack:sent:D:Done")
+        self.count(f"attack:target_live:{inc is not None}")
+        self.log(f"{agent} forges DONE {tid} g{gen} -> {node.name}")
+        self.call(node, lambda e, now: self._under_attack(
+            node, origin, "DONE", lambda: e.on_done(done, now, agent=agent)))
+
+    def _under_attack(self, node: Node, origin: str, what: str,
+                      run: Callable[[], list[Action]]) -> list[Action]:
+        """Run a forged message from ``origin``: it may only be refused. Nothing of any other
+        identity may change (the origin's own peer entries and transfers may: they are its
+        own), and the only actions are notes, replies to the forger (its channel proves
+        ``to``), connecting the forger's own agent, or, for a transfer nobody named and
+        nobody else holds (first come, documented), pushing it."""
+        self.count("attack:delivered")
+        before = self.trust_view(node, origin)
+        others = self._agents_of_others(node, origin)
+        out = run()
+        after = self.trust_view(node, origin)
+        bad = []
+        for a in out:
+            if isinstance(a, Note):
+                self.count(f"attack:note:{a.kind}:{a.reason}")
+            else:
+                self.count(f"attack:action:{type(a).__name__}")
+            if not self._harmless(node, origin, a, before, others):
+                bad.append(a)
+        changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+        if bad or changed:
+            diff = "; ".join(f"{k}: {self._diff(b, a)}" for k, (b, a) in changed.items())
+            raise self.fail(f"{node.name}: a forged {what} from {origin} was acted on: "
+                            f"actions {bad}; changed {diff or 'nothing'}")
+        if not out:
+            self.count("attack:silent")
+        return out
+
+    @staticmethod
+    def _diff(before: Any, after: Any) -> str:
+        if isinstance(before, dict) and isinstance(after, dict):
+            keys = sorted({*before, *after}, key=repr)
+            return ", ".join(f"{k!r}: {before.get(k)} -> {after.get(k)}" for k in keys
+                             if before.get(k) != after.get(k))
+        return f"{before} -> {after}"
+
+    def trust_view(self, node: Node, origin: str) -> dict[str, Any]:
+        """What ``node`` holds for identities other than ``origin``: the transfers they own
+        (on P: named by the router, or bound by their first REGISTER), their peer entries,
+        liveness and tombstones."""
+        eng = node.engine
+        if isinstance(eng, Receiver):
+            return {
+                "transfers": {tid: (self.snapshot(node, tid), inc.owner, inc.address,
+                                    tuple(inc.blocks), inc.p_incarnation, inc.p_rank,
+                                    inc.registered_at, eng.reads.has_transfer(tid))
+                              for tid, inc in eng._in.items() if inc.owner != origin},
+                "waiting": {t: v for t, v in eng._waiting.items() if v[1] != origin},
+                "leases": {k: (eng.leases.get(k), eng.leases.state(k))
+                           for k in eng.leases.keys()  # noqa: SIM118 - a method, not a dict
+                           if k not in eng._in or eng._in[k].owner != origin},
+                "peers": {k: (v.incarnation, v.agent, tuple(v.retired), v.last_heard)
+                          for k, v in eng._peers.items() if k[0] != origin},
+                "heard": {k: v for k, v in eng._heard.items() if k != origin},
+                "chunks": {c: t for c, (_, t) in eng._chunks.items()},
+            }
+        assert isinstance(eng, Sender)
+        ts: dict[str, Any] = {}
+        for tid, o in eng._out.items():
+            named = bool(o.required) and o.required != origin
+            bound = not o.required and bool(o.owner) and o.owner != origin
+            if named or bound:
+                # A transfer nobody named may still gain contenders and be kept waiting by
+                # anyone's heartbeat (its send lease): the router may name one of them later.
+                ts[tid] = (named, o.reg, o.owner, o.required, o.peer, o.permit,
+                           o.machine.state, o.blocks, o.held, o.expected, o.queued,
+                           frozenset(o.inflight), o.retried, o.drain_then, o.reason,
+                           o.pull_until, o.outcome, o.released, o.pushed_bytes,
+                           eng.sched.has_transfer(tid), o.lease_until if named else None,
+                           tuple(sorted(o.contenders)) if named else None)
+        return {
+            "transfers": ts,
+            "peers": {k: v for k, v in eng._peers.items() if k[0] != origin},
+            "retired": {k: tuple(v) for k, v in eng._retired.items() if k[0] != origin},
+            "tombstones": {t: who for t, (_, who) in eng._tombstones.items() if who != origin},
+            "chunks": {c: t for c, (_, t) in eng._chunks.items() if t in ts},
+        }
+
+    def _agents_of_others(self, node: Node, origin: str) -> set[str]:
+        """The NIXL agents ``node`` uses for identities other than ``origin``."""
+        eng = node.engine
+        if isinstance(eng, Receiver):
+            return {p.agent for k, p in eng._peers.items() if k[0] != origin and p.agent}
+        return ({p.agent_name for k, p in eng._peers.items() if k[0] != origin}
+                | {o.peer for o in eng._out.values() if o.owner and o.owner != origin}) - {""}
+
+    def _harmless(self, node: Node, origin: str, a: Action, before: dict[str, Any],
+                  others: set[str]) -> bool:
+        if isinstance(a, Note):
+            if a.kind == "queue_wait":  # a push of a transfer nobody else holds starts
+                return a.detail not in before["transfers"]
+            return a.kind in ("rejected", "fenced", "peer_restart")
+        if isinstance(a, SendMessage):
+            return a.to == origin  # only the forger's own channel proves that identity
+        eng = node.engine
+        if isinstance(a, ConnectPeer):
+            # P met a peer of the forger's own key; its agent must not be anyone else's.
+            return (isinstance(eng, Sender) and eng._peers.get((origin, a.info.rank)) == a.info
+                    and a.info.agent_name not in others and a.replaces not in others)
+        if isinstance(a, DropPeer):
+            return a.agent_name not in others
+        if isinstance(a, (PostWrite, ReleaseSend)) and isinstance(eng, Sender):
+            return a.transfer_id not in before["transfers"]  # nobody else's (first come)
+        return False
 
     # ------------------------------------------------------------------ NIC
     def post_write(self, node: Node, a: PostWrite) -> None:
@@ -903,7 +1342,8 @@ class World:
                 and r.random() >= self.chaos.notif_loss):
             nid = next(self._ids)
             at = self.now + r.uniform(0.0, 0.005)
-            self.notifs[nid] = (at, target.agent, fl.done)
+            # From the agent of the process that posted the WRITE (even if it died since).
+            self.notifs[nid] = (at, target.agent, fl.done, agent_name(*fl.key[:2]))
             self._push(at, "notif", nid)
         if poster.alive and poster.inc == fl.key[1]:
             cid, now_err = fl.key[2], err
@@ -913,7 +1353,7 @@ class World:
         rec = self.notifs.pop(nid, None)
         if rec is None:
             return
-        _, agent, done = rec
+        _, agent, done, src_agent = rec
         node = self.by_agent(agent)
         if node is None:
             return
@@ -925,7 +1365,8 @@ class World:
             inc = eng._in.get(done.transfer_id)
             stale = inc is not None and inc.generation != done.generation
             before = self.snapshot(node, done.transfer_id) if stale else None
-            out: list[Action] = eng.on_done(done, now)
+            # NIXL names the agent a notification came from.
+            out: list[Action] = eng.on_done(done, now, agent=src_agent)
             if stale and (before != self.snapshot(node, done.transfer_id) or any(
                     not isinstance(a, Note) for a in out)):
                 raise self.fail(f"{node.name}: a DONE with a stale generation changed state")
@@ -998,14 +1439,19 @@ class World:
     # ------------------------------------------------------------------ schedulers
     def new_request(self, p: Node, d: Node, total: int, first: int) -> str:
         """The router sends both legs of a new request at once."""
-        tid = f"t{next(self._tids)}"
+        self.tid_count += 1
+        tid = f"t{self.tid_count}"
         self.count("request")
         self.log(f"request {tid}: {p.name} -> {d.name}, {total} blocks from {first}")
         if p.alive:
             r = self.r("request", tid)
             lag = r.choice([0.0, 0.0, 0.0, r.uniform(0.0, P_LAG_MAX_S)])
+            # Mostly the router names the decode engine; sometimes (a third-party router) not.
+            owner = d.address if r.random() < NAMED_SHARE else ""
+            if not owner:
+                self.count("request:unnamed")
             p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
-                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag)
+                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag, owner=owner)
             if not lag:
                 self.p_step(p)
         if d.alive:
@@ -1013,14 +1459,15 @@ class World:
             if first >= total:
                 # D has the whole prompt already: P may free at once.
                 self.close(d, d.dreqs[tid], "ended")
-                self.call(d, lambda eng, now: eng.not_needed(tid, p.address))
+                self.call(d, lambda eng, now: eng.not_needed(tid, p.address, owner=p.address))
         return tid
 
     def p_step(self, node: Node) -> None:
         for preq in list(node.preqs.values()):
             if preq.state == "coming" and preq.arrive_at <= self.now:
                 preq.state = "queued"
-                self.call(node, lambda eng, now, t=preq.tid: eng.expect(t, now))
+                self.call(node, lambda eng, now, t=preq.tid, o=preq.owner: eng.expect(
+                    t, now, owner=o))
             if preq.state == "queued" and preq.compute_at <= self.now:
                 assert node.pool is not None
                 blocks = node.pool.alloc(preq.nblocks, preq.tid)
@@ -1039,8 +1486,8 @@ class World:
                     continue
                 for i, b in enumerate(blocks):
                     node.pool.content[b] = (preq.tid, i)
-                self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.blocks_ready(
-                    t, bl, now))
+                self.call(node, lambda eng, now, t=preq.tid, bl=blocks, o=preq.owner:
+                          eng.blocks_ready(t, bl, now, owner=o))
             elif preq.state == "computed" and preq.hold_at <= self.now:
                 preq.state = "held"
                 self.call(node, lambda eng, now, t=preq.tid: eng.hold(t))
@@ -1067,8 +1514,10 @@ class World:
                         Action]:
                     out: list[Action] = eng.admission_over(d.tid) if w else []
                     acts: list[Action] = eng.expect(d.tid, d.p_address, list(d.blocks),
-                                                    d.first_block, d.total_blocks * 16, now)
+                                                    d.first_block, d.total_blocks * 16, now,
+                                                    owner=d.p_address)
                     d.gen = eng._in[d.tid].generation
+                    self.generations.append(d.gen)
                     assert node.pool is not None
                     for b in d.blocks:
                         node.pool.owner[b] = (d.tid, d.gen)
@@ -1080,12 +1529,13 @@ class World:
                     dreq.state = "waiting"
                     self.count("later")
                     self.call(node, lambda eng, now, d=dreq: eng.await_admission(
-                        d.tid, d.p_address))
+                        d.tid, d.p_address, owner=d.p_address))
             else:
                 self.close(node, dreq, "ended")
                 self.count("refuse")
                 ledger.release(dreq.tid)
-                self.call(node, lambda eng, now, d=dreq: eng.not_needed(d.tid, d.p_address))
+                self.call(node, lambda eng, now, d=dreq: eng.not_needed(
+                    d.tid, d.p_address, owner=d.p_address))
 
     def abort_d(self, node: Node, tid: str) -> None:
         dreq = node.dreqs[tid]
@@ -1095,7 +1545,8 @@ class World:
             self.close(node, dreq, "ended")
             assert node.ledger is not None
             node.ledger.release(tid)
-            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address))
+            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address,
+                                                            owner=dreq.p_address))
         elif dreq.state == "admitted" and not dreq.aborting:
             dreq.aborting = True
             self.call(node, lambda eng, now: eng.abort(tid, now))

@@ -5,12 +5,25 @@ the network and the NICs) through lost, duplicated, reordered, delayed and stuck
 messages, one-way and two-way control partitions, slow, failing, torn and ambiguous
 (failed at P but landed) chunks, pump stalls, crashes and restarts (with the dead
 process's messages arriving late), aborts on both sides, late prefill legs, credit
-pressure and replays with stale generations. The world checks, where each can break and
-after every step: credit within budget and blocks in flight within credit; no double
-free; no WRITE posted after its permit; no chunk landing in a block freed or reused since
-it was posted; no block freed under a live permit; stale generations (and messages of
-dead processes) change nothing; D ends up with P's bytes; every transfer ends within its
-bound; and at quiescence, once every lease ran out, nothing leaked.
+pressure, replays with stale generations, and an attacker: forged control messages
+(REGISTER, heartbeat, CANCEL, PullDone, Failed, CancelAck, FALLBACK) and DONE
+notifications, mostly about live transfers, that claim any engine's id, rank, address and
+incarnation (current, past or new) and name the current, a near, a past or a random
+generation, sent under an identity of the attacker's own (it holds no engine's key) or
+under that of a real engine that does not own the transfer. The router names the decode
+engine to P for most requests (owner=); for the rest the first REGISTER binds the
+transfer (a documented limitation: for those only safety is checked, not that the real D
+gets the push). The world checks, where each can break and after every step: credit
+within budget and blocks in flight within credit; no double free; no WRITE posted after
+its permit; no chunk landing in a block freed or reused since it was posted; no block
+freed under a live permit; stale generations (and messages of dead processes) change
+nothing; a forged message is only refused (notes "rejected"/"fenced", replies that only
+the forger's own channel can take) and changes nothing of any other identity (its
+transfers, peer entries, liveness, tombstones, leases; only the forger's own bookkeeping
+may change); a message goes only to the identity it names; D ends up with P's bytes;
+every transfer ends within its bound; and at quiescence, once every lease ran out,
+nothing leaked. Core bugs the attacker found are reproduced in test_attacker_findings.py;
+sim_world.KNOWN_BUGS keeps the attacker off those moves until they are fixed.
 
 Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
 ``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (100).
@@ -40,6 +53,7 @@ from sim_world import (
     PAUSE_MAX_S,
     RESTART_MIN_S,
     RETRYABLE,
+    Attack,
     Chaos,
     World,
 )
@@ -64,6 +78,20 @@ chaos_st = st.builds(
     ambiguous=st.sampled_from([0.0, 0.0, 0.3]),
     zombie=st.booleans(),
     forward_fail=st.sampled_from([0.0, 0.0, 0.1]),
+)
+
+
+attack_st = st.builds(
+    Attack,
+    kind=st.integers(0, 5),
+    forger=st.sampled_from(["attacker", "attacker", "attacker-2", "engine"]),
+    claim=st.sampled_from(["owner", "owner", "owner_new", "owner_old", "own", "other"]),
+    guess=st.sampled_from(["current", "current", "near", "past", "random", "zero"]),
+    target=st.sampled_from(["live", "live", "live", "live", "live", "any", "future", "bogus"]),
+    rank=st.sampled_from([0, 0, 1, 2]),
+    delay=st.sampled_from([0.0, 0.0, 0.01, 0.5]),
+    layout=st.sampled_from(["full", "full", "slim", "foreign"]),
+    ttl_ms=st.sampled_from([3000, 86_400_000, 0]),
 )
 
 
@@ -128,11 +156,13 @@ class ProtocolWorld(RuleBasedStateMachine):
         """Lose, reorder (deliver now), delay or duplicate (a recent) control message."""
         w = self.world
         if kind == "duplicate":
+            if not w.history:  # only forged messages on the wire: not the network's to copy
+                return
             old = data.draw(st.sampled_from(list(w.history)))
             src = w.nodes[old.src]
             if src.alive and src.inc == old.src_inc:  # a dead process sends nothing more
                 w.count("rule:duplicate")
-                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra)
+                w.enqueue(old.src, old.src_inc, old.dst, old.msg, w.now + extra, old.origin)
             return
         if not w.wires:
             return
@@ -181,6 +211,27 @@ class ProtocolWorld(RuleBasedStateMachine):
         w.count(f"dead_cands:{bool(cands)}")
         if cands:
             w.deliver_from_dead(self._pick(data, cands), kind)
+
+    @precondition(lambda self: bool(self.world.live_transfers()))
+    @rule(data=st.data(), role=st.sampled_from(["P", "D"]),
+          attacks=st.lists(attack_st, min_size=1, max_size=4))
+    def forge(self, data: st.DataObject, role: str, attacks: list[Attack]) -> None:
+        """While transfers are live, the attacker (no engine's key: an identity of its own),
+        or an engine that does not own the transfer, sends a few forged control messages or
+        DONEs, mostly about live transfers: each must be refused and change nothing that is
+        not the forger's own."""
+        w = self.world
+        for attack in attacks:
+            live = w.live_transfers()
+            if attack.target == "live" and live:
+                name, tid = self._pick(data, live)
+                w.attack(w.nodes[name], tid, attack)
+                continue
+            nodes = [n for n in w.nodes if n.startswith(role) and w.nodes[n].alive]
+            if nodes:
+                node = w.nodes[self._pick(data, nodes)]
+                tids = w.attack_targets(node, attack.target) or w.attack_targets(node, "future")
+                w.attack(node, self._pick(data, tids), attack)
 
     # ------------------------------------------------------------------ NICs
     @precondition(lambda self: bool(self.world.flights))

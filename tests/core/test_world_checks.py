@@ -1,0 +1,160 @@
+"""The simulated world's own checks bite: its stale-generation, dead-process and forgery
+checks find what they look for in the engines (keyed as the core keys them), and catch an
+engine that acts on what it should refuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sim_world import Attack, Chaos, Violation, World
+
+KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat"]
+
+
+def pushing_world(seed: int) -> tuple[World, str]:
+    """One P and one D, a request whose push crawls (so it stays live for a while)."""
+    w = World(1, 1, Chaos(skew=True), seed)
+    w.run_until(0.5)
+    w.slow_down("P0", "D0", 30.0)
+    tid = w.new_request(w.nodes["P0"], w.nodes["D0"], 8, 0)
+    while not (w.stale_candidates("D") and w.stale_candidates("P")):
+        w.run_until(w.now + 0.01)
+        assert w.now < 5.0, "the transfer never got registered on both sides"
+    return w, tid
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stale_generations_are_checked_on_both_sides(seed: int) -> None:
+    w, tid = pushing_world(seed)
+    for role in ("D", "P"):
+        for kind in KINDS:
+            for shift in (-2, -1, 1, 4):
+                cands = w.stale_candidates(role)
+                if cands:
+                    w.deliver_stale(cands[0], kind, shift)
+    assert w.stats.get("rule:stale", 0) >= 40
+    assert w.stats.get("stale_checked", 0) >= 30  # the DONEs are checked in deliver_notif
+    assert w.stats.get("note:fenced:stale_generation", 0) >= 30
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+
+
+def test_generations_in_the_world_are_unguessable() -> None:
+    w, tid = pushing_world(0)
+    gen = w.nodes["D0"].engine._in[tid].generation
+    assert gen >= 1 << 32  # a counter above 32 random bits
+    assert w.nodes["P0"].engine._out[tid].reg.generation == gen
+
+
+def test_a_stale_message_that_changes_state_is_caught(monkeypatch: Any) -> None:
+    w, tid = pushing_world(0)
+    d = w.nodes["D0"]
+    real = d.engine.on_message
+
+    def careless(msg: Any, now: float, age: float = 0.0, origin: str = "") -> Any:
+        d.engine._in[tid].renew = False  # acts on whatever arrives
+        return real(msg, now, age, origin)
+
+    monkeypatch.setattr(d.engine, "on_message", careless)
+    with pytest.raises(Violation, match="stale generation"):
+        w.deliver_stale(w.stale_candidates("D")[0], "Failed", 1)
+
+
+def restarted_world(seed: int, who: str) -> World:
+    """``who`` crashed and came back; its peer heard the new incarnation."""
+    w = World(1, 1, Chaos(skew=True), seed)
+    p, d = w.nodes["P0"], w.nodes["D0"]
+    w.slow_down("P0", "D0", 60.0)  # pushes long enough for both sides to heartbeat
+    w.new_request(p, d, 8, 0)
+    w.run_until(3.0)
+    w.crash(w.nodes[who])
+    w.run_until(w.now + 0.1)
+    w.start(w.nodes[who])
+    w.new_request(p, d, 8, 0)  # the peer meets the new process (REGISTER or heartbeats)
+    while not w.dead_candidates():
+        w.run_until(w.now + 0.05)
+        assert w.now < 15.0, "the restart was never noticed"
+    return w
+
+
+@pytest.mark.parametrize("who", ["P0", "D0"])
+@pytest.mark.parametrize("seed", range(3))
+def test_messages_of_dead_processes_are_checked_on_both_sides(seed: int, who: str) -> None:
+    w = restarted_world(seed, who)
+    for kind in ("heartbeat", "notice"):
+        for cand in w.dead_candidates():
+            w.deliver_from_dead(cand, kind)
+    assert w.stats.get("rule:dead", 0) >= 2
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+
+
+def test_a_message_of_a_dead_process_that_is_acted_on_is_caught(monkeypatch: Any) -> None:
+    w = restarted_world(0, "P0")
+    (r, peer, inc), *_ = w.dead_candidates()
+    eng = w.nodes[r].engine
+    real = eng.on_message
+
+    def careless(msg: Any, now: float, age: float = 0.0, origin: str = "") -> Any:
+        eng._peers.clear()  # forgets who it knows
+        return real(msg, now, age, origin)
+
+    monkeypatch.setattr(eng, "on_message", careless)
+    with pytest.raises(Violation, match="dead incarnation"):
+        w.deliver_from_dead((r, peer, inc), "heartbeat")
+
+
+# ------------------------------------------------------------------ the attacker
+
+
+def every_attack() -> list[Attack]:
+    return [Attack(kind, forger, claim, guess, "live", layout=layout)
+            for kind in range(6)
+            for forger in ("attacker", "engine")
+            for claim in ("owner", "owner_new", "own")
+            for guess in ("current", "random")
+            for layout in ("full", "slim")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forgeries_of_every_kind_about_a_live_transfer_are_refused(seed: int) -> None:
+    w = World(2, 2, Chaos(skew=True), seed)
+    w.run_until(0.5)
+    for p, d in (("P0", "D0"), ("P1", "D1")):
+        w.slow_down(p, d, 30.0)
+    tids = [w.new_request(w.nodes[p], w.nodes[d], 8, 0) for p, d in (("P0", "D0"), ("P1", "D1"))]
+    while not all(t in w.nodes["D0"].engine._in or t in w.nodes["D1"].engine._in for t in tids):
+        w.run_until(w.now + 0.01)
+    w.run_until(w.now + 0.2)  # P heard the REGISTERs: pushing
+    for a in every_attack():
+        for name, tid in w.live_transfers():
+            w.attack(w.nodes[name], tid, a)
+    assert w.stats["attack:delivered"] >= 300
+    assert w.stats["attack:note:rejected:not_owner"] >= 50
+    assert w.stats.get("attack:note:fenced:stale_generation", 0) > 0  # guessed DONEs
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+    assert w.stats["report:ReportFinished(pushed)"] == 2  # the attacks changed nothing
+
+
+def test_a_forgery_that_is_acted_on_is_caught(monkeypatch: Any) -> None:
+    w, tid = pushing_world(0)
+    d = w.nodes["D0"]
+    real = d.engine.on_message
+
+    def trusting(msg: Any, now: float, age: float = 0.0, origin: str = "") -> Any:
+        return real(msg, now, age, origin=d.engine._in[tid].owner)  # believes any claim
+
+    monkeypatch.setattr(d.engine, "on_message", trusting)
+    with pytest.raises(Violation, match="forged Failed from attacker was acted on"):
+        w.attack(d, tid, Attack(1, "attacker", "owner", "current", "live"))
+
+
+def test_a_reply_reaches_only_the_identity_it_names() -> None:
+    w, tid = pushing_world(0)
+    # A CANCEL for an id P does not hold, claiming D0's address under the attacker's key:
+    # P acks it to that address, but only the attacker's own channel could take it.
+    w.attack(w.nodes["P0"], "x-bogus", Attack(3, "attacker", "owner", "zero", "bogus"))
+    assert w.stats["attack:action:SendMessage"] == 1
+    assert w.stats["send:refused:CancelAck"] == 1
