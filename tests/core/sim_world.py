@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from kvpush_prod.core import identity
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
     Action,
@@ -131,16 +132,16 @@ KNOWN_BUGS: dict[str, bool] = {
     # REGISTER under another key claiming a real decode's agent name makes P write into
     # that decode, and a "restart" of it fails the real decode's transfers. The attacker
     # then claims only agent names of its own.
-    "agent_names": True,
+    "agent_names": False,
     # A CANCEL of any origin for an id nobody owns on P replaces the tombstone that P's own
     # abort (or failed forward) or the owner's CANCEL left. The attacker then cancels no
     # tombstoned id.
-    "tombstone_overwrite": True,
+    "tombstone_overwrite": False,
     # One LRU over (origin, rank) on D: a key with more ranks than PEER_DIR pushes out a
     # prefill's entry and retired incarnations; a late message of a replaced prefill process
     # then counts as a restart and D reuses blocks the live process may still write. The
     # attacker then speaks for rank 0 only (the directories never fill).
-    "peer_eviction": True,
+    "peer_eviction": False,
 }
 
 
@@ -365,8 +366,14 @@ class Flight:
 
 
 def agent_name(node: str, inc: int) -> str:
-    """The NIXL agent of one process (incarnation ``inc``) of ``node``."""
-    return f"agent-{node}-{inc}"
+    """The NIXL agent of one process (incarnation ``inc``) of ``node``, named for the node's
+    identity (its address here), as the shells name theirs for their key."""
+    return identity.agent_name(f"agent-{node}-{inc}", node_address(node))
+
+
+def node_address(node: str) -> str:
+    """The control address of ``node`` ("P0", "D1", ...): its identity in the world."""
+    return f"tcp://{node.lower()}:{7000 if node.startswith('P') else 7100}"
 
 
 # ------------------------------------------------------------------------------ the world
@@ -398,9 +405,9 @@ class World:
         self.cuts: list[tuple[str, str, float]] = []  # (from, to, until)
         self.slow_links: list[tuple[frozenset[str], float]] = []
         for i in range(n_p):
-            self.nodes[f"P{i}"] = Node(f"P{i}", "P", f"tcp://p{i}:7000")
+            self.nodes[f"P{i}"] = Node(f"P{i}", "P", node_address(f"P{i}"))
         for j in range(n_d):
-            self.nodes[f"D{j}"] = Node(f"D{j}", "D", f"tcp://d{j}:7100")
+            self.nodes[f"D{j}"] = Node(f"D{j}", "D", node_address(f"D{j}"))
         for node in self.nodes.values():
             self.start(node)
 
@@ -712,7 +719,7 @@ class World:
         if w.attack:
             tomb = getattr(eng, "_tombstones", {}).get(getattr(msg, "transfer_id", ""))
             if (KNOWN_BUGS.get("tombstone_overwrite") and isinstance(msg, m.Cancel)
-                    and tomb is not None and tomb[1] != w.origin):
+                    and tomb is not None and w.origin not in tomb[1]):
                 self.count("attack:skipped:tombstone_overwrite")
                 return []
             return self._under_attack(node, w.origin, type(msg).__name__,
@@ -1126,9 +1133,13 @@ class World:
                 "leases": {k: (eng.leases.get(k), eng.leases.state(k))
                            for k in eng.leases.keys()  # noqa: SIM118 - a method, not a dict
                            if k not in eng._in or eng._in[k].owner != origin},
+                # Other identities' entries that a live transfer relies on (an unused one may
+                # be forgotten: the directory is bounded, least recently heard first).
                 "peers": {k: (v.incarnation, v.agent, tuple(v.retired), v.last_heard)
-                          for k, v in eng._peers.items() if k[0] != origin},
-                "heard": {k: v for k, v in eng._heard.items() if k != origin},
+                          for k, v in eng._peers.items() if k[0] != origin
+                          and k in {(i.owner, i.p_rank) for i in eng._in.values()}},
+                "heard": {k: v for k, v in eng._heard.items() if k != origin
+                          and k in {i.owner for i in eng._in.values()}},
                 "chunks": {c: t for c, (_, t) in eng._chunks.items()},
             }
         assert isinstance(eng, Sender)
@@ -1147,9 +1158,13 @@ class World:
                            tuple(sorted(o.contenders)) if named else None)
         return {
             "transfers": ts,
-            "peers": {k: v for k, v in eng._peers.items() if k[0] != origin},
-            "retired": {k: tuple(v) for k, v in eng._retired.items() if k[0] != origin},
-            "tombstones": {t: who for t, (_, who) in eng._tombstones.items() if who != origin},
+            # Other identities' entries in use by a transfer (unused ones may be forgotten).
+            "peers": {k: v for k, v in eng._peers.items() if k[0] != origin
+                      and v.agent_name in {o.peer for o in eng._out.values()}},
+            "retired": {k: tuple(v) for k, v in eng._retired.items() if k[0] != origin
+                        and k in eng._peers},
+            "tombstones": {t: who - {origin} for t, (_, who) in eng._tombstones.items()
+                           if who - {origin}},
             "chunks": {c: t for c, (_, t) in eng._chunks.items() if t in ts},
         }
 

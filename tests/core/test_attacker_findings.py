@@ -1,9 +1,10 @@
 """What the attacker in the simulated world found in the trust rules, each as the smallest
-event sequence that shows it; xfail (strict) until the core is fixed, then plain tests.
+event sequence that shows it: regression tests of the fixes (the one weakness left open is
+an xfail, strict, with its reason).
 
 The attacker holds no engine's key: its messages come with an identity of its own
 (``origin``), but it may claim anything in them (engine id, rank, address, incarnation,
-NIXL agent name). sim_world.KNOWN_BUGS keeps the world's attacker off each move here."""
+NIXL agent name). sim_world.KNOWN_BUGS would keep the world's attacker off a move still open."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import random
 from dataclasses import replace
 
 import msgspec
-import pytest
 from test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend, ReportFailed
+from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
 
-KD, KP, KA = "key-of-decode", "key-of-prefill", "key-of-attacker"
+KD, KP, KA = D.control, P.control, "key-of-attacker"
 
 
 def hb(info: m.PeerInfo, live: list[tuple[str, int]] | None = None) -> m.Heartbeat:
@@ -27,33 +28,26 @@ def hb(info: m.PeerInfo, live: list[tuple[str, int]] | None = None) -> m.Heartbe
 
 
 # ------------------------------------------------------------------ agent names (P)
-# P keys its peers by (origin, rank) but takes their NIXL agent name from what the message
-# claims, and then matches transfers and connections by that name alone.
+# P keyed its peers by (origin, rank) but took their NIXL agent name from what the message
+# claimed, and matched transfers and connections by that name alone. Now an agent name is
+# named for its engine's key (core.identity) and belongs to the first rank P met with it.
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: Sender._learn_peer fails every transfer whose "
-                   "agent has the replaced entry's name, whoever owns it, and ConnectPeer "
-                   "replaces (disconnects) that agent: another key can claim the decode's "
-                   "agent name and announce a restart of its own")
 def test_a_restart_under_another_key_that_claims_the_decodes_agent_fails_nothing_of_it() -> None:
     s = sender()
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=KD)
     (w1,) = of(s.on_message(register(), 0.0, origin=KD), PostWrite)
-    assert w1.peer == "agent-d"
+    assert w1.peer == D.agent_name
     # The attacker claims D's engine, address and agent name under its own key, then a
     # "restart" of that entry (a new incarnation).
     s.on_message(hb(replace_inc(D, 500)), 0.1, origin=KA)
     out = s.on_message(hb(replace_inc(D, 501)), 0.2, origin=KA)
-    assert not any(isinstance(a, ConnectPeer) and a.replaces == "agent-d" for a in out)
+    assert not any(isinstance(a, ConnectPeer) and a.replaces == D.agent_name for a in out)
     assert s._out["t"].outcome == "" and s._out["t"].drain_then == ""
     # The push goes on.
     assert of(s.on_chunk(w1.chunk_id, True, "", 0.3), PostWrite)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a transfer bound by another key's REGISTER "
-                   "(first come, no decode named) is written to the agent name that REGISTER "
-                   "claims, which may be a real decode's: P writes into that decode's blocks "
-                   "the attacker chose, none of them reserved for the transfer")
 def test_a_register_under_another_key_never_makes_p_write_into_a_decode_met_for_another() -> None:
     s = sender()
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=KD)
@@ -61,7 +55,7 @@ def test_a_register_under_another_key_never_makes_p_write_into_a_decode_met_for_
     s.blocks_ready("u", [4, 5], 0.0)  # a router that names no decode: first come binds
     out = s.on_message(register(tid="u", blocks=[0, 1], sender_info=replace_inc(D, 500)), 0.1,
                        origin=KA)
-    assert [w for w in of(out, PostWrite) if w.peer == "agent-d"] == []
+    assert [w for w in of(out, PostWrite) if w.peer == D.agent_name] == []
 
 
 def replace_inc(info: m.PeerInfo, inc: int) -> m.PeerInfo:
@@ -71,9 +65,6 @@ def replace_inc(info: m.PeerInfo, inc: int) -> m.PeerInfo:
 # ------------------------------------------------------------------ tombstones (P)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: Sender._on_cancel tombstones with the CANCEL's "
-                   "origin over a tombstone of another origin (P's own abort here): the "
-                   "decode's late REGISTER then binds instead of hearing prefill_aborted")
 def test_a_cancel_under_another_key_does_not_replace_ps_own_tombstone() -> None:
     s = sender()
     s.expect("t", 0.0, owner=KD)
@@ -83,9 +74,6 @@ def test_a_cancel_under_another_key_does_not_replace_ps_own_tombstone() -> None:
     assert [f.reason for f in msgs(out, m.Failed)] == ["prefill_aborted"]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: Sender._on_cancel lets a CANCEL of another "
-                   "origin replace the owner's not_needed tombstone: P's blocks then wait out "
-                   "the send lease for a REGISTER that never comes instead of being freed")
 def test_a_cancel_under_another_key_does_not_replace_the_owners_tombstone() -> None:
     s = sender()
     s.expect("t", 0.0, owner=KD)
@@ -98,14 +86,9 @@ def test_a_cancel_under_another_key_does_not_replace_the_owners_tombstone() -> N
 # ------------------------------------------------------------------ bounded directories (D)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: Receiver._peers is one LRU over (origin, rank) "
-                   "with ranks up to 65535, so one key pushes out the prefill's entry and its "
-                   "retired incarnations; a late message of the replaced prefill process then "
-                   "counts as a restart: D fails the live process's transfer and acks its "
-                   "permit, so the blocks are reused while that process may still write them")
 def test_another_keys_ranks_do_not_make_a_late_message_of_a_replaced_prefill_free_blocks() -> None:
     r = Receiver(D, replace(RS, max_peers=2), random.Random(0))
-    new = msgspec.structs.replace(P, incarnation=7, agent_name="agent-p-7")
+    new = msgspec.structs.replace(P, incarnation=7, agent_name=ag("agent-p-7", KP))
     r.on_message(hb(P), 0.0, origin=KP)
     r.on_message(hb(new), 0.1, origin=KP)  # P restarted: its incarnation 1 is retired
     (reg,) = msgs(r.expect("t", P.control, [10, 11, 12], 0, 300, 0.2, owner=KP), m.Register)
@@ -120,16 +103,17 @@ def test_another_keys_ranks_do_not_make_a_late_message_of_a_replaced_prefill_fre
 # ------------------------------------------------------------------ liveness (P)
 
 
-@pytest.mark.xfail(strict=True, reason="core weakness (liveness, not safety): before the prefill "
-                   "leg names the decode, REGISTERs of other keys bind and fill the contenders "
-                   "(max_contenders); the named decode's REGISTER is then dropped for good and "
-                   "its receive runs out its permit")
 def test_registers_of_other_keys_before_the_request_do_not_lock_out_the_named_decode() -> None:
+    # Before the prefill leg names the decode, REGISTERs of other keys (each with an agent
+    # of its own) bind and fill the contenders; the latest are kept, so the named decode's
+    # REGISTER, which comes after them, is not dropped.
     s = Sender(P, SS, random.Random(0))
     for i in range(1 + SS.max_contenders):
-        s.on_message(register(sender_info=replace_inc(D, 100 + i)), 0.0, origin=f"key-{i}")
+        other = msgspec.structs.replace(replace_inc(D, 100 + i),
+                                        agent_name=ag(f"agent-{i}", f"key-{i}"))
+        s.on_message(register(sender_info=other), 0.0, origin=f"key-{i}")
     s.on_message(register(), 0.1, origin=KD)  # the decode leg outran the prefill leg
     s.expect("t", 0.2, owner=KD)
     writes = of(s.blocks_ready("t", [1, 2, 3], 0.3, owner=KD), PostWrite)
-    assert writes and {w.peer for w in writes} == {"agent-d"}
+    assert writes and {w.peer for w in writes} == {D.agent_name}
 

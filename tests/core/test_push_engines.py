@@ -16,6 +16,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
@@ -23,8 +24,8 @@ from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferTimeouts
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
-P = m.PeerInfo("P", 1, 0, "tcp://p:1", "agent-p", b"meta", LAYOUT)
-D = m.PeerInfo("D", 2, 0, "tcp://d:1", "agent-d", b"meta", LAYOUT)
+P = m.PeerInfo("P", 1, 0, "tcp://p:1", ag("agent-p", "tcp://p:1"), b"meta", LAYOUT)
+D = m.PeerInfo("D", 2, 0, "tcp://d:1", ag("agent-d", "tcp://d:1"), b"meta", LAYOUT)
 SCHED = SchedulerSettings(chunk_bytes=200, stop_margin_s=1.0)
 SS = SenderSettings(block_bytes=100, scheduler=SCHED, send_lease_s=10, stop_margin_s=1,
                     retry=RetrySettings(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02),
@@ -74,7 +75,7 @@ def test_push_starts_when_blocks_and_register_meet_in_either_order() -> None:
 def test_first_register_connects_to_the_decode_agent() -> None:
     s = sender()
     (connect,) = of(s.on_message(register(), 0.0), ConnectPeer)
-    assert connect.info.agent_name == "agent-d" and connect.replaces == ""
+    assert connect.info.agent_name == D.agent_name and connect.replaces == ""
 
 
 def test_last_chunk_carries_done_and_release_waits_for_the_request_to_finish() -> None:
@@ -339,10 +340,10 @@ def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> 
     s.blocks_ready("t", [1], 0.0)
     s.hold("t")
     (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
-    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", "agent-d2", b"meta", LAYOUT)
+    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", ag("agent-d2", "tcp://d:1"), b"meta", LAYOUT)
     out = s.on_message(register("u", blocks=[11], sender_info=d2), 1.0)
     (connect,) = of(out, ConnectPeer)
-    assert connect.replaces == "agent-d"
+    assert connect.replaces == D.agent_name
     assert [n.kind for n in of(out, Note)] == ["peer_restart"]
     # The in-flight chunk to the dead process drains, then the blocks are freed.
     assert s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 1.1) == [
@@ -354,11 +355,11 @@ def test_a_late_register_of_a_replaced_decode_process_changes_nothing() -> None:
     # dead process): the dead D's REGISTER was taken for yet another restart, so P dropped
     # the transfers of the live D and disconnected its agent.
     s = sender()
-    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", "agent-d2", b"meta", LAYOUT)
+    d2 = m.PeerInfo("D", 3, 0, "tcp://d:1", ag("agent-d2", "tcp://d:1"), b"meta", LAYOUT)
     s.on_message(register("old", blocks=[10]), 0.0)  # D, incarnation 2
     s.blocks_ready("t", [1, 2, 3], 1.0)
     (connect,) = of(s.on_message(register("t", sender_info=d2), 1.0), ConnectPeer)
-    assert connect.replaces == "agent-d"  # D restarted as incarnation 3
+    assert connect.replaces == D.agent_name  # D restarted as incarnation 3
     (note,) = s.on_message(register("late", blocks=[11]), 1.1)  # the dead one's, late
     assert (note.kind, note.reason) == ("fenced", "stale_generation")
     assert s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 1.2) == [note]
@@ -458,7 +459,7 @@ def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     r = receiver()
     (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     r.on_message(m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)]), 0.5)
-    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 1.0)
     assert of(out, ReportFailed) == [ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")]
 
@@ -471,7 +472,7 @@ def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill(
     r = receiver()
     r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # the old P
     (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.5), m.Register)
-    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 1.0)
     assert of(out, ReportFailed) == []
     assert r.on_done(done(gen=reg.generation), 1.1) == [ReportFinished("t", "pushed")]
@@ -482,7 +483,7 @@ def test_a_late_message_of_a_replaced_prefill_process_changes_nothing() -> None:
     # incarnation seen at an address flipped back to the dead process, so D took the live
     # P's transfers for the dead one's and freed their blocks while the live P pushed.
     r = receiver()
-    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", "agent-p2")
+    p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # P, incarnation 1
     r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 5.0)  # P restarted: incarnation 99
     (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 5.1), m.Register)

@@ -33,12 +33,13 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
 
-KD, KX, KP = "key-of-decode", "key-of-intruder", "key-of-prefill"
+KD, KX, KP = D.control, "key-of-intruder", P.control
 # An authenticated engine that is not the transfer's decode: it claims D's names.
-X = msgspec.structs.replace(D, incarnation=99, agent_name="agent-intruder")
+X = msgspec.structs.replace(D, incarnation=99, agent_name=ag("agent-intruder", KX))
 
 
 def notes(actions: list, reason: str) -> list[Note]:
@@ -56,14 +57,14 @@ def test_a_register_from_an_engine_the_router_did_not_name_writes_nothing() -> N
     assert of(out, PostWrite) == [] and notes(out, "not_owner")
     # The named decode still gets its push.
     writes = of(s.on_message(register(), 0.1, origin=KD), PostWrite)
-    assert writes and {w.peer for w in writes} == {"agent-d"}
+    assert writes and {w.peer for w in writes} == {D.agent_name}
 
 
 def test_the_write_target_is_the_agent_met_for_that_engine_not_a_name_in_the_message() -> None:
     s = sender()
     s.on_message(register(tid="a"), 0.0, origin=KD)
     # Same engine, same incarnation, now claiming another agent and a bigger layout.
-    liar = msgspec.structs.replace(D, agent_name="agent-elsewhere",
+    liar = msgspec.structs.replace(D, agent_name=ag("agent-elsewhere", KD),
                    layout=m.Layout("c", "DRAM", [m.Region(0, 100, 100, 10_000)]))
     s.blocks_ready("b", [1, 2, 3], 0.0)
     out = s.on_message(register(tid="b", blocks=[10, 11, 5000], sender_info=liar), 0.0,
@@ -72,7 +73,7 @@ def test_the_write_target_is_the_agent_met_for_that_engine_not_a_name_in_the_mes
     assert msgs(out, m.Failed)[0].reason == "bad_blocks"
     s.blocks_ready("c", [1, 2, 3], 0.0)
     writes = of(s.on_message(register(tid="c", sender_info=liar), 0.0, origin=KD), PostWrite)
-    assert writes and {w.peer for w in writes} == {"agent-d"}
+    assert writes and {w.peer for w in writes} == {D.agent_name}
 
 
 def test_a_register_contested_before_the_owner_is_known_goes_to_the_one_the_router_named() -> None:
@@ -82,7 +83,7 @@ def test_a_register_contested_before_the_owner_is_known_goes_to_the_one_the_rout
     out = s.expect("t", 0.0, owner=KD)
     assert notes(out, "not_owner")
     writes = of(s.blocks_ready("t", [1, 2, 3], 0.1, owner=KD), PostWrite)
-    assert writes and {w.peer for w in writes} == {"agent-d"}
+    assert writes and {w.peer for w in writes} == {D.agent_name}
 
 
 def test_heartbeat_cancel_and_pull_done_of_another_engine_change_nothing() -> None:
@@ -164,16 +165,17 @@ def test_peers_over_the_bound_are_forgotten_least_recently_used_first() -> None:
     s = Sender(P, replace(SS, max_peers=2), random.Random(0))
     dropped = []
     for i in range(4):
-        peer = msgspec.structs.replace(D, agent_name=f"agent-{i}", incarnation=100 + i)
+        peer = msgspec.structs.replace(D, agent_name=ag(f"agent-{i}", f"key-{i}"),
+                                         incarnation=100 + i)
         out = s.on_message(register(tid=f"t{i}", sender_info=peer), 0.0, origin=f"key-{i}")
         dropped += [a.agent_name for a in of(out, DropPeer)]
     # t0..t3 still wait for blocks and use their agents: nothing in use is dropped.
     assert dropped == []
     for i in range(4):
         s.abort(f"t{i}", 0.0)
-    out = s.on_message(register(tid="t9", sender_info=msgspec.structs.replace(D, agent_name="agent-9",
+    out = s.on_message(register(tid="t9", sender_info=msgspec.structs.replace(D, agent_name=ag("agent-9", "k9"),
                                                               incarnation=9)), 0.0, origin="k9")
-    assert {a.agent_name for a in of(out, DropPeer)} == {"agent-0", "agent-1", "agent-2"}
+    assert {a.agent_name for a in of(out, DropPeer)} == {ag(f"agent-{i}", f"key-{i}") for i in range(3)}
 
 
 def test_a_fallback_whose_reads_are_in_flight_is_not_ended_by_a_stale_expiry() -> None:
@@ -232,8 +234,8 @@ def test_done_from_another_agent_than_the_prefills_is_rejected() -> None:
     gen = expecting(r)
     r.on_message(m.Heartbeat(m.PROTOCOL_VERSION, P, 2, [("t", gen)]), 0.1, origin=KP)
     done = m.Done(m.PROTOCOL_VERSION, "t", gen, 3)
-    assert notes(r.on_done(done, 0.2, agent="agent-intruder"), "not_owner")
-    assert of(r.on_done(done, 0.3, agent="agent-p"), ReportFinished)
+    assert notes(r.on_done(done, 0.2, agent=ag("agent-intruder", KX)), "not_owner")
+    assert of(r.on_done(done, 0.3, agent=P.agent_name), ReportFinished)
 
 
 def test_generations_are_unguessable_with_a_token_source() -> None:
@@ -262,3 +264,27 @@ def test_prefill_ranks_heard_are_bounded() -> None:
         r.on_message(m.Heartbeat(m.PROTOCOL_VERSION, msgspec.structs.replace(P, rank=i % 60000, incarnation=i),
                                  0, []), 0.0, origin=f"k{i}")
     assert len(r._peers) == 5 and len(r._heard) == 5
+
+
+def test_an_agent_name_not_named_for_the_senders_key_is_refused_even_before_its_owner_came() -> None:
+    # Found by the stateful attacker: first to announce the decode's agent name, an intruder
+    # squatted it, so the real decode could no longer connect and P wrote the intruder's
+    # (unnamed) transfer into the real decode's memory.
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    squat = msgspec.structs.replace(D, incarnation=55)  # D's agent name, the intruder's key
+    out = s.on_message(register(sender_info=squat), 0.0, origin=KX)
+    assert of(out, ConnectPeer) == [] and notes(out, "not_owner")
+    writes = of(s.on_message(register(), 0.1, origin=KD), PostWrite)
+    assert writes and {w.peer for w in writes} == {D.agent_name}
+
+
+def test_done_and_fallback_from_an_agent_not_named_for_the_prefills_key_are_refused() -> None:
+    r = receiver()
+    gen = expecting(r)  # no heartbeat yet: D does not know P's agent, the name still binds
+    done = m.Done(m.PROTOCOL_VERSION, "t", gen, 3)
+    assert notes(r.on_done(done, 0.1, agent=ag("agent-p", KX)), "not_owner")
+    fb = m.Fallback(m.PROTOCOL_VERSION, "t", gen,
+                    msgspec.structs.replace(P, agent_name=ag("agent-p", KX)), [1, 2, 3], 0, "x")
+    out = r.on_message(fb, 0.2, origin=KP)
+    assert of(out, PostRead) == [] and of(out, ReportFailed)

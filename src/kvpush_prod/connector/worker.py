@@ -38,6 +38,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, BreakerState, BudgetSettings, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
@@ -147,18 +148,24 @@ class WorkerSide:
             )
         layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature)
         t = self.cfg.transport
-        name = f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}"
+        host = self.cfg.control.advertise_host or self.cfg.control.host
+        control = f"tcp://{host}:{self.port}"
+        security = endpoint_security(self.cfg)
+        # The agent is named for this engine's identity (its key; without keys, its control
+        # address), so no other engine can announce it.
+        identity = security.keypair.public.decode() if security else control
+        name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}",
+                          identity)
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
         transport: Any = NixlTransport(agent, layout)
         faults = fault_settings(self.cfg.faults.model_dump())
         if faults.enabled:
             transport = FaultyTransport(transport, faults)
-        host = self.cfg.control.advertise_host or self.cfg.control.host
         me = messages.PeerInfo(
             engine_id=self.engine_id,
             incarnation=self.incarnation,
             rank=self.tp_rank,
-            control=f"tcp://{host}:{self.port}",
+            control=control,
             agent_name=transport.name,
             agent_meta=transport.metadata(),
             layout=layout,
@@ -199,7 +206,6 @@ class WorkerSide:
                 max_peers=self.cfg.control.max_peers,
                 **shared,
             ), rng, tokens=rng)
-        security = endpoint_security(self.cfg)
         endpoint = ControlEndpoint(
             ControlCodec(self.cfg.control.max_message_bytes),
             self.cfg.control.host,
@@ -485,10 +491,12 @@ class TransferPump(threading.Thread):
         if info.agent_name in self._peers or info.layout is None:
             return
         try:
-            self._peers[info.agent_name] = self.transport.connect(info.agent_meta, info.layout)
+            peer = self.transport.connect(info.agent_meta, info.layout, info.agent_name)
         except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
             logger.error("kvpush: cannot connect to %s (%s): %s", info.agent_name,
                          info.engine_id, exc)
+            return
+        self._peers[info.agent_name] = peer
 
     def _done_notif(self, action: PostWrite) -> bytes:
         if action.done is None:

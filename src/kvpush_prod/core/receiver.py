@@ -24,6 +24,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.identity import owns_agent
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit, RandomBits
 from kvpush_prod.core.messages import (
@@ -204,7 +205,7 @@ class Receiver:
         if inc is None:
             return [Note("rejected", "unknown_transfer", f"DONE for {done.transfer_id}")]
         expected = self._owner_agent(inc)
-        if agent and expected and agent != expected:
+        if agent and (not owns_agent(inc.owner, agent) or (expected and agent != expected)):
             return [Note("rejected", "not_owner",
                          f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's")]
         if done.generation != inc.generation or inc.fallback is not None:
@@ -310,12 +311,23 @@ class Receiver:
         return out + self._prune_peers()
 
     def _prune_peers(self) -> list[Action]:
-        """Forget the least recently heard P ranks over ``max_peers`` (their late messages may
-        then count as news: a transfer is still changed only by its owner)."""
-        while len(self._peers) > self.s.max_peers:
-            self._peers.popitem(last=False)
-        while len(self._heard) > self.s.max_peers:
-            self._heard.popitem(last=False)
+        """Forget the least recently heard P ranks over ``max_peers``, never one a live
+        transfer belongs to (its replaced incarnations must stay known: a late message of a
+        dead process must not pass for a restart)."""
+        if len(self._peers) > self.s.max_peers:
+            in_use = {(i.owner, i.p_rank) for i in self._in.values()}
+            for key in list(self._peers)[:-1]:  # never the one just heard
+                if len(self._peers) <= self.s.max_peers:
+                    break
+                if key not in in_use:
+                    del self._peers[key]
+        if len(self._heard) > self.s.max_peers:
+            owners = {i.owner for i in self._in.values()}
+            for origin in list(self._heard)[:-1]:
+                if len(self._heard) <= self.s.max_peers:
+                    break
+                if origin not in owners:
+                    del self._heard[origin]
         return []
 
     def _owner_agent(self, inc: _In) -> str:
@@ -359,9 +371,13 @@ class Receiver:
         return out + self.poll(now)
 
     def _fallback_problem(self, inc: _In, msg: Fallback) -> str:
-        """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours."""
+        """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours, and
+        the agent its own (not one D met for another prefill engine)."""
         if len(msg.block_ids) != len(inc.blocks) or msg.permit_ttl_ms <= 0:
             return f"{len(msg.block_ids)} blocks for {len(inc.blocks)}"
+        agent = msg.sender.agent_name
+        if not owns_agent(inc.owner, agent):
+            return f"agent {agent[:64]!r} is not named for the prefill's key"
         mine, theirs = self.me.layout, msg.sender.layout
         if theirs is None:
             return "no layout to read from"

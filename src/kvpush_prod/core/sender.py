@@ -24,6 +24,7 @@ from kvpush_prod.core.actions import (
     ReleaseSend,
     SendMessage,
 )
+from kvpush_prod.core.identity import owns_agent
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
@@ -133,14 +134,15 @@ class Sender:
         self.breakers = PeerBreakers(settings.breaker)
         self._out: dict[str, _Out] = {}
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
-        # transfer id -> (until, origin that asked; "" for this engine): the blocks of a
-        # cancelled or aborted transfer are freed unpushed when they come
-        self._tombstones: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # transfer id -> (until, the origins that asked; "" for this engine): the blocks of
+        # a cancelled or aborted transfer are freed unpushed when they come
+        self._tombstones: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
         # The peer directory: D rank (origin, rank) -> the info P met it with, least recently
         # used first. The only source of write targets and layouts.
         self._peers: OrderedDict[tuple[str, int], PeerInfo] = OrderedDict()
         # D rank -> replaced incarnations (their late messages are dropped)
         self._retired: OrderedDict[tuple[str, int], RetiredIncarnations] = OrderedDict()
+        self._agents: dict[str, tuple[str, int]] = {}  # agent name -> the D rank it belongs to
         self._next_heartbeat = 0.0
 
     # ------------------------------------------------------------------ introspection
@@ -244,16 +246,25 @@ class Sender:
         if out is None:
             return [self._retired_note(reg.sender)]
         o = self._out.get(reg.transfer_id)  # a peer restart may just have ended it
-        if any(isinstance(a, Note) and a.reason == "incompatible" for a in out):
+        refused = [a for a in out if isinstance(a, Note) and a.kind == "rejected"]
+        if refused and refused[0].reason == "incompatible":
             # A layout we cannot write into: D hears at once instead of waiting out its permit.
             return [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
-                out[-1].detail if isinstance(out[-1], Note) else ""), origin)]
+                refused[0].detail), origin)]
+        if refused:
+            return out  # an agent that is not the sender's own: nothing of it is believed
         if o is not None and o.reg is not None and origin != o.owner:
-            if o.required or len(o.contenders) >= self.s.max_contenders:
+            if o.required:
                 return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
-            # The owner is not known yet: keep it, the prefill leg may name this origin.
+            # The owner is not known yet: keep it, the prefill leg may name this origin. The
+            # latest few are kept: the decode the router picked registers once, early.
+            o.contenders.pop(origin, None)
             o.contenders[origin] = (reg, now, age)
+            if len(o.contenders) > self.s.max_contenders:
+                first = next(iter(o.contenders))
+                dropped, _, _ = o.contenders.pop(first)
+                out.append(self._not_owner(dropped, first, "too many decode engines registered it"))
             return out
         if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
@@ -551,7 +562,21 @@ class Sender:
         problem = self._layout_problem(info)
         if problem:
             return [Note("rejected", "incompatible", problem)]
+        if not owns_agent(origin, info.agent_name):
+            return [Note("rejected", "not_owner",
+                         f"{info.engine_id} rank {info.rank} announces agent "
+                         f"{info.agent_name[:64]}, which is not named for its key")]
+        holder = self._agents.get(info.agent_name)
+        if holder is not None and holder != key:
+            # An agent name P already met for another engine rank: writing "to it" would
+            # write into that engine's memory (and a restart of it would cut that engine off).
+            return [Note("rejected", "not_owner",
+                         f"{info.engine_id} rank {info.rank} claims agent "
+                         f"{info.agent_name[:64]}, which belongs to another engine")]
+        if known is not None:
+            self._agents.pop(known.agent_name, None)
         self._peers[key] = info
+        self._agents[info.agent_name] = key
         self._peers.move_to_end(key)
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
         if known is not None:
@@ -560,7 +585,7 @@ class Sender:
             out.append(Note("peer_restart", "decode", f"{key[1]} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
-                if o.peer == known.agent_name and not o.outcome:
+                if o.owner == origin and o.peer == known.agent_name and not o.outcome:
                     self._fire(o, E.FAIL, now)
                     if o.queued:
                         self.sched.cancel(o.tid)
@@ -607,13 +632,24 @@ class Sender:
             if info.agent_name in in_use:
                 continue
             del self._peers[key]
+            self._agents.pop(info.agent_name, None)
             out.append(DropPeer(info.agent_name))
-        while len(self._retired) > self.s.max_peers:
-            self._retired.popitem(last=False)
+        # Replaced incarnations of a rank still met are kept: forgetting them would let a
+        # late message of a dead process pass for a restart.
+        for key in list(self._retired):
+            if len(self._retired) <= self.s.max_peers:
+                break
+            if key not in self._peers:
+                del self._retired[key]
         return out
 
     def _tombstone(self, tid: str, now: float, origin: str) -> None:
-        self._tombstones[tid] = (now + self.s.tombstone_s, origin)
+        """Remember that ``origin`` ("": this engine) cancelled ``tid``; one origin's cancel
+        never replaces another's (at most a few origins are kept per id)."""
+        _, origins = self._tombstones.get(tid, (0.0, frozenset()))
+        if origin not in origins and len(origins) < self.s.max_contenders:
+            origins = origins | {origin}
+        self._tombstones[tid] = (now + self.s.tombstone_s, origins)
         self._tombstones.move_to_end(tid)
         while len(self._tombstones) > self.s.max_tombstones:
             self._tombstones.popitem(last=False)
@@ -622,7 +658,7 @@ class Sender:
         """A cancel or abort stands for ``tid``: this engine's own, or that of ``origin``
         (or of anyone while the transfer has no owner yet)."""
         tomb = self._tombstones.get(tid)
-        return tomb is not None and (not tomb[1] or not origin or tomb[1] == origin)
+        return tomb is not None and ("" in tomb[1] or not origin or origin in tomb[1])
 
     @staticmethod
     def _retired_note(info: PeerInfo) -> Note:

@@ -101,16 +101,29 @@ class NixlTransport:
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
-    def connect(self, agent_meta: bytes, layout: Layout) -> RemotePeer:
-        """Add a remote agent (idempotent by name) and prepare its descriptors."""
+    def connect(self, agent_meta: bytes, layout: Layout, expect_name: str = "") -> RemotePeer:
+        """Add a remote agent (idempotent by name) and prepare its descriptors.
+
+        ``expect_name``: the agent the peer announced; metadata naming another agent is
+        refused before NIXL loads it (it could stand for an agent another engine owns)."""
         if layout.compat != self.layout.compat or len(layout.regions) != len(self.layout.regions):
             raise TransportError(
                 "incompatible",
                 f"peer KV layout {layout.compat} != local {self.layout.compat}: prefill and "
                 "decode must run the same model, dtype, block size and tensor-parallel size",
             )
+        if expect_name and expect_name.encode() not in agent_meta:
+            raise TransportError(
+                "not_owner",
+                f"the NIXL metadata announced for agent {expect_name[:64]} does not name it",
+            )
         name = self.agent.add_remote_agent(agent_meta)
         name = name.decode() if isinstance(name, bytes) else str(name)
+        if expect_name and name != expect_name:
+            raise TransportError(
+                "not_owner",
+                f"the NIXL metadata announced for agent {expect_name[:64]} is agent {name[:64]}",
+            )
         peer = self._peers.get(name)
         if peer is None:
             dlist = self.agent.prep_xfer_dlist(name, all_descriptors(layout), layout.mem_type)
