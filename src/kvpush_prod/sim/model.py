@@ -25,6 +25,7 @@ from kvpush_prod.core.actions import (
     SendMessage,
 )
 from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.messages import Layout, PeerInfo, Region
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.scheduler import SchedulerSettings
@@ -312,7 +313,8 @@ class Sim:
         self.agent_link: dict[str, int] = {}
         for i in range(m.n_prefill):
             layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, 1_000_000)])
-            info = PeerInfo(f"p{i}", 1, 0, f"tcp://p{i}", f"agent-p{i}", b"x", layout)
+            info = PeerInfo(f"p{i}", 1, 0, f"tcp://p{i}",
+                            agent_name(f"agent-p{i}", f"tcp://p{i}"), b"x", layout)
             s = Sender(
                 info,
                 SenderSettings(
@@ -326,7 +328,8 @@ class Sim:
             layout = Layout(
                 "sim", "DRAM", [Region(0, block_bytes, block_bytes, m.decode_kv_blocks)]
             )
-            info = PeerInfo(f"d{j}", 1, 0, f"tcp://d{j}", f"agent-d{j}", b"x", layout)
+            info = PeerInfo(f"d{j}", 1, 0, f"tcp://d{j}",
+                            agent_name(f"agent-d{j}", f"tcp://d{j}"), b"x", layout)
             r = Receiver(
                 info,
                 ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0, scheduler=sched),
