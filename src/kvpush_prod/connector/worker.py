@@ -23,8 +23,7 @@ import msgspec
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
-from kvpush_prod.control.endpoint import EndpointSecurity
-from kvpush_prod.control.keys import load_allowed, load_keypair
+from kvpush_prod.control.security import EndpointSecurity
 from kvpush_prod.core import messages
 from kvpush_prod.core.actions import (
     Action,
@@ -67,7 +66,7 @@ def endpoint_security(cfg: KvpushConfig) -> EndpointSecurity | None:
     c = cfg.control
     if not (c.key_file and c.allowed_keys):
         return None
-    return EndpointSecurity(load_keypair(c.key_file), load_allowed(c.allowed_keys))
+    return EndpointSecurity.from_files(c.key_file, c.allowed_keys)
 
 
 @dataclass
