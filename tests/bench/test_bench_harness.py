@@ -126,6 +126,16 @@ def test_ratios_and_targets_are_computed_against_each_baseline():
     assert t["KV transfer p50 (prefill done -> D knows), 1024 tok, c=1, ms"]["ok"] is True
 
 
+def test_what_authentication_costs_is_kvpush_against_itself_without_keys():
+    data = {**RESULTS, "cells": {**RESULTS["cells"],
+                                 "kvpush-insecure": {"1024x1": _cell(1024, 1, 24.0, 5.0)}}}
+    (row,) = report.auth_cost(data)
+    assert row["ttft_p50"] == pytest.approx(25.0 / 24.0)
+    assert "## What authentication costs" in report.markdown(data)
+    assert report.auth_cost(RESULTS) == []  # no insecure side: no table
+    assert "What authentication costs" not in report.markdown(RESULTS)
+
+
 def test_markdown_and_plots_come_from_results_alone(tmp_path):
     md = report.markdown(RESULTS)
     assert "Test CPU (AVX2" in md and "| 1024 | 1 | kvpush | 25.0 |" in md

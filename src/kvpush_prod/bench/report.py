@@ -77,6 +77,25 @@ def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+INSECURE = "kvpush-insecure"
+
+
+def auth_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvpush (keys, signed params) against the same without keys, per cell (1: free)."""
+    cells = data["cells"]
+    rows = []
+    for length, conc in _keys(data):
+        key = f"{length}x{conc}"
+        ours, bare = cells.get(OURS, {}).get(key), cells.get(INSECURE, {}).get(key)
+        if ours is None or bare is None:
+            continue
+        rows.append({"length": length, "concurrency": conc,
+                     "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(bare, "ttft_ms")),
+                     "ttft_p99": ratio(_get(ours, "ttft_ms", "p99"), _get(bare, "ttft_ms", "p99")),
+                     "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(bare, "tpot_ms"))})
+    return rows
+
+
 def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
     """The issue's acceptance targets, checked on this run (baselines: spin neutralised)."""
     cells = data["cells"]
@@ -212,6 +231,12 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
             + f" | {_x(r['ttft_p99_vs_vllm-pull'])} | {_x(r['ttft_p99_vs_vllm-push'])}"
             f" | {_x(r['tpot_p50_vs_vllm-push'])} | {_x(r['throughput_vs_vllm-push'])} |"
         )
+    cost = auth_cost(data)
+    if cost:
+        lines += ["", "## What authentication costs (kvpush / kvpush-insecure; 1 = free)", "",
+                  "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
+        lines += [f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
+                  f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in cost]
     lines += [
         "",
         "## Targets (1024-token prompts; baselines with the spin neutralised)",
