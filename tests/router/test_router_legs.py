@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from kvpush_prod.router.backends import Backend, PrefillIdentity, Role, resolve_identity
+from kvpush_prod.router.backends import resolve_identity
 from kvpush_prod.router.config import PrefillBackendConfig
 from kvpush_prod.router.errors import BackendClientError, LegFailure
 from kvpush_prod.router.legs import (
@@ -24,6 +24,7 @@ from kvpush_prod.router.legs import (
     sse_error_event,
     strip_null_kv_params,
 )
+from kvpush_prod.router.types import Backend, PrefillIdentity, Role
 
 D = Backend(Role.DECODE, "http://d:1")
 P = Backend(Role.PREFILL, "http://p:1")

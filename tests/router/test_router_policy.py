@@ -5,8 +5,8 @@ Pure unit tests on Backend objects; no network.
 
 from __future__ import annotations
 
-from kvpush_prod.router.backends import Backend, Role
 from kvpush_prod.router.policy import LeastLoaded, RoundRobin
+from kvpush_prod.router.types import Backend, Role
 
 
 def backends(n: int) -> list[Backend]:

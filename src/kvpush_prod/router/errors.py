@@ -6,13 +6,9 @@ All derive from kvpush_prod.errors.KvpushError; messages name the backend and wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvpush_prod.errors import KvpushError
-
-if TYPE_CHECKING:
-    from kvpush_prod.router.backends import Backend
-    from kvpush_prod.router.metrics import RejectReason
+from kvpush_prod.router.metrics import RejectReason
+from kvpush_prod.router.types import Backend
 
 
 class RouterError(KvpushError):

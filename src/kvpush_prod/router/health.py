@@ -15,15 +15,10 @@ from typing import Any
 
 import httpx
 
-from kvpush_prod.router.backends import (
-    Backend,
-    BackendPool,
-    Role,
-    check_remote_key,
-    resolve_identity,
-)
+from kvpush_prod.router.backends import BackendPool, check_remote_key, resolve_identity
 from kvpush_prod.router.config import RouterSettings
 from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body, signed
+from kvpush_prod.router.types import Backend, Role
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from kvpush_prod.router.backends import Backend, PrefillIdentity
 from kvpush_prod.router.errors import BackendClientError, LegFailure
+from kvpush_prod.router.types import Backend, PrefillIdentity
 from kvpush_prod.signing import sign_params
 
 CHAT_PATH = "/v1/chat/completions"

@@ -6,10 +6,9 @@ Tiny strategy objects, one per role; they only read ``Backend.inflight`` and kee
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvpush_prod.router.backends import Backend
+from kvpush_prod.router.types import Backend
 
 
 class Policy(Protocol):

@@ -27,7 +27,7 @@ from tenacity import (
     wait_none,
 )
 
-from kvpush_prod.router.backends import Backend, BackendPool
+from kvpush_prod.router.backends import BackendPool
 from kvpush_prod.router.config import RouterSettings
 from kvpush_prod.router.errors import (
     BackendClientError,
@@ -55,6 +55,7 @@ from kvpush_prod.router.legs import (
 )
 from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
+from kvpush_prod.router.types import Backend
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,92 @@
+"""The router's shared types: a backend's role, a prefill engine's identity and the backend
+record that the pool, the policies, the legs and the errors all speak of.
+
+Imports no other router module but its config, so none of them import each other for types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvpush_prod.router.config import PrefillBackendConfig
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class PrefillIdentity:
+    """Where D's connector reaches P: what goes into D's ``kv_transfer_params``."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    # P's control-channel public key (Z85); None when P runs without keys.
+    remote_key: str | None = None
+
+
+@dataclass(eq=False)
+class Backend:
+    """One engine's OpenAI server as the router sees it. Compared by identity, not value."""
+
+    role: Role
+    url: str
+    overrides: PrefillBackendConfig | None = None
+    healthy: bool = False
+    identity: PrefillIdentity | None = None
+    models: tuple[str, ...] = ()
+    models_known: bool = False
+    inflight: int = 0
+    last_error: str | None = "not checked yet"
+    # Bumped by every mark_down, so a health check that started before a leg saw this
+    # backend fail cannot bring it back up with stale results.
+    epoch: int = 0
+    served: frozenset[str] = field(default_factory=frozenset)
+    # Push mode needs P's identity for D's leg; pull mode takes it from P's answer.
+    needs_identity: bool = True
+    # Decode only (probe_decode): D's control-channel key, and whether D answered the probe
+    # (with a key or without: an engine without keys has none to give).
+    remote_key: str | None = None
+    key_probed: bool = False
+
+    @property
+    def up(self) -> bool:
+        """Routable: healthy, and for a prefill backend in push mode its identity is known."""
+        return self.healthy and (
+            self.role is Role.DECODE or not self.needs_identity or self.identity is not None
+        )
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.served
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "url": self.url,
+            "up": self.up,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "models": list(self.models),
+        }
+        if self.role is Role.PREFILL:
+            ident = self.identity
+            out["identity"] = (
+                None
+                if ident is None
+                else {
+                    "engine_id": ident.engine_id,
+                    "control_host": ident.host,
+                    "control_port": ident.port,
+                    "tp_size": ident.tp_size,
+                    "remote_key": ident.remote_key,
+                }
+            )
+        elif self.key_probed:
+            out["remote_key"] = self.remote_key
+        if not self.up:
+            out["error"] = self.last_error
+        return out
