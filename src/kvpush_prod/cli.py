@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(rest)
     if cmd == "config":
-        from kvpush_prod.configcli import main as config_main
+        from kvpush_prod.config.cli import main as config_main
 
         return config_main(rest)
     if cmd == "keys":

@@ -1,9 +1,9 @@
-"""Every Prometheus series kvpush-prod exports, named in one place.
+"""Every Prometheus series the connector exports, named in one place.
 
 Engines buffer observations (StatsBuffer) that vLLM carries to its API server, where the
 connector's PromMetrics bridge (MetricsSink) writes them into these series on vLLM's own
-``/metrics``. The router's ``kvpush_router_*`` series live in ``router/metrics.py`` and are
-listed here by :func:`router_series`, so :func:`all_series` names every series we export.
+``/metrics``. The router's ``kvpush_router_*`` series live in ``router/metrics.py``;
+``metrics_docs.all_series`` names both, and renders docs/metrics.md from them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge", "histogram"]
 
-_SECONDS_BUCKETS = (
+SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
     2.5, 5.0, 10.0, 30.0, 60.0,
 )
@@ -92,7 +92,7 @@ class Series:
     kind: Kind
     doc: str
     labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = _SECONDS_BUCKETS
+    buckets: tuple[float, ...] = SECONDS_BUCKETS
     values: tuple[tuple[str, tuple[str, ...]], ...] = ()
     source: Literal["connector", "router"] = "connector"
     healthy: bool = True
@@ -106,7 +106,7 @@ class Series:
 
 
 def _s(name: str, kind: Kind, labels: tuple[str, ...], doc: str,
-       buckets: tuple[float, ...] = _SECONDS_BUCKETS,
+       buckets: tuple[float, ...] = SECONDS_BUCKETS,
        values: dict[str, tuple[str, ...]] | None = None, healthy: bool = True) -> Series:
     closed: dict[str, tuple[str, ...]] = {"role": ROLES} if "role" in labels else {}
     closed.update(values or {})
@@ -205,40 +205,6 @@ def sample_names(series: Series) -> tuple[str, ...]:
     if series.kind == "histogram":
         return tuple(series.name + s for s in ("_bucket", "_sum", "_count"))
     return (series.name,)
-
-
-def router_series() -> tuple[Series, ...]:
-    """The router's ``kvpush_router_*`` series, read from ``RouterMetrics`` itself."""
-    from prometheus_client import CollectorRegistry
-
-    from kvpush_prod.router.backends import Role
-    from kvpush_prod.router.metrics import Outcome, RouterMetrics
-
-    rm = RouterMetrics(registry=CollectorRegistry())
-    out = []
-    for metric in vars(rm).values():
-        kind = getattr(metric, "_type", None)
-        if kind not in ("counter", "gauge", "histogram"):
-            continue
-        labels = tuple(metric._labelnames)
-        values: dict[str, tuple[str, ...]] = {}
-        if "outcome" in labels:
-            values["outcome"] = tuple(o.value for o in Outcome)
-        if "role" in labels:
-            values["role"] = tuple(r.value for r in Role)
-        buckets = tuple(b for b in getattr(metric, "_upper_bounds", ()) if b != float("inf"))
-        # Retries happen only when a backend failed; every other series has samples as
-        # soon as the router has served a request (or probed its backends).
-        healthy = metric._name != "kvpush_router_retries"
-        out.append(Series(metric._name, kind, metric._documentation, labels,
-                          buckets or _SECONDS_BUCKETS, tuple(values.items()), "router",
-                          healthy))
-    return tuple(sorted(out, key=lambda s: s.name))
-
-
-def all_series() -> tuple[Series, ...]:
-    """Every series kvpush-prod exports: the connector's, then the router's."""
-    return CONNECTOR_SERIES + router_series()
 
 
 class StatsBuffer:

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush_prod.client import completion_body, metric_sum, request
 from kvpush_prod.cluster import Cluster
-from kvpush_prod.metrics import CONNECTOR_SERIES, OUTCOMES, exported_name, router_series
+from kvpush_prod.metrics import CONNECTOR_SERIES, OUTCOMES, exported_name
+from kvpush_prod.metrics_docs import router_series
 from kvpush_prod.tinymodel import prompt_of_length
 
 pytestmark = pytest.mark.e2e

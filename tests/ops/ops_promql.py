@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from kvpush_prod.metrics import SCRAPE_LABELS, VLLM_LABELS, Series, all_series, sample_names
+from kvpush_prod.metrics import SCRAPE_LABELS, VLLM_LABELS, Series, sample_names
+from kvpush_prod.metrics_docs import all_series
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _SELECTOR = re.compile(rf"({_NAME})?\s*\{{([^{{}}]*)\}}")

@@ -10,7 +10,8 @@ import yaml
 
 from kvpush_prod.cli import main as kvpush_main
 from kvpush_prod.config import KvpushConfig, load_config
-from kvpush_prod.configcli import main, render_config_doc
+from kvpush_prod.config.cli import main
+from kvpush_prod.config.docs import render_config_doc
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EFA = str(CONFIGS / "efa-p5en.yaml")

@@ -1,5 +1,6 @@
 """The reference docs are generated from the models, so they cannot drift: each file must
-equal what ``python -m kvpush_prod.configcli docs ...`` renders now.
+equal what ``python -m kvpush_prod.config.docs`` / ``python -m kvpush_prod.metrics_docs``
+renders now.
 """
 
 from __future__ import annotations
@@ -11,22 +12,23 @@ from pathlib import Path
 import pytest
 
 from kvpush_prod.config import field_rows
-from kvpush_prod.configcli import render_config_doc, render_metrics_doc
-from kvpush_prod.metrics import all_series, exported_name
+from kvpush_prod.config.docs import render_config_doc
+from kvpush_prod.metrics import exported_name
+from kvpush_prod.metrics_docs import all_series, render_metrics_doc
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-@pytest.mark.parametrize(("name", "render", "which"), [
-    ("configuration.md", render_config_doc, "config"),
-    ("metrics.md", render_metrics_doc, "metrics"),
+@pytest.mark.parametrize(("name", "render", "module"), [
+    ("configuration.md", render_config_doc, "kvpush_prod.config.docs"),
+    ("metrics.md", render_metrics_doc, "kvpush_prod.metrics_docs"),
 ])
 def test_reference_doc_equals_what_the_model_renders(
-        name: str, render: Callable[[], str], which: str) -> None:
+        name: str, render: Callable[[], str], module: str) -> None:
     text = (DOCS / name).read_text()
     assert text == render(), (
         f"docs/{name} is out of date: regenerate it with "
-        f"`PYTHONPATH=src python -m kvpush_prod.configcli docs {which} > docs/{name}`"
+        f"`PYTHONPATH=src python -m {module} > docs/{name}`"
     )
 
 

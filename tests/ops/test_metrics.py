@@ -19,11 +19,10 @@ from kvpush_prod.metrics import (
     MetricsSink,
     Series,
     StatsBuffer,
-    all_series,
     exported_name,
     merge_stats,
-    router_series,
 )
+from kvpush_prod.metrics_docs import all_series, router_series
 
 # The contract with the connector: these names, kinds and labels, exactly.
 EXPECTED = {

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ops_promql import grafana_template_selectors, problems, selectors
 
-from kvpush_prod.configcli import EXAMPLE_QUERIES
+from kvpush_prod.metrics_docs import EXAMPLE_QUERIES
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "configs" / "prometheus" / "alerts.yaml"
@@ -97,7 +97,8 @@ def test_doc_example_queries_name_real_series() -> None:
 
 
 def test_dashboard_covers_every_connector_series() -> None:
-    from kvpush_prod.metrics import CONNECTOR_SERIES, router_series
+    from kvpush_prod.metrics import CONNECTOR_SERIES
+    from kvpush_prod.metrics_docs import router_series
 
     named = {sel.name for _, expr in dashboard_exprs() for sel in selectors(expr)}
     for s in (*CONNECTOR_SERIES, *router_series()):

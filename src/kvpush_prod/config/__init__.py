@@ -1,0 +1,85 @@
+"""One validated configuration object for the connector, router and tools: a YAML profile,
+then ``kv_connector_extra_config`` overrides, then the environment (secrets).
+
+``settings`` defines what can be set (the one set of defaults), ``loading`` builds and
+validates it, ``fields`` states facts about each key, ``docs`` renders
+docs/configuration.md and ``cli`` is ``kvpush config``.
+"""
+
+from kvpush_prod.config.fields import (
+    allowed_range,
+    allowed_text,
+    field_rows,
+    is_secret,
+    section_doc,
+    type_name,
+)
+from kvpush_prod.config.loading import (
+    ResolvedConfig,
+    Source,
+    config_from_extra,
+    load_config,
+    read_profile,
+    resolve_config,
+    split_extra,
+)
+from kvpush_prod.config.settings import (
+    ALLOWED_KEYS_ENV,
+    CROSS_FIELD_RULES,
+    DOCS,
+    KEY_FILE_ENV,
+    MASK,
+    PARAMS_KEY_ENV,
+    PROFILE_ENV,
+    REMOVED_KEYS,
+    REMOVED_SECRET_ENV,
+    SECURITY_DOCS,
+    BreakerSettings,
+    ControlSettings,
+    CreditSettings,
+    FallbackSettings,
+    KvpushConfig,
+    LeaseSettings,
+    PushSettings,
+    RetrySettings,
+    TransportSettings,
+    VerifySettings,
+    is_loopback,
+)
+
+__all__ = [
+    "ALLOWED_KEYS_ENV",
+    "CROSS_FIELD_RULES",
+    "DOCS",
+    "KEY_FILE_ENV",
+    "MASK",
+    "PARAMS_KEY_ENV",
+    "PROFILE_ENV",
+    "REMOVED_KEYS",
+    "REMOVED_SECRET_ENV",
+    "SECURITY_DOCS",
+    "BreakerSettings",
+    "ControlSettings",
+    "CreditSettings",
+    "FallbackSettings",
+    "KvpushConfig",
+    "LeaseSettings",
+    "PushSettings",
+    "ResolvedConfig",
+    "RetrySettings",
+    "Source",
+    "TransportSettings",
+    "VerifySettings",
+    "allowed_range",
+    "allowed_text",
+    "config_from_extra",
+    "field_rows",
+    "is_loopback",
+    "is_secret",
+    "load_config",
+    "read_profile",
+    "resolve_config",
+    "section_doc",
+    "split_extra",
+    "type_name",
+]
