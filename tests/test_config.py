@@ -20,9 +20,10 @@ from kvpush_prod.config import (
     load_config,
     resolve_config,
 )
+from kvpush_prod.config.profiles import SHIPPED_DIR
 from kvpush_prod.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = SHIPPED_DIR  # the shipped profiles (configs/ holds the same files)
 
 
 def test_every_shipped_profile_is_valid() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_prod.client import metric_sum, scrape
+from kvpush_prod.config.profiles import SCHEME
 from kvpush_prod.control.keys import generate
 from kvpush_prod.launch import (
     EngineSpec,
@@ -26,13 +27,10 @@ from kvpush_prod.launch import (
 from kvpush_prod.signing import sign_params
 from kvpush_prod.tinymodel import TinyModelSpec, write_tiny_model
 
-PROFILES = Path(__file__).resolve().parent.parent.parent / "configs"
 
-
-def default_profile() -> str | None:
-    """configs/cpu-loopback.yaml of the source checkout (None: built-in defaults)."""
-    p = PROFILES / "cpu-loopback.yaml"
-    return str(p) if p.is_file() else None
+def default_profile() -> str:
+    """The shipped cpu-loopback profile, by name (engines find it in the installed package)."""
+    return SCHEME + "cpu-loopback"
 
 
 @dataclass

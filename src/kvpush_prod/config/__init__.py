@@ -1,9 +1,9 @@
-"""One validated configuration object for the connector, router and tools: a YAML profile,
-then ``kv_connector_extra_config`` overrides, then the environment (secrets).
+"""One validated configuration object for the connector, router and tools: a YAML profile (a
+path or a shipped profile's name), then ``kv_connector_extra_config``, then the environment.
 
 ``settings`` defines what can be set (the one set of defaults), ``loading`` builds and
-validates it, ``fields`` states facts about each key, ``docs`` renders
-docs/configuration.md and ``cli`` is ``kvpush config``.
+validates it, ``fields`` states facts about each key, ``profiles`` finds the shipped profiles,
+``docs`` renders docs/configuration.md and ``cli`` is ``kvpush config``.
 """
 
 from kvpush_prod.config.fields import (

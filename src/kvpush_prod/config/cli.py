@@ -15,6 +15,7 @@ import yaml
 from kvpush_prod.config.docs import render_config_doc
 from kvpush_prod.config.fields import field_rows, is_secret
 from kvpush_prod.config.loading import ResolvedConfig, resolve_config, split_extra
+from kvpush_prod.config.profiles import same_profile
 from kvpush_prod.config.settings import (
     ALLOWED_KEYS_ENV,
     KEY_FILE_ENV,
@@ -69,7 +70,7 @@ def resolve(path: str | None, extra_json: str | None,
             env: dict[str, str] | None = None) -> ResolvedConfig:
     """The configuration an engine given this profile and extra config would run with."""
     extra_profile, overrides = split_extra(parse_extra(extra_json))
-    if path and extra_profile and Path(path).resolve() != Path(extra_profile).resolve():
+    if path and extra_profile and not same_profile(path, extra_profile):
         raise ConfigError(
             f"two profiles given: {path!r} and kv_connector_extra_config.profile="
             f"{extra_profile!r}; pass one of them"
@@ -160,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", "print the effective configuration and where each value came from"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("path", nargs="?", help=f"YAML profile (default: ${PROFILE_ENV}, "
-                       "kv_connector_extra_config.profile, or none)")
+        p.add_argument("path", nargs="?", help="YAML profile: a path or a shipped profile's "
+                       f"name (default: ${PROFILE_ENV}, kv_connector_extra_config.profile, "
+                       "or none)")
         p.add_argument("--extra", metavar="JSON",
                        help="kv_connector_extra_config as JSON (or a whole kv_transfer_config), "
                        "or @FILE holding it")

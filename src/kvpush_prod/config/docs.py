@@ -7,10 +7,10 @@ cannot drift from them (tests/ops/test_docs.py compares the file with this outpu
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvpush_prod.config.fields import allowed_range, field_rows, is_secret, section_doc, type_name
+from kvpush_prod.config.profiles import SCHEME, first_comment, shipped
 from kvpush_prod.config.settings import (
     ALLOWED_KEYS_ENV,
     CROSS_FIELD_RULES,
@@ -35,31 +35,14 @@ def _default_text(f: Any) -> str:
     return f"`{value}`"
 
 
-PROFILES_DIR = Path(__file__).resolve().parents[3] / "configs"
-
-
-def shipped_profiles() -> list[tuple[str, str]]:
-    """(file name, its first comment line) for every profile in configs/."""
-    out = []
-    for p in sorted(PROFILES_DIR.glob("*.yaml")):
-        block = []
-        for line in p.read_text().splitlines():
-            if not line.startswith("#"):
-                break
-            block.append(line.lstrip("#").strip())
-        text = " ".join(block)
-        end = text.find(". ")
-        out.append((p.name, text[: end + 1] if end >= 0 else text))
-    return out
-
-
 CONFIG_INTRO = f"""\
 The connector reads one validated configuration. It is built in this order, later layers
 winning key by key:
 
 1. built-in defaults (the `default` column below);
 2. a YAML profile: `kv_connector_extra_config.profile` (or `${PROFILE_ENV}` when that is
-   absent), a path relative to the engine's working directory;
+   absent): a path relative to the engine's working directory, or a shipped profile by name
+   (`efa-p5en`, or `{SCHEME}efa-p5en` to name it even where a file of that name exists);
 3. section overrides in `kv_connector_extra_config`, e.g.
    `{{"profile": "configs/efa-p5en.yaml", "control": {{"advertise_host": "10.0.0.11"}}}}`;
 4. the environment: `${KEY_FILE_ENV}` and `${ALLOWED_KEYS_ENV}` set `control.key_file` and
@@ -96,11 +79,14 @@ def render_config_doc() -> str:
         CONFIG_INTRO,
         "## Profiles",
         "",
-        "| profile | for |",
-        "|---|---|",
+        "| profile | file | for |",
+        "|---|---|---|",
     ]
-    out += [f"| `configs/{name}` | {_cell(first)} |" for name, first in shipped_profiles()]
-    out += ["", "Each profile explains its values in comments.", ""]
+    out += [f"| `{name}` | `configs/{path.name}` | {_cell(first_comment(path))} |"
+            for name, path in shipped().items()]
+    out += ["", "The profiles ship inside the package (`kvpush_prod/config/profiles/`), so an "
+            "installed engine finds them by name; `configs/` in the source tree holds the same "
+            "files. Each profile explains its values in comments.", ""]
     current = None
     for section, key, f in field_rows():
         if section != current:

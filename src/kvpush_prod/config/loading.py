@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvpush_prod.config.fields import allowed_text, lookup, sections, shown
+from kvpush_prod.config.profiles import locate
 from kvpush_prod.config.settings import (
     ALLOWED_KEYS_ENV,
     DOCS,
@@ -109,13 +110,9 @@ def _unknown_key(loc: tuple[str | int, ...], path: str, value: Any, where: str) 
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML profile, with clear errors for a missing file or bad YAML."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"profile {str(p)!r} does not exist (a relative path is taken from the working "
-            f"directory, {os.getcwd()}); pass an existing YAML file such as configs/default.yaml"
-        )
+    """The mapping in a YAML profile (a path or a shipped profile's name, see
+    `profiles.locate`), with clear errors for a missing file or bad YAML."""
+    p = locate(path)
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -193,7 +190,8 @@ def load_config(
 
 
 def split_extra(extra: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
-    """``kv_connector_extra_config`` as (profile path, section overrides)."""
+    """``kv_connector_extra_config`` as (profile: a path or a shipped profile's name,
+    section overrides)."""
     extra = dict(extra or {})
     profile = extra.pop("profile", None)
     if profile is not None and not isinstance(profile, str):
