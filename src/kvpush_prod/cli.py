@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return keys_main(rest)
     if cmd == "demo":
-        from kvpush_prod.demo import main as demo_main
+        from kvpush_prod.lab.demo import main as demo_main
 
         return demo_main(rest)
     if cmd == "chaos":
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return router_main(rest)
     if cmd == "serve":
-        from kvpush_prod.serve import main as serve_main
+        from kvpush_prod.lab.serve import main as serve_main
 
         return serve_main(rest)
     print(f"kvpush: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)

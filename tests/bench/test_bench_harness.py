@@ -203,7 +203,7 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
     import time
 
     from kvpush_prod.bench.sides import wait_started
-    from kvpush_prod.launch import Proc, free_port
+    from kvpush_prod.lab.launch import Proc, free_port
 
     # vLLM's API server stays alive when its EngineCore dies; only the log says so.
     script = "print('zmq.error.ZMQError: Address already in use', flush=True); " \

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the top-level chaos/ scenarios
 
 from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch  # noqa: E402
-from kvpush_prod.cluster import Cluster  # noqa: E402
+from kvpush_prod.lab.cluster import Cluster  # noqa: E402
 
 
 def _healthy(cluster: Cluster) -> bool:

@@ -9,7 +9,7 @@ import zmq
 
 from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity, KeyPair
 from kvpush_prod.core import messages as m
-from kvpush_prod.launch import free_port
+from kvpush_prod.lab.launch import free_port
 
 PEER = m.PeerInfo("engine-d", 7, 0, "tcp://127.0.0.1:1")
 WAIT_S = 10.0  # generous: only a broken channel takes this long

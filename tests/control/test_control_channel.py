@@ -14,7 +14,7 @@ from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ProtocolError
-from kvpush_prod.launch import free_port
+from kvpush_prod.lab.launch import free_port
 
 
 def test_sealed_message_opens_to_the_same_message() -> None:

@@ -19,7 +19,7 @@ from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity
 from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ConfigError
-from kvpush_prod.launch import free_port
+from kvpush_prod.lab.launch import free_port
 
 
 def until_rejected(ep: ControlEndpoint, reason: str) -> list[tuple[m.ControlMessage, str]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush_prod.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 
 pytestmark = pytest.mark.e2e
 

@@ -24,12 +24,12 @@ import httpx
 import pytest
 import zmq
 
-from kvpush_prod.client import Result, completion_body, metric_sum, request, scrape
-from kvpush_prod.cluster import Cluster, ClusterSpec
 from kvpush_prod.control.keys import KeyPair, load_allowed, load_keypair
 from kvpush_prod.core import messages as m
-from kvpush_prod.launch import free_port
-from kvpush_prod.tinymodel import prompt_of_length
+from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.launch import free_port
+from kvpush_prod.lab.tinymodel import prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

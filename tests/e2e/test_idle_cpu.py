@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvpush_prod.cluster import Cluster
+from kvpush_prod.lab.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

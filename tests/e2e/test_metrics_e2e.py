@@ -17,11 +17,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush_prod.client import completion_body, metric_sum, request
-from kvpush_prod.cluster import Cluster
+from kvpush_prod.lab.client import completion_body, metric_sum, request
+from kvpush_prod.lab.cluster import Cluster
+from kvpush_prod.lab.tinymodel import prompt_of_length
 from kvpush_prod.metrics import CONNECTOR_SERIES, OUTCOMES, exported_name
 from kvpush_prod.metrics_docs import router_series
-from kvpush_prod.tinymodel import prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

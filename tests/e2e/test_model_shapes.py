@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush_prod.client import completion_body, request
-from kvpush_prod.cluster import Cluster, ClusterSpec
-from kvpush_prod.tinymodel import TinyModelSpec, prompt_of_length
+from kvpush_prod.lab.client import completion_body, request
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.tinymodel import TinyModelSpec, prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ import itertools
 import httpx
 import pytest
 
-from kvpush_prod.client import Result, completion_body, metric_sum, request, scrape
-from kvpush_prod.cluster import Cluster
-from kvpush_prod.tinymodel import prompt_of_length
+from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
+from kvpush_prod.lab.cluster import Cluster
+from kvpush_prod.lab.tinymodel import prompt_of_length
 
 pytestmark = pytest.mark.e2e
 

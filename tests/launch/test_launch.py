@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from kvpush_prod.launch import Proc, _port_range, free_port, free_port_block
+from kvpush_prod.lab.launch import Proc, _port_range, free_port, free_port_block
 
 CHILD_TREE = """
 import subprocess, sys, time

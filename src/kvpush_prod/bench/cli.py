@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--client",
         choices=["vllm", "own"],
         default="vllm",
-        help="vllm: vLLM bench serve's request function (default); own: kvpush_prod.client",
+        help="vllm: vLLM bench serve's request function (default); own: kvpush_prod.lab.client",
     )
     p.add_argument(
         "--workdir",

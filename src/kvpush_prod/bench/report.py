@@ -158,7 +158,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop; "
         f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
         f"on core(s) {meta.get('binding', {}).get('single', '0')}",
-        f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.client'}"
+        f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.lab.client'}"
         f"; load average at start {load}",
         "- command(s) that produced this file (a resumed run adds one): "
         + "; ".join(f"`{c}`" for c in (meta.get("commands") or [meta.get("command", "")])),

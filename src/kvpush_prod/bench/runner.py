@@ -104,8 +104,8 @@ def _vllm_request_fn(session: Any, pbar: Any) -> RequestFn:
 
 
 def _own_request_fn(client: Any, pbar: Any) -> RequestFn:
-    """kvpush_prod.client: the same definitions, used where vLLM's client cannot load."""
-    from kvpush_prod.client import completion_body, request
+    """kvpush_prod.lab.client: the same definitions, used where vLLM's client cannot load."""
+    from kvpush_prod.lab.client import completion_body, request
 
     async def send(url: str, prompt: str, prompt_len: int, max_tokens: int) -> Sample:
         r = await request(
@@ -148,7 +148,7 @@ def prompts_for(length: int, concurrency: int, n: int, salt: int) -> list[str]:
     """
     import random
 
-    from kvpush_prod.tinymodel import _special_tokens
+    from kvpush_prod.lab.tinymodel import _special_tokens
 
     first = len(_special_tokens())
     span = 1024 - first
@@ -161,7 +161,7 @@ def prompts_for(length: int, concurrency: int, n: int, salt: int) -> list[str]:
 
 # ---------------------------------------------------------------------------------- per cell
 def _scrape_all(running: RunningSide) -> dict[str, Any]:
-    from kvpush_prod.client import scrape
+    from kvpush_prod.lab.client import scrape
 
     out = {}
     for name in running.engines():
@@ -173,7 +173,7 @@ def _scrape_all(running: RunningSide) -> dict[str, Any]:
 
 
 def _sum(samples: dict[Any, float], name: str, **labels: str) -> float:
-    from kvpush_prod.client import metric_sum
+    from kvpush_prod.lab.client import metric_sum
 
     return metric_sum(samples, name, **labels)
 
@@ -265,7 +265,7 @@ def estimate_wall_s(
 
 def run(s: BenchSettings) -> ResultStore:
     """Run every planned cell; results are saved as they come."""
-    from kvpush_prod.serve import patch_vllm_version
+    from kvpush_prod.lab.serve import patch_vllm_version
 
     patch_vllm_version()
     store = ResultStore(s.out / RESULTS)

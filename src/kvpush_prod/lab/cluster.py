@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_prod.client import metric_sum, scrape
 from kvpush_prod.config.profiles import SCHEME
 from kvpush_prod.control.keys import generate
-from kvpush_prod.launch import (
+from kvpush_prod.lab.client import metric_sum, scrape
+from kvpush_prod.lab.launch import (
     EngineSpec,
     Proc,
     free_port,
@@ -24,8 +24,8 @@ from kvpush_prod.launch import (
     start_engine,
     wait_healthy,
 )
+from kvpush_prod.lab.tinymodel import TinyModelSpec, write_tiny_model
 from kvpush_prod.signing import sign_params
-from kvpush_prod.tinymodel import TinyModelSpec, write_tiny_model
 
 
 def default_profile() -> str:

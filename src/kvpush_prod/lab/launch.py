@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from kvpush_prod.control.endpoint import ephemeral_range
-from kvpush_prod.tinymodel import write_tiny_model
+from kvpush_prod.lab.tinymodel import write_tiny_model
 
 DEFAULT_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -91,7 +91,7 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "kvpush_prod.serve", self.model,
+            sys.executable, "-m", "kvpush_prod.lab.serve", self.model,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", self.dtype, "--enforce-eager", "--seed", "0",
             "--max-model-len", str(self.max_model_len),

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from kvpush_prod.client import completion_body, metric_sum, request, scrape
-from kvpush_prod.cluster import Cluster, ClusterSpec
-from kvpush_prod.tinymodel import prompt_of_length
+from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.tinymodel import prompt_of_length
 
 LENGTHS = [256, 1024, 1900, 512, 1024, 128, 1500, 1024]
 
