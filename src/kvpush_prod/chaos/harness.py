@@ -24,7 +24,7 @@ import httpx
 
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import TRANSFERS, Observer, idle_problems
-from kvpush_prod.chaos.verdict import Report, attribute_streaming, describe_wrong, tally
+from kvpush_prod.chaos.verdict import Report, Tally, attribute_streaming, describe_wrong, tally
 from kvpush_prod.chaos.workload import Mix, RequestSpec, workload
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 
@@ -419,14 +419,7 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
                               "prefill_faults": needs.faults_json(cluster.spec.workdir),
                               "decode_blocks": needs.decode_blocks,
                               "logs": str(cluster.log_dir)}
-    # Idle values before any load: what "back to idle" means for this cluster.
-    idle = await observer.readings()
-    baseline = {e: (r.kv_usage or 0.0) for e, r in idle.items()}
-    report.data["idle_before"] = {e: r.as_dict() for e, r in idle.items()}
-    not_idle = [p for e, r in idle.items() for p in idle_problems(r, 0.0)
-                if "not exported" not in p]
-    if not_idle:
-        report.check("idle before the run", False, "; ".join(not_idle))
+    baseline = await _check_idle_before(ctx)
     ctx.event(f"start: {module.DESCRIPTION}", policy=needs.policy)
     await observer.start()
     try:
@@ -437,11 +430,45 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
             g.stop()
     records = [r for g in ctx.generators for r in g.records]
     ctx.event("load over; waiting for quiescence", requests=len(records))
-    settled, last, waited = await observer.quiesce(baseline, opts.quiesce_timeout)
+    leaked = await _check_quiescence(ctx, baseline)
+    await _check_engines_up(cluster, report)
+
+    # Correctness against the single engine.
+    ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
+    refs = await _references(cluster, ctx.specs, records)
+    t = tally(records, refs)
+    consumer = {dict(lbls).get("outcome", ""): v
+                for (n, lbls), v in observer.tracks["decode"].acc.items()
+                if n == TRANSFERS and dict(lbls).get("role") == "consumer"}
+    streamed = attribute_streaming(t, consumer)
+    report.table = _table(t, streamed, leaked)
+    _check_answers(report, t, opts)
+    _record_details(report, t, streamed, observer, records)
+    report.data["logs"] = scan_logs(cluster, log_from)
+    report.data["duration_s"] = round(time.monotonic() - t_start, 1)
+    return report
+
+
+async def _check_idle_before(ctx: Context) -> dict[str, float]:
+    """Idle values before any load: what "back to idle" means for this cluster."""
+    idle = await ctx.observer.readings()
+    baseline = {e: (r.kv_usage or 0.0) for e, r in idle.items()}
+    ctx.report.data["idle_before"] = {e: r.as_dict() for e, r in idle.items()}
+    not_idle = [p for e, r in idle.items() for p in idle_problems(r, 0.0)
+                if "not exported" not in p]
+    if not_idle:
+        ctx.report.check("idle before the run", False, "; ".join(not_idle))
+    return baseline
+
+
+async def _check_quiescence(ctx: Context, baseline: dict[str, float]) -> int:
+    """Wait for the cluster to settle back to ``baseline``, check it did; the blocks leaked."""
+    observer, report = ctx.observer, ctx.report
+    settled, last, waited = await observer.quiesce(baseline, ctx.opts.quiesce_timeout)
     leaks = [p for e, r in last.items() for p in idle_problems(r, baseline.get(e))]
     poked: dict[str, Any] | None = None
-    if not settled and opts.poke:
-        await _poke(cluster)
+    if not settled and ctx.opts.poke:
+        await _poke(ctx.cluster)
         await asyncio.sleep(3)
         after = await observer.readings()
         still = [p for e, r in after.items() for p in idle_problems(r, baseline.get(e))]
@@ -459,6 +486,13 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
                  settled and not numeric, "; ".join(numeric))
     missing = sorted({p for p in leaks if "not exported" in p})
     report.check("the series the verdict reads are exported", not missing, "; ".join(missing))
+    leaked = sum(int(r.blocks or 0) for r in last.values() if r.alive) if not settled else 0
+    if poked is not None and not poked["problems"]:
+        leaked = 0
+    return leaked
+
+
+async def _check_engines_up(cluster: Cluster, report: Report) -> None:
     for e in ENGINES:
         p = cluster.procs.get(e)
         up = p is not None and p.alive() and await _healthy(cluster.urls[e])
@@ -466,18 +500,10 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
                      f"{e} is not running" if p is None or not p.alive() else
                      f"{e} runs but GET /health does not answer 200 (its readings were skipped)")
 
-    # Correctness against the single engine.
-    ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
-    refs = await _references(cluster, ctx.specs, records)
-    t = tally(records, refs)
-    consumer = {dict(lbls).get("outcome", ""): v
-                for (n, lbls), v in observer.tracks["decode"].acc.items()
-                if n == TRANSFERS and dict(lbls).get("role") == "consumer"}
-    streamed = attribute_streaming(t, consumer)
-    leaked = sum(int(r.blocks or 0) for r in last.values() if r.alive) if not settled else 0
-    if poked is not None and not poked["problems"]:
-        leaked = 0
-    report.table = {
+
+def _table(t: Tally, streamed: dict[str, int], leaked: int) -> dict[str, int]:
+    """The verdict's table: how the requests ended, streamed answers attributed."""
+    return {
         "sent": t.sent,
         "push": t.served.get("push", 0) + streamed["push"],
         "pull_fallback": t.served.get("pull_fallback", 0) + streamed["pull_fallback"],
@@ -492,6 +518,9 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
         "leaked_blocks": leaked,
         "correct": t.correct,
     }
+
+
+def _check_answers(report: Report, t: Tally, opts: Options) -> None:
     report.check("every request ended within the bound", t.hung == 0,
                  f"{t.hung} hung past {opts.timeout:.0f} s" if t.hung else "")
     report.check("every successful answer equals the single engine", t.wrong_tokens == 0,
@@ -502,6 +531,10 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
                  if t.failed_unclear else "")
     report.check("reference answers available", t.unchecked == 0,
                  f"{t.unchecked} answers could not be checked" if t.unchecked else "")
+
+
+def _record_details(report: Report, t: Tally, streamed: dict[str, int], observer: Observer,
+                    records: list[Record]) -> None:
     report.data["served_non_streaming"] = t.served
     report.data["served_streaming_attributed"] = streamed
     report.data["clear_errors"] = dict(sorted(t.errors.items(), key=lambda kv: -kv[1])[:20])
@@ -514,9 +547,6 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     report.data["phases"] = _phase_summary(records, t.classes)
     report.data["records"] = [{**r.to_json(), "class": t.classes.get(r.idx, "")}
                               for r in records]
-    report.data["logs"] = scan_logs(cluster, log_from)
-    report.data["duration_s"] = round(time.monotonic() - t_start, 1)
-    return report
 
 
 def _phase_summary(records: list[Record], classes: dict[int, str]) -> dict[str, dict[str, int]]:
