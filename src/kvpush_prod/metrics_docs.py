@@ -98,7 +98,7 @@ The tables give the scraped name.
 
 **When they have samples.** A labelled series has no samples until its first observation.
 The `samples` column says which series have samples on every healthy run (`every run`:
-checked by `tests/e2e/test_metrics_e2e.py`) and which only after a fault or bad input
+checked by `tests/e2e/test_metrics.py`) and which only after a fault or bad input
 (`on faults`: retries, fallbacks, breaker trips, expired leases, rejected messages; absent
 means zero). Alert rules in
 `configs/prometheus/alerts.yaml` are written so that an absent series never fires; see

@@ -8,13 +8,13 @@ import threading
 import msgspec
 import pytest
 import zmq
-from control_helpers import PEER, cancel, drain, secure_endpoint, two_keys
 
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ProtocolError
 from kvpush_prod.lab.launch import free_port
+from tests.control.helpers import PEER, cancel, drain, secure_endpoint, two_keys
 
 
 def test_sealed_message_opens_to_the_same_message() -> None:

@@ -13,13 +13,13 @@ import time
 
 import pytest
 import zmq
-from control_helpers import WAIT_S, cancel, drain, keypair, secure_endpoint, settle, two_keys
 
 from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity
 from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.lab.launch import free_port
+from tests.control.helpers import WAIT_S, cancel, drain, keypair, secure_endpoint, settle, two_keys
 
 
 def until_rejected(ep: ControlEndpoint, reason: str) -> list[tuple[m.ControlMessage, str]]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
-from ops_promql import grafana_template_selectors, problems, selectors
 
 from kvpush_prod.metrics_docs import EXAMPLE_QUERIES
+from tests.ops.promql import grafana_template_selectors, problems, selectors
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "configs" / "prometheus" / "alerts.yaml"

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from router_fakes import FakeVLLM, Server
 
 from kvpush_prod.router import RouterSettings, build_app, settings_from_mapping
 from kvpush_prod.router.server import limited_protocol
+from tests.router.fakes import FakeVLLM, Server
 
 # Fast health polling keeps kill/restart tests short.
 FAST = {

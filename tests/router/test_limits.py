@@ -13,12 +13,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from router_fakes import MODEL, FakeVLLM, Seen, wait_until
 from starlette.responses import Response
 
 from kvpush_prod.router.errors import RequestRejected
 from kvpush_prod.router.limits import read_body
 from kvpush_prod.router.metrics import RejectReason
+from tests.router.fakes import MODEL, FakeVLLM, Seen, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_fakes import MODEL, FakeVLLM, wait_until
+
+from tests.router.fakes import MODEL, FakeVLLM, wait_until
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 STREAM = {"model": MODEL, "prompt": "w10 w11", "max_tokens": 4, "stream": True}

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from router_fakes import MODEL, FakeVLLM, Seen, wait_until
 from starlette.responses import JSONResponse, Response
 
 from kvpush_prod.router.cli import settings_from_args
+from tests.router.fakes import MODEL, FakeVLLM, Seen, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
 

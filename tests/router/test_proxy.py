@@ -10,8 +10,9 @@ import json
 from typing import Any
 
 import pytest
-from router_fakes import MODEL, FakeVLLM, Seen, wait_until
 from starlette.responses import JSONResponse, Response
+
+from tests.router.fakes import MODEL, FakeVLLM, Seen, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
 CHAT = {

@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router_fakes import MODEL, wait_until
-
 from kvpush_prod.signing import SIG_FIELD, verify_params
+from tests.router.fakes import MODEL, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
 KEY = b"0123456789abcdef0123456789abcdef"
