@@ -1481,7 +1481,7 @@ class World:
         for preq in list(node.preqs.values()):
             if preq.state == "coming" and preq.arrive_at <= self.now:
                 preq.state = "queued"
-                self.call(node, lambda eng, now, t=preq.tid, o=preq.owner: eng.expect(
+                self.call(node, lambda eng, now, t=preq.tid, o=preq.owner: eng.expect_blocks(
                     t, now, owner=o))
             if preq.state == "queued" and preq.compute_at <= self.now:
                 assert node.pool is not None
@@ -1528,7 +1528,7 @@ class World:
                 def expect(eng: Any, now: float, d: DReq = dreq, w: bool = was_waiting) -> list[
                         Action]:
                     out: list[Action] = eng.admission_over(d.tid) if w else []
-                    acts: list[Action] = eng.expect(d.tid, d.p_address, list(d.blocks),
+                    acts: list[Action] = eng.register(d.tid, d.p_address, list(d.blocks),
                                                     d.first_block, d.total_blocks * 16, now,
                                                     owner=d.p_address)
                     d.gen = eng._in[d.tid].generation

@@ -247,7 +247,7 @@ class WorkerSide:
             pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
             pump.began[spec.transfer_id] = time.monotonic()
             address = self._address(spec.p_host, spec.p_port)
-            pump.submit(lambda r, s=spec, a=address: r.expect(
+            pump.submit(lambda r, s=spec, a=address: r.register(
                 s.transfer_id, a, s.block_ids, s.first_block, s.num_tokens, time.monotonic(),
                 owner=s.p_key))
         for ref in meta.not_needed:
@@ -257,7 +257,7 @@ class WorkerSide:
         for tid in meta.abort_recv:
             pump.submit(lambda r, t=tid: r.abort(t, time.monotonic()))
         for tid, owner in meta.expect_send:
-            pump.submit(lambda s, t=tid, o=owner: s.expect(t, time.monotonic(), o))
+            pump.submit(lambda s, t=tid, o=owner: s.expect_blocks(t, time.monotonic(), o))
         for tid in meta.abort_send:
             pump.submit(lambda s, t=tid: s.abort(t, time.monotonic()))
         for tid in meta.hold:

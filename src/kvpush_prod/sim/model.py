@@ -2,7 +2,7 @@
 router, and three ways to move the KV: ``pull`` (vLLM NixlConnector behind a sequential
 proxy), ``push`` (vLLM NixlPushConnector, both legs at once, one WRITE per request, no
 credits, coordination on the engine step) and ``kvpush`` (our connector: the real Sender,
-Receiver and PushScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
+Receiver and ChunkScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
 
 Only the protocol decisions come from the core; compute and wires are simple models whose
 parameters live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
@@ -558,7 +558,7 @@ class Sim:
                 loop.after(cost + m.ctrl_s, registered)
             else:
                 r = self.receivers[d.idx]
-                self._do(r, r.expect(tid, f"tcp://p{req.p}", blocks, 0, req.length, loop.now))
+                self._do(r, r.register(tid, f"tcp://p{req.p}", blocks, 0, req.length, loop.now))
         d.incoming = keep
         return cost
 
