@@ -140,6 +140,13 @@ class TransferTimeouts:
     fallback_s: float = 30.0
     total_s: float = 120.0
 
+    @classmethod
+    def within(cls, total_s: float, pull_permit_s: float) -> TransferTimeouts:
+        """Every live state may last the whole transfer (leases end a stuck phase sooner); a
+        fallback lasts D's read permit plus a quarter of the whole (the shells' relation)."""
+        return cls(new_s=total_s, waiting_s=total_s, registered_s=total_s, pushing_s=total_s,
+                   retrying_s=total_s, fallback_s=pull_permit_s + total_s / 4, total_s=total_s)
+
     def __post_init__(self) -> None:
         for name in (
             "new_s", "waiting_s", "registered_s", "pushing_s", "retrying_s", "fallback_s",
