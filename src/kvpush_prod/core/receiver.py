@@ -61,10 +61,11 @@ S = TransferState
 
 @dataclass(frozen=True, slots=True)
 class ReceiverSettings:
-    """The numbers D's protocol runs on."""
+    """The numbers D's protocol runs on (defaults: the configuration's; the shell maps the
+    configuration onto them in ``connector.settings``)."""
 
     block_bytes: int
-    permit_ttl_s: float = 10.0
+    permit_ttl_s: float = 5.0
     skew_margin_s: float = 1.0
     stop_margin_s: float = 1.0  # for D's own READs under P's read permit
     heartbeat_s: float = 1.0

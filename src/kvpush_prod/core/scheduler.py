@@ -30,12 +30,14 @@ class SchedulerSettings:
     ``aging_bytes_per_s``: a transfer's queued bytes count as ``queued / aging`` seconds
     of lateness, so one added more than that later can no longer overtake it; ``inf``
     gives pure least-queued-bytes-first (which can starve big transfers).
-    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate.
+    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate. The defaults of
+    ``chunk_bytes``, ``target_latency_s`` and ``stop_margin_s`` are the configuration's
+    (``push.chunk_bytes``, ``push.target_latency_ms``, ``leases.stop_margin_s``).
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
-    target_latency_s: float = 0.005
-    stop_margin_s: float = 0.5
+    target_latency_s: float = 0.002
+    stop_margin_s: float = 1.0
     aging_bytes_per_s: float = 1024.0**3
     ewma_alpha: float = 0.25
     initial_bandwidth_bytes_per_s: float = 1e9

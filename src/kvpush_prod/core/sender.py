@@ -66,7 +66,8 @@ S = TransferState
 
 @dataclass(frozen=True, slots=True)
 class SenderSettings:
-    """The numbers P's protocol runs on (the shell maps the YAML config onto them)."""
+    """The numbers P's protocol runs on (defaults: the configuration's; the shell maps the
+    configuration onto them in ``connector.settings``)."""
 
     block_bytes: int  # one block of this rank, all regions
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)

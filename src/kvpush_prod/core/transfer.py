@@ -132,12 +132,14 @@ class TransferTimeouts:
     ``total_s`` bounds the whole transfer even if PUSHING and RETRYING alternate.
     """
 
-    new_s: float = 30.0
-    waiting_s: float = 60.0  # WAITING_BLOCKS and WAITING_REGISTER
-    registered_s: float = 30.0
-    pushing_s: float = 30.0
-    retrying_s: float = 10.0
-    fallback_s: float = 30.0
+    # The defaults are ``within(leases.transfer_timeout_s, fallback.pull_permit_s)`` of the
+    # configuration's defaults (120 s, 30 s).
+    new_s: float = 120.0
+    waiting_s: float = 120.0  # WAITING_BLOCKS and WAITING_REGISTER
+    registered_s: float = 120.0
+    pushing_s: float = 120.0
+    retrying_s: float = 120.0
+    fallback_s: float = 60.0
     total_s: float = 120.0
 
     @classmethod

@@ -48,9 +48,12 @@ BREAKER_TRANSITIONS: Mapping[tuple[BreakerState, BreakerEvent], BreakerState] = 
 
 @dataclass(frozen=True, slots=True)
 class BreakerSettings:
+    """When a peer's breaker opens and for how long (the defaults are config's ``breaker``
+    section's; ``probe_timeout_s`` is the core's own)."""
+
     failure_threshold: int = 3
     window_s: float = 10.0
-    cooldown_s: float = 30.0
+    cooldown_s: float = 5.0
     max_cooldown_s: float = 300.0
     probe_timeout_s: float = 30.0
 

@@ -12,9 +12,10 @@ PeerId = str
 
 @dataclass(frozen=True, slots=True)
 class BudgetSettings:
-    """Per-peer token bucket: ``burst`` retries at once, refilled at ``rate_per_s``."""
+    """Per-peer token bucket: ``burst`` retries at once, refilled at ``rate_per_s`` (the
+    defaults are config's ``retry.budget_per_s`` and ``retry.budget_burst``)."""
 
-    rate_per_s: float = 5.0
+    rate_per_s: float = 10.0
     burst: float = 20.0
 
     def __post_init__(self) -> None:

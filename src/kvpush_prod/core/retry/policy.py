@@ -46,12 +46,13 @@ class wait_full_jitter(wait_random_exponential):  # lower case: tenacity's namin
 
 @dataclass(frozen=True, slots=True)
 class RetrySettings:
-    """Backoff and stop conditions for one chunk's retries."""
+    """Backoff and stop conditions for one chunk's retries (the defaults are config's
+    ``retry`` section's; ``max_delay_s`` is the core's own)."""
 
-    max_attempts: int = 4  # attempts in all, the first post included
+    max_attempts: int = 3  # attempts in all, the first post included
     max_delay_s: float = 5.0  # give up once this long has passed since the first attempt
-    backoff_base_s: float = 0.05  # window of the first retry: [0, base]
-    backoff_max_s: float = 1.0  # the window never grows past this
+    backoff_base_s: float = 0.002  # window of the first retry: [0, base]
+    backoff_max_s: float = 0.2  # the window never grows past this
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
