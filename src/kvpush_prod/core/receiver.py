@@ -428,6 +428,8 @@ class Receiver:
 
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:
+        """READs the scheduler lets out now, and pulls whose read permit ran out (call often
+        while ``busy``)."""
         out: list[Action] = []
         for chunk in self.reads.next_chunks(now):
             rx = self._in.get(chunk.transfer_id)
@@ -449,6 +451,7 @@ class Receiver:
         return out
 
     def tick(self, now: float) -> list[Action]:
+        """Permits, deadlines and heartbeats (call every few tens of ms)."""
         out = self.poll(now)
         for rx in list(self._in.values()):
             if rx.fallback is not None:
