@@ -52,7 +52,7 @@ def actions_markdown() -> str:
                    for cls in get_args(Action)))
 
 
-def _side_of_command(cls: type) -> str:
+def _side_of_command(cls: Any) -> str:
     engine = inspect.signature(cls.apply).parameters["engine"].annotation
     return "P" if engine in ("Sender", Sender) else "D"
 
