@@ -12,13 +12,14 @@ import random
 from dataclasses import replace
 
 import msgspec
-from test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend, ReportFailed
 from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
+
+from .test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 KD, KP, KA = D.control, P.control, "key-of-attacker"
 

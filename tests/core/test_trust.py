@@ -8,18 +8,6 @@ import random
 from dataclasses import replace
 
 import msgspec
-from test_push_engines import (
-    LAYOUT,
-    RS,
-    SS,
-    D,
-    P,
-    msgs,
-    of,
-    receiver,
-    register,
-    sender,
-)
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
@@ -36,6 +24,19 @@ from kvpush_prod.core.actions import (
 from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
+
+from .test_push_engines import (
+    LAYOUT,
+    RS,
+    SS,
+    D,
+    P,
+    msgs,
+    of,
+    receiver,
+    register,
+    sender,
+)
 
 KD, KX, KP = D.control, "key-of-intruder", P.control
 # An authenticated engine that is not the transfer's decode: it claims D's names.
