@@ -37,7 +37,7 @@ def test_a_kv_role_names_a_side(role: str, side: Side | None) -> None:
 
 def test_only_delivered_outcomes_count_as_delivered() -> None:
     assert {o for o in Outcome if o.delivered} == {Outcome.PUSHED, Outcome.RETRIED,
-                                                    Outcome.PULL_FALLBACK}
+                                                   Outcome.PULL_FALLBACK}
 
 
 def test_not_draining_is_the_empty_word() -> None:

@@ -174,7 +174,7 @@ class Receiver:
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
         rx = _Receive(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                  lease.generation, now, now, None, owner or address)
+                      lease.generation, now, now, None, owner or address)
         rx.machine.fire(E.REGISTER, now)
         rx.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = rx
@@ -198,7 +198,7 @@ class Receiver:
             self.reads.cancel(tid)
             return self._finish_pull(rx, now)
         return [SendMessage(rx.address, Cancel(PROTOCOL_VERSION, tid, rx.generation,
-                                                self.slim, "aborted"), rx.owner)]
+                                               self.slim, "aborted"), rx.owner)]
 
     # ------------------------------------------------------------------ network events
     def on_done(self, done: Done, now: float, verified: bool = True,
@@ -220,7 +220,7 @@ class Receiver:
             return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if not verified:
             return self._end(rx, now, ReportFailed(rx.tid, "checksum_mismatch",
-                                                    "the pushed blocks differ from P's"))
+                                                   "the pushed blocks differ from P's"))
         rx.machine.fire(E.DONE, now)
         return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
 
@@ -308,7 +308,7 @@ class Receiver:
                     out += self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
                 else:
                     out += self._end(rx, now, ReportFailed(rx.tid, "peer_restarted",
-                                                            f"prefill {sender.control} restarted"))
+                                                           f"prefill {sender.control} restarted"))
         if old is not None:
             out.append(Note(NoteKind.PEER_RESTART, "prefill", f"{sender.control} -> {sender.incarnation}"))
         return out + self._prune_peers()
@@ -366,7 +366,7 @@ class Receiver:
         rx.machine.fire(E.FALLBACK, now)
         rx.fallback, rx.renew, rx.checksum = msg, False, msg.checksum
         rx.read_permit = Permit.from_ttl(rx.tid, rx.generation, msg.permit_ttl_ms / 1000.0,
-                                          now - age, self.s.stop_margin_s)
+                                         now - age, self.s.stop_margin_s)
         out: list[Action] = [ConnectPeer(msg.sender), Note(NoteKind.FALLBACK, msg.reason.split(":")[0]
                                                            or "push_failed", msg.reason)]
         self.reads.add(rx.tid, msg.sender.agent_name, self.s.block_bytes, len(rx.blocks),
@@ -471,7 +471,7 @@ class Receiver:
                 else:
                     rx.machine.fire(E.EXPIRE, now)
                     out += self._end(rx, now, ReportFailed(rx.tid, "permit_expired",
-                                                            "no DONE before the permit ran out"))
+                                                           "no DONE before the permit ran out"))
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
@@ -522,7 +522,7 @@ class Receiver:
         if ok:
             rx.machine.fire(E.PULL_DONE, now)
             return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.PULL_FALLBACK,
-                                                            rx.checksum))
+                                                           rx.checksum))
         rx.machine.fire(E.FAIL, now)
         return out + self._end(rx, now, ReportFailed(rx.tid, "pull_failed", rx.read_failed))
 
