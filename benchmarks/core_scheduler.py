@@ -1,4 +1,4 @@
-"""Cost of one PushScheduler decision (next_chunks(limit=1) + on_chunk_done) vs queue size.
+"""Cost of one ChunkScheduler decision (next_chunks(limit=1) + on_chunk_done) vs queue size.
 
 Run: PYTHONPATH=src python benchmarks/core_scheduler.py [--links 1000] [--decisions 20000]
 Prints a table (queued chunks, us per decision) and a PASS/FAIL verdict against the target
@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvpush_prod.core.scheduler import PushScheduler, SchedulerSettings
+from kvpush_prod.core.scheduler import ChunkScheduler, SchedulerSettings
 
 TARGET_US_AT_10K = 20.0
 BLOCK_BYTES = 256 * 1024
@@ -34,7 +34,7 @@ class Result:
 def measure(queued: int, links: int, decisions: int, rng: random.Random) -> Result:
     """Steady state: the queue is topped up to ``queued`` chunks between decisions (untimed),
     about one chunk per link is in flight, completions come back oldest first."""
-    s = PushScheduler(
+    s = ChunkScheduler(
         SchedulerSettings(chunk_bytes=CHUNK_BYTES, target_latency_s=0.005, stop_margin_s=0.5)
     )
     serial = 0
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         assert best is not None
         results.append(best)
 
-    print(f"\nPushScheduler decision cost, {args.links} links, best of {args.repeats} runs")
+    print(f"\nChunkScheduler decision cost, {args.links} links, best of {args.repeats} runs")
     print(f"{'queued chunks':>14} | {'us/decision':>11} | {'p50 us':>7} | {'p99 us':>7}")
     print(f"{'-' * 14}-+-{'-' * 11}-+-{'-' * 7}-+-{'-' * 7}")
     for r in results:

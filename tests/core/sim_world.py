@@ -39,13 +39,29 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
-from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.admission import Admissions, Verdict
+from kvpush_prod.core.commands import (
+    AbortReceive,
+    AbortSend,
+    AdmissionOver,
+    AwaitAdmission,
+    BlocksReady,
+    Command,
+    ExpectBlocks,
+    ForwardFailed,
+    Hold,
+    NotNeeded,
+    RegisterBlocks,
+)
+from kvpush_prod.core.credits import CreditLedger, CreditSettings
 from kvpush_prod.core.leases import LeaseState
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
-from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySettings
+from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, ChunkError, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferState, TransferTimeouts
+from kvpush_prod.core.vocabulary import NoteKind, Outcome
+from kvpush_prod.driver import Driver, Observer, Stage, message_age, split_notes, visit
 
 T = TypeVar("T")
 
@@ -55,9 +71,10 @@ class Violation(AssertionError):
 
 
 # ------------------------------------------------------------------------------ settings
-# Scaled-down numbers with the relations the shells use (worker._core_settings): per-state
-# limits equal the whole-transfer bound, fallback gets the pull permit plus a quarter.
+# Scaled-down numbers with the relations the shells use (connector.settings.core_settings):
+# per-state limits equal the whole-transfer bound, fallback gets the pull permit plus a quarter.
 BLOCK_BYTES = 1000
+BLOCK_TOKENS = 16  # tokens per KV block
 D_BLOCKS = 24  # decode KV cache, blocks
 P_BLOCKS = 48
 CREDIT_BUDGET = 16  # D's receive window, blocks
@@ -83,9 +100,7 @@ RESTART_MIN_S = 1.0  # a process takes at least this long to come back
 COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
 NAMED_SHARE = 0.8  # of requests: the router names the decode engine to P (owner=)
 
-TIMEOUTS = TransferTimeouts(new_s=TOTAL_S, waiting_s=TOTAL_S, registered_s=TOTAL_S,
-                            pushing_s=TOTAL_S, retrying_s=TOTAL_S,
-                            fallback_s=PULL_PERMIT_S + TOTAL_S / 4, total_s=TOTAL_S)
+TIMEOUTS = TransferTimeouts.within(TOTAL_S, PULL_PERMIT_S)
 SCHED = SchedulerSettings(chunk_bytes=BLOCK_BYTES, target_latency_s=0.05,
                           stop_margin_s=STOP_MARGIN_S, initial_bandwidth_bytes_per_s=1e5)
 RETRY = RetrySettings(max_attempts=3, max_delay_s=5.0, backoff_base_s=0.02, backoff_max_s=0.2)
@@ -119,7 +134,6 @@ BOUND_P_S = (TOTAL_S + PULL_PERMIT_S + SKEW_MARGIN_S + CHUNK_MAX_S + PAUSE_MAX_S
 RETRYABLE = ("ERR:nixlBackendError", "TIMEOUT", "NIXL_ERR_NOT_POSTED", "ERR")
 DISCONNECT = "ERR:nixlRemoteDisconnectError"
 INVALID = "NIXL_ERR_INVALID_PARAM"
-NOT_CONNECTED = "RuntimeError: NIXL_ERR_NOT_FOUND: no connection to agent"
 
 
 ATTACKERS = ("attacker", "attacker-2")  # identities (keys) of no engine of the world
@@ -309,12 +323,12 @@ class Node:
     mono_off: float = 0.0
     wall_off: float = 0.0
     engine: Any = None
+    driver: Any = None  # the Driver of this incarnation's engine
     pool: BlockPool | None = None
-    ledger: CreditLedger | None = None
+    admissions: Admissions[None] | None = None  # D: its requests' admission (the core's)
     preqs: dict[str, PReq] = field(default_factory=dict)
     dreqs: dict[str, DReq] = field(default_factory=dict)
     closed: dict[str, PReq | DReq] = field(default_factory=dict)  # requests over, by id
-    connected: set[str] = field(default_factory=set)
     paused_until: float = 0.0
     deferred: deque[Callable[[], None]] = field(default_factory=deque)
     died_at: float = 0.0
@@ -374,6 +388,114 @@ def agent_name(node: str, inc: int) -> str:
 def node_address(node: str) -> str:
     """The control address of ``node`` ("P0", "D1", ...): its identity in the world."""
     return f"tcp://{node.lower()}:{7000 if node.startswith('P') else 7100}"
+
+
+# ------------------------------------------------------------------------------ the shells
+class NodeEffects:
+    """The driver's hands on one node: its clocks, the world's network and NICs, and the
+    engine's reports (each checked where the world receives it)."""
+
+    def __init__(self, world: World, node: Node) -> None:
+        self.world, self.node = world, node
+
+    def now(self) -> float:
+        return self.node.local(self.world.now)
+
+    def wall(self) -> float:
+        return self.node.wall(self.world.now)
+
+    def send(self, peer: str, to: str, message: m.ControlMessage) -> None:
+        self.world.send(self.node, peer, to, message)
+
+    def connect(self, info: m.PeerInfo) -> str:
+        return info.agent_name
+
+    def disconnect(self, agent: str) -> None:
+        return None
+
+    def write(self, action: PostWrite, peer: str) -> None:
+        self.world.post_write(self.node, action)
+
+    def read(self, action: PostRead, peer: str) -> None:
+        self.world.post_read(self.node, action)
+
+    def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
+        # As the pump: posting to an agent never connected fails at once.
+        self.world.count("post_unconnected")
+
+    def release_send(self, action: ReleaseSend) -> None:
+        self.world.on_release(self.node, action)
+
+    def report_finished(self, action: ReportFinished) -> None:
+        self.world.on_finished(self.node, action)
+
+    def report_failed(self, action: ReportFailed) -> None:
+        self.world.on_failed(self.node, action)
+
+    def note(self, note: Note) -> None:
+        self.world.count(f"note:{note.kind}:{note.reason}")
+
+    def contained(self, stage: Stage, what: str) -> None:
+        raise  # noqa: PLE0704 - a broken invariant or an engine that raises ends the example
+
+
+class NodeChecks(Observer):
+    """What the world checks of each action before the driver carries it out."""
+
+    def __init__(self, world: World, node: Node) -> None:
+        self.world, self.node = world, node
+
+    def post_write(self, action: PostWrite, /) -> None:
+        self.world.check_write(self.node, action)
+
+    def post_read(self, action: PostRead, /) -> None:
+        self.world.check_read(self.node, action)
+
+
+class Harmless:
+    """Whether an action answering a forged message from ``origin`` is harmless: only notes
+    (refusals, fences, the restart of the forger's own process), replies to the forger (its
+    channel proves ``to``), its own agent connected, or a push of a transfer nobody else
+    holds (first come, documented) may come of it."""
+
+    def __init__(self, engine: Any, origin: str, before: dict[str, Any],
+                 others: set[str]) -> None:
+        self.engine, self.origin, self.before, self.others = engine, origin, before, others
+
+    def note(self, a: Note, /) -> bool:
+        if a.kind is NoteKind.QUEUE_WAIT:  # a push of a transfer nobody else holds starts
+            return a.detail not in self.before["transfers"]
+        return a.kind in (NoteKind.REJECTED, NoteKind.FENCED, NoteKind.PEER_RESTART)
+
+    def send_message(self, a: SendMessage, /) -> bool:
+        return a.to == self.origin  # only the forger's own channel proves that identity
+
+    def connect_peer(self, a: ConnectPeer, /) -> bool:
+        # P met a peer of the forger's own key; its agent must not be anyone else's.
+        eng = self.engine
+        return (isinstance(eng, Sender) and eng._peers.get((self.origin, a.info.rank)) == a.info
+                and a.info.agent_name not in self.others and a.replaces not in self.others)
+
+    def drop_peer(self, a: DropPeer, /) -> bool:
+        return a.agent_name not in self.others
+
+    def post_write(self, a: PostWrite, /) -> bool:
+        return self._first_come(a.transfer_id)
+
+    def release_send(self, a: ReleaseSend, /) -> bool:
+        return self._first_come(a.transfer_id)
+
+    def post_read(self, a: PostRead, /) -> bool:
+        return False
+
+    def report_finished(self, a: ReportFinished, /) -> bool:
+        return False
+
+    def report_failed(self, a: ReportFailed, /) -> bool:
+        return False
+
+    def _first_come(self, tid: str) -> bool:
+        return isinstance(self.engine, Sender) and tid not in self.before["transfers"]
 
 
 # ------------------------------------------------------------------------------ the world
@@ -463,7 +585,6 @@ class World:
         node.info = m.PeerInfo(node.name, node.inc, 0, node.address, node.agent, b"meta", layout)
         rng = random.Random(node.inc)
         node.pool = BlockPool(n, f"{node.name}#{node.inc}")
-        node.connected = set()
         node.paused_until = 0.0
         node.deferred.clear()
         node.preqs, node.dreqs, node.closed = {}, {}, {}
@@ -473,7 +594,10 @@ class World:
             # As the shells: generations get random low bits (unguessable), here from the seed.
             tokens = random.Random(f"{self.seed}:tokens:{node.name}:{node.inc}")
             node.engine = Receiver(node.info, RECEIVER, rng, tokens=tokens)
-            node.ledger = CreditLedger(CREDITS)
+            node.admissions = Admissions(CreditLedger(CREDITS), BLOCK_TOKENS)
+        # As the shells: one driver carries out the engine's actions; the world's effects
+        # are its network and NIC, and its checks see every action first.
+        node.driver = Driver(node.engine, NodeEffects(self, node), NodeChecks(self, node))
         self._push(self.now + r.uniform(0.0, TICK_S), "tick", (node.name, node.inc))
         self.log(f"{node.name} starts as incarnation {node.inc}")
 
@@ -499,7 +623,8 @@ class World:
                 self._push(w.at, "wire", wid)
         node.alive = False
         node.engine = None
-        node.ledger = None
+        node.driver = None
+        node.admissions = None
         node.pool = None
         node.preqs, node.dreqs, node.closed = {}, {}, {}
         node.deferred.clear()
@@ -510,6 +635,10 @@ class World:
                    (node.name, node.inc))
 
     # ------------------------------------------------------------------ engine calls
+    def command(self, node: Node, command: Command[Any]) -> None:
+        """The engine thread hands the pump a typed command (as the connector's worker)."""
+        self.call(node, command.apply)
+
     def call(self, node: Node, fn: Callable[[Any, float], list[Action]]) -> None:
         """Feed the engine an event (deferred while its pump is stalled), run its actions."""
         if not node.alive:
@@ -530,49 +659,27 @@ class World:
             raise
 
     def execute(self, node: Node, actions: list[Action]) -> None:
-        for a in actions:
-            if not node.alive:
-                return
-            if isinstance(a, SendMessage):
-                self.send(node, a)
-            elif isinstance(a, PostWrite):
-                self.post_write(node, a)
-            elif isinstance(a, PostRead):
-                self.post_read(node, a)
-            elif isinstance(a, ConnectPeer):
-                if a.replaces:
-                    node.connected.discard(a.replaces)
-                node.connected.add(a.info.agent_name)
-            elif isinstance(a, DropPeer):
-                node.connected.discard(a.agent_name)
-            elif isinstance(a, ReleaseSend):
-                self.on_release(node, a)
-            elif isinstance(a, (ReportFinished, ReportFailed)):
-                self.on_report(node, a)
-            elif isinstance(a, Note):
-                self.count(f"note:{a.kind}:{a.reason}")
-            else:  # pragma: no cover - a new action type the shells would not know
-                raise self.fail(f"{node.name} returned an unknown action {a!r}")
+        """Carry out ``actions`` through the node's driver (as the pump does)."""
+        node.driver.run(actions)
 
     # ------------------------------------------------------------------ network
-    def send(self, node: Node, a: SendMessage) -> None:
-        if not a.to:
-            raise self.fail(f"{node.name} sends {type(a.message).__name__} to {a.peer} without "
+    def send(self, node: Node, peer: str, to: str, msg: m.ControlMessage) -> None:
+        """``node`` sends ``msg`` (stamped with its wall clock by the driver) to the endpoint
+        at ``peer`` that must prove identity ``to``."""
+        if not to:
+            raise self.fail(f"{node.name} sends {type(msg).__name__} to {peer} without "
                             "naming the identity it must reach")
-        dst = self.by_address(a.peer)
-        if dst is None or dst.address != a.to:
+        dst = self.by_address(peer)
+        if dst is None or dst.address != to:
             # The channel to that address cannot prove ``to`` (a reply to a forged claim): the
             # handshake fails and nothing is delivered.
-            self.count(f"send:refused:{type(a.message).__name__}")
-            self.log(f"{node.name} sends {type(a.message).__name__} "
-                     f"{getattr(a.message, 'transfer_id', '')} to {a.peer} as {a.to[:16]}: refused")
+            self.count(f"send:refused:{type(msg).__name__}")
+            self.log(f"{node.name} sends {type(msg).__name__} "
+                     f"{getattr(msg, 'transfer_id', '')} to {peer} as {to[:16]}: refused")
             return
-        msg = a.message
-        if "sent_at" in type(msg).__struct_fields__:
-            msg = msgspec.structs.replace(msg, sent_at=node.wall(self.now))
         self.count(f"send:{type(msg).__name__}")
         self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
-                 f" g{getattr(msg, 'generation', '')} -> {a.peer}")
+                 f" g{getattr(msg, 'generation', '')} -> {peer}")
         c = self.chaos
         n = self._sends[(node.name, node.inc)] = self._sends.get((node.name, node.inc), 0) + 1
         r = self.r("send", node.name, node.inc, n)
@@ -583,7 +690,7 @@ class World:
             delay = r.uniform(0.0002, c.delay_max_s)
             if r.random() < c.spike:
                 delay = r.uniform(0.0, SPIKE_MAX_S)
-            self.enqueue(node.name, node.inc, a.peer, msg, self.now + delay, node.address)
+            self.enqueue(node.name, node.inc, peer, msg, self.now + delay, node.address)
 
     def partition(self, a: str, b: str, dt: float, both: bool = True) -> None:
         """Cut the control network from node ``a`` to ``b`` (and back if ``both``) for
@@ -711,9 +818,8 @@ class World:
 
     def _on_message(self, node: Node, w: Wire, eng: Any, now: float) -> list[Action]:
         msg = w.msg
-        sent_at = getattr(msg, "sent_at", 0.0)
         # As the pump: how long the message travelled, by the two wall clocks.
-        age = max(0.0, node.wall(self.now) - sent_at) if sent_at else 0.0
+        age = message_age(msg, node.wall(self.now))
         self.log(f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
                  f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}")
         if w.attack:
@@ -729,7 +835,8 @@ class World:
         out: list[Action] = eng.on_message(msg, now, age, origin=w.origin)
         if stale:
             self.count("stale_checked")
-            bad = [a for a in out if not (isinstance(a, Note) and a.kind in ("fenced", "rejected"))]
+            notes, bad = split_notes(out)
+            bad += [n for n in notes if n.kind not in (NoteKind.FENCED, NoteKind.REJECTED)]
             after = self.snapshot(node, stale)
             if bad or before != after:
                 raise self.fail(f"{node.name}: a {type(msg).__name__} of {stale} with a stale "
@@ -826,7 +933,7 @@ class World:
             before = self.full_snapshot(r)
             # Its key is the engine's: a restarted process speaks with the same identity.
             out: list[Action] = e.on_message(msg, now, 0.0, origin=peer.address)
-            if any(not isinstance(a, Note) for a in out) or self.full_snapshot(r) != before:
+            if split_notes(out)[1] or self.full_snapshot(r) != before:
                 raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
                                 f"incarnation {old.incarnation} was acted on: {out}")
             return out
@@ -1093,14 +1200,13 @@ class World:
         others = self._agents_of_others(node, origin)
         out = run()
         after = self.trust_view(node, origin)
-        bad = []
-        for a in out:
-            if isinstance(a, Note):
-                self.count(f"attack:note:{a.kind}:{a.reason}")
-            else:
-                self.count(f"attack:action:{type(a).__name__}")
-            if not self._harmless(node, origin, a, before, others):
-                bad.append(a)
+        notes, acts = split_notes(out)
+        for n in notes:
+            self.count(f"attack:note:{n.kind}:{n.reason}")
+        for a in acts:
+            self.count(f"attack:action:{type(a).__name__}")
+        harmless = Harmless(node.engine, origin, before, others)
+        bad = [a for a in out if not visit(a, harmless)]
         changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
         if bad or changed:
             diff = "; ".join(f"{k}: {self._diff(b, a)}" for k, (b, a) in changed.items())
@@ -1176,27 +1282,11 @@ class World:
         return ({p.agent_name for k, p in eng._peers.items() if k[0] != origin}
                 | {o.peer for o in eng._out.values() if o.owner and o.owner != origin}) - {""}
 
-    def _harmless(self, node: Node, origin: str, a: Action, before: dict[str, Any],
-                  others: set[str]) -> bool:
-        if isinstance(a, Note):
-            if a.kind == "queue_wait":  # a push of a transfer nobody else holds starts
-                return a.detail not in before["transfers"]
-            return a.kind in ("rejected", "fenced", "peer_restart")
-        if isinstance(a, SendMessage):
-            return a.to == origin  # only the forger's own channel proves that identity
-        eng = node.engine
-        if isinstance(a, ConnectPeer):
-            # P met a peer of the forger's own key; its agent must not be anyone else's.
-            return (isinstance(eng, Sender) and eng._peers.get((origin, a.info.rank)) == a.info
-                    and a.info.agent_name not in others and a.replaces not in others)
-        if isinstance(a, DropPeer):
-            return a.agent_name not in others
-        if isinstance(a, (PostWrite, ReleaseSend)) and isinstance(eng, Sender):
-            return a.transfer_id not in before["transfers"]  # nobody else's (first come)
-        return False
-
     # ------------------------------------------------------------------ NIC
-    def post_write(self, node: Node, a: PostWrite) -> None:
+    def check_write(self, node: Node, a: PostWrite) -> None:
+        """A WRITE about to be posted: from blocks P holds for the transfer, under a live
+        permit of the D it targets, into blocks that D reserved (checked whether or not
+        the agent is connected: a post that fails at once must be a correct one too)."""
         self.count("post:WRITE" + (":last" if a.done else ""))
         pool = node.pool
         assert pool is not None
@@ -1210,6 +1300,11 @@ class World:
         target = self.by_agent(a.peer)
         if target is not None:
             self._check_write_permit(node, target, a)
+        self._check_chunk_id(node, a.chunk_id)
+
+    def post_write(self, node: Node, a: PostWrite) -> None:
+        """The WRITE goes out on P's NIC (the driver found its agent connected)."""
+        target = self.by_agent(a.peer)
         self._post(node, "WRITE", a.transfer_id, a.generation, a.chunk_id, a.peer,
                    (node.name, node.inc, a.src_blocks),
                    (target.name, target.inc, a.dst_blocks) if target else ("", 0, a.dst_blocks),
@@ -1236,7 +1331,9 @@ class World:
                 raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} into {d.name} "
                                 f"block {b} owned by {d.pool.owner[b]!r}")
 
-    def post_read(self, node: Node, a: PostRead) -> None:
+    def check_read(self, node: Node, a: PostRead) -> None:
+        """A READ about to be posted: into blocks D reserved for the transfer, from blocks P
+        offers for pulling, within P's read permit."""
         self.count("post:READ")
         pool = node.pool
         assert pool is not None
@@ -1259,23 +1356,24 @@ class World:
                 if target.pool.owner[b] != a.transfer_id:
                     raise self.fail(f"{node.name} READs {a.transfer_id} from {target.name} "
                                     f"block {b} owned by {target.pool.owner[b]!r}")
+        self._check_chunk_id(node, a.chunk_id)
+
+    def post_read(self, node: Node, a: PostRead) -> None:
+        """The READ goes out on D's NIC (the driver found P's agent connected)."""
+        target = self.by_agent(a.peer)
         self._post(node, "READ", a.transfer_id, a.generation, a.chunk_id, a.peer,
                    (target.name, target.inc, a.remote_blocks) if target else ("", 0,
                                                                              a.remote_blocks),
                    (node.name, node.inc, a.local_blocks), None)
 
+    def _check_chunk_id(self, node: Node, cid: int) -> None:
+        if (node.name, node.inc, cid) in self.flights:
+            raise self.fail(f"{node.name} reuses chunk id {cid} while it is in flight")
+
     def _post(self, node: Node, op: str, tid: str, gen: int, cid: int, peer: str,
               src: tuple[str, int, tuple[int, ...]], dst: tuple[str, int, tuple[int, ...]],
               done: m.Done | None) -> None:
         key = (node.name, node.inc, cid)
-        if key in self.flights:
-            raise self.fail(f"{node.name} reuses chunk id {cid} while it is in flight")
-        if peer not in node.connected:
-            # As the pump: posting to an agent never connected fails at once.
-            self.count("post_unconnected")
-            self.execute(node, node.engine.on_chunk(cid, False, f"{NOT_CONNECTED} {peer}",
-                                                    node.local(self.now)))
-            return
         c = self.chaos
         r = self.r("chunk", *key)
         latency = r.uniform(0.0005, 0.03)
@@ -1377,13 +1475,13 @@ class World:
 
         def on_done(eng: Any, now: float) -> list[Action]:
             assert isinstance(eng, Receiver)
-            inc = eng._in.get(done.transfer_id)
-            stale = inc is not None and inc.generation != done.generation
+            rx = eng._in.get(done.transfer_id)
+            stale = rx is not None and rx.generation != done.generation
             before = self.snapshot(node, done.transfer_id) if stale else None
             # NIXL names the agent a notification came from.
             out: list[Action] = eng.on_done(done, now, agent=src_agent)
-            if stale and (before != self.snapshot(node, done.transfer_id) or any(
-                    not isinstance(a, Note) for a in out)):
+            if stale and (before != self.snapshot(node, done.transfer_id)
+                          or split_notes(out)[1]):
                 raise self.fail(f"{node.name}: a DONE with a stale generation changed state")
             return out
 
@@ -1411,10 +1509,25 @@ class World:
         node.pool.release(preq.blocks, a.transfer_id, f"ReleaseSend {a.transfer_id}")
         self.close(node, preq, "released")
 
-    def on_report(self, node: Node, a: ReportFinished | ReportFailed) -> None:
-        tid = a.transfer_id
+    def on_finished(self, node: Node, a: ReportFinished) -> None:
+        """D reports the receive finished: with the KV in place, unless it was aborted."""
+        self.on_report(node, a.transfer_id, f"ReportFinished({a.outcome})",
+                       a.outcome if a.outcome.delivered else None)
+
+    def on_failed(self, node: Node, a: ReportFailed) -> None:
+        """D reports the receive failed."""
+        dreq = node.dreqs.get(a.transfer_id)
+        if a.reason == "permit_expired" and dreq is not None:
+            p = self.nodes[dreq.p_name]
+            preq = (p.preqs.get(a.transfer_id) or p.closed.get(a.transfer_id)) if p.alive else None
+            o = p.engine._out.get(a.transfer_id) if p.alive else None
+            self.count(f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
+                       f"out={o and o.machine.state.value}:{o and o.outcome}")
+        self.on_report(node, a.transfer_id, f"ReportFailed({a.reason})", None)
+
+    def on_report(self, node: Node, tid: str, what: str, delivered: Outcome | None) -> None:
+        """D hands the blocks of ``tid`` back (``delivered``: how its KV arrived, if it did)."""
         key = (node.name, node.inc, tid)
-        what = f"{type(a).__name__}({getattr(a, 'outcome', getattr(a, 'reason', ''))})"
         if key in self.reported:
             raise self.fail(f"{node.name} reports {tid} twice: {self.reported[key]}, then {what}")
         dreq = node.dreqs.get(tid)
@@ -1423,15 +1536,10 @@ class World:
                             f"({dreq or node.closed.get(tid)})")
         self.reported[key] = what
         self.count(f"report:{what}")
-        if isinstance(a, ReportFailed) and a.reason == "permit_expired":
-            p = self.nodes[dreq.p_name]
-            preq = (p.preqs.get(tid) or p.closed.get(tid)) if p.alive else None
-            o = p.engine._out.get(tid) if p.alive else None
-            self.count(f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
-                       f"out={o and o.machine.state.value}:{o and o.outcome}")
         self.log(f"{node.name} reports {tid}: {what}")
         recv = node.engine
-        assert isinstance(recv, Receiver) and node.pool is not None and node.ledger is not None
+        assert isinstance(recv, Receiver) and node.pool is not None
+        assert node.admissions is not None
         local = node.local(self.now)
         if not recv.leases.reusable(tid, local):
             raise self.fail(f"{node.name} frees the blocks of {tid} under a live permit "
@@ -1440,14 +1548,14 @@ class World:
             if fl.tid == tid and fl.dst[0] == node.name and fl.dst[1] == node.inc:
                 raise self.fail(f"{node.name} frees the blocks of {tid} while {fl.op} chunk "
                                 f"{fl.key} into them is in flight (posted {fl.posted:.4f})")
-        if isinstance(a, ReportFinished) and a.outcome in ("pushed", "retried", "pull_fallback"):
+        if delivered is not None:
             want = [(tid, dreq.first_block + i) for i in range(dreq.nblocks)]
             got = [node.pool.content[b] for b in dreq.blocks]
             if got != want:
-                raise self.fail(f"{node.name} reports {tid} received ({a.outcome}) but its blocks "
-                                f"hold {got}, not P's {want}")
+                raise self.fail(f"{node.name} reports {tid} received ({delivered}) but its "
+                                f"blocks hold {got}, not P's {want}")
         node.pool.release(dreq.blocks, (tid, dreq.gen), f"report of {tid}")
-        if not node.ledger.release(tid):
+        if not node.admissions.ended(tid)[1]:
             raise self.fail(f"{node.name} released credit of {tid} it did not hold")
         self.close(node, dreq, "ended")
 
@@ -1470,19 +1578,23 @@ class World:
             if not lag:
                 self.p_step(p)
         if d.alive:
-            d.dreqs[tid] = DReq(tid, p.name, p.address, total, first, self.now)
+            dreq = d.dreqs[tid] = DReq(tid, p.name, p.address, total, first, self.now)
             if first >= total:
                 # D has the whole prompt already: P may free at once.
-                self.close(d, d.dreqs[tid], "ended")
-                self.call(d, lambda eng, now: eng.not_needed(tid, p.address, owner=p.address))
+                assert d.admissions is not None
+                d.admissions.track(tid, tid, p.address, None)
+                answer = d.admissions.ask(tid, total * BLOCK_TOKENS, first * BLOCK_TOKENS,
+                                          d.local(self.now))
+                assert answer.not_needed is Outcome.PREFIX_HIT, answer
+                self.close(d, dreq, "ended")
+                self.command(d, NotNeeded(tid, p.address, owner=p.address))
         return tid
 
     def p_step(self, node: Node) -> None:
         for preq in list(node.preqs.values()):
             if preq.state == "coming" and preq.arrive_at <= self.now:
                 preq.state = "queued"
-                self.call(node, lambda eng, now, t=preq.tid, o=preq.owner: eng.expect(
-                    t, now, owner=o))
+                self.command(node, ExpectBlocks(preq.tid, preq.owner))
             if preq.state == "queued" and preq.compute_at <= self.now:
                 assert node.pool is not None
                 blocks = node.pool.alloc(preq.nblocks, preq.tid)
@@ -1496,82 +1608,85 @@ class World:
                     self.count("forward_failed")
                     for i, b in enumerate(blocks):
                         node.pool.content[b] = ("garbage", preq.tid, i)
-                    self.call(node, lambda eng, now, t=preq.tid, bl=blocks: eng.forward_failed(
-                        t, bl, now))
+                    self.command(node, ForwardFailed(preq.tid, tuple(blocks)))
                     continue
                 for i, b in enumerate(blocks):
                     node.pool.content[b] = (preq.tid, i)
-                self.call(node, lambda eng, now, t=preq.tid, bl=blocks, o=preq.owner:
-                          eng.blocks_ready(t, bl, now, owner=o))
+                self.command(node, BlocksReady(preq.tid, tuple(blocks), preq.owner))
             elif preq.state == "computed" and preq.hold_at <= self.now:
                 preq.state = "held"
-                self.call(node, lambda eng, now, t=preq.tid: eng.hold(t))
+                self.command(node, Hold(preq.tid))
 
     def d_step(self, node: Node) -> None:
-        """D's scheduler step: ask for credit for every waiting request, as the connector."""
-        ledger, pool = node.ledger, node.pool
-        assert ledger is not None and pool is not None
+        """D's scheduler step: ask for credit for every waiting request, as the connector
+        (through the core's admission); admitted, it allocates and registers at once."""
+        admissions, pool = node.admissions, node.pool
+        assert admissions is not None and pool is not None
         local = node.local(self.now)
         for dreq in list(node.dreqs.values()):
             if dreq.state not in ("asking", "waiting"):
                 continue
-            adm = ledger.request(dreq.tid, dreq.p_address, dreq.nblocks, local)
-            if adm.decision is Decision.ADMIT:
-                blocks = pool.alloc(dreq.nblocks, (dreq.tid, None))
+            admissions.track(dreq.tid, dreq.tid, dreq.p_address, None)
+            answer = admissions.ask(dreq.tid, dreq.total_blocks * BLOCK_TOKENS,
+                                    dreq.first_block * BLOCK_TOKENS, local)
+            if answer.verdict is Verdict.LOAD:
+                blocks = pool.alloc(answer.nblocks, (dreq.tid, None))
                 if blocks is None:
                     raise self.fail(f"{node.name} admitted {dreq.tid} but has no free blocks: "
-                                    f"{pool.used()} used, {ledger.in_use} credited")
-                was_waiting = dreq.state == "waiting"
+                                    f"{pool.used()} used, {admissions.ledger.in_use} credited")
+                admissions.allocated(dreq.tid, len(blocks))
                 dreq.blocks, dreq.state, dreq.admitted_at = blocks, "admitted", self.now
                 self.count("admit")
-
-                def expect(eng: Any, now: float, d: DReq = dreq, w: bool = was_waiting) -> list[
-                        Action]:
-                    out: list[Action] = eng.admission_over(d.tid) if w else []
-                    acts: list[Action] = eng.expect(d.tid, d.p_address, list(d.blocks),
-                                                    d.first_block, d.total_blocks * 16, now,
-                                                    owner=d.p_address)
-                    d.gen = eng._in[d.tid].generation
-                    self.generations.append(d.gen)
-                    assert node.pool is not None
-                    for b in d.blocks:
-                        node.pool.owner[b] = (d.tid, d.gen)
-                    return out + acts
-
-                self.call(node, expect)
-            elif adm.decision is Decision.LATER:
-                if dreq.state == "asking":
+                self.call(node, self._registered(node, dreq, answer.wait_over))
+            elif answer.verdict is Verdict.LATER:
+                if answer.first_wait:
                     dreq.state = "waiting"
                     self.count("later")
-                    self.call(node, lambda eng, now, d=dreq: eng.await_admission(
-                        d.tid, d.p_address, owner=d.p_address))
+                    self.command(node, AwaitAdmission(dreq.tid, dreq.p_address, dreq.p_address))
             else:
                 self.close(node, dreq, "ended")
                 self.count("refuse")
-                ledger.release(dreq.tid)
-                self.call(node, lambda eng, now, d=dreq: eng.not_needed(
-                    d.tid, d.p_address, owner=d.p_address))
+                self.command(node, NotNeeded(dreq.tid, dreq.p_address, dreq.p_address))
+
+    def _registered(self, node: Node, d: DReq,
+                    wait_over: bool) -> Callable[[Any, float], list[Action]]:
+        """D's worker registers the blocks of ``d`` (its wait for credit over, if any) and
+        the world learns the generation D granted, to own the blocks under it."""
+
+        def register(eng: Any, now: float) -> list[Action]:
+            out = AdmissionOver(d.tid).apply(eng, now) if wait_over else []
+            acts = RegisterBlocks(d.tid, d.p_address, tuple(d.blocks), d.first_block,
+                                  d.total_blocks * BLOCK_TOKENS, d.p_address).apply(eng, now)
+            d.gen = eng._in[d.tid].generation
+            self.generations.append(d.gen)
+            assert node.pool is not None
+            for b in d.blocks:
+                node.pool.owner[b] = (d.tid, d.gen)
+            return out + acts
+
+        return register
 
     def abort_d(self, node: Node, tid: str) -> None:
         dreq = node.dreqs[tid]
         self.log(f"{node.name} aborts {tid} ({dreq.state})")
         self.count("abort_d")
+        assert node.admissions is not None
         if dreq.state in ("asking", "waiting"):
+            node.admissions.finish(tid)  # its credit, if it was waiting for some, is back
             self.close(node, dreq, "ended")
-            assert node.ledger is not None
-            node.ledger.release(tid)
-            self.call(node, lambda eng, now: eng.not_needed(tid, dreq.p_address,
-                                                            owner=dreq.p_address))
+            self.command(node, NotNeeded(tid, dreq.p_address, owner=dreq.p_address))
         elif dreq.state == "admitted" and not dreq.aborting:
             dreq.aborting = True
-            self.call(node, lambda eng, now: eng.abort(tid, now))
+            finish = node.admissions.finish(tid)  # the receive is aborted: wait for the fence
+            assert finish.abort, finish
+            self.command(node, AbortReceive(tid))
 
     def abort_p(self, node: Node, tid: str) -> None:
         preq = node.preqs[tid]
         self.log(f"{node.name} aborts {tid} before computing it")
         self.count("abort_p")
         self.close(node, preq, "aborted")
-        self.call(node, lambda eng, now: eng.abort(tid, now))
+        self.command(node, AbortSend(tid))
 
     # ------------------------------------------------------------------ time
     def run_until(self, target: float) -> None:
@@ -1683,8 +1798,8 @@ class World:
         for node in self.nodes.values():
             if not node.alive or node.role != "D":
                 continue
-            ledger, pool = node.ledger, node.pool
-            assert ledger is not None and pool is not None
+            assert node.admissions is not None and node.pool is not None
+            ledger, pool = node.admissions.ledger, node.pool
             if ledger.in_use > CREDIT_BUDGET or ledger.in_use < 0:
                 raise self.fail(f"{node.name}: {ledger.in_use} blocks of credit in use, budget "
                                 f"{CREDIT_BUDGET}")
@@ -1732,13 +1847,14 @@ class World:
                 out.append(f"{node.name}: {node.pool.used()} blocks not free")
             eng = node.engine
             if isinstance(eng, Receiver):
-                assert node.ledger is not None
+                assert node.admissions is not None
+                ledger = node.admissions.ledger
                 if eng.active or eng._waiting or len(eng.leases) or eng.busy:
                     out.append(f"{node.name}: receiver holds {sorted(eng._in)} waiting "
                                f"{sorted(eng._waiting)} leases {eng.leases.keys()}")
-                if node.ledger.in_use or node.ledger.waiting:
-                    out.append(f"{node.name}: credit {node.ledger.in_use} in use, "
-                               f"{node.ledger.waiting} waiting")
+                if ledger.in_use or ledger.waiting:
+                    out.append(f"{node.name}: credit {ledger.in_use} in use, "
+                               f"{ledger.waiting} waiting")
                 open_ = [d.tid for d in node.dreqs.values() if d.state != "ended"]
                 if open_:
                     out.append(f"{node.name}: requests not ended {open_}")

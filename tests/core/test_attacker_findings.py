@@ -12,13 +12,14 @@ import random
 from dataclasses import replace
 
 import msgspec
-from test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend, ReportFailed
 from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
+
+from .test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 KD, KP, KA = D.control, P.control, "key-of-attacker"
 
@@ -67,7 +68,7 @@ def replace_inc(info: m.PeerInfo, inc: int) -> m.PeerInfo:
 
 def test_a_cancel_under_another_key_does_not_replace_ps_own_tombstone() -> None:
     s = sender()
-    s.expect("t", 0.0, owner=KD)
+    s.expect_blocks("t", 0.0, owner=KD)
     s.abort("t", 0.1)  # P's request ended: a late REGISTER must hear prefill_aborted
     s.on_message(m.Cancel(m.PROTOCOL_VERSION, "t", 0, D, "forged"), 0.2, origin=KA)
     out = s.on_message(register(), 0.3, origin=KD)
@@ -76,7 +77,7 @@ def test_a_cancel_under_another_key_does_not_replace_ps_own_tombstone() -> None:
 
 def test_a_cancel_under_another_key_does_not_replace_the_owners_tombstone() -> None:
     s = sender()
-    s.expect("t", 0.0, owner=KD)
+    s.expect_blocks("t", 0.0, owner=KD)
     s.on_message(m.Cancel(m.PROTOCOL_VERSION, "t", 0, D, "not_needed"), 0.1, origin=KD)
     s.on_message(m.Cancel(m.PROTOCOL_VERSION, "t", 0, D, "forged"), 0.2, origin=KA)
     s.blocks_ready("t", [1, 2, 3], 0.3, owner=KD)
@@ -91,7 +92,7 @@ def test_another_keys_ranks_do_not_make_a_late_message_of_a_replaced_prefill_fre
     new = msgspec.structs.replace(P, incarnation=7, agent_name=ag("agent-p-7", KP))
     r.on_message(hb(P), 0.0, origin=KP)
     r.on_message(hb(new), 0.1, origin=KP)  # P restarted: its incarnation 1 is retired
-    (reg,) = msgs(r.expect("t", P.control, [10, 11, 12], 0, 300, 0.2, owner=KP), m.Register)
+    (reg,) = msgs(r.register("t", P.control, [10, 11, 12], 0, 300, 0.2, owner=KP), m.Register)
     r.on_message(hb(new, [("t", reg.generation)]), 0.3, origin=KP)  # held by process 7
     for rank in (1, 2):  # the attacker's own key, two ranks: P's entry is pushed out
         r.on_message(hb(msgspec.structs.replace(P, rank=rank)), 0.4, origin=KA)
@@ -113,7 +114,7 @@ def test_registers_of_other_keys_before_the_request_do_not_lock_out_the_named_de
                                         agent_name=ag(f"agent-{i}", f"key-{i}"))
         s.on_message(register(sender_info=other), 0.0, origin=f"key-{i}")
     s.on_message(register(), 0.1, origin=KD)  # the decode leg outran the prefill leg
-    s.expect("t", 0.2, owner=KD)
+    s.expect_blocks("t", 0.2, owner=KD)
     writes = of(s.blocks_ready("t", [1, 2, 3], 0.3, owner=KD), PostWrite)
     assert writes and {w.peer for w in writes} == {D.agent_name}
 

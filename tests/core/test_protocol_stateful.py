@@ -46,7 +46,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from sim_world import (
+
+from .sim_world import (
     CHUNK_MAX_S,
     DISCONNECT,
     INVALID,

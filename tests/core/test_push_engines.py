@@ -121,7 +121,7 @@ def test_a_cancel_with_a_stale_generation_changes_nothing() -> None:
     # Found by test_protocol_stateful: the fenced CANCEL still left a tombstone, so the
     # prompt's blocks were dropped unpushed when they came (and D's permit ran out).
     s = sender()
-    s.expect("t", 0.0)
+    s.expect_blocks("t", 0.0)
     s.on_message(register(gen=2), 0.0)
     (note,) = s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.1)
     assert note.kind == "fenced"
@@ -375,7 +375,7 @@ def done(tid: str = "t", gen: int = 1) -> m.Done:
 
 def test_receiver_registers_with_a_fresh_generation_and_finishes_on_done() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
     assert reg.generation >= 1 and reg.permit_ttl_ms == 5000
     assert r.on_done(done(gen=reg.generation), 0.1) == [ReportFinished("t", "pushed")]
     assert r.active == 0
@@ -383,7 +383,7 @@ def test_receiver_registers_with_a_fresh_generation_and_finishes_on_done() -> No
 
 def test_done_with_unknown_id_or_stale_generation_is_rejected() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     (a,) = r.on_done(done("other"), 0.1)
     (b,) = r.on_done(done("t", gen=reg.generation + 7), 0.1)
     assert (a.kind, a.reason) == ("rejected", "unknown_transfer")
@@ -393,14 +393,14 @@ def test_done_with_unknown_id_or_stale_generation_is_rejected() -> None:
 
 def test_checksum_mismatch_fails_the_receive() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     (fin,) = r.on_done(done(gen=reg.generation), 0.1, verified=False)
     assert isinstance(fin, ReportFailed) and fin.reason == "checksum_mismatch"
 
 
 def test_silent_prefill_fails_the_receive_only_after_permit_expiry_plus_skew() -> None:
     r = receiver()
-    r.expect("t", "tcp://p:1", [10], 0, 10, 0.0)
+    r.register("t", "tcp://p:1", [10], 0, 10, 0.0)
     assert of(r.tick(5.5), ReportFailed) == []  # permit over, P may still write: skew margin
     (fin,) = of(r.tick(6.1), ReportFailed)
     assert fin.reason == "permit_expired"
@@ -408,7 +408,7 @@ def test_silent_prefill_fails_the_receive_only_after_permit_expiry_plus_skew() -
 
 def test_live_prefill_keeps_the_permit_renewed() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     now = 0.0
     while now < 20.0:
         hb = m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)])
@@ -420,13 +420,13 @@ def test_live_prefill_keeps_the_permit_renewed() -> None:
 
 def test_abort_releases_blocks_only_after_cancel_ack_or_fence() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     (cancel,) = msgs(r.abort("t", 0.1), m.Cancel)
     assert cancel.generation == reg.generation
     assert of(r.tick(1.0), ReportFinished) == []
     ack = m.CancelAck(1, "t", reg.generation, P)
     assert of(r.on_message(ack, 1.1), ReportFinished) == [ReportFinished("t", "aborted")]
-    r.expect("u", "tcp://p:1", [11], 0, 10, 2.0)
+    r.register("u", "tcp://p:1", [11], 0, 10, 2.0)
     r.abort("u", 2.0)
     assert of(r.tick(6.5), ReportFinished) == []
     assert of(r.tick(8.1), ReportFinished) == [ReportFinished("u", "aborted")]
@@ -434,14 +434,14 @@ def test_abort_releases_blocks_only_after_cancel_ack_or_fence() -> None:
 
 def test_failed_notice_from_prefill_fails_the_receive_at_once() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     out = r.on_message(m.Failed(1, "t", reg.generation, P, "prefill_aborted"), 0.1)
     assert of(out, ReportFailed) == [ReportFailed("t", "prefill_aborted", "")]
 
 
 def test_fallback_pulls_every_block_then_tells_prefill() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0), m.Register)
     fb = m.Fallback(1, "t", reg.generation, P, [1, 2, 3], 0, "push_failed", 30_000)
     out = r.on_message(fb, 0.1)
     assert len(of(out, ConnectPeer)) == 1
@@ -457,7 +457,7 @@ def test_fallback_pulls_every_block_then_tells_prefill() -> None:
 
 def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     r = receiver()
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
     r.on_message(m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)]), 0.5)
     p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 1.0)
@@ -471,7 +471,7 @@ def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill(
     # push was still writing into them.
     r = receiver()
     r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # the old P
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 0.5), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.5), m.Register)
     p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 1.0)
     assert of(out, ReportFailed) == []
@@ -486,7 +486,7 @@ def test_a_late_message_of_a_replaced_prefill_process_changes_nothing() -> None:
     p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     r.on_message(m.Heartbeat(1, P, D.incarnation, []), 0.0)  # P, incarnation 1
     r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 5.0)  # P restarted: incarnation 99
-    (reg,) = msgs(r.expect("t", "tcp://p:1", [10], 0, 10, 5.1), m.Register)
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 5.1), m.Register)
     r.on_message(m.Heartbeat(1, p2, D.incarnation, [("t", reg.generation)]), 5.2)
     (note,) = r.on_message(m.Heartbeat(1, P, D.incarnation, []), 5.3)  # the dead one's, late
     assert (note.kind, note.reason) == ("fenced", "stale_generation")
@@ -513,5 +513,5 @@ def test_register_before_the_prefill_request_is_kept_alive_for_the_grace_period(
     # ...and not after it, unless the prefill request showed up.
     s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 10.4)
     assert msgs(s.tick(10.6), m.Heartbeat) == []
-    s.expect("t", 10.7)
+    s.expect_blocks("t", 10.7)
     assert msgs(s.tick(11.7), m.Heartbeat)[0].live == [("t", 1)]

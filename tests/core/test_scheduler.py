@@ -1,4 +1,4 @@
-"""PushScheduler: chunking, order with aging, link fairness, caps, EWMA, cut-off, last chunk."""
+"""ChunkScheduler: chunking, order with aging, link fairness, caps, EWMA, cut-off, last chunk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
+from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.errors import ConfigError, ProtocolError
 
 CORE = settings.get_profile("kvpush-core")
@@ -24,9 +24,9 @@ def sched(
     aging: float = math.inf,
     stop: float = 0.5,
     alpha: float = 0.5,
-) -> PushScheduler:
+) -> ChunkScheduler:
     """Defaults: 10 blocks of 100 B per chunk, initial cap 10 kB (10 chunks)."""
-    return PushScheduler(
+    return ChunkScheduler(
         SchedulerSettings(
             chunk_bytes=chunk_bytes,
             target_latency_s=latency,
@@ -38,7 +38,7 @@ def sched(
     )
 
 
-def drain(s: PushScheduler, now: float = 0.0, dt: float = 0.001) -> list[Chunk]:
+def drain(s: ChunkScheduler, now: float = 0.0, dt: float = 0.001) -> list[Chunk]:
     """Post one chunk at a time and complete it dt later, until nothing is left."""
     out: list[Chunk] = []
     while True:

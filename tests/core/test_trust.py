@@ -8,18 +8,6 @@ import random
 from dataclasses import replace
 
 import msgspec
-from test_push_engines import (
-    LAYOUT,
-    RS,
-    SS,
-    D,
-    P,
-    msgs,
-    of,
-    receiver,
-    register,
-    sender,
-)
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import (
@@ -37,6 +25,19 @@ from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
 
+from .test_push_engines import (
+    LAYOUT,
+    RS,
+    SS,
+    D,
+    P,
+    msgs,
+    of,
+    receiver,
+    register,
+    sender,
+)
+
 KD, KX, KP = D.control, "key-of-intruder", P.control
 # An authenticated engine that is not the transfer's decode: it claims D's names.
 X = msgspec.structs.replace(D, incarnation=99, agent_name=ag("agent-intruder", KX))
@@ -51,7 +52,7 @@ def notes(actions: list, reason: str) -> list[Note]:
 
 def test_a_register_from_an_engine_the_router_did_not_name_writes_nothing() -> None:
     s = sender()
-    s.expect("t", 0.0, owner=KD)
+    s.expect_blocks("t", 0.0, owner=KD)
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=KD)
     out = s.on_message(register(sender_info=X), 0.0, origin=KX)
     assert of(out, PostWrite) == [] and notes(out, "not_owner")
@@ -80,7 +81,7 @@ def test_a_register_contested_before_the_owner_is_known_goes_to_the_one_the_rout
     s = sender()
     s.on_message(register(sender_info=X), 0.0, origin=KX)  # first come, not the owner
     s.on_message(register(), 0.0, origin=KD)
-    out = s.expect("t", 0.0, owner=KD)
+    out = s.expect_blocks("t", 0.0, owner=KD)
     assert notes(out, "not_owner")
     writes = of(s.blocks_ready("t", [1, 2, 3], 0.1, owner=KD), PostWrite)
     assert writes and {w.peer for w in writes} == {D.agent_name}
@@ -198,7 +199,7 @@ def test_a_fallback_whose_reads_are_in_flight_is_not_ended_by_a_stale_expiry() -
 
 
 def expecting(r: Receiver, tid: str = "t") -> int:
-    (reg,) = msgs(r.expect(tid, "tcp://p:1", [10, 11, 12], 0, 300, 0.0, owner=KP), m.Register)
+    (reg,) = msgs(r.register(tid, "tcp://p:1", [10, 11, 12], 0, 300, 0.0, owner=KP), m.Register)
     return reg.generation
 
 

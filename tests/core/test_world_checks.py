@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sim_world import Attack, Chaos, Violation, World
+
+from .sim_world import Attack, Chaos, Violation, World
 
 KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat"]
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvpush_prod.core.credits import CreditLedger
 from kvpush_prod.core.receiver import Receiver
-from kvpush_prod.core.scheduler import PushScheduler
+from kvpush_prod.core.scheduler import ChunkScheduler
 from kvpush_prod.core.sender import Sender
 from kvpush_prod.sim.cli import main as sim_main
 from kvpush_prod.sim.events import Link, Loop
@@ -45,7 +45,7 @@ def test_kvpush_mode_drives_the_core_objects_themselves():
     sim = Sim(SMALL, "kvpush", Workload(requests=4, concurrency=2))
     assert all(type(s) is Sender for s in sim.senders)
     assert all(type(r) is Receiver for r in sim.receivers)
-    assert all(type(s.sched) is PushScheduler for s in sim.senders)
+    assert all(type(s.sched) is ChunkScheduler for s in sim.senders)
     assert all(type(c) is CreditLedger for c in sim.ledgers)
 
 

@@ -1,6 +1,7 @@
 """PushConnector: vLLM's KVConnectorBase_V1 contract, forwarded to the two halves.
 
-Each hook's docstring states what it promises, split by the side it runs on.
+Each hook's docstring states what it promises (what it returns, what None means, when
+blocks are handed back), split by the side it runs on, as vLLM's ``base.py`` does.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush_prod.config import config_from_extra
 from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
-from kvpush_prod.connector.scheduler import SchedulerSide
+from kvpush_prod.connector.scheduler import SchedulerSide, scheduler_side
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
 from kvpush_prod.connector.trust import Trust
 from kvpush_prod.connector.worker import WorkerSide
+from kvpush_prod.core.vocabulary import Side
 from kvpush_prod.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,8 +38,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}
 
 
 def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
@@ -65,7 +65,8 @@ class PushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        if ktc.kv_role not in _ROLES:
+        side = Side.of_kv_role(str(ktc.kv_role))
+        if side is None:
             raise ConfigError(
                 f"kv_transfer_config.kv_role={ktc.kv_role!r} is not supported by PushConnector: "
                 "use 'kv_producer' on prefill engines and 'kv_consumer' on decode engines"
@@ -75,7 +76,7 @@ class PushConnector(KVConnectorBase_V1):
                 f"PushConnector supports models with one KV cache group (full attention); this "
                 f"model has {len(kv_cache_config.kv_cache_groups)} groups"
             )
-        self.kv_role = _ROLES[ktc.kv_role]
+        self.kv_role = side
         self.cfg = config_from_extra(ktc.kv_connector_extra_config)
         engine_id = str(ktc.engine_id)
         parallel = vllm_config.parallel_config
@@ -85,7 +86,7 @@ class PushConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(
+            self._scheduler = scheduler_side(
                 self.cfg, self.kv_role, engine_id, block_size,
                 block_bytes=spec.page_size_bytes * num_layers,
                 tp_size=parallel.tensor_parallel_size,
@@ -114,7 +115,12 @@ class PushConnector(KVConnectorBase_V1):
 
     # ============================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Worker: register this rank's KV cache with NIXL and open the control endpoint."""
+        """Worker, once at start: register this rank's KV cache with NIXL, open the control
+        endpoint and start the transfer pump.
+
+        Raises ConfigError for a KV cache kvpush cannot push (GPU memory with
+        ``kv_buffer_device='cpu'``, checksums on a GPU cache, a layout it cannot describe).
+        """
         assert self._worker is not None
         device = next(iter(kv_caches.values())).device.type
         if device == "cuda" and self._kv_buffer_device != "cuda":
@@ -125,20 +131,25 @@ class PushConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, before the forward: registrations for newly reserved blocks leave now."""
+        """Worker, before the forward: the step's metadata from the scheduler side.
+
+        D's REGISTERs for newly reserved blocks, its waits, aborts and "not needed" notices
+        leave now (not after the forward); P's requests to expect, hold or abort are queued
+        for the pump. Returns at once: nothing here waits on the network."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, PushMetadata):
             self._worker.on_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Worker: nothing to start; P pushes into D's blocks and D only waits."""
+        """Worker: nothing to start (P pushes into D's blocks, D only waits); returns at once."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Worker: no per-layer wait; a request runs only once its whole KV has arrived."""
+        """Worker: never blocks; a request is scheduled only once its whole KV has arrived
+        (it is reported in ``finished_recving`` first)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Worker: no per-layer save; the push starts once the forward has finished."""
+        """Worker: nothing per layer; the push starts once the whole forward has finished."""
 
     def wait_for_save(self) -> None:
         """Worker, after the forward: prompts completed in this step are handed to the pump.
@@ -150,7 +161,14 @@ class PushConnector(KVConnectorBase_V1):
             self._worker.after_forward(forward_failed=sys.exc_info()[0] is not None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Worker: sends whose blocks may be freed, receives that ended (failed ones too)."""
+        """Worker, each step: the transfers that ended since the last call.
+
+        ``finished_sending``: P's requests whose send lease is over (pushed, pulled, failed,
+        expired or cancelled): only now may vLLM free their blocks (``request_finished``
+        answered True). ``finished_recving``: D's receives that ended, successful or not
+        (``failed_recving`` says which failed; vLLM's ``kv_load_failure_policy`` applies).
+        A receive is reported only once no WRITE or READ can still land in its blocks.
+        """
         assert self._worker is not None
         sending, recving, failed = self._worker.get_finished()
         return KVConnectorTransferResults(
@@ -158,66 +176,92 @@ class PushConnector(KVConnectorBase_V1):
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker: (finished sending, finished receiving) of ``get_transfer_results``."""
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
     def build_connector_worker_meta(self) -> PushWorkerMeta | None:
-        """Worker: how this step's finished receives ended, for the decode reply."""
+        """Worker: how this step's finished receives ended (pushed, retried, pull_fallback),
+        for the decode reply; None when no receive ended."""
         if self._worker is None:
             return None
         outcomes = self._worker.take_outcomes()
         return PushWorkerMeta(outcomes) if outcomes else None
 
     def get_kv_connector_stats(self) -> KvpushStats | None:
-        """Both sides: what happened since the last call, for vLLM's /metrics."""
+        """Both sides: what happened since the last call, for vLLM's /metrics; None when
+        nothing did."""
         side = self._worker or self._scheduler
         data = side.get_stats() if side is not None else {}
         return KvpushStats(data=data) if data else None
 
     def shutdown(self) -> None:
+        """Worker: stop the pump, close the control endpoint and the NIXL agent."""
         if self._worker is not None:
             self._worker.shutdown()
 
     # ============================================================== scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Scheduler: P reads a request's block ids from the KV cache manager."""
         super().bind_kv_cache_manager(kv_cache_manager)
         if self._scheduler is not None:
             self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Scheduler: D answers the prompt tokens P will push (async); P answers 0."""
+        """Scheduler: how many prompt tokens beyond ``num_computed_tokens`` P will push.
+
+        D: ``(n, True)`` once the transfer is admitted within the credit budget (the blocks
+        arrive asynchronously, between steps); ``(None, False)`` while it waits for credit
+        (vLLM asks again on a later step; P keeps its blocks meanwhile); ``(0, False)`` when
+        nothing comes from P: no transfer, untrusted params, a prefix-cache hit, or more
+        blocks than the budget (then D computes the prompt itself). P: always ``(0, False)``.
+        """
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """Scheduler: D's blocks for the pushed tokens exist now; register them with P."""
+        """Scheduler, D: the blocks for the pushed tokens are allocated; the worker sends P
+        the REGISTER (a write permit on them) with this step's metadata. P: nothing."""
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Scheduler: this step's registrations, pushes, holds and aborts for the workers."""
+        """Scheduler, each step: the registrations, waits, pushes, holds and aborts of this
+        step for the workers (a ``PushMetadata``, possibly empty)."""
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def on_new_request(self, request: Request) -> None:
+        """Scheduler, P: a request to push arrived; the worker keeps D's permit renewed
+        until its prompt is computed. D: nothing."""
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Scheduler: note finished sends and receives reported by the workers."""
+        """Scheduler: the workers' finished sends and receives of the last step (P stops
+        holding those blocks; D returns their credit and notes how each arrived)."""
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler: P keeps a pushed request's blocks until the push is over (True)."""
+        """Scheduler, once when a request finishes, before vLLM frees its blocks.
+
+        Returns (delay_free, kv_transfer_params). P: True for a request whose prompt was
+        computed: its blocks are the push's until the request is reported in
+        ``finished_sending``; the params name this engine (and the transfer) for the router.
+        D: False (a receive still in flight is aborted, and reported in
+        ``finished_recving`` only once fenced); the params carry how the KV arrived, or None.
+        A router's probe gets this engine's identity (its key) and frees at once.
+        """
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        """Scheduler: keep the engine stepping while blocks are held or notices are queued."""
+        """Scheduler: True while blocks are held for a push, aborts wait for their fence or
+        notices are queued: vLLM keeps stepping (and collecting results) until then."""
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     @classmethod

@@ -1,7 +1,7 @@
-"""Scheduler-side half of the PushConnector (runs in vLLM's EngineCore process).
-
-D admits inbound transfers within its credit budget and registers reserved blocks; P marks
-the requests whose prompt completes in a step; both tell their workers through metadata.
+"""Scheduler-side half of the PushConnector (runs in vLLM's EngineCore process), one class
+per side: D (``ConsumerSide``) admits inbound transfers through the core's admission and
+registers reserved blocks; P (``ProducerSide``) marks the requests whose prompt completes in
+a step. Both tell their workers through the step's metadata.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush_prod.config import KvpushConfig
@@ -20,8 +19,11 @@ from kvpush_prod.connector.params import (
     is_remote_decode,
     transfer_id_of,
 )
+from kvpush_prod.connector.settings import credit_settings
 from kvpush_prod.connector.trust import Trust
-from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.admission import Admissions, Answer, Inbound, Verdict
+from kvpush_prod.core.credits import CreditLedger, Decision
+from kvpush_prod.core.vocabulary import Outcome, Side
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
 
@@ -33,68 +35,51 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_DECISION_LABEL = {Decision.ADMIT: "admit", Decision.LATER: "later", Decision.REFUSE: "refuse"}
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
-class _Recv:
-    transfer_id: str
-    remote: RemotePrefill
-    nblocks: int = 0
-    allocated: bool = False
-    waiting: bool = False  # told LATER by the credit ledger
-    admitted: bool = False
-
-    @property
-    def peer(self) -> str:
-        return f"{self.remote.host}:{self.remote.port}"
-
-    def ref(self) -> PeerRef:
-        return PeerRef(self.transfer_id, self.remote.host, self.remote.port, self.remote.key)
+def scheduler_side(cfg: KvpushConfig, role: Side, engine_id: str, block_size: int,
+                   block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
+                   recompute_on_failure: bool = False,
+                   trust: Trust | None = None) -> SchedulerSide:
+    """The scheduler-side half for ``role``."""
+    if role is Side.CONSUMER:
+        return ConsumerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index,
+                            num_blocks, recompute_on_failure, trust)
+    return ProducerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
 
 
 class SchedulerSide:
-    """Both roles' scheduler logic; the role decides which half is used."""
+    """What both sides' scheduler halves share: identity, the step's metadata, stats.
 
-    def __init__(self, cfg: KvpushConfig, role: str, engine_id: str, block_size: int,
-                 block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
-                 recompute_on_failure: bool = False, trust: Trust | None = None) -> None:
+    Each hook is one of vLLM's scheduler-side connector hooks (see ``PushConnector`` for
+    what each promises); a side that has nothing to do in one keeps this default.
+    """
+
+    side: Side
+
+    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
+                 tp_size: int, dp_index: int, trust: Trust | None = None) -> None:
         self.cfg = cfg
-        self.role = role  # "producer" | "consumer"
+        self.role = self.side.value
         self.engine_id = engine_id
         self.block_size = block_size
         self.block_bytes = block_bytes  # one block, all layers, one rank
         self.tp_size = tp_size
         self.control_host = cfg.control.advertise_host or cfg.control.host
         self.control_port = cfg.control.port + dp_index * tp_size
-        self.recompute_on_failure = recompute_on_failure
         self.trust = trust if trust is not None else Trust()
         self.stats = StatsBuffer()
         self._kv_cache_manager: Any = None
-        # consumer
-        budget = max(1, int(cfg.credits.budget_fraction * num_blocks))
-        self.credits = CreditLedger(CreditSettings(
-            budget_blocks=budget,
-            per_peer_cap_blocks=max(1, int(cfg.credits.per_peer_fraction * budget)),
-        ))
-        self._recv: dict[str, _Recv] = {}  # request id -> receive in progress
-        self._consumed: set[str] = set()  # request ids whose transfer is over (no re-register)
-        self._aborting: set[str] = set()
-        self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
-        self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
-        # producer
-        self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
-        self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
-        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
-        self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
         self._meta = PushMetadata()
 
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
-    # ------------------------------------------------------------------ identity
     def identity(self) -> dict[str, Any]:
         """What a router needs to point a decode engine at this prefill engine."""
         out: dict[str, Any] = {
@@ -108,91 +93,199 @@ class SchedulerSide:
             out["remote_key"] = self.trust.public_key
         return out
 
-    # ------------------------------------------------------------------ consumer (D)
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.role != "consumer":
-            return 0, False
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
+        meta, self._meta = self._meta, PushMetadata()
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        raise NotImplementedError
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        raise NotImplementedError
+
+    def has_pending_push_work(self) -> bool:
+        return not self._meta.empty()
+
+    def get_stats(self) -> dict[str, Any]:
+        """This step's observations plus the gauges as they stand after the step."""
+        self._set_gauges()
+        return self.stats.drain()
+
+    def _set_gauges(self) -> None:
+        raise NotImplementedError
+
+
+class ConsumerSide(SchedulerSide):
+    """D: admits each request's inbound transfer within the credit budget (the core's
+    ``Admissions``), registers its reserved blocks with P, and reports how it arrived."""
+
+    side = Side.CONSUMER
+
+    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
+                 tp_size: int, dp_index: int, num_blocks: int,
+                 recompute_on_failure: bool = False, trust: Trust | None = None) -> None:
+        super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+        self.recompute_on_failure = recompute_on_failure
+        self.credits = CreditLedger(credit_settings(cfg, num_blocks))
+        self.admissions: Admissions[RemotePrefill] = Admissions(self.credits, block_size)
+        self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
+        self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        if rid in self._consumed:
+        if self.admissions.is_over(rid):
             return 0, False
-        recv = self._recv.get(rid)
-        if recv is None:
+        rx = self.admissions.get(rid)
+        if rx is None:
             try:
                 remote = self.trust.remote_prefill(rid, request.kv_transfer_params)
             except KVTransferParamsError as exc:
                 logger.warning("kvpush: request %s computes its prompt locally: %s", rid, exc)
-                self.stats.inc("kvpush_kv_params_rejected", ("consumer", exc.reason))
-                self._consumed.add(rid)
+                self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
+                self.admissions.skip(rid)
                 return 0, False
             if remote is None:
                 return 0, False
-            recv = _Recv(remote.transfer_id, remote)
-            self._recv[rid] = recv
-        num_prompt = request.num_prompt_tokens
-        count = num_prompt - num_computed_tokens
-        if count <= 0:
-            # Everything is in D's prefix cache already: P can free its blocks now.
-            self._give_up(rid, recv, "prefix_hit")
-            return 0, False
-        nblocks = cdiv(num_prompt, self.block_size) - num_computed_tokens // self.block_size
-        admission = self.credits.request(recv.transfer_id, recv.peer, nblocks, time.monotonic())
-        if admission.decision is Decision.ADMIT:
-            if not recv.admitted:
-                recv.admitted = True
-                self.stats.inc("kvpush_admissions", ("consumer", "admit"))
-                self.stats.inc("kvpush_credits_granted_blocks", ("consumer",), nblocks)
-            if recv.waiting:
-                recv.waiting = False
-                self._meta.admission_over.append(recv.transfer_id)
-            return count, True
-        if admission.decision is Decision.LATER:
-            if not recv.waiting:
-                recv.waiting = True
-                self.stats.inc("kvpush_admissions", ("consumer", "later"))
-                # Until it is admitted, P must keep its finished blocks for us.
-                self._meta.wait_admission.append(recv.ref())
+            rx = self.admissions.track(rid, remote.transfer_id, f"{remote.host}:{remote.port}",
+                                       remote)
+        answer = self.admissions.ask(rid, request.num_prompt_tokens, num_computed_tokens,
+                                     time.monotonic())
+        self._tell(rx, answer)
+        if answer.verdict is Verdict.LOAD:
+            return answer.tokens, True
+        if answer.verdict is Verdict.LATER:
             return None, False
-        logger.warning("kvpush: request %s needs %d blocks, more than the credit budget (%s); "
-                       "computing its prompt locally", rid, nblocks, admission.reason)
-        self.stats.inc("kvpush_admissions", ("consumer", "refuse"))
-        self._give_up(rid, recv, "recompute")
         return 0, False
 
-    def _give_up(self, rid: str, recv: _Recv, outcome: str) -> None:
-        self._recv.pop(rid, None)
-        self._consumed.add(rid)
-        self.credits.release(recv.transfer_id)
-        self._meta.not_needed.append(recv.ref())
-        self.stats.inc("kvpush_transfers", ("consumer", outcome))
+    def _tell(self, rx: Inbound[RemotePrefill], answer: Answer) -> None:
+        """Count what ``answer`` changed, and put what P must hear in the metadata."""
+        if answer.first_admit:
+            self.stats.inc("kvpush_admissions", (self.role, "admit"))
+            self.stats.inc("kvpush_credits_granted_blocks", (self.role,), answer.nblocks)
+        if answer.wait_over:
+            self._meta.admission_over.append(rx.transfer_id)
+        if answer.first_wait:
+            self.stats.inc("kvpush_admissions", (self.role, "later"))
+            # Until it is admitted, P must keep its finished blocks for us.
+            self._meta.wait_admission.append(_ref(rx))
+        if answer.decision is Decision.REFUSE:
+            logger.warning("kvpush: request %s needs %d blocks, more than the credit budget "
+                           "(%s); computing its prompt locally", rx.key, answer.nblocks,
+                           answer.reason)
+            self.stats.inc("kvpush_admissions", (self.role, _DECISION_LABEL[Decision.REFUSE]))
+        if answer.not_needed is not None:
+            self._not_needed(rx, answer.not_needed)
+
+    def _not_needed(self, rx: Inbound[RemotePrefill], outcome: Outcome) -> None:
+        self._meta.not_needed.append(_ref(rx))
+        self.stats.inc("kvpush_transfers", (self.role, outcome.value))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        if self.role != "consumer":
-            return
         rid = request.request_id
-        recv = self._recv.get(rid)
-        if recv is None or recv.allocated or num_external_tokens <= 0:
+        rx = self.admissions.get(rid)
+        if rx is None or rx.allocated or num_external_tokens <= 0:
             return
-        num_prompt = request.num_prompt_tokens
-        local = num_prompt - num_external_tokens
-        first_block = local // self.block_size
-        nblocks = cdiv(num_prompt, self.block_size) - first_block
         all_blocks = blocks.get_block_ids()[0]
-        d_blocks = list(all_blocks[first_block:first_block + nblocks])
-        if len(d_blocks) != nblocks:
+        d_blocks = list(all_blocks[rx.first_block:rx.first_block + rx.nblocks])
+        if len(d_blocks) != rx.nblocks:
             logger.error("kvpush: request %s got %d blocks, expected %d from block %d",
-                         rid, len(all_blocks), nblocks, first_block)
-        recv.allocated, recv.nblocks = True, len(d_blocks)
-        self._consumed.add(rid)
-        self._meta.recv.append(RecvSpec(rid, recv.transfer_id, recv.remote.host,
-                                        recv.remote.port, d_blocks, first_block, num_prompt,
-                                        recv.remote.key))
+                         rid, len(all_blocks), rx.nblocks, rx.first_block)
+        self.admissions.allocated(rid, len(d_blocks))
+        remote = rx.remote
+        self._meta.recv.append(RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
+                                        rx.first_block, request.num_prompt_tokens, remote.key))
 
-    # ------------------------------------------------------------------ producer (P)
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if is_probe(request.kv_transfer_params):
+            return False, self.identity()  # a router asks who we are (our key)
+        finish = self.admissions.finish(rid)
+        rx = finish.rx
+        if rx is None:
+            summary = self._received.pop(rid, None)
+            return False, ({"kvpush": summary} if summary else None)
+        if finish.not_needed is not None:
+            # Aborted while waiting for admission: P can free now.
+            self._not_needed(rx, finish.not_needed)
+            return False, None
+        # Still waiting for the push: vLLM keeps the blocks until we report the request in
+        # finished_recving; the worker cancels P's push and waits for its ack or the fence.
+        self._meta.abort_recv.append(rx.transfer_id)
+        return False, None
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        worker_meta = getattr(output, "kv_connector_worker_meta", None)
+        if worker_meta is not None and hasattr(worker_meta, "outcomes"):
+            self._outcomes.update(worker_meta.outcomes)
+        failed = output.failed_recving or set()
+        for rid in output.finished_recving or ():
+            rx, _ = self.admissions.ended(rid)
+            outcome = self._outcomes.pop(rid, "")
+            if rx is None or rx.aborting:
+                continue
+            ok = rid not in failed
+            if ok:
+                self.stats.inc("kvpush_transfer_bytes", (self.role,),
+                               rx.nblocks * self.block_bytes)
+            elif self.recompute_on_failure:
+                self.stats.inc("kvpush_transfers", (self.role, Outcome.RECOMPUTE.value))
+            self._received[rid] = {
+                "transfer_id": rx.transfer_id,
+                "outcome": (outcome or Outcome.PUSHED.value) if ok else Outcome.FAILED.value,
+                "blocks": rx.nblocks if ok else 0,
+                "bytes": rx.nblocks * self.block_bytes if ok else 0,
+            }
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.admissions.aborting) or super().has_pending_push_work()
+
+    def _set_gauges(self) -> None:
+        allocated = [rx for rx in self.admissions.entries() if rx.allocated]
+        self.stats.set("kvpush_connector_blocks", (self.role,), sum(rx.nblocks for rx in allocated))
+        self.stats.set("kvpush_transfers_active", (self.role,), len(self.admissions))
+        self.stats.set("kvpush_leases_active", (self.role, "permit"), len(allocated))
+        self.stats.set("kvpush_credits_budget_blocks", (self.role,),
+                       self.credits.in_use + self.credits.free)
+        self.stats.set("kvpush_credits_in_use_blocks", (self.role,), self.credits.in_use)
+        self.stats.set("kvpush_credits_waiting_transfers", (self.role,), self.credits.waiting)
+
+
+def _ref(rx: Inbound[RemotePrefill]) -> PeerRef:
+    return PeerRef(rx.transfer_id, rx.remote.host, rx.remote.port, rx.remote.key)
+
+
+class ProducerSide(SchedulerSide):
+    """P: marks the requests with ``do_remote_decode`` whose prompt completes in a step, and
+    keeps their blocks (``request_finished`` answers True) until the send lease ends."""
+
+    side = Side.PRODUCER
+
+    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
+                 tp_size: int, dp_index: int, trust: Trust | None = None) -> None:
+        super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+        self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
+        self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
+        self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
+        self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
+
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if self.role != "producer" or not is_remote_decode(params) or is_probe(params):
+        if not is_remote_decode(params) or is_probe(params):
             return
         assert params is not None
         rid = request.request_id
@@ -201,7 +294,7 @@ class SchedulerSide:
         except KVTransferParamsError as exc:
             # Not pushed: a decode engine that registers it hears at once (and recomputes).
             logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-            self.stats.inc("kvpush_kv_params_rejected", ("producer", exc.reason))
+            self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
             with contextlib.suppress(KVTransferParamsError):
                 self._meta.abort_send.append(transfer_id_of(rid, params))
             return
@@ -212,10 +305,9 @@ class SchedulerSide:
             self._meta.expect_send.append((transfer_id_of(rid, params), owner))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
-        if self.role == "producer" and self._requests:
+        if self._requests:
             self._collect_sends(scheduler_output)
-        meta, self._meta = self._meta, PushMetadata()
-        return meta
+        return super().build_connector_meta(scheduler_output)
 
     def _collect_sends(self, so: SchedulerOutput) -> None:
         for rid, n in so.num_scheduled_tokens.items():
@@ -228,104 +320,46 @@ class SchedulerSide:
                 tid = transfer_id_of(rid, req.kv_transfer_params or {})
             except KVTransferParamsError as exc:
                 logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-                self.stats.inc("kvpush_kv_params_rejected", ("producer", exc.reason))
+                self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
                 continue
             nblocks = cdiv(req.num_prompt_tokens, self.block_size)
             blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
             self._sent[rid] = (tid, len(blocks))
             self._meta.send.append(SendSpec(rid, tid, blocks, self._owners.get(rid, "")))
 
-    # ------------------------------------------------------------------ both
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params
-        if self.role == "producer":
-            self._requests.pop(rid, None)
-            self._owners.pop(rid, None)
-            if not is_remote_decode(params):
-                return False, None
-            if is_probe(params):
-                return False, self.identity()
-            sent = self._sent.pop(rid, None)
-            if sent is None:
-                # Ended before its prompt was computed: D must not wait for it.
-                try:
-                    tid = transfer_id_of(rid, params or {})
-                except KVTransferParamsError:
-                    return False, None
-                self._meta.abort_send.append(tid)
-                self.stats.inc("kvpush_transfers", ("producer", "aborted"))
-                return False, {**self.identity(), "transfer_id": tid}
-            tid, nblocks = sent
-            self._held[rid] = nblocks
-            self._meta.hold.append(tid)
-            return True, {**self.identity(), "transfer_id": tid}
-        # consumer
-        if is_probe(params):
-            return False, self.identity()  # a router asks who we are (our key)
-        self._consumed.discard(rid)
-        recv = self._recv.get(rid)
-        if recv is None:
-            summary = self._received.pop(rid, None)
-            return False, ({"kvpush": summary} if summary else None)
-        if not recv.allocated:
-            # Aborted while waiting for admission: P can free now.
-            self._give_up(rid, recv, "aborted")
+        self._requests.pop(rid, None)
+        self._owners.pop(rid, None)
+        if not is_remote_decode(params):
             return False, None
-        # Still waiting for the push: vLLM keeps the blocks until we report the request in
-        # finished_recving; the worker cancels P's push and waits for its ack or the fence.
-        self._aborting.add(rid)
-        self._meta.abort_recv.append(recv.transfer_id)
-        return False, None
+        if is_probe(params):
+            return False, self.identity()
+        sent = self._sent.pop(rid, None)
+        if sent is None:
+            # Ended before its prompt was computed: D must not wait for it.
+            try:
+                tid = transfer_id_of(rid, params or {})
+            except KVTransferParamsError:
+                return False, None
+            self._meta.abort_send.append(tid)
+            self.stats.inc("kvpush_transfers", (self.role, Outcome.ABORTED.value))
+            return False, {**self.identity(), "transfer_id": tid}
+        tid, nblocks = sent
+        self._held[rid] = nblocks
+        self._meta.hold.append(tid)
+        return True, {**self.identity(), "transfer_id": tid}
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self._held.pop(rid, None)
-        worker_meta = getattr(output, "kv_connector_worker_meta", None)
-        if worker_meta is not None and hasattr(worker_meta, "outcomes"):
-            self._outcomes.update(worker_meta.outcomes)
-        failed = output.failed_recving or set()
-        for rid in output.finished_recving or ():
-            recv = self._recv.pop(rid, None)
-            outcome = self._outcomes.pop(rid, "")
-            if recv is None:
-                continue
-            self.credits.release(recv.transfer_id)
-            if rid in self._aborting:
-                self._aborting.discard(rid)
-                continue
-            ok = rid not in failed
-            if ok:
-                self.stats.inc("kvpush_transfer_bytes", ("consumer",),
-                               recv.nblocks * self.block_bytes)
-            elif self.recompute_on_failure:
-                self.stats.inc("kvpush_transfers", ("consumer", "recompute"))
-            self._received[rid] = {
-                "transfer_id": recv.transfer_id,
-                "outcome": (outcome or "pushed") if ok else "failed",
-                "blocks": recv.nblocks if ok else 0,
-                "bytes": recv.nblocks * self.block_bytes if ok else 0,
-            }
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._aborting or not self._meta.empty())
+        return bool(self._held) or super().has_pending_push_work()
 
-    def get_stats(self) -> dict[str, Any]:
-        """This step's observations plus the gauges as they stand after the step."""
-        if self.role == "producer":
-            self.stats.set("kvpush_connector_blocks", ("producer",), sum(self._held.values()))
-            self.stats.set("kvpush_transfers_active", ("producer",),
-                           len(self._sent) + len(self._held))
-            self.stats.set("kvpush_leases_active", ("producer", "send"), len(self._held))
-        else:
-            allocated = [r for r in self._recv.values() if r.allocated]
-            self.stats.set("kvpush_connector_blocks", ("consumer",),
-                           sum(r.nblocks for r in allocated))
-            self.stats.set("kvpush_transfers_active", ("consumer",), len(self._recv))
-            self.stats.set("kvpush_leases_active", ("consumer", "permit"), len(allocated))
-            self.stats.set("kvpush_credits_budget_blocks", ("consumer",),
-                           self.credits.in_use + self.credits.free)
-            self.stats.set("kvpush_credits_in_use_blocks", ("consumer",), self.credits.in_use)
-            self.stats.set("kvpush_credits_waiting_transfers", ("consumer",), self.credits.waiting)
-        return self.stats.drain()
+    def _set_gauges(self) -> None:
+        self.stats.set("kvpush_connector_blocks", (self.role,), sum(self._held.values()))
+        self.stats.set("kvpush_transfers_active", (self.role,), len(self._sent) + len(self._held))
+        self.stats.set("kvpush_leases_active", (self.role, "send"), len(self._held))

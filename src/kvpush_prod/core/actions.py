@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush_prod.core.messages import ControlMessage, Done, PeerInfo
+from kvpush_prod.core.vocabulary import NoteKind, Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,7 @@ class ReleaseSend:
     """P: end the send lease: report ``finished_sending`` so vLLM frees P's blocks."""
 
     transfer_id: str
-    outcome: str  # pushed | retried | pull_fallback | failed | expired | cancelled
+    outcome: Outcome  # pushed | retried | pull_fallback | failed | expired | cancelled
     nbytes: int = 0
 
 
@@ -87,7 +88,7 @@ class ReportFinished:
     """D: report ``finished_recving``: the KV arrived (or the aborted request may free)."""
 
     transfer_id: str
-    outcome: str  # pushed | retried | pull_fallback | aborted
+    outcome: Outcome  # pushed | retried | pull_fallback | aborted
     checksum: int = -1  # pulled blocks: crc32 P computed, for the shell to check (-1: none)
 
 
@@ -107,9 +108,7 @@ class ReportFailed:
 class Note:
     """Something an operator counts: ``kind`` names the counter, ``reason`` its label."""
 
-    # rejected | retry | fallback | lease_expired | fenced | breaker_trip | peer_restart |
-    # transfer_done (P: the last WRITE landed; ``detail`` is the transfer id) | queue_wait
-    kind: str
+    kind: NoteKind
     reason: str
     detail: str = ""
     value: float = 0.0  # queue_wait: seconds from ready (blocks + permit) to first chunk posted

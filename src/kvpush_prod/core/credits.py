@@ -48,6 +48,15 @@ class CreditSettings:
     aging_s: float = 2.0
     stale_waiter_s: float = 30.0
 
+    @classmethod
+    def from_fractions(cls, num_blocks: int, budget_fraction: float,
+                       per_peer_fraction: float) -> CreditSettings:
+        """A budget of ``budget_fraction`` of D's ``num_blocks`` KV blocks, a peer cap of
+        ``per_peer_fraction`` of the budget (each at least one block)."""
+        budget = max(1, int(budget_fraction * num_blocks))
+        return cls(budget_blocks=budget,
+                   per_peer_cap_blocks=max(1, int(per_peer_fraction * budget)))
+
     def __post_init__(self) -> None:
         if self.budget_blocks < 0:
             raise ConfigError(f"credit budget_blocks must be >= 0, got {self.budget_blocks}")

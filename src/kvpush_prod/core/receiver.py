@@ -43,6 +43,7 @@ from kvpush_prod.core.messages import (
 )
 from kvpush_prod.core.retry import (
     BudgetSettings,
+    ChunkError,
     ErrorClass,
     RandomLike,
     RetryBudget,
@@ -50,19 +51,21 @@ from kvpush_prod.core.retry import (
     RetrySettings,
     decide,
 )
-from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
+from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
 from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
+from kvpush_prod.core.vocabulary import NoteKind, Outcome
 
 S = TransferState
 
 
 @dataclass(frozen=True, slots=True)
 class ReceiverSettings:
-    """The numbers D's protocol runs on."""
+    """The numbers D's protocol runs on (defaults: the configuration's; the shell maps the
+    configuration onto them in ``connector.settings``)."""
 
     block_bytes: int
-    permit_ttl_s: float = 10.0
+    permit_ttl_s: float = 5.0
     skew_margin_s: float = 1.0
     stop_margin_s: float = 1.0  # for D's own READs under P's read permit
     heartbeat_s: float = 1.0
@@ -75,7 +78,7 @@ class ReceiverSettings:
 
 
 @dataclass(eq=False)
-class _In:
+class _Receive:
     tid: str
     machine: TransferMachine
     address: str  # P's control endpoint
@@ -119,10 +122,10 @@ class Receiver:
         self.leases: LeaseTable[str] = LeaseTable(
             LeaseSettings(skew_margin_s=settings.skew_margin_s,
                           random_bits=32 if tokens is not None else 0), tokens)
-        self.reads = PushScheduler(settings.scheduler)
+        self.reads = ChunkScheduler(settings.scheduler)
         self.policy = RetryPolicy.from_settings(settings.retry, rng)
         self.budget = RetryBudget(settings.budget)
-        self._in: dict[str, _In] = {}
+        self._in: dict[str, _Receive] = {}
         # transfer waiting for credit -> (P address, P identity)
         self._waiting: dict[str, tuple[str, str]] = {}
         # P rank (origin, rank) -> liveness and incarnation, least recently heard first
@@ -144,8 +147,8 @@ class Receiver:
         return sum(len(i.blocks) for i in self._in.values())
 
     def blocks_of(self, tid: str) -> list[int] | None:
-        inc = self._in.get(tid)
-        return None if inc is None else inc.blocks
+        rx = self._in.get(tid)
+        return None if rx is None else rx.blocks
 
     def live_permits(self) -> int:
         return sum(1 for i in self._in.values() if i.fallback is None)
@@ -160,24 +163,24 @@ class Receiver:
         self._waiting.pop(tid, None)
         return []
 
-    def expect(self, tid: str, address: str, blocks: list[int], first_block: int,
-               num_tokens: int, now: float, owner: str = "") -> list[Action]:
+    def register(self, tid: str, address: str, blocks: list[int], first_block: int,
+                 num_tokens: int, now: float, owner: str = "") -> list[Action]:
         """D reserved ``blocks`` for ``tid``: grant the prefill engine ``owner`` at ``address``
         a write permit on them (``owner`` "": the address stands in for it, no keys)."""
         self._waiting.pop(tid, None)
         if tid in self._in:
-            return [Note("rejected", "duplicate", f"transfer {tid} is already being received")]
+            return [Note(NoteKind.REJECTED, "duplicate", f"transfer {tid} is already being received")]
         lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
-        inc = _In(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                  lease.generation, now, now, None, owner or address)
-        inc.machine.fire(E.REGISTER, now)
-        inc.machine.fire(E.BLOCKS_READY, now)
-        self._in[tid] = inc
+        rx = _Receive(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
+                      lease.generation, now, now, None, owner or address)
+        rx.machine.fire(E.REGISTER, now)
+        rx.machine.fire(E.BLOCKS_READY, now)
+        self._in[tid] = rx
         reg = Register(PROTOCOL_VERSION, tid, self.me, list(blocks), first_block, num_tokens,
                        lease.generation, int(self.s.permit_ttl_s * 1000))
-        return [SendMessage(address, reg, inc.owner)]
+        return [SendMessage(address, reg, rx.owner)]
 
     def not_needed(self, tid: str, address: str, owner: str = "") -> list[Action]:
         """D will not receive ``tid`` (it computes locally): P may free its blocks now."""
@@ -187,39 +190,39 @@ class Receiver:
 
     def abort(self, tid: str, now: float) -> list[Action]:
         """D's request was aborted while receiving: stop P; free only once fenced."""
-        inc = self._in.get(tid)
-        if inc is None or inc.cancelling:
+        rx = self._in.get(tid)
+        if rx is None or rx.cancelling:
             return []
-        inc.cancelling, inc.renew = True, False
-        if inc.fallback is not None:
+        rx.cancelling, rx.renew = True, False
+        if rx.fallback is not None:
             self.reads.cancel(tid)
-            return self._finish_pull(inc, now)
-        return [SendMessage(inc.address, Cancel(PROTOCOL_VERSION, tid, inc.generation,
-                                                self.slim, "aborted"), inc.owner)]
+            return self._finish_pull(rx, now)
+        return [SendMessage(rx.address, Cancel(PROTOCOL_VERSION, tid, rx.generation,
+                                               self.slim, "aborted"), rx.owner)]
 
     # ------------------------------------------------------------------ network events
     def on_done(self, done: Done, now: float, verified: bool = True,
                 agent: str = "") -> list[Action]:
         """The DONE notification of a last WRITE, from NIXL agent ``agent`` ("" unknown)."""
-        inc = self._in.get(done.transfer_id)
-        if inc is None:
-            return [Note("rejected", "unknown_transfer", f"DONE for {done.transfer_id}")]
-        expected = self._owner_agent(inc)
-        if agent and (not owns_agent(inc.owner, agent) or (expected and agent != expected)):
-            return [Note("rejected", "not_owner",
+        rx = self._in.get(done.transfer_id)
+        if rx is None:
+            return [Note(NoteKind.REJECTED, "unknown_transfer", f"DONE for {done.transfer_id}")]
+        expected = self._owner_agent(rx)
+        if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
+            return [Note(NoteKind.REJECTED, "not_owner",
                          f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's")]
-        if done.generation != inc.generation or inc.fallback is not None:
-            return [Note("fenced", "stale_generation",
+        if done.generation != rx.generation or rx.fallback is not None:
+            return [Note(NoteKind.FENCED, "stale_generation",
                          f"DONE {done.transfer_id} gen {done.generation}, expected "
-                         f"{inc.generation}")]
-        self.leases.ack(inc.tid, inc.generation)  # the last WRITE landed: P is done with them
-        if inc.cancelling:
-            return self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+                         f"{rx.generation}")]
+        self.leases.ack(rx.tid, rx.generation)  # the last WRITE landed: P is done with them
+        if rx.cancelling:
+            return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if not verified:
-            return self._end(inc, now, ReportFailed(inc.tid, "checksum_mismatch",
-                                                    "the pushed blocks differ from P's"))
-        inc.machine.fire(E.DONE, now)
-        return self._end(inc, now, ReportFinished(inc.tid, "pushed"))
+            return self._end(rx, now, ReportFailed(rx.tid, "checksum_mismatch",
+                                                   "the pushed blocks differ from P's"))
+        rx.machine.fire(E.DONE, now)
+        return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
 
     def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
                    origin: str = "") -> list[Action]:
@@ -229,45 +232,45 @@ class Receiver:
         if isinstance(msg, Heartbeat):
             return self._on_heartbeat(msg, now, origin)
         if not isinstance(msg, (Failed, CancelAck, Fallback)):
-            return [Note("rejected", "unexpected",
+            return [Note(NoteKind.REJECTED, "unexpected",
                          f"{type(msg).__name__} is not for a decode engine")]
         out = self._note_peer(msg.sender, origin, now)
         if out is None:
             return [self._retired_note(msg.sender)]
-        inc = self._in.get(msg.transfer_id)
-        if inc is None:
-            return [*out, Note("rejected", "unknown_transfer",
+        rx = self._in.get(msg.transfer_id)
+        if rx is None:
+            return [*out, Note(NoteKind.REJECTED, "unknown_transfer",
                                f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
-        if inc.owner != origin:
-            return [*out, Note("rejected", "not_owner",
+        if rx.owner != origin:
+            return [*out, Note(NoteKind.REJECTED, "not_owner",
                                f"{type(msg).__name__} {msg.transfer_id} from an engine that "
                                "does not own it")]
-        if msg.generation != inc.generation:
-            return [*out, Note("fenced", "stale_generation",
+        if msg.generation != rx.generation:
+            return [*out, Note(NoteKind.FENCED, "stale_generation",
                                f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
-                               f"expected {inc.generation}")]
+                               f"expected {rx.generation}")]
         if isinstance(msg, Fallback):
-            return out + self._on_fallback(inc, msg, now, age)
-        if inc.fallback is not None:
-            return [*out, Note("rejected", "unexpected", f"{type(msg).__name__} while pulling")]
+            return out + self._on_fallback(rx, msg, now, age)
+        if rx.fallback is not None:
+            return [*out, Note(NoteKind.REJECTED, "unexpected", f"{type(msg).__name__} while pulling")]
         # Failed and CancelAck both promise that no WRITE is or will be in flight.
-        self.leases.ack(inc.tid, inc.generation)
-        if inc.cancelling:
-            return out + self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+        self.leases.ack(rx.tid, rx.generation)
+        if rx.cancelling:
+            return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if isinstance(msg, Failed):
-            inc.machine.fire(E.FAIL, now)
-            return out + self._end(inc, now, ReportFailed(inc.tid, msg.reason, msg.detail))
-        return out + self._end(inc, now, ReportFailed(inc.tid, "cancelled_by_peer"))
+            rx.machine.fire(E.FAIL, now)
+            return out + self._end(rx, now, ReportFailed(rx.tid, msg.reason, msg.detail))
+        return out + self._end(rx, now, ReportFailed(rx.tid, "cancelled_by_peer"))
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, origin: str) -> list[Action]:
         out = self._note_peer(hb.sender, origin, now)
         if out is None:
             return [self._retired_note(hb.sender)]
         for tid, gen in hb.live:
-            inc = self._in.get(tid)
-            if inc is not None and inc.owner == origin and gen == inc.generation:
-                inc.listed_at = now
-                inc.p_incarnation, inc.p_rank = hb.sender.incarnation, hb.sender.rank
+            rx = self._in.get(tid)
+            if rx is not None and rx.owner == origin and gen == rx.generation:
+                rx.listed_at = now
+                rx.p_incarnation, rx.p_rank = hb.sender.incarnation, hb.sender.rank
         return out
 
     def _note_peer(self, sender: PeerInfo, origin: str, now: float) -> list[Action] | None:
@@ -293,21 +296,21 @@ class Receiver:
         if old is not None:
             peer.retired.add(old)
         out: list[Action] = []
-        for inc in list(self._in.values()):
-            if inc.owner != origin or inc.p_incarnation is None or inc.p_rank != sender.rank:
+        for rx in list(self._in.values()):
+            if rx.owner != origin or rx.p_incarnation is None or rx.p_rank != sender.rank:
                 continue  # not known to be held by the old process: its permit decides
-            if inc.p_incarnation != sender.incarnation and inc.fallback is None:
+            if rx.p_incarnation != sender.incarnation and rx.fallback is None:
                 # The process that had this transfer is gone (its port is taken by a new
                 # one): nothing of it can still be written, and it will never finish.
-                self.leases.ack(inc.tid, inc.generation)
-                inc.machine.fire(E.FAIL, now)
-                if inc.cancelling:
-                    out += self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+                self.leases.ack(rx.tid, rx.generation)
+                rx.machine.fire(E.FAIL, now)
+                if rx.cancelling:
+                    out += self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
                 else:
-                    out += self._end(inc, now, ReportFailed(inc.tid, "peer_restarted",
-                                                            f"prefill {sender.control} restarted"))
+                    out += self._end(rx, now, ReportFailed(rx.tid, "peer_restarted",
+                                                           f"prefill {sender.control} restarted"))
         if old is not None:
-            out.append(Note("peer_restart", "prefill", f"{sender.control} -> {sender.incarnation}"))
+            out.append(Note(NoteKind.PEER_RESTART, "prefill", f"{sender.control} -> {sender.incarnation}"))
         return out + self._prune_peers()
 
     def _prune_peers(self) -> list[Action]:
@@ -330,53 +333,53 @@ class Receiver:
                     del self._heard[origin]
         return []
 
-    def _owner_agent(self, inc: _In) -> str:
-        """The NIXL agent of the P process known to hold ``inc`` ("" if not known yet)."""
-        if inc.p_incarnation is None:
+    def _owner_agent(self, rx: _Receive) -> str:
+        """The NIXL agent of the P process known to hold ``rx`` ("" if not known yet)."""
+        if rx.p_incarnation is None:
             return ""
-        peer = self._peers.get((inc.owner, inc.p_rank))
-        if peer is None or peer.incarnation != inc.p_incarnation:
+        peer = self._peers.get((rx.owner, rx.p_rank))
+        if peer is None or peer.incarnation != rx.p_incarnation:
             return ""
         return peer.agent
 
     @staticmethod
     def _retired_note(sender: PeerInfo) -> Note:
         # Fenced like a stale generation: it is about a process that no longer exists.
-        return Note("fenced", "stale_generation",
+        return Note(NoteKind.FENCED, "stale_generation",
                     f"{sender.control} incarnation {sender.incarnation} was replaced")
 
-    def _on_fallback(self, inc: _In, msg: Fallback, now: float, age: float) -> list[Action]:
-        if inc.fallback is not None:
+    def _on_fallback(self, rx: _Receive, msg: Fallback, now: float, age: float) -> list[Action]:
+        if rx.fallback is not None:
             return []  # duplicate
         # P drained its WRITEs before sending FALLBACK: the write permit is over.
-        self.leases.ack(inc.tid, inc.generation)
-        if inc.cancelling:
-            ack = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, False)
-            return [SendMessage(inc.address, ack, inc.owner),
-                    *self._end(inc, now, ReportFinished(inc.tid, "aborted"))]
-        problem = self._fallback_problem(inc, msg)
+        self.leases.ack(rx.tid, rx.generation)
+        if rx.cancelling:
+            ack = PullDone(PROTOCOL_VERSION, rx.tid, rx.generation, self.slim, False)
+            return [SendMessage(rx.address, ack, rx.owner),
+                    *self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))]
+        problem = self._fallback_problem(rx, msg)
         if problem:
-            inc.fallback = msg
-            inc.read_failed = "bad_fallback"
-            return [Note("rejected", "bad_blocks", f"FALLBACK {inc.tid}: {problem}"),
-                    *self._finish_pull(inc, now)]
-        inc.machine.fire(E.FALLBACK, now)
-        inc.fallback, inc.renew, inc.checksum = msg, False, msg.checksum
-        inc.read_permit = Permit.from_ttl(inc.tid, inc.generation, msg.permit_ttl_ms / 1000.0,
-                                          now - age, self.s.stop_margin_s)
-        out: list[Action] = [ConnectPeer(msg.sender), Note("fallback", msg.reason.split(":")[0]
+            rx.fallback = msg
+            rx.read_failed = "bad_fallback"
+            return [Note(NoteKind.REJECTED, "bad_blocks", f"FALLBACK {rx.tid}: {problem}"),
+                    *self._finish_pull(rx, now)]
+        rx.machine.fire(E.FALLBACK, now)
+        rx.fallback, rx.renew, rx.checksum = msg, False, msg.checksum
+        rx.read_permit = Permit.from_ttl(rx.tid, rx.generation, msg.permit_ttl_ms / 1000.0,
+                                         now - age, self.s.stop_margin_s)
+        out: list[Action] = [ConnectPeer(msg.sender), Note(NoteKind.FALLBACK, msg.reason.split(":")[0]
                                                            or "push_failed", msg.reason)]
-        self.reads.add(inc.tid, msg.sender.agent_name, self.s.block_bytes, len(inc.blocks),
-                       inc.read_permit.expires_at, now)
+        self.reads.add(rx.tid, msg.sender.agent_name, self.s.block_bytes, len(rx.blocks),
+                       rx.read_permit.expires_at, now)
         return out + self.poll(now)
 
-    def _fallback_problem(self, inc: _In, msg: Fallback) -> str:
+    def _fallback_problem(self, rx: _Receive, msg: Fallback) -> str:
         """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours, and
         the agent its own (not one D met for another prefill engine)."""
-        if len(msg.block_ids) != len(inc.blocks) or msg.permit_ttl_ms <= 0:
-            return f"{len(msg.block_ids)} blocks for {len(inc.blocks)}"
+        if len(msg.block_ids) != len(rx.blocks) or msg.permit_ttl_ms <= 0:
+            return f"{len(msg.block_ids)} blocks for {len(rx.blocks)}"
         agent = msg.sender.agent_name
-        if not owns_agent(inc.owner, agent):
+        if not owns_agent(rx.owner, agent):
             return f"agent {agent[:64]!r} is not named for the prefill's key"
         mine, theirs = self.me.layout, msg.sender.layout
         if theirs is None:
@@ -392,79 +395,83 @@ class Receiver:
             return f"block ids outside the prefill KV cache of {limit} blocks"
         return ""
 
-    def on_chunk(self, chunk_id: int, ok: bool, error: str, now: float) -> list[Action]:
+    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
+                 now: float) -> list[Action]:
         """A READ posted during a fallback completed or failed."""
         rec = self._chunks.pop(chunk_id, None)
         if rec is None:
             return []
         chunk, tid = rec
-        inc = self._in.get(tid)
-        if inc is not None:
-            inc.reads.discard(chunk_id)
+        rx = self._in.get(tid)
+        if rx is not None:
+            rx.reads.discard(chunk_id)
         if ok:
             completed = self.reads.on_chunk_done(chunk_id, now)
-            if inc is None:
+            if rx is None:
                 return []
             if completed:
-                return self._finish_pull(inc, now)
-            if inc.read_failed or inc.cancelling:
-                return self._finish_pull(inc, now)
+                return self._finish_pull(rx, now)
+            if rx.read_failed or rx.cancelling:
+                return self._finish_pull(rx, now)
             return self.poll(now)
-        if inc is None or inc.read_failed or inc.cancelling:
+        if rx is None or rx.read_failed or rx.cancelling:
             self.reads.on_chunk_failed(chunk_id, now, give_up=True)
-            return self._finish_pull(inc, now) if inc is not None else []
+            return self._finish_pull(rx, now) if rx is not None else []
         decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
                           now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
         if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
             self.reads.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
-            return [Note("retry", decision.classification.kind, decision.reason)]
+            return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason)]
         self.reads.on_chunk_failed(chunk_id, now, give_up=True)
-        inc.read_failed = decision.reason or "pull_failed"
-        return self._finish_pull(inc, now)
+        rx.read_failed = decision.reason or "pull_failed"
+        return self._finish_pull(rx, now)
 
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:
+        """READs the scheduler lets out now, and pulls whose read permit ran out (call often
+        while ``busy``)."""
         out: list[Action] = []
         for chunk in self.reads.next_chunks(now):
-            inc = self._in.get(chunk.transfer_id)
-            if inc is None or inc.fallback is None:
+            rx = self._in.get(chunk.transfer_id)
+            if rx is None or rx.fallback is None:
                 self.reads.on_chunk_failed(chunk.id, now, give_up=True)
                 continue
-            self._chunks[chunk.id] = (chunk, inc.tid)
-            inc.reads.add(chunk.id)
-            out.append(PostRead(inc.tid, inc.generation, chunk.id, inc.fallback.sender.agent_name,
-                                tuple(inc.blocks[chunk.start:chunk.end]),
-                                tuple(inc.fallback.block_ids[chunk.start:chunk.end]),
+            self._chunks[chunk.id] = (chunk, rx.tid)
+            rx.reads.add(chunk.id)
+            out.append(PostRead(rx.tid, rx.generation, chunk.id, rx.fallback.sender.agent_name,
+                                tuple(rx.blocks[chunk.start:chunk.end]),
+                                tuple(rx.fallback.block_ids[chunk.start:chunk.end]),
                                 chunk.nbytes))
         for tid in self.reads.take_expired():
-            inc = self._in.get(tid)
-            if inc is not None and not inc.read_failed:
-                inc.read_failed = "pull_permit_expired"
-                out.append(Note("lease_expired", "pull", tid))
-                out += self._finish_pull(inc, now)
+            rx = self._in.get(tid)
+            if rx is not None and not rx.read_failed:
+                rx.read_failed = "pull_permit_expired"
+                out.append(Note(NoteKind.LEASE_EXPIRED, "pull", tid))
+                out += self._finish_pull(rx, now)
         return out
 
     def tick(self, now: float) -> list[Action]:
+        """Permits, deadlines and heartbeats (call every few tens of ms)."""
         out = self.poll(now)
-        for inc in list(self._in.values()):
-            if inc.fallback is not None:
-                if inc.machine.expired(now) and not inc.read_failed:
-                    self.reads.cancel(inc.tid)
-                    inc.read_failed = "timeout"
-                    out += self._finish_pull(inc, now)
+        for rx in list(self._in.values()):
+            if rx.fallback is not None:
+                if rx.machine.expired(now) and not rx.read_failed:
+                    self.reads.cancel(rx.tid)
+                    rx.read_failed = "timeout"
+                    out += self._finish_pull(rx, now)
                 continue
-            if inc.machine.expired(now):
-                inc.renew = False  # bounded: the permit now runs out and fences the blocks
-            lease = self.leases.get(inc.tid)
-            if lease is not None and now >= lease.expires_at and self.leases.reusable(inc.tid, now):
+            if rx.machine.expired(now):
+                rx.renew = False  # bounded: the permit now runs out and fences the blocks
+            lease = self.leases.get(rx.tid)
+            if lease is not None and now >= lease.expires_at and self.leases.reusable(rx.tid, now):
                 # Past expiry plus the skew margin: P has stopped writing into these blocks.
-                out.append(Note("lease_expired", "permit", inc.tid))
-                if inc.cancelling:
-                    out += self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+                out.append(Note(NoteKind.LEASE_EXPIRED, "permit", rx.tid))
+                if rx.cancelling:
+                    out += self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
                 else:
-                    inc.machine.fire(E.EXPIRE, now)
-                    out += self._end(inc, now, ReportFailed(inc.tid, "permit_expired",
-                                                            "no DONE before the permit ran out"))
+                    rx.machine.fire(E.EXPIRE, now)
+                    out += self._end(rx, now, ReportFailed(rx.tid, "permit_expired",
+                                                           "no DONE before the permit ran out"))
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
@@ -479,18 +486,18 @@ class Receiver:
         per_peer: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for tid, dest in self._waiting.items():
             per_peer.setdefault(dest, []).append((tid, 0))
-        for inc in self._in.values():
-            if not inc.renew or inc.fallback is not None:
+        for rx in self._in.values():
+            if not rx.renew or rx.fallback is not None:
                 continue
-            heard = self._heard.get(inc.owner)
+            heard = self._heard.get(rx.owner)
             alive = heard is not None and now - heard < self.s.peer_timeout_s
-            fresh = now - inc.registered_at < self.s.peer_timeout_s
-            listed = now - inc.listed_at < self.s.peer_timeout_s
+            fresh = now - rx.registered_at < self.s.peer_timeout_s
+            listed = now - rx.listed_at < self.s.peer_timeout_s
             if not (fresh or (alive and listed)):
                 continue
-            if self.leases.renew(inc.tid, inc.generation, now) is LeaseCheck.OK:
-                per_peer.setdefault((inc.address, inc.owner), []).append(
-                    (inc.tid, inc.generation))
+            if self.leases.renew(rx.tid, rx.generation, now) is LeaseCheck.OK:
+                per_peer.setdefault((rx.address, rx.owner), []).append(
+                    (rx.tid, rx.generation))
         out: list[Action] = []
         for (address, owner), live in per_peer.items():
             peer = self._peers.get((owner, self.me.rank))
@@ -501,27 +508,27 @@ class Receiver:
                 out.append(SendMessage(address, hb, owner))
         return out
 
-    def _finish_pull(self, inc: _In, now: float) -> list[Action]:
+    def _finish_pull(self, rx: _Receive, now: float) -> list[Action]:
         """End a fallback once no READ is in flight: report, and tell P it may free."""
-        if inc.reads:
+        if rx.reads:
             return []
-        if not (inc.read_failed or inc.cancelling) and self.reads.has_transfer(inc.tid):
+        if not (rx.read_failed or rx.cancelling) and self.reads.has_transfer(rx.tid):
             return []
-        ok = not inc.read_failed and not inc.cancelling
-        msg = PullDone(PROTOCOL_VERSION, inc.tid, inc.generation, self.slim, ok)
-        out: list[Action] = [SendMessage(inc.address, msg, inc.owner)]
-        if inc.cancelling:
-            return out + self._end(inc, now, ReportFinished(inc.tid, "aborted"))
+        ok = not rx.read_failed and not rx.cancelling
+        msg = PullDone(PROTOCOL_VERSION, rx.tid, rx.generation, self.slim, ok)
+        out: list[Action] = [SendMessage(rx.address, msg, rx.owner)]
+        if rx.cancelling:
+            return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if ok:
-            inc.machine.fire(E.PULL_DONE, now)
-            return out + self._end(inc, now, ReportFinished(inc.tid, "pull_fallback",
-                                                            inc.checksum))
-        inc.machine.fire(E.FAIL, now)
-        return out + self._end(inc, now, ReportFailed(inc.tid, "pull_failed", inc.read_failed))
+            rx.machine.fire(E.PULL_DONE, now)
+            return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.PULL_FALLBACK,
+                                                           rx.checksum))
+        rx.machine.fire(E.FAIL, now)
+        return out + self._end(rx, now, ReportFailed(rx.tid, "pull_failed", rx.read_failed))
 
-    def _end(self, inc: _In, now: float, report: Action) -> list[Action]:
-        self._in.pop(inc.tid, None)
-        self.reads.cancel(inc.tid)
-        if self.leases.reusable(inc.tid, now):
-            self.leases.forget(inc.tid, now)
+    def _end(self, rx: _Receive, now: float, report: Action) -> list[Action]:
+        self._in.pop(rx.tid, None)
+        self.reads.cancel(rx.tid)
+        if self.leases.reusable(rx.tid, now):
+            self.leases.forget(rx.tid, now)
         return [report]

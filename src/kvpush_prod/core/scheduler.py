@@ -1,4 +1,5 @@
-"""P's push scheduler: chunks each transfer, orders and paces chunks per link, never late.
+"""The chunk scheduler: cuts each transfer into chunks, orders and paces them per link, never
+late; P queues its WRITEs here, and D its READs in a fallback.
 
 Least queued bytes first with aging on each link, round robin across links, in-flight caps
 from each link's measured bandwidth, and no chunk within ``stop_margin_s`` of a permit's end.
@@ -20,7 +21,7 @@ LinkId = str
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
-    """Knobs of the push scheduler.
+    """Knobs of the chunk scheduler.
 
     ``chunk_bytes``: the largest chunk (a single block larger than this is still one
     chunk). ``target_latency_s``: a link's in-flight cap is ``max(chunk_bytes,
@@ -29,12 +30,14 @@ class SchedulerSettings:
     ``aging_bytes_per_s``: a transfer's queued bytes count as ``queued / aging`` seconds
     of lateness, so one added more than that later can no longer overtake it; ``inf``
     gives pure least-queued-bytes-first (which can starve big transfers).
-    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate.
+    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate. The defaults of
+    ``chunk_bytes``, ``target_latency_s`` and ``stop_margin_s`` are the configuration's
+    (``push.chunk_bytes``, ``push.target_latency_ms``, ``leases.stop_margin_s``).
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
-    target_latency_s: float = 0.005
-    stop_margin_s: float = 0.5
+    target_latency_s: float = 0.002
+    stop_margin_s: float = 1.0
     aging_bytes_per_s: float = 1024.0**3
     ewma_alpha: float = 0.25
     initial_bandwidth_bytes_per_s: float = 1e9
@@ -184,8 +187,8 @@ class _Link:
         self.active = False  # in the round-robin queue
 
 
-class PushScheduler:
-    """Decides which chunk P posts next on which link.
+class ChunkScheduler:
+    """Decides which chunk is posted next on which link (P's WRITEs, D's READs).
 
     Guarantees: on each link, chunks go least-queued-bytes-first with aging (a transfer is
     overtaken only by transfers added less than ``queued / aging_bytes_per_s`` after it);

@@ -1,5 +1,5 @@
 """The prefill side (P) of one worker rank: pair finished blocks with D's REGISTERs, push them
-through the push scheduler, retry, fall back to D pulling, and say when blocks may be freed.
+through the chunk scheduler, retry, fall back to D pulling, and say when blocks may be freed.
 
 Sans-IO: events in (with ``now``), actions out. Time comes from the shell; a message's
 ``age`` (how long it travelled, from its ``sent_at``) is subtracted from any term it grants.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvpush_prod.core.actions import (
     Action,
@@ -45,6 +46,7 @@ from kvpush_prod.core.retry import BreakerSettings as CoreBreakerSettings
 from kvpush_prod.core.retry import (
     BreakerState,
     BudgetSettings,
+    ChunkError,
     ErrorClass,
     PeerBreakers,
     RandomLike,
@@ -54,16 +56,18 @@ from kvpush_prod.core.retry import (
     classify,
     decide,
 )
-from kvpush_prod.core.scheduler import Chunk, PushScheduler, SchedulerSettings
+from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
 from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
+from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome
 
 S = TransferState
 
 
 @dataclass(frozen=True, slots=True)
 class SenderSettings:
-    """The numbers P's protocol runs on (the shell maps the YAML config onto them)."""
+    """The numbers P's protocol runs on (defaults: the configuration's; the shell maps the
+    configuration onto them in ``connector.settings``)."""
 
     block_bytes: int  # one block of this rank, all regions
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
@@ -109,14 +113,14 @@ class _Out:
     peer: str = ""  # D's agent name
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
-    queued: bool = False  # in the push scheduler
+    queued: bool = False  # in the chunk scheduler
     ready_at: float = -1.0  # when it entered the scheduler (-1: its first chunk is out)
     inflight: set[int] = field(default_factory=set)
     retried: bool = False
-    drain_then: str = ""  # after in-flight chunks land: "ack" | "fallback" | "failed" | "expired"
+    drain_then: AfterDrain = AfterDrain.NOTHING  # what to do once the chunks in flight landed
     reason: str = ""
     pull_until: float = 0.0  # D may read our blocks until then (+ skew)
-    outcome: str = ""  # set when the transfer is over; ReleaseSend once held
+    outcome: Outcome | Literal[""] = ""  # set when the transfer is over; ReleaseSend once held
     released: bool = False
     pushed_bytes: int = 0
 
@@ -128,7 +132,7 @@ class Sender:
         self.me = me
         self.slim = PeerInfo(me.engine_id, me.incarnation, me.rank, me.control, me.agent_name)
         self.s = settings
-        self.sched = PushScheduler(settings.scheduler)
+        self.sched = ChunkScheduler(settings.scheduler)
         self.policy = RetryPolicy.from_settings(settings.retry, rng)
         self.budget = RetryBudget(settings.budget)
         self.breakers = PeerBreakers(settings.breaker)
@@ -168,7 +172,7 @@ class Sender:
         return {str(k): v for k, v in self.breakers.states(now).items()}
 
     # ------------------------------------------------------------------ engine events
-    def expect(self, tid: str, now: float, owner: str = "") -> list[Action]:
+    def expect_blocks(self, tid: str, now: float, owner: str = "") -> list[Action]:
         """P's scheduler has the request: its blocks will come (keeps D's permit renewed).
 
         ``owner``: the decode origin the router named for this transfer, if any; then only
@@ -187,7 +191,7 @@ class Sender:
         if self._tombstoned(tid, o.owner or o.required):
             # D does not want it (or P aborted it): free once the scheduler hands it over.
             self._fire(o, E.CANCEL, now)
-            return out + self._close(o, "cancelled")
+            return out + self._close(o, Outcome.CANCELLED)
         self._fire(o, E.BLOCKS_READY, now)
         return out + self._maybe_start(o, now)
 
@@ -203,7 +207,7 @@ class Sender:
         if o.reg is not None:
             out.append(self._failed(o, "prefill_failed",
                                     "the prefill forward that computes this prompt raised"))
-        return out + self._close(o, "failed")
+        return out + self._close(o, Outcome.FAILED)
 
     def hold(self, tid: str) -> list[Action]:
         """The request finished; its blocks are ours until ReleaseSend."""
@@ -235,24 +239,24 @@ class Sender:
             return self._on_cancel(msg, now, origin)
         if isinstance(msg, PullDone):
             return self._on_pull_done(msg, now, origin)
-        return [Note("rejected", "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
+        return [Note(NoteKind.REJECTED, "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
         o = self._out.get(reg.transfer_id)
         if o is not None and o.required and origin != o.required:
             # Before anything of the message is believed (its agent, its layout).
             return [self._not_owner(reg, origin, "the router named another decode engine")]
-        out = self._learn_peer(reg.sender, origin, now)
-        if out is None:
+        met = self._learn_peer(reg.sender, origin, now)
+        if met is None:
             return [self._retired_note(reg.sender)]
+        out, refused = met
         o = self._out.get(reg.transfer_id)  # a peer restart may just have ended it
-        refused = [a for a in out if isinstance(a, Note) and a.kind == "rejected"]
-        if refused and refused[0].reason == "incompatible":
+        if refused is not None and refused.reason == "incompatible":
             # A layout we cannot write into: D hears at once instead of waiting out its permit.
             return [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
-                refused[0].detail), origin)]
-        if refused:
+                refused.detail), origin)]
+        if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
         if o is not None and o.reg is not None and origin != o.owner:
             if o.required:
@@ -270,7 +274,7 @@ class Sender:
             if reg.generation == o.reg.generation:
                 return out  # a duplicate: idempotent
             if reg.generation < o.reg.generation or o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
-                return [*out, Note("fenced", "stale_generation",
+                return [*out, Note(NoteKind.FENCED, "stale_generation",
                                    f"REGISTER {reg.transfer_id} gen {reg.generation} after "
                                    f"{o.reg.generation}")]
         if self._tombstoned(reg.transfer_id, origin):
@@ -278,11 +282,11 @@ class Sender:
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "prefill_aborted",
                 "the prefill request is gone"), origin)]
         if o is None and len(self._out) >= self.s.max_transfers:
-            return [*out, Note("rejected", "overloaded",
+            return [*out, Note(NoteKind.REJECTED, "overloaded",
                                f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
                                f"the most this engine keeps")]
         if reg.permit_ttl_ms <= 0:
-            return [*out, Note("rejected", "bad_permit", f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
+            return [*out, Note(NoteKind.REJECTED, "bad_permit", f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
         return out + self._bind(self._get(reg.transfer_id, now), reg, origin, now, age)
 
     def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
@@ -307,7 +311,7 @@ class Sender:
         out: list[Action] = []
         if o.reg is not None and o.owner != owner:
             if o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
-                return []  # already pushing (cannot happen: blocks come after expect)
+                return []  # already pushing (cannot happen: blocks come after expect_blocks)
             out.append(self._not_owner(o.reg, o.owner, "the router named another decode engine"))
             o.reg, o.owner, o.peer, o.permit = None, "", "", None
         contender = o.contenders.pop(owner, None)
@@ -320,14 +324,15 @@ class Sender:
         return out
 
     def _not_owner(self, reg: Register, origin: str, why: str) -> Note:
-        return Note("rejected", "not_owner",
+        return Note(NoteKind.REJECTED, "not_owner",
                     f"REGISTER {reg.transfer_id} from {origin[:16]} ({reg.sender.engine_id} rank "
                     f"{reg.sender.rank}): {why}")
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, age: float, origin: str) -> list[Action]:
-        out = self._learn_peer(hb.sender, origin, now)
-        if out is None:
+        met = self._learn_peer(hb.sender, origin, now)
+        if met is None:
             return [self._retired_note(hb.sender)]
+        out = met[0]  # a refused announcement still speaks for the origin's own transfers
         ttl = hb.permit_ttl_ms / 1000.0
         for tid, gen in hb.live:
             o = self._out.get(tid)
@@ -346,7 +351,7 @@ class Sender:
                         self.sched.renew(tid, o.permit.expires_at)
                 o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
             elif o.reg is not None:
-                out.append(Note("fenced", "stale_generation",
+                out.append(Note(NoteKind.FENCED, "stale_generation",
                                 f"heartbeat for {tid} gen {gen}, current {o.reg.generation}"))
         return out
 
@@ -356,11 +361,11 @@ class Sender:
         o = self._out.get(msg.transfer_id)
         owner = (o.owner or o.required) if o is not None else ""
         if owner and origin != owner:
-            return [Note("rejected", "not_owner",
+            return [Note(NoteKind.REJECTED, "not_owner",
                          f"CANCEL {msg.transfer_id} from an engine that does not own it")]
         if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
             # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
-            return [Note("fenced", "stale_generation",
+            return [Note(NoteKind.FENCED, "stale_generation",
                          f"CANCEL {msg.transfer_id} gen {msg.generation}, "
                          f"current {o.reg.generation}")]
         self._tombstone(msg.transfer_id, now, origin)
@@ -371,25 +376,27 @@ class Sender:
             self.sched.cancel(o.tid)
             o.queued = False
         if o.inflight:
-            o.drain_then = "ack"  # the ack promises nothing is in flight any more
+            o.drain_then = AfterDrain.ACK  # the ack promises nothing is in flight any more
             return []
-        return [ack, *self._close(o, "cancelled")]
+        return [ack, *self._close(o, Outcome.CANCELLED)]
 
     def _on_pull_done(self, msg: PullDone, now: float, origin: str) -> list[Action]:
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None or msg.generation != o.reg.generation:
-            return [Note("rejected", "unknown_transfer", f"PullDone for {msg.transfer_id}")]
+            return [Note(NoteKind.REJECTED, "unknown_transfer", f"PullDone for {msg.transfer_id}")]
         if origin != o.owner:
-            return [Note("rejected", "not_owner",
+            return [Note(NoteKind.REJECTED, "not_owner",
                          f"PullDone {msg.transfer_id} from an engine that does not own it")]
         if msg.ok:
             self._fire(o, E.PULL_DONE, now)
-            return self._close(o, "pull_fallback")
+            return self._close(o, Outcome.PULL_FALLBACK)
         self._fire(o, E.FAIL, now)
-        return self._close(o, "failed")
+        return self._close(o, Outcome.FAILED)
 
-    def on_chunk(self, chunk_id: int, ok: bool, error: str, now: float) -> list[Action]:
-        """A posted chunk completed (``ok``) or failed with transport error ``error``."""
+    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
+                 now: float) -> list[Action]:
+        """A posted chunk completed (``ok``) or failed with transport error ``error`` (a
+        ``ChunkError``, or the text NIXL reported)."""
         rec = self._chunks.pop(chunk_id, None)
         if rec is None:
             return []
@@ -405,15 +412,15 @@ class Sender:
             o.pushed_bytes += chunk.nbytes
             if completed:
                 self._fire(o, E.DONE, now)
-                outcome = "retried" if o.retried else "pushed"
-                return [Note("transfer_done", outcome, o.tid), *self._close(o, outcome)]
+                outcome = Outcome.RETRIED if o.retried else Outcome.PUSHED
+                return [Note(NoteKind.TRANSFER_DONE, outcome, o.tid), *self._close(o, outcome)]
             return self._after_drain(o, now) + self.poll(now)
         # A failed chunk.
         before = self.breakers[chunk.link].state(now)
         self.breakers.record_failure(chunk.link, now)
         out: list[Action] = []
         if before is not BreakerState.OPEN and self.breakers[chunk.link].state(now) is BreakerState.OPEN:
-            out.append(Note("breaker_trip", chunk.link, error))
+            out.append(Note(NoteKind.BREAKER_TRIP, chunk.link, str(error)))
         if o is None or not o.queued:
             self.sched.on_chunk_failed(chunk_id, now, give_up=True)
             return out + (self._after_drain(o, now) if o is not None else [])
@@ -432,7 +439,7 @@ class Sender:
                 self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
                 o.retried = True
                 self._fire(o, E.CHUNK_ERROR, now)
-                out.append(Note("retry", decision.classification.kind, decision.reason))
+                out.append(Note(NoteKind.RETRY, decision.classification.kind, decision.reason))
                 return out
             action, reason = decision.action, decision.reason
         # Give up the push: stop posting, let the rest drain, then fall back or fail.
@@ -440,7 +447,8 @@ class Sender:
         o.queued = False
         self._fire(o, E.CHUNK_ERROR, now)
         fallback = action is not ErrorClass.FATAL and self.s.fallback
-        o.drain_then, o.reason = ("fallback" if fallback else "failed"), reason
+        o.drain_then = AfterDrain.FALLBACK if fallback else AfterDrain.FAILED
+        o.reason = reason
         return out + self._after_drain(o, now)
 
     # ------------------------------------------------------------------ time
@@ -463,7 +471,7 @@ class Sender:
                 self._fire(o, E.RETRY, now)
             self._fire(o, E.CHUNK_POSTED, now)
             if o.ready_at >= 0:
-                out.append(Note("queue_wait", "", o.tid, now - o.ready_at))
+                out.append(Note(NoteKind.QUEUE_WAIT, "", o.tid, now - o.ready_at))
                 o.ready_at = -1.0
             out.append(PostWrite(
                 o.tid, reg.generation, chunk.id, o.peer,
@@ -478,8 +486,8 @@ class Sender:
             # blocks) must not be ended as expired under D's READs.
             if o is not None and o.queued:
                 o.queued = False
-                out.append(Note("lease_expired", "permit", f"permit of {tid} ran out mid-push"))
-                o.drain_then, o.reason = "expired", "permit_expired"
+                out.append(Note(NoteKind.LEASE_EXPIRED, "permit", f"permit of {tid} ran out mid-push"))
+                o.drain_then, o.reason = AfterDrain.EXPIRED, "permit_expired"
                 out += self._after_drain(o, now)
         return out
 
@@ -495,20 +503,20 @@ class Sender:
             if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
                     and now >= o.lease_until:
                 # D never registered nor asked us to wait: the send lease is over.
-                out.append(Note("lease_expired", "send", o.tid))
+                out.append(Note(NoteKind.LEASE_EXPIRED, "send", o.tid))
                 self._fire(o, E.EXPIRE, now)
-                out += self._close(o, "expired")
+                out += self._close(o, Outcome.EXPIRED)
             elif st is S.WAITING_BLOCKS and o.permit is not None and not o.permit.usable(now):
                 # The permit ran out before our blocks did: D fails the receive itself, and
                 # blocks that still come are freed unpushed.
                 self._tombstone(o.tid, now, "")
                 self._fire(o, E.EXPIRE, now)
-                out += self._close(o, "expired")
+                out += self._close(o, Outcome.EXPIRED)
             elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
                 # D's read permit is over: D no longer reads our blocks.
-                out.append(Note("lease_expired", "pull", o.tid))
+                out.append(Note(NoteKind.LEASE_EXPIRED, "pull", o.tid))
                 self._fire(o, E.EXPIRE, now)
-                out += self._close(o, "failed")
+                out += self._close(o, Outcome.FAILED)
             elif st is not S.FALLBACK and o.machine.expired(now):
                 # The whole-transfer bound (a FALLBACK ends only with its read permit, above:
                 # D may READ until then). Post nothing more; end once the chunks in flight
@@ -517,13 +525,13 @@ class Sender:
                     self.sched.cancel(o.tid)
                     o.queued = False
                 if o.inflight:
-                    if not o.drain_then:
-                        o.drain_then, o.reason = "expired", "timeout"
+                    if o.drain_then is AfterDrain.NOTHING:
+                        o.drain_then, o.reason = AfterDrain.EXPIRED, "timeout"
                     continue
                 self._fire(o, E.EXPIRE, now)
                 if o.reg is not None:
                     out.append(self._failed(o, "timeout", f"transfer stuck in {st.value}"))
-                out += self._close(o, "expired")
+                out += self._close(o, Outcome.EXPIRED)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
@@ -541,13 +549,15 @@ class Sender:
             return False
         return o.machine.fire(event, now)
 
-    def _learn_peer(self, info: PeerInfo, origin: str, now: float) -> list[Action] | None:
+    def _learn_peer(self, info: PeerInfo, origin: str,
+                    now: float) -> tuple[list[Action], Note | None] | None:
         """Connect to a D rank on first sight; a new incarnation supersedes the old one.
 
         Peers are keyed by the authenticated ``origin`` and the rank: a message can speak
         only for ranks of its own engine. None: ``info`` is a process already replaced (a
-        message it sent before dying, delivered late); the caller drops the message. A
-        ``Note(rejected, incompatible)`` last: its layout is not one P can write into.
+        message it sent before dying, delivered late); the caller drops the message. Else
+        the actions and, if P refuses the peer, the refusal (``Note(rejected, ...)``, also
+        the only action): ``incompatible``, a layout P cannot write into, or ``not_owner``.
         """
         key = (origin, info.rank)
         retired = self._retired.get(key)
@@ -556,23 +566,36 @@ class Sender:
         known = self._peers.get(key)
         if known is not None and known.incarnation == info.incarnation:
             self._peers.move_to_end(key)
-            return []
+            return [], None
         if info.layout is None or not info.agent_meta:
-            return []  # a slim message (heartbeat) of a rank we have not met: nothing to do
+            return [], None  # a slim message (heartbeat) of a rank not met: nothing to do
+        refusal = self._peer_refusal(info, origin, key)
+        if refusal is not None:
+            return [refusal], refusal
+        return self._meet(info, origin, key, known, now), None
+
+    def _peer_refusal(self, info: PeerInfo, origin: str, key: tuple[str, int]) -> Note | None:
+        """Why P will not meet ``info`` under ``origin`` (None: it will)."""
         problem = self._layout_problem(info)
         if problem:
-            return [Note("rejected", "incompatible", problem)]
+            return Note(NoteKind.REJECTED, "incompatible", problem)
         if not owns_agent(origin, info.agent_name):
-            return [Note("rejected", "not_owner",
-                         f"{info.engine_id} rank {info.rank} announces agent "
-                         f"{info.agent_name[:64]}, which is not named for its key")]
+            return Note(NoteKind.REJECTED, "not_owner",
+                        f"{info.engine_id} rank {info.rank} announces agent "
+                        f"{info.agent_name[:64]}, which is not named for its key")
         holder = self._agents.get(info.agent_name)
         if holder is not None and holder != key:
             # An agent name P already met for another engine rank: writing "to it" would
             # write into that engine's memory (and a restart of it would cut that engine off).
-            return [Note("rejected", "not_owner",
-                         f"{info.engine_id} rank {info.rank} claims agent "
-                         f"{info.agent_name[:64]}, which belongs to another engine")]
+            return Note(NoteKind.REJECTED, "not_owner",
+                        f"{info.engine_id} rank {info.rank} claims agent "
+                        f"{info.agent_name[:64]}, which belongs to another engine")
+        return None
+
+    def _meet(self, info: PeerInfo, origin: str, key: tuple[str, int], known: PeerInfo | None,
+              now: float) -> list[Action]:
+        """``info`` becomes the D rank ``key``; a process it replaces (``known``) is retired
+        and the transfers to it end."""
         if known is not None:
             self._agents.pop(known.agent_name, None)
         self._peers[key] = info
@@ -582,7 +605,7 @@ class Sender:
         if known is not None:
             self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
             self._retired.move_to_end(key)
-            out.append(Note("peer_restart", "decode", f"{key[1]} incarnation {info.incarnation}"))
+            out.append(Note(NoteKind.PEER_RESTART, "decode", f"{key[1]} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
                 if o.owner == origin and o.peer == known.agent_name and not o.outcome:
@@ -591,9 +614,9 @@ class Sender:
                         self.sched.cancel(o.tid)
                         o.queued = False
                     if o.inflight:
-                        o.drain_then, o.reason = "dropped", "peer_restarted"
+                        o.drain_then, o.reason = AfterDrain.DROPPED, "peer_restarted"
                     else:
-                        out += self._close(o, "failed")
+                        out += self._close(o, Outcome.FAILED)
         return out + self._prune_peers()
 
     def _layout_problem(self, info: PeerInfo) -> str:
@@ -663,7 +686,7 @@ class Sender:
     @staticmethod
     def _retired_note(info: PeerInfo) -> Note:
         # Fenced like a stale generation: it is about a process that no longer exists.
-        return Note("fenced", "stale_generation",
+        return Note(NoteKind.FENCED, "stale_generation",
                     f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was "
                     "replaced")
 
@@ -674,15 +697,15 @@ class Sender:
         problem = self._check(o, reg)
         if problem:
             self._fire(o, E.FAIL, now)
-            return [Note("rejected", "bad_blocks", problem),
-                    self._failed(o, "bad_blocks", problem), *self._close(o, "failed")]
+            return [Note(NoteKind.REJECTED, "bad_blocks", problem),
+                    self._failed(o, "bad_blocks", problem), *self._close(o, Outcome.FAILED)]
         assert o.permit is not None
         if not o.permit.usable(now):
             self._fire(o, E.EXPIRE, now)
-            return self._close(o, "expired")
+            return self._close(o, Outcome.EXPIRED)
         if self.s.fallback and not self.breakers.allow(o.peer, now):
             # Repeated failures to this D: straight to pull until a probe push succeeds.
-            return [Note("fallback", "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
+            return [Note(NoteKind.FALLBACK, "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
         self.sched.add(o.tid, o.peer, self.s.block_bytes, len(reg.block_ids),
                        o.permit.expires_at, now)
         o.queued, o.ready_at = True, now
@@ -707,21 +730,24 @@ class Sender:
     def _after_drain(self, o: _Out, now: float) -> list[Action]:
         if o.inflight:
             return []
-        if not o.drain_then:
+        if o.drain_then is AfterDrain.NOTHING:
             return self._maybe_release(o)
-        then, o.drain_then = o.drain_then, ""
-        if then == "ack" and o.reg is not None:
+        then, o.drain_then = o.drain_then, AfterDrain.NOTHING
+        if then is AfterDrain.ACK and o.reg is not None:
             ack = CancelAck(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim)
-            return [SendMessage(o.reg.sender.control, ack, o.owner), *self._close(o, "cancelled")]
-        if then == "fallback":
-            out: list[Action] = [Note("fallback", o.reason.split(":")[0] or "push_failed", o.reason)]
+            return [SendMessage(o.reg.sender.control, ack, o.owner),
+                    *self._close(o, Outcome.CANCELLED)]
+        if then is AfterDrain.FALLBACK:
+            out: list[Action] = [Note(NoteKind.FALLBACK, o.reason.split(":")[0] or "push_failed",
+                                      o.reason)]
             return out + self._fallback(o, now, o.reason)
-        if then == "dropped":
-            return self._close(o, "failed")
+        if then is AfterDrain.DROPPED:
+            return self._close(o, Outcome.FAILED)
         assert o.reg is not None
-        self._fire(o, E.FAIL if then == "failed" else E.EXPIRE, now)
-        return [self._failed(o, o.reason or then, "the push could not complete"),
-                *self._close(o, "failed" if then == "failed" else "expired")]
+        failed = then is AfterDrain.FAILED
+        self._fire(o, E.FAIL if failed else E.EXPIRE, now)
+        return [self._failed(o, o.reason or then.value, "the push could not complete"),
+                *self._close(o, Outcome.FAILED if failed else Outcome.EXPIRED)]
 
     def _fallback(self, o: _Out, now: float, reason: str) -> list[Action]:
         assert o.reg is not None and o.blocks is not None
@@ -733,7 +759,7 @@ class Sender:
                        int(self.s.pull_permit_s * 1000))
         return [SendMessage(reg.sender.control, msg, o.owner)]
 
-    def _close(self, o: _Out, outcome: str) -> list[Action]:
+    def _close(self, o: _Out, outcome: Outcome) -> list[Action]:
         o.outcome = o.outcome or outcome
         if o.queued:
             self.sched.cancel(o.tid)
@@ -750,7 +776,7 @@ class Sender:
             return []
         o.released = True
         self._out.pop(o.tid, None)
-        nbytes = o.pushed_bytes if o.outcome in ("pushed", "retried") else 0
+        nbytes = o.pushed_bytes if o.outcome in (Outcome.PUSHED, Outcome.RETRIED) else 0
         return [ReleaseSend(o.tid, o.outcome, nbytes)]
 
     def _failed(self, o: _Out, reason: str, detail: str) -> SendMessage:

@@ -132,13 +132,22 @@ class TransferTimeouts:
     ``total_s`` bounds the whole transfer even if PUSHING and RETRYING alternate.
     """
 
-    new_s: float = 30.0
-    waiting_s: float = 60.0  # WAITING_BLOCKS and WAITING_REGISTER
-    registered_s: float = 30.0
-    pushing_s: float = 30.0
-    retrying_s: float = 10.0
-    fallback_s: float = 30.0
+    # The defaults are ``within(leases.transfer_timeout_s, fallback.pull_permit_s)`` of the
+    # configuration's defaults (120 s, 30 s).
+    new_s: float = 120.0
+    waiting_s: float = 120.0  # WAITING_BLOCKS and WAITING_REGISTER
+    registered_s: float = 120.0
+    pushing_s: float = 120.0
+    retrying_s: float = 120.0
+    fallback_s: float = 60.0
     total_s: float = 120.0
+
+    @classmethod
+    def within(cls, total_s: float, pull_permit_s: float) -> TransferTimeouts:
+        """Every live state may last the whole transfer (leases end a stuck phase sooner); a
+        fallback lasts D's read permit plus a quarter of the whole (the shells' relation)."""
+        return cls(new_s=total_s, waiting_s=total_s, registered_s=total_s, pushing_s=total_s,
+                   retrying_s=total_s, fallback_s=pull_permit_s + total_s / 4, total_s=total_s)
 
     def __post_init__(self) -> None:
         for name in (

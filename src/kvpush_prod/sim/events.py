@@ -49,7 +49,7 @@ class Link:
     latency: float  # one way, seconds
     name: str = ""
     _flows: dict[int, _Flow] = field(default_factory=dict)
-    _ids: itertools.count = field(default_factory=itertools.count)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
     _last: float = 0.0
     _version: int = 0
     bytes_moved: float = 0.0

@@ -2,7 +2,7 @@
 router, and three ways to move the KV: ``pull`` (vLLM NixlConnector behind a sequential
 proxy), ``push`` (vLLM NixlPushConnector, both legs at once, one WRITE per request, no
 credits, coordination on the engine step) and ``kvpush`` (our connector: the real Sender,
-Receiver and PushScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
+Receiver and ChunkScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
 
 Only the protocol decisions come from the core; compute and wires are simple models whose
 parameters live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
@@ -18,18 +18,22 @@ from typing import Any
 
 from kvpush_prod.core.actions import (
     Note,
+    PostRead,
     PostWrite,
     ReleaseSend,
     ReportFailed,
     ReportFinished,
-    SendMessage,
 )
-from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.admission import Admissions, Verdict
+from kvpush_prod.core.commands import BlocksReady, Hold, RegisterBlocks
+from kvpush_prod.core.credits import CreditLedger, CreditSettings
 from kvpush_prod.core.identity import agent_name
-from kvpush_prod.core.messages import Layout, PeerInfo, Region
+from kvpush_prod.core.messages import ControlMessage, Layout, PeerInfo, Region
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.retry import ChunkError
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.driver import Driver, Stage
 from kvpush_prod.sim.events import Link, Loop
 
 MODES = ("pull", "push", "kvpush")
@@ -123,6 +127,7 @@ class Req:
     p_blocks: list[int] = field(default_factory=list)
     registered_at: float = -1.0  # P got D's registration (push modes)
     xfer_start: float = -1.0
+    refused: bool = False  # kvpush: D computes the prompt (no credit could ever fit it)
 
     @property
     def ttft(self) -> float:
@@ -158,7 +163,8 @@ class PrefillEngine:
             self.busy = False
             return
         self.busy = True
-        batch, tokens = [], 0
+        batch: list[Req] = []
+        tokens = 0
         while self.queue and (not batch or tokens + self.queue[0].length <= m.max_batched_tokens):
             r = self.queue.popleft()
             r.p_start = loop.now
@@ -223,7 +229,7 @@ class DecodeEngine:
 
     def _step(self) -> None:
         m, loop = self.sim.m, self.sim.loop
-        cost = self.sim.schedule_decode(self)  # admits from incoming, returns engine time
+        cost = self.sim.place_incoming(self)  # admits from incoming, returns engine time
         new, self.arrived = self.arrived, []
         self.running.extend(new)
         if not self.running and not self.waiting_kv and not self.incoming and not cost:
@@ -308,102 +314,81 @@ class Sim:
         )
         self.senders: list[Sender] = []
         self.receivers: list[Receiver] = []
-        self.ledgers: list[CreditLedger] = []
-        self.endpoint: dict[str, Any] = {}
-        self.agent_link: dict[str, int] = {}
+        self.tx: list[Driver[Sender, str]] = []
+        self.rx: list[Driver[Receiver, str]] = []
+        self.admissions: list[Admissions[None]] = []
+        self.endpoint: dict[str, Driver[Sender, str] | Driver[Receiver, str]] = {}
         for i in range(m.n_prefill):
-            layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, 1_000_000)])
-            info = PeerInfo(f"p{i}", 1, 0, f"tcp://p{i}",
-                            agent_name(f"agent-p{i}", f"tcp://p{i}"), b"x", layout)
             s = Sender(
-                info,
+                self._peer_info(f"p{i}", 1_000_000, block_bytes),
                 SenderSettings(
                     block_bytes=block_bytes, scheduler=sched, send_lease_s=60.0, stop_margin_s=0.5
                 ),
                 random.Random(i),
             )
             self.senders.append(s)
-            self.endpoint[info.control] = s
+            self.tx.append(Driver(s, _SimEffects(self)))
+            self.endpoint[s.me.control] = self.tx[-1]
         for j in range(m.n_decode):
-            layout = Layout(
-                "sim", "DRAM", [Region(0, block_bytes, block_bytes, m.decode_kv_blocks)]
-            )
-            info = PeerInfo(f"d{j}", 1, 0, f"tcp://d{j}",
-                            agent_name(f"agent-d{j}", f"tcp://d{j}"), b"x", layout)
             r = Receiver(
-                info,
+                self._peer_info(f"d{j}", m.decode_kv_blocks, block_bytes),
                 ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0, scheduler=sched),
                 random.Random(100 + j),
             )
             self.receivers.append(r)
-            self.endpoint[info.control] = r
-            budget = max(1, int(m.credit_budget_fraction * m.decode_kv_blocks))
-            self.ledgers.append(
-                CreditLedger(
-                    CreditSettings(
-                        budget_blocks=budget,
-                        per_peer_cap_blocks=max(1, int(m.credit_per_peer_fraction * budget)),
-                    )
-                )
+            self.rx.append(Driver(r, _SimEffects(self)))
+            self.endpoint[r.me.control] = self.rx[-1]
+            credits = CreditSettings.from_fractions(
+                m.decode_kv_blocks, m.credit_budget_fraction, m.credit_per_peer_fraction
             )
+            self.admissions.append(Admissions(CreditLedger(credits), m.block_tokens))
+        self.ledgers = [a.ledger for a in self.admissions]
         self._tick_core()
+
+    @staticmethod
+    def _peer_info(name: str, blocks: int, block_bytes: int) -> PeerInfo:
+        layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, blocks)])
+        control = f"tcp://{name}"
+        return PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control), b"x", layout)
 
     def _tick_core(self) -> None:
         if self.finished >= self.w.requests:
             return
-        now = self.loop.now
-        for s in self.senders:
-            self._do(s, s.tick(now))
-        for r in self.receivers:
-            self._do(r, r.tick(now))
+        for tx in self.tx:
+            tx.tick()
+        for rx in self.rx:
+            rx.tick()
         self.loop.after(0.05, self._tick_core)
 
-    def _do(self, who: Any, actions: list[Any]) -> None:
-        """Carry out core actions as the shells would, with the model's delays."""
+    def post_write(self, a: PostWrite) -> None:
+        """A WRITE on P's NIC: it lands after its posting cost and its bytes on the link;
+        then P hears the completion and D, a pump reaction later, the DONE it carries."""
         m, loop = self.m, self.loop
-        for a in actions:
-            if isinstance(a, SendMessage):
-                target = self.endpoint.get(a.peer)
-                if target is not None:
-                    msg = a.message
-                    loop.after(
-                        m.ctrl_s + m.kvpush_pump_s,
-                        lambda t=target, msg=msg: self._do(t, t.on_message(msg, loop.now)),
-                    )
-            elif isinstance(a, PostWrite):
-                req = self._by_tid[a.transfer_id]
-                if req.xfer_start < 0:
-                    req.xfer_start = loop.now
-                link = self.links[req.p]
-                sender = who
+        req = self._by_tid[a.transfer_id]
+        if req.xfer_start < 0:
+            req.xfer_start = loop.now
+        link = self.links[req.p]
+        sender, receiver = self.tx[req.p], self.rx[req.d]
 
-                def landed(a: PostWrite = a, sender: Any = sender, req: Req = req) -> None:
-                    self._do(sender, sender.on_chunk(a.chunk_id, True, "", loop.now))
-                    if a.done is not None:
-                        rcv = self.receivers[req.d]
-                        loop.after(
-                            m.kvpush_pump_s, lambda: self._do(rcv, rcv.on_done(a.done, loop.now))
-                        )
+        def landed() -> None:
+            sender.completed(a.chunk_id)
+            done = a.done
+            if done is not None:
+                loop.after(m.kvpush_pump_s, lambda: receiver.feed(
+                    Stage.COMPLETION, "DONE", lambda r, now: r.on_done(done, now)))
 
-                self.counters["chunks"] = self.counters.get("chunks", 0) + 1
-                descs = m.kv_regions * len(a.src_blocks)
-                loop.after(
-                    m.kvpush_chunk_overhead_s + m.desc_s * descs,
-                    lambda n=a.nbytes, f=landed, lk=link: lk.send(n, f),
-                )
-            elif isinstance(a, ReportFinished):
-                req = self._by_tid[a.transfer_id]
-                self.ledgers[req.d].release(a.transfer_id)
-                self.decode[req.d].kv_arrived(req)
-            elif isinstance(a, ReportFailed):
-                self.counters["failed"] = self.counters.get("failed", 0) + 1
-                req = self._by_tid[a.transfer_id]
-                self.ledgers[req.d].release(a.transfer_id)
-                self.decode[req.d].kv_arrived(req)  # recomputed: counted, not modelled
-            elif isinstance(a, Note):
-                self.counters[a.kind] = self.counters.get(a.kind, 0) + 1
-            elif isinstance(a, ReleaseSend):
-                pass  # P's blocks are not modelled
+        self.counters["chunks"] = self.counters.get("chunks", 0) + 1
+        descs = m.kv_regions * len(a.src_blocks)
+        loop.after(m.kvpush_chunk_overhead_s + m.desc_s * descs, lambda: link.send(a.nbytes, landed))
+
+    def received(self, transfer_id: str, failed: bool) -> None:
+        """D reported the receive: its credit is back and the request decodes (a failed one
+        recomputes: counted, not modelled)."""
+        if failed:
+            self.counters["failed"] = self.counters.get("failed", 0) + 1
+        req = self._by_tid[transfer_id]
+        self.admissions[req.d].ended(transfer_id)
+        self.decode[req.d].kv_arrived(req)
 
     # -------------------------------------------------------------------- request flow
     def run(self) -> list[Req]:
@@ -465,15 +450,14 @@ class Sim:
             self.p_ready[req.rid] = req
             self._maybe_vllm_push(req)
         else:
-            s = self.senders[req.p]
+            tx = self.tx[req.p]
             tid = f"t{req.rid}"
-            loop.after(
-                m.kvpush_pump_s,
-                lambda: (
-                    self._do(s, s.blocks_ready(tid, req.p_blocks, loop.now)),
-                    self._do(s, s.hold(tid)),
-                ),
-            )
+
+            def computed() -> None:
+                tx.command(BlocksReady(tid, tuple(req.p_blocks)))
+                tx.command(Hold(tid))
+
+            loop.after(m.kvpush_pump_s, computed)
 
     def _maybe_vllm_push(self, req: Req) -> None:
         if req.rid not in self.p_ready or req.rid not in self.registrations:
@@ -494,78 +478,145 @@ class Sim:
 
         loop.after(m.push_post_coord_s + m.desc_cost(req.length), post)
 
-    def schedule_decode(self, d: DecodeEngine) -> float:
+    def place_incoming(self, d: DecodeEngine) -> float:
         """D's scheduler at the start of a step: place new requests; returns engine time."""
-        m, loop = self.m, self.loop
         cost = 0.0
         keep: deque[Req] = deque()
         while d.incoming:
             req = d.incoming.popleft()
-            n = m.blocks(req.length)
-            tid = f"t{req.rid}"
-            if self.mode == "kvpush":
-                ledger = self.ledgers[d.idx]
-                adm = ledger.request(tid, f"p{req.p}", n, loop.now)
-                if adm.decision is Decision.LATER:
-                    keep.append(req)
-                    continue
-                if adm.decision is Decision.REFUSE:
-                    # Can never fit the credit budget: D computes the prompt itself.
-                    blocks = d.alloc(n)
-                    if blocks is None:
-                        keep.append(req)
-                        continue
-                    self.counters["refused"] = self.counters.get("refused", 0) + 1
-                    req.d_blocks = blocks
-                    req.kv_at_d = loop.now
-                    cost += (
-                        req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
-                    )
-                    d.arrived.append(req)
-                    continue
+            placed = self._admit(d, req, cost) if self.mode == "kvpush" else self._place(d, req, cost)
+            if placed is None:
+                keep.append(req)  # no credit or no blocks yet: a later step
+            else:
+                cost = placed
+        d.incoming = keep
+        return cost
+
+    def _place(self, d: DecodeEngine, req: Req, cost: float) -> float | None:
+        """vLLM's connectors: allocate and start the transfer on D's engine thread at
+        ``cost`` into the step; the step's engine time after it (None: no blocks yet)."""
+        m, loop = self.m, self.loop
+        blocks = d.alloc(m.blocks(req.length))
+        if blocks is None:
+            return None
+        req.d_blocks = blocks
+        d.waiting_kv += 1
+        if self.mode == "pull":
+            # vLLM pull posts the READ from D's engine thread (start_load_kv): the whole
+            # descriptor list is built and posted there, holding up every running decode.
+            cost += m.pull_coord_s + m.desc_cost(req.length)
+
+            def read() -> None:
+                req.xfer_start = loop.now
+                # READ: the request travels to P, the data comes back.
+                loop.after(
+                    m.one_way_s,
+                    lambda: self.links[req.p].send(
+                        m.kv_bytes(req.length),
+                        lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
+                    ),
+                )
+
+            loop.after(cost, read)
+            return cost
+        cost += m.push_reg_coord_s
+
+        def registered() -> None:
+            self.registrations[req.rid] = req
+            self._maybe_vllm_push(req)
+
+        loop.after(cost + m.ctrl_s, registered)
+        return cost
+
+    def _admit(self, d: DecodeEngine, req: Req, cost: float) -> float | None:
+        """kvpush: D admits through the core's admission (the real CreditLedger); admitted,
+        it allocates and its Receiver registers the blocks with P."""
+        m, loop = self.m, self.loop
+        admissions = self.admissions[d.idx]
+        tid = f"t{req.rid}"
+        n = m.blocks(req.length)
+        if not req.refused:
+            admissions.track(tid, tid, f"p{req.p}", None)
+            answer = admissions.ask(tid, req.length, 0, loop.now)
+            if answer.verdict is Verdict.LATER:
+                return None
+            req.refused = answer.verdict is Verdict.LOCAL
+        if req.refused:
+            # Can never fit the credit budget: D computes the prompt itself.
             blocks = d.alloc(n)
             if blocks is None:
-                if self.mode == "kvpush":
-                    self.ledgers[d.idx].release(tid)
-                keep.append(req)
-                continue
+                return None
+            self.counters["refused"] = self.counters.get("refused", 0) + 1
             req.d_blocks = blocks
-            d.waiting_kv += 1
-            if self.mode == "pull":
-                # vLLM pull posts the READ from D's engine thread (start_load_kv): the whole
-                # descriptor list is built and posted there, holding up every running decode.
-                cost += m.pull_coord_s + m.desc_cost(req.length)
-
-                def read(req: Req = req) -> None:
-                    req.xfer_start = loop.now
-                    # READ: the request travels to P, the data comes back.
-                    loop.after(
-                        m.one_way_s,
-                        lambda: self.links[req.p].send(
-                            m.kv_bytes(req.length),
-                            lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
-                        ),
-                    )
-
-                loop.after(cost, read)
-            elif self.mode == "push":
-                cost += m.push_reg_coord_s
-
-                def registered(req: Req = req) -> None:
-                    self.registrations[req.rid] = req
-                    self._maybe_vllm_push(req)
-
-                loop.after(cost + m.ctrl_s, registered)
-            else:
-                r = self.receivers[d.idx]
-                self._do(r, r.expect(tid, f"tcp://p{req.p}", blocks, 0, req.length, loop.now))
-        d.incoming = keep
+            req.kv_at_d = loop.now
+            d.arrived.append(req)
+            return cost + req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
+        blocks = d.alloc(n)
+        if blocks is None:
+            admissions.withdraw(tid)
+            return None
+        req.d_blocks = blocks
+        d.waiting_kv += 1
+        admissions.allocated(tid, len(blocks))
+        self.rx[d.idx].command(RegisterBlocks(tid, f"tcp://p{req.p}", tuple(blocks), 0, req.length))
         return cost
 
     def on_request_done(self, req: Req) -> None:
         self.finished += 1
         if self.w.kind == "closed":
             self._new_request()
+
+
+class _SimEffects:
+    """The driver's hands in the simulator: control messages and WRITEs travel with the
+    model's latencies; P's blocks, READs and connections are not modelled."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def now(self) -> float:
+        return self.sim.loop.now
+
+    def wall(self) -> float:
+        return 0.0  # no clocks to skew: messages carry no sent_at
+
+    def send(self, peer: str, to: str, message: ControlMessage) -> None:
+        target = self.sim.endpoint.get(peer)
+        if target is not None:
+            m = self.sim.m
+            self.sim.loop.after(m.ctrl_s + m.kvpush_pump_s, lambda: target.message(message))
+
+    def connect(self, info: PeerInfo) -> str:
+        return info.agent_name
+
+    def disconnect(self, agent: str) -> None:
+        return None
+
+    def write(self, action: PostWrite, peer: str) -> ChunkError | None:
+        self.sim.post_write(action)
+        return None
+
+    def read(self, action: PostRead, peer: str) -> ChunkError | None:
+        return None  # pulls are not modelled (no chunk fails in the simulator)
+
+    def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
+        self.sim.counters["post_failed"] = self.sim.counters.get("post_failed", 0) + 1
+
+    def release_send(self, action: ReleaseSend) -> None:
+        return None  # P's blocks are not modelled
+
+    def report_finished(self, action: ReportFinished) -> None:
+        self.sim.received(action.transfer_id, failed=False)
+
+    def report_failed(self, action: ReportFailed) -> None:
+        self.sim.received(action.transfer_id, failed=True)
+
+    def note(self, note: Note) -> None:
+        counters = self.sim.counters
+        counters[note.kind.value] = counters.get(note.kind.value, 0) + 1
+
+    def contained(self, stage: Stage, what: str) -> None:
+        raise  # noqa: PLE0704 - a simulator bug must surface, not be counted
 
 
 def simulate(m: ClusterModel, mode: str, w: Workload) -> dict[str, Any]:

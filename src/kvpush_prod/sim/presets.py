@@ -95,10 +95,18 @@ def calibrate(
     """Fit the compute and transfer costs of ``base`` to a bench run; returns the model and
     what was fitted from which measurement. Only single-engine cells and the connectors'
     own transfer timings are used: P/D TTFTs are left for the prediction to match."""
-    cells = results.get("cells", {})
-    single = cells.get("single", {})
+    cells: dict[str, Any] = results.get("cells", {})
+    single: dict[str, Any] = cells.get("single", {})
     fitted: dict[str, Any] = {}
-    m = base
+    m = _fit_prefill(base, single, fitted)
+    m = _fit_decode(m, single, fitted)
+    m = _fit_vllm_transfer(m, cells, fitted)
+    m = _fit_kvpush(m, cells.get("kvpush", {}), fitted)
+    return m.with_(name="cpu-calibrated"), fitted
+
+
+def _fit_prefill(m: ClusterModel, single: dict[str, Any], fitted: dict[str, Any]) -> ClusterModel:
+    """Prefill cost per token (and per token squared) from single-engine TTFT at c=1."""
     pts = sorted(
         (c["length"], t)
         for c in single.values()
@@ -112,40 +120,52 @@ def calibrate(
         xs = np.array([p[0] for p in pts], dtype=float)
         ys = np.array([p[1] for p in pts], dtype=float)
         b, a, c0 = (float(v) for v in np.polyfit(xs, ys, 2))
-        m = m.with_(
+        fitted["prefill"] = "quadratic fit of single-engine TTFT p50 at c=1: " + ", ".join(
+            f"{n} tok {t * 1e3:.1f} ms" for n, t in pts
+        )
+        return m.with_(
             prefill_s_per_token=max(1e-7, a),
             prefill_s_per_token2=max(0.0, b),
             prefill_step_s=max(0.0, c0 - overhead),
         )
-        fitted["prefill"] = "quadratic fit of single-engine TTFT p50 at c=1: " + ", ".join(
-            f"{n} tok {t * 1e3:.1f} ms" for n, t in pts
-        )
-    elif len(pts) == 2:
+    if len(pts) == 2:
         (x0, y0), (x1, y1) = pts
         slope = (y1 - y0) / (x1 - x0)
-        m = m.with_(
+        fitted["prefill"] = f"line through single-engine TTFT p50 at c=1: {pts}"
+        return m.with_(
             prefill_s_per_token=max(1e-7, slope),
             prefill_step_s=max(0.0, y0 - slope * x0 - overhead),
         )
-        fitted["prefill"] = f"line through single-engine TTFT p50 at c=1: {pts}"
-    elif pts:
+    if pts:
         length, t = pts[0]
         per = max(1e-6, (t - overhead - m.prefill_step_s) / length)
-        m = m.with_(prefill_s_per_token=per)
         fitted["prefill"] = f"single-engine TTFT p50 {t * 1e3:.1f} ms at {length} tokens, c=1"
+        return m.with_(prefill_s_per_token=per)
+    return m
+
+
+def _fit_decode(m: ClusterModel, single: dict[str, Any], fitted: dict[str, Any]) -> ClusterModel:
+    """Decode step cost, and its growth per running sequence, from single-engine TPOT."""
     tpots = {
         c["concurrency"]: t
         for c in single.values()
         if (t := _p50(c, "tpot_ms")) is not None and c["length"] == 1024
     } or {c["concurrency"]: t for c in single.values() if (t := _p50(c, "tpot_ms")) is not None}
-    if 1 in tpots:
-        m = m.with_(decode_step_s=tpots[1])
-        fitted["decode_step_s"] = f"single-engine TPOT p50 at c=1: {tpots[1] * 1e3:.2f} ms"
-        higher = [c for c in tpots if c > 1]
-        if higher:
-            c = min(higher)
-            m = m.with_(decode_s_per_seq=max(0.0, (tpots[c] - tpots[1]) / (c - 1)))
-            fitted["decode_s_per_seq"] = f"single-engine TPOT slope c=1 -> c={c}"
+    if 1 not in tpots:
+        return m
+    m = m.with_(decode_step_s=tpots[1])
+    fitted["decode_step_s"] = f"single-engine TPOT p50 at c=1: {tpots[1] * 1e3:.2f} ms"
+    higher = [c for c in tpots if c > 1]
+    if higher:
+        c = min(higher)
+        m = m.with_(decode_s_per_seq=max(0.0, (tpots[c] - tpots[1]) / (c - 1)))
+        fitted["decode_s_per_seq"] = f"single-engine TPOT slope c=1 -> c={c}"
+    return m
+
+
+def _fit_vllm_transfer(m: ClusterModel, cells: dict[str, Any],
+                       fitted: dict[str, Any]) -> ClusterModel:
+    """vLLM's per-transfer overhead beyond bytes / bandwidth, from its own NIXL timing."""
     for side in ("vllm-pull", "vllm-push"):
         for c in cells.get(side, {}).values():
             if c["concurrency"] != 1:
@@ -154,34 +174,38 @@ def calibrate(
             h = t.get("nixl_xfer_time_seconds_decode") or t.get("nixl_xfer_time_seconds_prefill")
             if h and h.get("p50_s") is not None:
                 raw = m.kv_bytes(c["length"]) / m.nic_bandwidth
-                m = m.with_(vllm_xfer_overhead_s=max(0.0, h["p50_s"] - raw))
                 fitted["vllm_xfer_overhead_s"] = (
                     f"{side} vllm:nixl_xfer_time p50 {h['p50_s'] * 1e3:.2f} ms at {c['length']} tok"
                 )
-                break
-        if "vllm_xfer_overhead_s" in fitted:
-            break
-    for c in cells.get("kvpush", {}).values():
+                return m.with_(vllm_xfer_overhead_s=max(0.0, h["p50_s"] - raw))
+    return m
+
+
+def _fit_kvpush(m: ClusterModel, kvpush: dict[str, Any], fitted: dict[str, Any]) -> ClusterModel:
+    """Our pump's reaction time and per-chunk overhead, from a trace of a kvpush run."""
+    for c in kvpush.values():
         t = c.get("transfer") or {}
-        if c["concurrency"] == 1 and "ready_to_post_ms" in t:
-            m = m.with_(kvpush_pump_s=t["ready_to_post_ms"]["p50"] / 1000.0)
-            fitted["kvpush_pump_s"] = (
-                f"trace blocks_ready -> post p50 {t['ready_to_post_ms']['p50']:.2f} ms"
+        if c["concurrency"] != 1 or "ready_to_post_ms" not in t:
+            continue
+        m = m.with_(kvpush_pump_s=t["ready_to_post_ms"]["p50"] / 1000.0)
+        fitted["kvpush_pump_s"] = (
+            f"trace blocks_ready -> post p50 {t['ready_to_post_ms']['p50']:.2f} ms"
+        )
+        if "post_to_done_ms" in t:
+            m = m.with_(
+                kvpush_chunk_overhead_s=max(
+                    0.0,
+                    t["post_to_done_ms"]["p50"] / 1000.0
+                    - m.kv_bytes(c["length"]) / m.nic_bandwidth,
+                )
             )
-            if "post_to_done_ms" in t:
-                m = m.with_(
-                    kvpush_chunk_overhead_s=max(
-                        0.0,
-                        t["post_to_done_ms"]["p50"] / 1000.0
-                        - m.kv_bytes(c["length"]) / m.nic_bandwidth,
-                    )
-                )
-                fitted["kvpush_chunk_overhead_s"] = (
-                    f"trace post -> transfer_done p50 {t['post_to_done_ms']['p50']:.2f} ms"
-                )
-            break
-    return m.with_(name="cpu-calibrated"), fitted
+            fitted["kvpush_chunk_overhead_s"] = (
+                f"trace post -> transfer_done p50 {t['post_to_done_ms']['p50']:.2f} ms"
+            )
+        return m
+    return m
 
 
 def load_results(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    results: dict[str, Any] = json.loads(Path(path).read_text())
+    return results

@@ -16,7 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvpush_prod.errors import ConfigError, TransportError
+from kvpush_prod.core.messages import Layout
+from kvpush_prod.core.retry import ChunkError
+from kvpush_prod.errors import ConfigError
+from kvpush_prod.transport.base import ChunkFailed, Completion, Op, RemotePeer, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -86,18 +89,37 @@ class _Handle:
 
 
 class FaultyTransport:
-    """Same interface as NixlTransport; decides each operation's fate from a seeded RNG."""
+    """A ``Transport`` around another; decides each operation's fate from a seeded RNG."""
 
-    def __init__(self, inner: Any, settings: FaultSettings) -> None:
+    def __init__(self, inner: Transport, settings: FaultSettings) -> None:
         self.inner = inner
         self.s = settings
         self._rng = random.Random(settings.seed)
         self._count = 0
         self.injected = 0
+        # The error an injected failure shows, as the configured text reads.
+        self._error = ChunkError.from_text(settings.error)
         logger.warning("kvpush: FAULT INJECTION enabled: %s", settings.model_dump())
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @property
+    def layout(self) -> Layout:
+        return self.inner.layout
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def connect(self, agent_meta: bytes, layout: Layout, expect_name: str = "") -> RemotePeer:
+        return self.inner.connect(agent_meta, layout, expect_name)
+
+    def disconnect(self, agent_name: str) -> None:
+        self.inner.disconnect(agent_name)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def _active(self, op: str, peer_name: str) -> bool:
         s = self.s
@@ -107,15 +129,16 @@ class FaultyTransport:
             return False
         return s.active_file is None or Path(s.active_file).exists()
 
-    def post(self, op: str, peer: Any, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"") -> Any:
+    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
+             remote_blocks: list[int], notif: bytes = b"") -> Any:
         if not self._active(op, peer.agent_name):
             return _Handle(self.inner.post(op, peer, local_blocks, remote_blocks, notif), "ok", 0)
         self._count += 1
         nth = self.s.fail_nth and self._count == self.s.fail_nth
         if nth or self._rng.random() < self.s.post_fail_rate:
             self.injected += 1
-            raise TransportError("injected", f"{self.s.error} (injected post failure)")
+            raise ChunkFailed(ChunkError(self._error.kind,
+                                         f"{self.s.error} (injected post failure)"))
         roll = self._rng.random()
         fate = "ok"
         if roll < self.s.complete_fail_rate:
@@ -129,15 +152,15 @@ class FaultyTransport:
         inner = self.inner.post(op, peer, local_blocks, remote_blocks, notif)
         return _Handle(inner, "ok", time.monotonic() + self.s.delay_ms / 1000.0)
 
-    def state(self, handle: Any) -> str:
+    def state(self, handle: Any) -> Completion:
         h: _Handle = handle
         if h.fate == "stall":
             return "PROC"
         if time.monotonic() < h.ready_at:
             return "PROC"
         if h.fate == "fail":
-            return self.s.error
-        return str(self.inner.state(h.inner))
+            return self._error
+        return self.inner.state(h.inner)
 
     def release(self, handle: Any) -> None:
         h: _Handle = handle
@@ -145,7 +168,7 @@ class FaultyTransport:
             self.inner.release(h.inner)
 
     def notifications(self) -> dict[str, list[bytes]]:
-        notifs = self.inner.notifications()
+        notifs: dict[str, list[bytes]] = self.inner.notifications()
         if not self.s.drop_done_rate or not (
             self.s.active_file is None or Path(self.s.active_file).exists()
         ):

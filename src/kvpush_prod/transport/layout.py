@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvpush_prod.core.messages import Layout, Region
 from kvpush_prod.errors import ConfigError
@@ -65,7 +65,7 @@ def layout_from_kv_caches(
     """The NIXL view of ``kv_caches``; ``signature`` names what must match on both sides."""
     regions: list[Region] = []
     seen: set[tuple[int, int]] = set()
-    mem_type = "DRAM"
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
     for name, t in kv_caches.items():
         dev_id = 0
         if t.device.type == "cuda":

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import types
-from dataclasses import dataclass
 from typing import Any
 
 from kvpush_prod.core.messages import Layout
+from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.errors import ConfigError, TransportError
+from kvpush_prod.transport.base import Completion, Op, RemotePeer
 from kvpush_prod.transport.layout import all_descriptors, descriptor_indices
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def _nixl_api() -> Any:
     try:
-        from nixl import _api  # type: ignore[import-not-found]
+        from nixl import _api  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ConfigError(
             "the nixl package is not installed: pip install 'kvpush-prod[cpu]' (or [gpu])"
@@ -39,6 +40,8 @@ def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us
     real = api.nixlBind
 
     class _Config:
+        real: Any  # NIXL's own config object, set once in __init__
+
         def __init__(self) -> None:
             object.__setattr__(self, "real", real.nixlAgentConfig())
 
@@ -68,15 +71,6 @@ def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us
             f"{agent.get_plugin_list()}); set transport.backend to one that works here"
         )
     return agent
-
-
-@dataclass
-class RemotePeer:
-    """A connected remote agent and its prepared descriptor list."""
-
-    agent_name: str
-    layout: Layout
-    dlist: Any
 
 
 class NixlTransport:
@@ -144,7 +138,7 @@ class NixlTransport:
         except Exception:  # noqa: BLE001
             logger.debug("remove_remote_agent failed for %s", agent_name, exc_info=True)
 
-    def post(self, op: str, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
+    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
              notif: bytes = b"") -> Any:
         """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks."""
         if len(local_blocks) != len(remote_blocks):
@@ -166,12 +160,18 @@ class NixlTransport:
             raise TransportError("post_failed", f"NIXL refused to post a {op} to {peer.agent_name}")
         return handle
 
-    def state(self, handle: Any) -> str:
-        """'DONE', 'PROC' or 'ERR' (an exception from NIXL is mapped to 'ERR:<name>')."""
+    def state(self, handle: Any) -> Completion:
+        """'DONE', 'PROC', or the error: the completion state ERR, or the NIXL exception
+        checking it raised (by its class; one of no known class counts as ERR)."""
         try:
-            return str(self.agent.check_xfer_state(handle))
+            state = str(self.agent.check_xfer_state(handle))
         except Exception as exc:  # noqa: BLE001 - classified by the caller
-            return f"ERR:{type(exc).__name__}"
+            return ChunkError.from_exception(exc, default=ErrorKind.ERR)
+        if state == "DONE":
+            return "DONE"
+        if state == "PROC":
+            return "PROC"
+        return ChunkError.from_text(state)
 
     def release(self, handle: Any) -> None:
         try:

@@ -1,0 +1,84 @@
+"""The one mapping from the configuration (``KvpushConfig``) to the protocol core's settings.
+
+The core's settings dataclasses default to what the configuration defaults to (a test holds
+them equal), so whatever is not mapped here reads the same in the core and in the config.
+This belongs with the configuration: it is to move under ``config/`` once that is a package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush_prod.config import KvpushConfig
+from kvpush_prod.core.credits import CreditSettings
+from kvpush_prod.core.receiver import ReceiverSettings
+from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySettings
+from kvpush_prod.core.scheduler import SchedulerSettings
+from kvpush_prod.core.sender import SenderSettings
+from kvpush_prod.core.transfer import TransferTimeouts
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSettings:
+    """Both sides' protocol settings for one worker rank (the role picks one)."""
+
+    sender: SenderSettings
+    receiver: ReceiverSettings
+
+
+def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
+    """The Sender's and the Receiver's settings for a rank whose block is ``block_bytes``."""
+    leases, retry = cfg.leases, cfg.retry
+    scheduler = SchedulerSettings(
+        chunk_bytes=cfg.push.chunk_bytes,
+        target_latency_s=cfg.push.target_latency_ms / 1000.0,
+        stop_margin_s=leases.stop_margin_s,
+    )
+    retries = RetrySettings(
+        max_attempts=retry.max_attempts,
+        backoff_base_s=retry.base_backoff_ms / 1000.0,
+        backoff_max_s=max(retry.max_backoff_ms, retry.base_backoff_ms) / 1000.0,
+    )
+    budget = BudgetSettings(rate_per_s=retry.budget_per_s, burst=retry.budget_burst)
+    timeouts = TransferTimeouts.within(leases.transfer_timeout_s, cfg.fallback.pull_permit_s)
+    sender = SenderSettings(
+        block_bytes=block_bytes,
+        scheduler=scheduler,
+        retry=retries,
+        budget=budget,
+        breaker=BreakerSettings(
+            failure_threshold=cfg.breaker.failure_threshold,
+            window_s=cfg.breaker.window_s,
+            cooldown_s=cfg.breaker.cooldown_s,
+            max_cooldown_s=cfg.breaker.max_cooldown_s,
+        ),
+        timeouts=timeouts,
+        send_lease_s=leases.send_lease_ttl_s,
+        stop_margin_s=leases.stop_margin_s,
+        skew_margin_s=leases.skew_margin_s,
+        heartbeat_s=leases.heartbeat_interval_s,
+        fallback=cfg.fallback.pull,
+        pull_permit_s=cfg.fallback.pull_permit_s,
+        register_grace_s=leases.register_grace_s,
+        max_peers=cfg.control.max_peers,
+    )
+    receiver = ReceiverSettings(
+        block_bytes=block_bytes,
+        permit_ttl_s=leases.permit_ttl_s,
+        skew_margin_s=leases.skew_margin_s,
+        stop_margin_s=leases.stop_margin_s,
+        heartbeat_s=leases.heartbeat_interval_s,
+        peer_timeout_s=leases.peer_timeout_s,
+        scheduler=scheduler,
+        retry=retries,
+        budget=budget,
+        timeouts=timeouts,
+        max_peers=cfg.control.max_peers,
+    )
+    return CoreSettings(sender, receiver)
+
+
+def credit_settings(cfg: KvpushConfig, num_blocks: int) -> CreditSettings:
+    """D's credit budget over its ``num_blocks`` KV blocks."""
+    return CreditSettings.from_fractions(num_blocks, cfg.credits.budget_fraction,
+                                         cfg.credits.per_peer_fraction)

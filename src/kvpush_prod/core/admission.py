@@ -1,0 +1,201 @@
+"""D's admission of inbound transfers, one request at a time: the credit asks, the prefix
+hit, a refusal turned into a recompute, and what P must hear of each (wait, not needed).
+
+The shell (vLLM's scheduler side, the simulator, the test world) asks on every scheduler
+step and says what the answers tell it to; the decisions and the bookkeeping are here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvpush_prod.core.credits import CreditLedger, Decision
+from kvpush_prod.core.vocabulary import Outcome, Word
+
+T = TypeVar("T")
+
+
+class Verdict(Word):
+    """What D's scheduler does with the request now."""
+
+    LOAD = "load"  # admitted: allocate the blocks; P pushes ``tokens`` tokens into them
+    LATER = "later"  # no credit yet: ask again on a later step
+    LOCAL = "local"  # no transfer: D computes the prompt (or already has it)
+
+
+def blocks_to_receive(num_prompt_tokens: int, num_computed_tokens: int,
+                      block_size: int) -> tuple[int, int]:
+    """(first block, block count) of the prompt D must receive: every block from the first
+    one D has not computed (whole blocks of a prefix-cache hit stay D's own)."""
+    first = num_computed_tokens // block_size
+    return first, -(-num_prompt_tokens // block_size) - first
+
+
+@dataclass(eq=False)
+class Inbound(Generic[T]):
+    """One request's inbound transfer on D, from its first ask until it ends.
+
+    ``remote``: whatever the shell needs to reach the prefill engine (kept for it).
+    ``first_block`` / ``nblocks``: the span to receive, computed at each ask; ``nblocks`` is
+    the number of blocks actually allocated once ``allocated``.
+    """
+
+    key: str  # the request (vLLM's request id)
+    transfer_id: str
+    peer: str  # the prefill engine, as the credit ledger counts it
+    remote: T
+    first_block: int = 0
+    nblocks: int = 0
+    waiting: bool = False  # told LATER (P has been asked to keep its blocks)
+    admitted: bool = False  # credit granted
+    allocated: bool = False  # blocks allocated, REGISTER sent
+    aborting: bool = False  # the request ended while receiving: waiting for the fence
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The answer to one ask, and what changed with it for the shell to say.
+
+    ``decision`` is the credit ledger's (None where it was not asked: a prefix hit, a
+    request whose transfer is over). ``first_admit``: count the admission and the
+    ``nblocks`` credited. ``first_wait``: tell P to keep its blocks (AwaitAdmission).
+    ``wait_over``: tell P the wait is over (AdmissionOver). ``not_needed``: tell P it may
+    free its blocks (NotNeeded), and count this outcome.
+    """
+
+    verdict: Verdict
+    decision: Decision | None = None
+    tokens: int = 0
+    nblocks: int = 0
+    first_admit: bool = False
+    first_wait: bool = False
+    wait_over: bool = False
+    not_needed: Outcome | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish(Generic[T]):
+    """What a request that ended means for its transfer: nothing (``rx`` None), P may free
+    its blocks (``not_needed``, before any block was allocated), or the receive must be
+    aborted (``abort``: D's blocks stay until P acked or the permit expired)."""
+
+    rx: Inbound[T] | None
+    not_needed: Outcome | None = None
+    abort: bool = False
+
+
+class Admissions(Generic[T]):
+    """D's inbound transfers by request, admitted through one ``CreditLedger``.
+
+    A request is asked about on every scheduler step until it is admitted, refused or
+    found in the prefix cache; once its transfer is over (or it never had one) it is not
+    asked about again until the request ends (``finish``).
+    """
+
+    def __init__(self, ledger: CreditLedger, block_size: int) -> None:
+        self.ledger = ledger
+        self.block_size = block_size
+        self._rx: dict[str, Inbound[T]] = {}
+        self._over: set[str] = set()  # requests whose transfer is over (or that had none)
+
+    def __len__(self) -> int:
+        return len(self._rx)
+
+    def get(self, key: str) -> Inbound[T] | None:
+        return self._rx.get(key)
+
+    def entries(self) -> list[Inbound[T]]:
+        return list(self._rx.values())
+
+    @property
+    def aborting(self) -> int:
+        """Receives aborted and waiting for their fence."""
+        return sum(1 for rx in self._rx.values() if rx.aborting)
+
+    def is_over(self, key: str) -> bool:
+        """The request's transfer is over or it never had one: it loads nothing more."""
+        return key in self._over
+
+    def skip(self, key: str) -> None:
+        """The request will not receive (e.g. its transfer parameters were refused)."""
+        self._over.add(key)
+
+    def track(self, key: str, transfer_id: str, peer: str, remote: T) -> Inbound[T]:
+        """The inbound transfer of ``key`` (made on first sight)."""
+        rx = self._rx.get(key)
+        if rx is None:
+            rx = self._rx[key] = Inbound(key, transfer_id, peer, remote)
+        return rx
+
+    def ask(self, key: str, num_prompt_tokens: int, num_computed_tokens: int,
+            now: float) -> Answer:
+        """May the tracked request ``key`` load its prompt's missing tokens from P now?"""
+        rx = self._rx.get(key)
+        if rx is None:
+            return Answer(Verdict.LOCAL)
+        tokens = num_prompt_tokens - num_computed_tokens
+        if tokens <= 0:
+            # Everything is in D's prefix cache already: P can free its blocks now.
+            return self._give_up(rx, Outcome.PREFIX_HIT)
+        rx.first_block, rx.nblocks = blocks_to_receive(num_prompt_tokens, num_computed_tokens,
+                                                       self.block_size)
+        admission = self.ledger.request(rx.transfer_id, rx.peer, rx.nblocks, now)
+        decision = admission.decision
+        if decision is Decision.ADMIT:
+            first_admit, wait_over = not rx.admitted, rx.waiting
+            rx.admitted, rx.waiting = True, False
+            return Answer(Verdict.LOAD, decision, tokens, rx.nblocks, first_admit=first_admit,
+                          wait_over=wait_over, reason=admission.reason)
+        if decision is Decision.LATER:
+            first_wait, rx.waiting = not rx.waiting, True
+            return Answer(Verdict.LATER, decision, nblocks=rx.nblocks, first_wait=first_wait,
+                          reason=admission.reason)
+        # It can never fit the credit budget: D computes the prompt itself.
+        answer = self._give_up(rx, Outcome.RECOMPUTE)
+        return Answer(Verdict.LOCAL, decision, nblocks=rx.nblocks,
+                      not_needed=answer.not_needed, reason=admission.reason)
+
+    def allocated(self, key: str, nblocks: int) -> Inbound[T] | None:
+        """The blocks for ``key`` are allocated (``nblocks`` of them): it is received now."""
+        rx = self._rx.get(key)
+        if rx is None:
+            return None
+        rx.allocated, rx.nblocks = True, nblocks
+        self._over.add(key)
+        return rx
+
+    def withdraw(self, key: str) -> None:
+        """Admitted, but the blocks could not be allocated: give the credit back and ask
+        again later (vLLM instead keeps the credit and asks again)."""
+        rx = self._rx.get(key)
+        if rx is not None and not rx.allocated:
+            self.ledger.release(rx.transfer_id)
+            rx.admitted = False
+
+    def finish(self, key: str) -> Finish[T]:
+        """The request ended (finished or aborted)."""
+        self._over.discard(key)
+        rx = self._rx.get(key)
+        if rx is None:
+            return Finish(None)
+        if not rx.allocated:
+            # Aborted while waiting for admission: P can free now.
+            return Finish(rx, self._give_up(rx, Outcome.ABORTED).not_needed)
+        rx.aborting = True
+        return Finish(rx, abort=True)
+
+    def ended(self, key: str) -> tuple[Inbound[T] | None, bool]:
+        """The receive of ``key`` ended (reported finished or failed): its credit is returned.
+        The entry (None if unknown) and whether credit was held for it."""
+        rx = self._rx.pop(key, None)
+        if rx is None:
+            return None, False
+        return rx, self.ledger.release(rx.transfer_id)
+
+    def _give_up(self, rx: Inbound[T], outcome: Outcome) -> Answer:
+        self._rx.pop(rx.key, None)
+        self._over.add(rx.key)
+        self.ledger.release(rx.transfer_id)
+        return Answer(Verdict.LOCAL, not_needed=outcome)

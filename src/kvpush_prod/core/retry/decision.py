@@ -1,0 +1,53 @@
+"""After a chunk error: classify it, then ask the retry policy and the peer's budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush_prod.core.retry.budget import PeerId, RetryBudget
+from kvpush_prod.core.retry.classification import (
+    ChunkError,
+    Classification,
+    ErrorClass,
+    classify,
+)
+from kvpush_prod.core.retry.policy import RetryPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class RetryDecision:
+    """What the shell does after a chunk error: retry at ``retry_at``, fall back, or fail."""
+
+    action: ErrorClass
+    retry_at: float | None
+    classification: Classification
+    reason: str
+
+
+def decide(
+    error: ChunkError | str | BaseException,
+    *,
+    attempt: int,
+    first_attempt_at: float,
+    now: float,
+    policy: RetryPolicy,
+    budget: RetryBudget,
+    peer: PeerId,
+) -> RetryDecision:
+    """Classify ``error`` and, if retryable, ask the policy and then the peer's budget.
+
+    A retry that the policy or the budget refuses becomes a fallback (D pulls).
+    """
+    c = classify(error)
+    if c.action is not ErrorClass.RETRY:
+        return RetryDecision(c.action, None, c, f"{c.kind}: {c.why}")
+    at = policy.next_attempt_at(attempt, first_attempt_at, now)
+    if at is None:
+        return RetryDecision(
+            ErrorClass.FALLBACK, None, c, f"{c.kind}: gave up after attempt {attempt}"
+        )
+    if not budget.try_spend(peer, now):
+        return RetryDecision(
+            ErrorClass.FALLBACK, None, c, f"{c.kind}: retry budget of peer {peer!r} is empty"
+        )
+    return RetryDecision(ErrorClass.RETRY, at, c, f"{c.kind}: retry {attempt} at {at:.3f}")

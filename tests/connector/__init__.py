@@ -1,0 +1,1 @@
+"""Tests of kvpush_prod.connector (the package mirrors src/)."""

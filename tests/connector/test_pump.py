@@ -1,0 +1,233 @@
+"""The transfer pump as the driver's Effects, with a fake NIXL and control channel: P and
+D pumps push a prompt end to end, and what breaks is contained, counted and fed back."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpush_prod.config import config_from_extra
+from kvpush_prod.connector.settings import core_settings
+from kvpush_prod.connector.worker import ReceiverPump, SenderPump, _Results
+from kvpush_prod.core import messages as m
+from kvpush_prod.core.commands import AbortReceive, BlocksReady, ExpectBlocks, Hold, RegisterBlocks
+from kvpush_prod.core.identity import agent_name
+from kvpush_prod.core.receiver import Receiver
+from kvpush_prod.core.retry import ChunkError, ErrorKind
+from kvpush_prod.core.sender import Sender
+from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.transport.base import ChunkFailed, Completion, Op, RemotePeer
+
+LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
+# One 4 KiB block per chunk: a prompt of three blocks is three chunks, the last with DONE.
+CFG = config_from_extra({"transport": {"progress_thread": True}, "push": {"chunk_bytes": 4096}})
+
+
+class Wire:
+    """The control network: what each address's endpoint has to read."""
+
+    def __init__(self) -> None:
+        self.inbox: dict[str, list[m.ControlMessage]] = {}
+
+
+class Endpoint:
+    def __init__(self, wire: Wire, address: str) -> None:
+        self.wire, self.address = wire, address
+        self.rejected: Counter[str] = Counter()
+        wire.inbox[address] = []
+
+    def receive(self, limit: int = 256) -> Iterator[tuple[m.ControlMessage, str]]:
+        box = self.wire.inbox[self.address]
+        while box:
+            yield box.pop(0), ""  # no keys: the claimed address stands for the origin
+
+    def send(self, address: str, msg: m.ControlMessage, to: str = "") -> None:
+        self.wire.inbox.setdefault(address, []).append(msg)
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Nic:
+    """NIXL between the agents of the test: WRITEs complete at once (or as ``fates`` say)."""
+
+    def __init__(self) -> None:
+        self.notifs: dict[str, dict[str, list[bytes]]] = {}
+
+
+class Transport:
+    def __init__(self, nic: Nic, name: str) -> None:
+        self.nic, self._name = nic, name
+        nic.notifs[name] = {}
+        self.posts: list[tuple[str, list[int], list[int]]] = []
+        self.post_error: Exception | None = None
+        self.fates: list[Completion] = []
+        self._handles: dict[int, Completion] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def layout(self) -> m.Layout:
+        return LAYOUT
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def metadata(self) -> bytes:
+        return b"meta:" + self._name.encode()
+
+    def connect(self, agent_meta: bytes, layout: m.Layout, expect_name: str = "") -> RemotePeer:
+        return RemotePeer(expect_name, layout, None)
+
+    def disconnect(self, agent_name: str) -> None: ...
+
+    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
+             notif: bytes = b"") -> Any:
+        if self.post_error is not None:
+            raise self.post_error
+        self.posts.append((op, local_blocks, remote_blocks))
+        fate = self.fates.pop(0) if self.fates else "DONE"
+        if notif and fate == "DONE":
+            self.nic.notifs[peer.agent_name].setdefault(self._name, []).append(notif)
+        handle = next(self._ids)
+        self._handles[handle] = fate
+        return handle
+
+    def state(self, handle: Any) -> Completion:
+        return self._handles[handle]
+
+    def release(self, handle: Any) -> None:
+        del self._handles[handle]
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        out, self.nic.notifs[self._name] = self.nic.notifs[self._name], {}
+        return out
+
+    def close(self) -> None: ...
+
+
+def info(name: str, control: str) -> m.PeerInfo:
+    return m.PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control),
+                      b"meta", LAYOUT)
+
+
+class Pair:
+    """A P pump and a D pump on one wire and one NIC, stepped by hand (no threads)."""
+
+    def __init__(self) -> None:
+        wire, nic = Wire(), Nic()
+        p_info, d_info = info("P", "tcp://p:1"), info("D", "tcp://d:1")
+        settings = core_settings(CFG, 4096)
+        self.tx = Transport(nic, p_info.agent_name)
+        self.rx = Transport(nic, d_info.agent_name)
+        self.p_stats, self.d_stats = StatsBuffer(), StatsBuffer()
+        self.p_results, self.d_results = _Results(), _Results()
+        self.p = SenderPump(CFG, Sender(p_info, settings.sender, _Rng()), self.tx,
+                            Endpoint(wire, p_info.control), self.p_results,  # type: ignore[arg-type]
+                            self.p_stats)
+        self.d = ReceiverPump(CFG, Receiver(d_info, settings.receiver, _Rng()), self.rx,
+                              Endpoint(wire, d_info.control), self.d_results,  # type: ignore[arg-type]
+                              self.d_stats)
+
+    def step(self, n: int = 3) -> None:
+        for _ in range(n):
+            with self.p.lock:
+                self.p._pass(True)
+            with self.d.lock:
+                self.d._pass(True)
+
+    def push(self, tid: str = "t") -> None:
+        """D registers three blocks, P computes the prompt and finishes the request."""
+        self.d.request_of[tid] = f"d-{tid}"
+        self.d.submit(RegisterBlocks(tid, "tcp://p:1", (10, 11, 12), 0, 300))
+        self.p.submit(ExpectBlocks(tid))
+        self.step()
+        self.p.request_of[tid] = f"p-{tid}"
+        self.p.run_now(BlocksReady(tid, (1, 2, 3)))
+        self.p.submit(Hold(tid))
+
+
+class _Rng:
+    def uniform(self, a: float, b: float) -> float:
+        return a
+
+    def getrandbits(self, k: int, /) -> int:
+        return 7
+
+
+def counters(stats: StatsBuffer) -> dict[tuple[str, ...], float]:
+    return {(name, *labels): v for name, labels, v in stats.drain().get("c", [])}
+
+
+def test_a_prompt_is_pushed_end_to_end_through_both_pumps() -> None:
+    pair = Pair()
+    pair.push()
+    pair.step()
+    assert pair.tx.posts == [("WRITE", [1], [10]), ("WRITE", [2], [11]), ("WRITE", [3], [12])]
+    assert pair.p_results.take()[0] == {"p-t"}
+    assert pair.d_results.take()[1] == {"d-t"}
+    assert pair.d_results.take_outcomes() == {"d-t": "pushed"}
+    assert counters(pair.p_stats)[("kvpush_transfers", "producer", "pushed")] == 1
+    assert counters(pair.d_stats)[("kvpush_transfers", "consumer", "pushed")] == 1
+
+
+def test_a_chunk_that_fails_with_a_retryable_error_is_posted_again() -> None:
+    pair = Pair()
+    pair.tx.fates = [ChunkError(ErrorKind.BACKEND, "ERR:nixlBackendError")]
+    pair.push()
+    pair.step(30)
+    assert pair.tx.posts[:2] == [("WRITE", [1], [10]), ("WRITE", [2], [11])]
+    assert pair.tx.posts.count(("WRITE", [1], [10])) == 2
+    c = counters(pair.p_stats)
+    assert c[("kvpush_chunks", "producer", "error")] == 1
+    assert c[("kvpush_retries", "producer", "BACKEND")] == 1
+    assert c[("kvpush_transfers", "producer", "retried")] == 1
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    (ChunkFailed(ChunkError(ErrorKind.REMOTE_DISCONNECT, "injected")), "REMOTE_DISCONNECT"),
+    (RuntimeError("NIXL_ERR_NOT_FOUND: gone"), "NOT_FOUND"),
+])
+def test_a_post_that_raises_fails_the_chunk_by_its_kind_and_d_pulls(
+        error: Exception, reason: str) -> None:
+    pair = Pair()
+    pair.tx.post_error = error
+    pair.push()
+    pair.step(10)
+    c = counters(pair.p_stats)
+    assert c[("kvpush_chunks", "producer", "post_failed")] == 2  # both chunks before the last
+    assert c[("kvpush_fallbacks", "producer", reason)] == 1
+    assert [p[0] for p in pair.rx.posts] == ["READ"] * 3  # D pulled
+    assert pair.d_results.take_outcomes() == {"d-t": "pull_fallback"}
+
+
+def test_an_action_that_raises_is_contained_and_counted_and_the_pump_goes_on() -> None:
+    pair = Pair()
+
+    def broken(address: str, msg: m.ControlMessage, to: str = "") -> None:
+        if isinstance(msg, m.Register):
+            raise OSError("socket gone")
+
+    pair.d.endpoint.send = broken  # type: ignore[method-assign]
+    pair.d.request_of["t"] = "d-t"
+    pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10,), 0, 100))
+    pair.d.submit(AbortReceive("nothing"))
+    pair.step(1)
+    assert counters(pair.d_stats)[("kvpush_pump_errors", "consumer", "action")] == 1
+    assert pair.d.engine.active == 1  # the receive is there; only its REGISTER was lost
+
+
+def test_a_malformed_done_notification_is_counted_as_rejected() -> None:
+    pair = Pair()
+    pair.d.request_of["t"] = "d-t"
+    pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10,), 0, 100))
+    pair.step(1)
+    pair.tx.nic.notifs[pair.rx.name][pair.tx.name] = [m.NOTIF_PREFIX + b"\xff\x00"]
+    pair.step(1)
+    assert counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer",
+                                   "malformed")] == 1

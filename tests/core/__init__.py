@@ -1,0 +1,1 @@
+"""Tests of kvpush_prod.core (the package mirrors src/)."""

@@ -1,0 +1,114 @@
+"""D's admission of inbound transfers (core.admission): what each ask answers, what P must
+hear of it, and when the credit comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush_prod.core.admission import Admissions, Verdict, blocks_to_receive
+from kvpush_prod.core.credits import CreditLedger, CreditSettings, Decision
+from kvpush_prod.core.vocabulary import Outcome
+
+BS = 16  # tokens per block
+
+
+def admissions(budget: int = 10, cap: int = 10) -> Admissions[str]:
+    return Admissions(CreditLedger(CreditSettings(budget, cap)), BS)
+
+
+@pytest.mark.parametrize(("prompt", "computed", "span"), [
+    (100, 0, (0, 7)), (100, 16, (1, 6)), (100, 20, (1, 6)), (96, 95, (5, 1)), (16, 0, (0, 1)),
+])
+def test_the_span_starts_at_the_first_block_not_fully_computed(
+        prompt: int, computed: int, span: tuple[int, int]) -> None:
+    assert blocks_to_receive(prompt, computed, BS) == span
+
+
+def test_an_admitted_request_loads_its_missing_tokens_and_counts_once() -> None:
+    a = admissions()
+    rx = a.track("r", "t", "p:1", "remote")
+    first = a.ask("r", 100, 20, 0.0)
+    assert (first.verdict, first.decision, first.tokens, first.nblocks) == (
+        Verdict.LOAD, Decision.ADMIT, 80, 6)
+    assert first.first_admit and not first.wait_over and first.not_needed is None
+    again = a.ask("r", 100, 20, 1.0)
+    assert again.verdict is Verdict.LOAD and not again.first_admit
+    assert (rx.first_block, rx.nblocks, rx.admitted) == (1, 6, True)
+    assert a.ledger.in_use == 6
+
+
+def test_a_request_told_later_asks_p_to_wait_once_and_hears_when_it_is_over() -> None:
+    a = admissions(budget=10)
+    a.track("big", "t1", "p:1", "")
+    assert a.ask("big", 160, 0, 0.0).verdict is Verdict.LOAD  # 10 blocks: the whole budget
+    a.track("r", "t2", "p:1", "")
+    later = a.ask("r", 32, 0, 0.0)
+    assert (later.verdict, later.decision, later.first_wait) == (Verdict.LATER, Decision.LATER,
+                                                                 True)
+    assert not a.ask("r", 32, 0, 0.1).first_wait
+    a.ended("big")
+    admitted = a.ask("r", 32, 0, 0.2)
+    assert admitted.verdict is Verdict.LOAD and admitted.wait_over and admitted.first_admit
+
+
+def test_a_prefix_hit_loads_nothing_and_tells_p_it_is_not_needed() -> None:
+    a = admissions()
+    a.track("r", "t", "p:1", "")
+    answer = a.ask("r", 64, 64, 0.0)
+    assert (answer.verdict, answer.decision, answer.not_needed) == (
+        Verdict.LOCAL, None, Outcome.PREFIX_HIT)
+    assert a.get("r") is None and a.is_over("r") and a.ledger.in_use == 0
+
+
+def test_a_request_that_can_never_fit_is_recomputed_and_p_told() -> None:
+    a = admissions(budget=4)
+    a.track("r", "t", "p:1", "")
+    answer = a.ask("r", 100, 0, 0.0)
+    assert (answer.verdict, answer.decision, answer.not_needed, answer.nblocks) == (
+        Verdict.LOCAL, Decision.REFUSE, Outcome.RECOMPUTE, 7)
+    assert "budget is 4" in answer.reason
+    assert a.is_over("r") and a.ledger.waiting == 0
+
+
+def test_an_allocated_receive_is_over_for_asks_and_aborted_when_the_request_ends() -> None:
+    a = admissions()
+    a.track("r", "t", "p:1", "")
+    a.ask("r", 48, 0, 0.0)
+    rx = a.allocated("r", 3)
+    assert rx is not None and rx.allocated and a.is_over("r")
+    finish = a.finish("r")
+    assert finish.abort and finish.not_needed is None and a.aborting == 1
+    assert not a.is_over("r")  # a request id is asked about again only once reused
+    ended, credited = a.ended("r")
+    assert ended is rx and credited and a.ledger.in_use == 0 and a.aborting == 0
+
+
+def test_a_request_that_ends_before_its_blocks_frees_p_and_its_credit() -> None:
+    a = admissions()
+    a.track("r", "t", "p:1", "")
+    a.ask("r", 48, 0, 0.0)
+    finish = a.finish("r")
+    assert finish.not_needed is Outcome.ABORTED and not finish.abort
+    assert a.get("r") is None and a.ledger.in_use == 0
+
+
+def test_a_request_without_a_transfer_finishes_with_nothing_to_do() -> None:
+    a = admissions()
+    assert a.ask("nobody", 10, 0, 0.0).verdict is Verdict.LOCAL
+    assert a.finish("nobody").rx is None
+    assert a.ended("nobody") == (None, False)
+
+
+def test_a_withdrawn_admission_gives_its_credit_back_and_asks_again() -> None:
+    a = admissions()
+    a.track("r", "t", "p:1", "")
+    a.ask("r", 48, 0, 0.0)
+    a.withdraw("r")
+    assert a.ledger.in_use == 0
+    assert a.ask("r", 48, 0, 1.0).first_admit
+
+
+def test_a_skipped_request_is_over() -> None:
+    a = admissions()
+    a.skip("r")
+    assert a.is_over("r") and a.get("r") is None

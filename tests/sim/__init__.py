@@ -1,0 +1,1 @@
+"""Tests of kvpush_prod.sim (the package mirrors src/)."""

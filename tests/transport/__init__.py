@@ -1,0 +1,1 @@
+"""Tests of kvpush_prod.transport (the package mirrors src/)."""
