@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.settings import core_settings
+from kvpush_prod.config.core import core_settings
 from kvpush_prod.connector.worker import ReceiverPump, SenderPump, _Results
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.commands import AbortReceive, BlocksReady, ExpectBlocks, Hold, RegisterBlocks

@@ -71,7 +71,7 @@ class Violation(AssertionError):
 
 
 # ------------------------------------------------------------------------------ settings
-# Scaled-down numbers with the relations the shells use (connector.settings.core_settings):
+# Scaled-down numbers with the relations the shells use (config.core.core_settings):
 # per-state limits equal the whole-transfer bound, fallback gets the pull permit plus a quarter.
 BLOCK_BYTES = 1000
 BLOCK_TOKENS = 16  # tokens per KV block

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvpush_prod.config import KvpushConfig
+from kvpush_prod.config.core import credit_settings
 from kvpush_prod.connector.metadata import PeerRef, PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.connector.params import (
     RemotePrefill,
@@ -19,7 +20,6 @@ from kvpush_prod.connector.params import (
     is_remote_decode,
     transfer_id_of,
 )
-from kvpush_prod.connector.settings import credit_settings
 from kvpush_prod.connector.trust import Trust
 from kvpush_prod.core.admission import Admissions, Answer, Inbound, Verdict
 from kvpush_prod.core.credits import CreditLedger, Decision

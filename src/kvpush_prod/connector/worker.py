@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
+from kvpush_prod.config.core import core_settings
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
-from kvpush_prod.connector.settings import core_settings
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
 from kvpush_prod.core import messages

@@ -62,7 +62,7 @@ S = TransferState
 @dataclass(frozen=True, slots=True)
 class ReceiverSettings:
     """The numbers D's protocol runs on (defaults: the configuration's; the shell maps the
-    configuration onto them in ``connector.settings``)."""
+    configuration onto them in ``config.core``)."""
 
     block_bytes: int
     permit_ttl_s: float = 5.0

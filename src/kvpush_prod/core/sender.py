@@ -67,7 +67,7 @@ S = TransferState
 @dataclass(frozen=True, slots=True)
 class SenderSettings:
     """The numbers P's protocol runs on (defaults: the configuration's; the shell maps the
-    configuration onto them in ``connector.settings``)."""
+    configuration onto them in ``config.core``)."""
 
     block_bytes: int  # one block of this rank, all regions
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)

@@ -2,14 +2,13 @@
 
 The core's settings dataclasses default to what the configuration defaults to (a test holds
 them equal), so whatever is not mapped here reads the same in the core and in the config.
-This belongs with the configuration: it is to move under ``config/`` once that is a package.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush_prod.config import KvpushConfig
+from kvpush_prod.config.settings import KvpushConfig
 from kvpush_prod.core.credits import CreditSettings
 from kvpush_prod.core.receiver import ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySettings

@@ -1,10 +1,10 @@
 """One set of defaults: the core's settings dataclasses default to what the configuration
-defaults to, and ``connector.settings`` is the one mapping between them."""
+defaults to, and ``config.core`` is the one mapping between them."""
 
 from __future__ import annotations
 
 from kvpush_prod.config import KvpushConfig, config_from_extra
-from kvpush_prod.connector.settings import core_settings, credit_settings
+from kvpush_prod.config.core import core_settings, credit_settings
 from kvpush_prod.core.credits import CreditSettings
 from kvpush_prod.core.receiver import ReceiverSettings
 from kvpush_prod.core.sender import SenderSettings
