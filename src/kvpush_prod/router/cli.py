@@ -167,6 +167,21 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
         help="probe decode backends for their control-channel key and name it to P "
         "(decode_key), so P accepts the transfer only from that D",
     )
+    p.add_argument(
+        "--admin-token-file",
+        dest="admin_token_file",
+        metavar="PATH",
+        help="file holding the bearer token of the admin API (drain, undrain, backends; "
+        "`kvpush drain` uses it); without it the admin API is off",
+    )
+    p.add_argument(
+        "--no-backend-wait",
+        type=float,
+        dest="no_backend_wait_s",
+        metavar="S",
+        help="a request that finds no routable pair waits this long for one (an engine "
+        "restarting after a drain) before 503 (default 0)",
+    )
 
 def settings_from_args(
     argv: list[str] | None = None, *, prog: str = "kvpush router"

@@ -152,6 +152,14 @@ class RouterSettings(_Strict):
     # Probe decode backends for their control-channel key, so P accepts the transfer only
     # from the D chosen for it (prefill leg's ``decode_key``).
     probe_decode: bool = False
+    # -- operations --
+    # A request that finds no routable (P, D) pair waits up to this long for one (an engine
+    # restarting after a drain) before the router answers 503; 0: answer at once.
+    no_backend_wait_s: float = Field(default=0.0, ge=0, le=600)
+    # The file holding the bearer token of the admin API (/admin/...: drain, undrain,
+    # backends); without it the admin API is off. Like the params key, never a flag value.
+    admin_token_file: str | None = None
+    admin_token: bytes | None = Field(default=None, repr=False, exclude=True)
     access_log: bool = False
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
@@ -272,11 +280,25 @@ def read_params_key(path: str | Path) -> bytes:
     return key
 
 
+def _with_admin_token(settings: RouterSettings) -> RouterSettings:
+    """``settings`` with ``admin_token`` read from ``admin_token_file`` (if given)."""
+    if settings.admin_token is not None or settings.admin_token_file is None:
+        return settings
+    token = read_params_key(settings.admin_token_file)
+    if len(token) < 16:
+        raise ConfigError(
+            f"the admin token in {settings.admin_token_file!r} is {len(token)} bytes; use at "
+            "least 16 random bytes (e.g. `openssl rand -hex 32`)"
+        )
+    return settings.model_copy(update={"admin_token": token})
+
+
 def with_params_key(
     settings: RouterSettings, environ: Mapping[str, str] | None = None
 ) -> RouterSettings:
     """``settings`` with ``params_key`` loaded from ``params_key_file``, else from
     ``$KVPUSH_PARAMS_KEY`` in ``environ`` (not consulted when None); unchanged if neither."""
+    settings = _with_admin_token(settings)
     if settings.params_key is not None:
         return settings
     if settings.params_key_file is not None:

@@ -219,9 +219,18 @@ class Dispatcher:
             else request.headers.get("authorization"),
         )
         try:
+            await self._wait_for_pair(req)
             return await self._route(req)
         finally:
             req.disconnect.cancel()
+
+    async def _wait_for_pair(self, req: _Request) -> None:
+        """With no routable pair, wait up to ``no_backend_wait_s`` for one (an engine
+        restarting after a drain), checking every 100 ms; the route then answers."""
+        deadline = time.monotonic() + self.settings.no_backend_wait_s
+        while (not self.pool.has_pair(req.model, req.exclude) and time.monotonic() < deadline
+               and not req.disconnect.done()):
+            await asyncio.sleep(0.1)
 
     async def _read_request(self, request: Request) -> dict[str, Any]:
         """The client's body as a JSON object within every request limit, or

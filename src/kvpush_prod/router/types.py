@@ -53,6 +53,9 @@ class Backend:
     # (with a key or without: an engine without keys has none to give).
     remote_key: str | None = None
     key_probed: bool = False
+    # Drained by an operator: no new legs; cleared when the engine comes back after a
+    # restart (it went down and up again) or by an undrain.
+    draining: bool = False
 
     @property
     def up(self) -> bool:
@@ -70,6 +73,7 @@ class Backend:
             "up": self.up,
             "healthy": self.healthy,
             "inflight": self.inflight,
+            "draining": self.draining,
             "models": list(self.models),
         }
         if self.role is Role.PREFILL:

@@ -1,0 +1,119 @@
+"""The router's admin API and `kvpush drain`: a drained engine gets no new request, comes
+back by itself after a restart, and requests can wait for it instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from kvpush_prod.router.drain import busy, drain
+from tests.router.test_proxy import COMPLETION
+
+TOKEN = "t" * 32
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def admin(r, path: str, backend: str, token: str = TOKEN) -> httpx.Response:
+    return await r.client.post(r.url + path, json={"backend": backend},
+                               headers={"Authorization": f"Bearer {token}"})
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "admin.token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+async def test_the_admin_api_is_off_without_a_token_and_refuses_a_wrong_one(fakes, router,
+                                                                           token_file):
+    p, d = await fakes("prefill"), await fakes("decode")
+    off = await router([p], [d])
+    assert (await admin(off, "/admin/drain", d.url)).status_code == 404
+    on = await router([p], [d], admin_token_file=token_file)
+    assert (await admin(on, "/admin/drain", d.url, token="x" * 32)).status_code == 401
+    assert (await on.client.get(on.url + "/admin/backends")).status_code == 401
+    assert (await admin(on, "/admin/drain", "http://nowhere:1")).status_code == 404
+    assert (await on.client.post(on.url + "/admin/drain", content=b"junk",
+                                 headers=AUTH)).status_code == 400
+
+
+async def test_a_drained_engine_gets_no_new_request_and_the_other_takes_them(fakes, router,
+                                                                             token_file):
+    p = await fakes("prefill")
+    d1, d2 = await fakes("decode"), await fakes("decode")
+    r = await router([p], [d1, d2], admin_token_file=token_file)
+    assert (await admin(r, "/admin/drain", d1.url)).json()["draining"] is True
+    for _ in range(4):
+        assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
+    assert len(d1.requests) == 0 and len(d2.requests) == 4
+    listed = (await r.client.get(r.url + "/admin/backends", headers=AUTH)).json()
+    assert [b["draining"] for b in listed["decode"]] == [True, False]
+    await admin(r, "/admin/undrain", d1.url)
+    for _ in range(4):
+        await r.post("/v1/completions", COMPLETION)
+    assert len(d1.requests) > 0
+
+
+async def test_a_drained_engine_rejoins_by_itself_after_a_restart(fakes, router, token_file):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], admin_token_file=token_file, no_backend_wait_s=10.0)
+    await admin(r, "/admin/drain", d.url)
+    await d.stop()
+    # The request waits for the engine instead of failing; the restart brings it back.
+    pending = asyncio.create_task(r.post("/v1/completions", COMPLETION))
+    await asyncio.sleep(0.5)
+    assert not pending.done()
+    await d.restart()
+    resp = await asyncio.wait_for(pending, 10)
+    assert resp.status_code == 200, resp.text
+    listed = (await r.client.get(r.url + "/admin/backends", headers=AUTH)).json()
+    assert listed["decode"][0]["draining"] is False
+
+
+async def test_without_a_wait_no_backend_is_503_at_once(fakes, router, token_file):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], admin_token_file=token_file)
+    await admin(r, "/admin/drain", d.url)
+    resp = await r.post("/v1/completions", COMPLETION)
+    assert resp.status_code == 503 and "draining" in resp.text
+
+
+def test_busy_reads_vllms_and_kvpushs_series():
+    text = ("# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0"} 2.0\n'
+            "# TYPE kvpush_connector_blocks gauge\n"
+            'kvpush_connector_blocks{role="producer"} 5.0\n')
+    assert busy(text) == {"vllm:num_requests_running": 2.0, "vllm:num_requests_waiting": 0.0,
+                          "kvpush_transfers_active": 0.0, "kvpush_connector_blocks": 5.0}
+
+
+def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
+    values = iter([3.0, 1.0, 0.0])
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/admin/drain":
+            return httpx.Response(200, json={"inflight": 1})
+        v = next(values)
+        return httpx.Response(200, text=f'kvpush_connector_blocks{{role="producer"}} {v}\n')
+
+    said: list[str] = []
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    assert drain("http://p:8000", ["http://router:9000"], TOKEN, 60, said.append, 0.0, client)
+    assert calls[0] == "/admin/drain" and calls.count("/metrics") == 3
+    assert said[-1].endswith("idle")
+
+
+def test_drain_gives_up_at_the_deadline():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/admin/drain":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, text="vllm:num_requests_running 1\n")
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    assert not drain("http://d:8000", ["http://r:9000"], TOKEN, 0.0, lambda s: None, 0.0,
+                     client)
