@@ -68,7 +68,7 @@ CONTROL_REJECT_REASONS = (
     "peer_refused_key", "peer_handshake_failed",
 )
 PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
-                         "foreign_peer")
+                         "foreign_peer", "unusable")
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -171,7 +171,9 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_kv_params_rejected", "counter", ("role", "reason"),
        "Requests whose kv_transfer_params were refused: malformed, unsigned / bad_signature "
        "/ expired (not signed by the router's params key), unknown_key (a peer key outside "
-       "the allow-list), foreign_peer (an address outside control.allowed_peers). D computes "
+       "the allow-list), foreign_peer (an address outside control.allowed_peers), unusable "
+       "(a prefill engine's fields without do_remote_prefill, or a pull connector's answer). "
+       "D computes "
        "such a prompt locally; P does not push it.",
        values={"reason": PARAMS_REJECT_REASONS}, healthy=False),
     _s("kvpush_control_insecure", "gauge", _R,

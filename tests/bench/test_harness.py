@@ -136,6 +136,15 @@ def test_what_authentication_costs_is_kvpush_against_itself_without_keys():
     assert "What authentication costs" not in report.markdown(RESULTS)
 
 
+def test_the_sequential_flow_is_compared_with_the_concurrent_one():
+    data = {**RESULTS, "cells": {**RESULTS["cells"],
+                                 "kvpush-sequential": {"1024x1": _cell(1024, 1, 50.0, 5.0)}}}
+    (row,) = report.flow_cost(data)
+    assert row["ttft_p50"] == pytest.approx(50.0 / 25.0)
+    assert "## Router flow: sequential / concurrent" in report.markdown(data)
+    assert report.flow_cost(RESULTS) == []
+
+
 def test_markdown_and_plots_come_from_results_alone(tmp_path):
     md = report.markdown(RESULTS)
     assert "Test CPU (AVX2" in md and "| 1024 | 1 | kvpush | 25.0 |" in md

@@ -78,15 +78,16 @@ def ratios(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 INSECURE = "kvpush-insecure"
+SEQUENTIAL = "kvpush-sequential"
 
 
-def auth_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """kvpush (keys, signed params) against the same without keys, per cell (1: free)."""
+def side_ratio(data: dict[str, Any], side: str, base: str) -> list[dict[str, Any]]:
+    """``side`` against ``base`` per cell (1: the same)."""
     cells = data["cells"]
     rows = []
     for length, conc in _keys(data):
         key = f"{length}x{conc}"
-        ours, bare = cells.get(OURS, {}).get(key), cells.get(INSECURE, {}).get(key)
+        ours, bare = cells.get(side, {}).get(key), cells.get(base, {}).get(key)
         if ours is None or bare is None:
             continue
         rows.append({"length": length, "concurrency": conc,
@@ -94,6 +95,17 @@ def auth_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
                      "ttft_p99": ratio(_get(ours, "ttft_ms", "p99"), _get(bare, "ttft_ms", "p99")),
                      "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(bare, "tpot_ms"))})
     return rows
+
+
+def auth_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvpush (keys, signed params) against the same without keys, per cell (1: free)."""
+    return side_ratio(data, OURS, INSECURE)
+
+
+def flow_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """kvpush behind a sequential router (P first, then D with P's answer) against the
+    concurrent flow (both legs at once), per cell (> 1: what the sequential flow costs)."""
+    return side_ratio(data, SEQUENTIAL, OURS)
 
 
 def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
@@ -151,6 +163,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
     lines += _latency_table(data)
     lines += _ratio_table(data)
     lines += _auth_cost_table(data)
+    lines += _flow_table(data)
     lines += _targets_table(data)
     lines.append("")
     return "\n".join(lines)
@@ -255,15 +268,25 @@ def _ratio_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _auth_cost_table(data: dict[str, Any]) -> list[str]:
-    cost = auth_cost(data)
-    if not cost:
+def _pair_table(title: str, rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
         return []
-    lines = ["", "## What authentication costs (kvpush / kvpush-insecure; 1 = free)", "",
-             "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
+    lines = ["", title, "", "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
-              f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in cost]
+              f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in rows]
     return lines
+
+
+def _auth_cost_table(data: dict[str, Any]) -> list[str]:
+    return _pair_table("## What authentication costs (kvpush / kvpush-insecure; 1 = free)",
+                        auth_cost(data))
+
+
+def _flow_table(data: dict[str, Any]) -> list[str]:
+    return _pair_table(
+        "## Router flow: sequential / concurrent (kvpush-sequential / kvpush; > 1: what "
+        "running P first costs)", flow_cost(data))
 
 
 def _targets_table(data: dict[str, Any]) -> list[str]:

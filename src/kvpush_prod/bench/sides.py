@@ -84,6 +84,10 @@ SIDES: dict[str, Side] = {
         Side("kvpush", "kvpush", "neutralised", "kvpush (ours)"),
         # The same without keys or signed params: what authentication costs.
         Side("kvpush-insecure", "kvpush", "neutralised", "kvpush without keys (insecure)"),
+        # The same engines behind a sequential router (P first, then D with P's answer), as
+        # Ray Serve LLM and vLLM's example proxies run P/D: what the concurrent flow gains.
+        Side("kvpush-sequential", "kvpush", "neutralised",
+             "kvpush behind a sequential router"),
     )
 }
 DEFAULT_SIDES = [
@@ -247,7 +251,8 @@ class RunningSide:
         cluster.start(timeout)
         self.procs.update(cluster.procs)
         self.engine_urls.update({n: cluster.urls[n] for n in ("prefill", "decode")})
-        self._start_router("push")
+        # The router's "pull" mode is the sequential flow: P first, D with P's answer.
+        self._start_router("pull" if self.side.name == "kvpush-sequential" else "push")
 
     def _start_router(self, mode: str) -> None:
         port = free_port()

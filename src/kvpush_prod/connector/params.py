@@ -82,10 +82,33 @@ class RemotePrefill:
     key: str = ""  # the prefill engine's public key ("" if the params name none)
 
 
+# Fields only a kvpush prefill engine's answer (or a router that read one) carries.
+_KVPUSH_FIELDS = ("kvpush", "transfer_id", "remote_key")
+
+
 def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> RemotePrefill | None:
-    """None if the request is not a remote prefill; raises KVTransferParamsError if malformed."""
-    if not params or not params.get("do_remote_prefill"):
+    """None if the request is not a remote prefill; raises KVTransferParamsError if malformed,
+    or if it names a prefill engine in a way D cannot use (reason ``unusable``), so that such
+    a request is counted and warned about rather than silently computed here."""
+    if not params:
         return None
+    if "do_remote_prefill" not in params:
+        named = [k for k in _KVPUSH_FIELDS if k in params]
+        if named:
+            raise KVTransferParamsError(
+                f"kv_transfer_params carry a prefill engine's {', '.join(named)} but no "
+                "do_remote_prefill: the router did not pass the prefill engine's answer as it "
+                "is (or stripped do_remote_prefill); send it unchanged (do_remote_prefill: true)",
+                reason="unusable")
+        return None
+    if not params.get("do_remote_prefill"):
+        return None
+    mode = params.get("transfer_mode", "push")
+    if mode != "push":
+        raise KVTransferParamsError(
+            f"kv_transfer_params.transfer_mode={str(mode)[:20]!r}: the prefill engine runs a "
+            "pull connector (vLLM's NixlConnector); a kvpush decode engine needs a kvpush "
+            "prefill engine (kv_connector: KvpushConnector on both)", reason="unusable")
     missing = [k for k in ("remote_host", "remote_port") if params.get(k) in (None, "")]
     if missing:
         raise KVTransferParamsError(

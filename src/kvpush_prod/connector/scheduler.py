@@ -346,11 +346,35 @@ class ProducerSide(SchedulerSide):
                 return False, None
             self._meta.abort_send.append(tid)
             self.stats.inc("kvpush_transfers", (self.role, Outcome.ABORTED.value))
-            return False, {**self.identity(), "transfer_id": tid}
+            return False, self.answer(request, tid, [], pushed=False)
         tid, nblocks = sent
         self._held[rid] = nblocks
         self._meta.hold.append(tid)
-        return True, {**self.identity(), "transfer_id": tid}
+        return True, self.answer(request, tid, list(block_ids[:nblocks]), pushed=True)
+
+    def answer(self, request: Request, transfer_id: str, block_ids: list[int],
+               pushed: bool) -> dict[str, Any]:
+        """P's kv_transfer_params for the router: the keys vLLM's NixlPushConnector answers
+        with (routers such as vllm-router learn push mode and the decode leg's parameters
+        from them; a sequential router hands them to D as they are), plus our own
+        (``transfer_id``, ``kvpush``, ``remote_key``). ``do_remote_prefill`` is False when
+        no KV will come (the prompt never completed): D then computes it itself."""
+        return {
+            "do_remote_prefill": pushed,
+            "do_remote_decode": False,
+            "remote_block_ids": [block_ids],  # per KV cache group, as vLLM
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.control_host,
+            "remote_port": self.control_port,
+            "tp_size": self.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": request.num_computed_tokens if pushed else 0,
+            "transfer_mode": "push",
+            **self.identity(),
+            "transfer_id": transfer_id,
+        }
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
