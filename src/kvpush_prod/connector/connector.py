@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush_prod.config import config_from_extra
+from kvpush_prod.connector.compat import layout_facts
 from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
 from kvpush_prod.connector.scheduler import SchedulerSide, scheduler_side
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
@@ -110,6 +111,7 @@ class PushConnector(KVConnectorBase_V1):
                 dp_index=parallel.data_parallel_index,
                 signature=_signature(vllm_config, kv_cache_config),
                 num_blocks=kv_cache_config.num_blocks,
+                facts=layout_facts(vllm_config, kv_cache_config),
             )
             self._kv_buffer_device = ktc.kv_buffer_device
 

@@ -110,7 +110,8 @@ class WorkerSide:
     """Registers the KV cache with NIXL and runs the push protocol of this rank."""
 
     def __init__(self, cfg: KvpushConfig, role: Side, engine_id: str, tp_rank: int,
-                 tp_size: int, dp_index: int, signature: str, num_blocks: int) -> None:
+                 tp_size: int, dp_index: int, signature: str, num_blocks: int,
+                 facts: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.role = role
         self.engine_id = engine_id
@@ -118,6 +119,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.port = cfg.control.port + dp_index * tp_size + tp_rank
         self.signature = signature
+        self.facts = facts or {}  # named for peers: a mismatch is reported value by value
         self.num_blocks = num_blocks
         self.incarnation = random.SystemRandom().getrandbits(62)
         self.stats = StatsBuffer()
@@ -141,7 +143,8 @@ class WorkerSide:
                 "verify.checksums reads KV blocks through host memory and cannot check a GPU "
                 "KV cache; set verify.checksums: false on GPU engines"
             )
-        layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature)
+        layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature,
+                                       self.facts)
         host = self.cfg.control.advertise_host or self.cfg.control.host
         control = f"tcp://{host}:{self.port}"
         security = endpoint_security(self.cfg)

@@ -50,12 +50,21 @@ class Region(msgspec.Struct, frozen=True):
     dev_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
+MAX_FACTS = 32  # named facts of a layout (model, dtype, block size, versions, ...)
+FactName = Annotated[str, Meta(min_length=1, max_length=32)]
+FactValue = Annotated[str, Meta(max_length=200)]
+
+
 class Layout(msgspec.Struct, frozen=True):
-    """How an engine rank's KV cache is laid out; both sides must agree on ``compat``."""
+    """How an engine rank's KV cache is laid out; both sides must agree on ``compat``.
+
+    ``facts`` name what ``compat`` hashes (and the model, its revision and the versions),
+    so a mismatch can be reported value by value (``core.compat``)."""
 
     compat: Id  # hash of model shape, dtype, block size, tp size, region block lengths
     mem_type: Literal["DRAM", "VRAM"]
     regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
+    facts: Annotated[dict[FactName, FactValue], Meta(max_length=MAX_FACTS)] = {}
 
 
 class PeerInfo(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvpush_prod.core import compat
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
@@ -30,6 +31,7 @@ from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
     MAX_LIVE,
+    MAX_TEXT_LEN,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
@@ -253,9 +255,19 @@ class Sender:
         o = self._out.get(reg.transfer_id)  # a peer restart may just have ended it
         if refused is not None and refused.reason == "incompatible":
             # A layout we cannot write into: D hears at once instead of waiting out its permit.
-            return [*out, SendMessage(reg.sender.control, Failed(
+            out = [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
                 refused.detail), origin)]
+            owner = (o.owner or o.required) if o is not None else ""
+            if not owner or owner == origin:
+                # The transfer's decode engine can never take this KV: end it now, as its
+                # CANCEL would (blocks still to come are freed unpushed), rather than hold
+                # the prompt's blocks for the whole send lease.
+                self._tombstone(reg.transfer_id, now, origin)
+                if o is not None and not o.inflight:
+                    self._fire(o, E.CANCEL, now)
+                    out += self._close(o, Outcome.FAILED)
+            return out
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
         if o is not None and o.reg is not None and origin != o.owner:
@@ -626,11 +638,12 @@ class Sender:
         if mine is None or theirs is None:
             return ""
         if theirs.compat != mine.compat or len(theirs.regions) != len(mine.regions) \
-                or theirs.mem_type not in ("DRAM", "VRAM"):
-            return (f"{info.engine_id} rank {info.rank}: KV layout {theirs.compat} with "
-                    f"{len(theirs.regions)} regions, this engine {mine.compat} with "
-                    f"{len(mine.regions)}: prefill and decode must run the same model, dtype, "
-                    "block size and tensor-parallel size")
+                or theirs.mem_type not in ("DRAM", "VRAM") \
+                or compat.differences(mine.facts, theirs.facts):
+            return (f"{info.engine_id} rank {info.rank} is incompatible: "
+                    f"{compat.describe(mine.facts, theirs.facts)} (KV layout {theirs.compat} "
+                    f"with {len(theirs.regions)} regions, this engine's {mine.compat} with "
+                    f"{len(mine.regions)})")[:MAX_TEXT_LEN]
         if any(a.block_len != b.block_len for a, b in zip(theirs.regions, mine.regions,
                                                            strict=True)):
             return f"{info.engine_id} rank {info.rank}: KV block sizes differ from this engine's"

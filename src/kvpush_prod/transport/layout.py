@@ -60,9 +60,11 @@ def _regions_of(name: str, t: torch.Tensor, num_blocks: int, dev_id: int) -> lis
 
 
 def layout_from_kv_caches(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, signature: str
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, signature: str,
+    facts: dict[str, str] | None = None,
 ) -> Layout:
-    """The NIXL view of ``kv_caches``; ``signature`` names what must match on both sides."""
+    """The NIXL view of ``kv_caches``; ``signature`` hashes what must match on both sides,
+    ``facts`` name it (and the model and versions) for the error when it does not."""
     regions: list[Region] = []
     seen: set[tuple[int, int]] = set()
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
@@ -80,7 +82,8 @@ def layout_from_kv_caches(
                 regions.append(r)
     shape = ",".join(str(r.block_len) for r in regions)
     compat = hashlib.sha256(f"{signature}|{mem_type}|{shape}".encode()).hexdigest()[:16]
-    return Layout(compat=compat, mem_type=mem_type, regions=regions)
+    return Layout(compat=compat, mem_type=mem_type, regions=regions,
+                  facts=dict(facts or {}))
 
 
 def descriptor_indices(block_ids: list[int], layout: Layout) -> list[int]:

@@ -1,0 +1,42 @@
+"""The facts an engine's KV layout carries to its peers (see ``core.compat``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpush_prod.core.messages import PROTOCOL_VERSION
+
+
+def kvpush_version() -> str:
+    """The installed kvpush-prod's version ("unknown" from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpush-prod")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
+    """Model, revision, dtypes, block size, shape, parallelism, layout and versions."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    model = vllm_config.model_config
+    served = getattr(model, "served_model_name", None) or model.model
+    if isinstance(served, list | tuple):
+        served = served[0] if served else model.model
+    facts = {
+        "model": served,
+        "revision": model.revision or "",
+        "model_type": getattr(model.hf_config, "model_type", ""),
+        "dtype": model.dtype,
+        "kv_cache_dtype": getattr(vllm_config.cache_config, "cache_dtype", ""),
+        "block_size": spec.block_size,
+        "num_layers": getattr(model.hf_config, "num_hidden_layers", ""),
+        "num_kv_heads": getattr(spec, "num_kv_heads", ""),
+        "head_size": getattr(spec, "head_size", ""),
+        "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+        "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", ""),
+        "kvpush": kvpush_version(),
+        "protocol": PROTOCOL_VERSION,
+    }
+    return {k: str(v)[:200] for k, v in facts.items()}
