@@ -275,3 +275,23 @@ class PushConnector(KVConnectorBase_V1):
                            labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KvpushPromMetrics:
         return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ============================================================== sleep mode (vLLM >= 0.33)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: sleep mode remaps the KV cache, and kvpush's NIXL registrations and the
+        layouts its peers cached (addresses of every block) would then point at freed or
+        foreign memory; a push after wake-up would write there. vLLM then refuses sleep mode
+        for an engine running kvpush instead of letting it sleep with stale registrations."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Never called while ``supports_sleep_mode`` is False; if it is, nothing is dropped
+        (the engine keeps serving with its registrations) and the call is logged."""
+        logger.error("kvpush: unregister_kv_caches called although kvpush does not support "
+                     "sleep mode; registrations kept. Disable sleep mode on kvpush engines")
+
+    def restore_kv_caches(self) -> None:
+        """See ``unregister_kv_caches``."""
+        logger.error("kvpush: restore_kv_caches called although kvpush does not support "
+                     "sleep mode. Disable sleep mode on kvpush engines")
