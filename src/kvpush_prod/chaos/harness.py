@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import re
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +74,10 @@ class Needs:
     policy: str = "recompute"
     prefill_faults: tuple[tuple[str, Any], ...] = ()  # KVPUSH_FAULTS fields for P
     decode_blocks: int = 256
+    # The router's admin API (token in workdir/ADMIN_TOKEN_FILE) and how long requests wait
+    # for an engine that is drained or restarting (router no_backend_wait_s; 0: off).
+    admin: bool = False
+    no_backend_wait_s: float = 0.0
 
     def faults_json(self, workdir: Path) -> str | None:
         if not self.prefill_faults:
@@ -100,7 +105,19 @@ def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpe
         spec.prefill_env[FAULTS_ENV] = faults
     if needs.decode_blocks:
         spec.decode_args += ["--num-gpu-blocks-override", str(needs.decode_blocks)]
+    if needs.admin:
+        token = admin_token_file(workdir)
+        token.write_text(secrets.token_hex(32) + "\n")
+        token.chmod(0o600)
+        spec.router_args += ["--admin-token-file", str(token)]
+    if needs.no_backend_wait_s:
+        spec.router_args += ["--no-backend-wait", str(needs.no_backend_wait_s)]
     return spec
+
+
+def admin_token_file(workdir: Path) -> Path:
+    """The router's admin token of a cluster started with ``Needs(admin=True)``."""
+    return workdir / "router-admin.token"
 
 
 async def _keep_loading(gen: LoadGenerator | None) -> None:
