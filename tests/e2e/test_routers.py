@@ -32,6 +32,8 @@ from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.launch import Proc, free_port, wait_healthy
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
+from .otlp_sink import OtlpSink
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
@@ -46,10 +48,19 @@ def vllm_router_binary() -> str:
 
 
 @pytest.fixture(scope="module")
-def behind(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+def otlp() -> Iterator[OtlpSink]:
+    sink = OtlpSink()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="module")
+def behind(e2e_workdir, otlp: OtlpSink) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    # The engines trace (vLLM's --otlp-traces-endpoint): kvpush's transfer spans go there too.
     spec = ClusterSpec(workdir=e2e_workdir("e2e-vllm-router"), router=False,
                        signed_params=False, prefill_engine_id="prefill",
-                       decode_engine_id="decode", prefill_kv_gib=1, decode_kv_gib=1)
+                       decode_engine_id="decode", prefill_kv_gib=1, decode_kv_gib=1,
+                       engine_args=["--otlp-traces-endpoint", otlp.endpoint])
     with Cluster(spec) as c:
         port = free_port()
         cmd = [vllm_router_binary(), "--host", "127.0.0.1", "--port", str(port),
@@ -141,3 +152,32 @@ async def test_a_sequential_router_gets_the_kv_pushed_not_recomputed(behind: Clu
     assert delta(after, before, "vllm:prompt_tokens_by_source_total",
                  source="local_compute") <= len(prompts)
     assert behind.wait_idle(timeout=30) == {"prefill": 0, "decode": 0}
+
+
+async def test_transfer_spans_join_the_requests_trace(behind: Cluster, otlp: OtlpSink) -> None:
+    """A client's traceparent goes through the router to both legs; vLLM's request spans and
+    kvpush's transfer spans (P: kvpush.send, D: kvpush.receive) land in that trace."""
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    prompt = prompt_of_length(300, seed=next(_seeds))
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.post(behind.urls["sequential"] + "/v1/completions", headers=headers,
+                              json=completion_body(prompt, 4, False))
+    assert r.status_code == 200, r.text
+    deadline = asyncio.get_running_loop().time() + 30  # spans are exported in batches
+    names: set[tuple[str, str]] = set()
+    while asyncio.get_running_loop().time() < deadline:
+        names = {(s.service, s.name) for s in otlp.of_trace(trace_id)}
+        ours = {("kvpush-producer", "kvpush.send"), ("kvpush-consumer", "kvpush.receive")}
+        if ours <= names and names - ours:
+            break
+        await asyncio.sleep(0.5)
+    assert ("kvpush-producer", "kvpush.send") in names, names
+    assert ("kvpush-consumer", "kvpush.receive") in names, names
+    everything = sorted({(s.service, s.name, s.trace_id[:8]) for s in otlp.spans})
+    assert any(service not in ("kvpush-producer", "kvpush-consumer")
+               for service, _ in names), f"no span of vLLM's own in the trace: {everything}"
+    (receive,) = [s for s in otlp.of_trace(trace_id) if s.name == "kvpush.receive"]
+    assert receive.attributes["kvpush.outcome"] == "pushed"
+    assert "register" in receive.events and "done" in receive.events
+    assert receive.parent_span_id == "00f067aa0ba902b7"

@@ -547,6 +547,17 @@ async def test_client_authorization_is_forwarded_to_both_legs(fakes, router):
     assert d.requests[0].headers["authorization"] == "Bearer client-key"
 
 
+async def test_the_clients_trace_context_goes_to_both_legs(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d])
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    await r.post("/v1/completions", COMPLETION,
+                 headers={"traceparent": parent, "tracestate": "k=v", "x-other": "no"})
+    for leg in (p.requests[0], d.requests[0]):
+        assert leg.headers["traceparent"] == parent and leg.headers["tracestate"] == "k=v"
+        assert "x-other" not in leg.headers
+
+
 async def test_backend_api_key_is_used_for_probe_and_legs(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], backend_api_key="sekret")

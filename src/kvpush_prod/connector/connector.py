@@ -112,6 +112,8 @@ class PushConnector(KVConnectorBase_V1):
                 signature=_signature(vllm_config, kv_cache_config),
                 num_blocks=kv_cache_config.num_blocks,
                 facts=layout_facts(vllm_config, kv_cache_config),
+                otlp_endpoint=getattr(vllm_config.observability_config,
+                                      "otlp_traces_endpoint", None),
             )
             self._kv_buffer_device = ktc.kv_buffer_device
 

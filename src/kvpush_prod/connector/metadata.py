@@ -25,6 +25,7 @@ class RecvSpec:
     first_block: int
     num_tokens: int
     p_key: str = ""  # the prefill engine's public key ("" without keys)
+    trace_headers: dict[str, str] | None = None  # the request's W3C trace context (spans)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SendSpec:
     transfer_id: str
     block_ids: list[int]
     owner: str = ""  # the decode engine's public key the router named ("" if none)
+    trace_headers: dict[str, str] | None = None  # the request's W3C trace context (spans)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,17 @@ logger = logging.getLogger(__name__)
 _DECISION_LABEL = {Decision.ADMIT: "admit", Decision.LATER: "later", Decision.REFUSE: "refuse"}
 
 
+def trace_headers_of(request: Request) -> dict[str, str] | None:
+    """The request's W3C trace context (``traceparent``/``tracestate``) for transfer spans;
+    None without one. Bounded: a client's headers."""
+    headers = getattr(request, "trace_headers", None)
+    if not headers:
+        return None
+    out = {k: str(v)[:512] for k, v in headers.items()
+           if k.lower() in ("traceparent", "tracestate")}
+    return out or None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -207,7 +218,8 @@ class ConsumerSide(SchedulerSide):
         self.admissions.allocated(rid, len(d_blocks))
         remote = rx.remote
         self._meta.recv.append(RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
-                                        rx.first_block, request.num_prompt_tokens, remote.key))
+                                        rx.first_block, request.num_prompt_tokens, remote.key,
+                                        trace_headers_of(request)))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -325,7 +337,8 @@ class ProducerSide(SchedulerSide):
             nblocks = cdiv(req.num_prompt_tokens, self.block_size)
             blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
             self._sent[rid] = (tid, len(blocks))
-            self._meta.send.append(SendSpec(rid, tid, blocks, self._owners.get(rid, "")))
+            self._meta.send.append(SendSpec(rid, tid, blocks, self._owners.get(rid, ""),
+                                            trace_headers_of(req)))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -57,6 +57,7 @@ from kvpush_prod.core.vocabulary import NoteKind, Outcome, Side
 from kvpush_prod.driver import Driver, Engine, Stage
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
@@ -111,7 +112,8 @@ class WorkerSide:
 
     def __init__(self, cfg: KvpushConfig, role: Side, engine_id: str, tp_rank: int,
                  tp_size: int, dp_index: int, signature: str, num_blocks: int,
-                 facts: dict[str, str] | None = None) -> None:
+                 facts: dict[str, str] | None = None,
+                 otlp_endpoint: str | None = None) -> None:
         self.cfg = cfg
         self.role = role
         self.engine_id = engine_id
@@ -128,7 +130,8 @@ class WorkerSide:
         self._device: str = "cpu"
         self._tx: SenderPump | None = None  # P
         self._rx: ReceiverPump | None = None  # D
-        self.trace = Tracer(f"kvpush-{role.value}")
+        self.trace = Tracer(f"kvpush-{role.value}",
+                            spans=transfer_spans(role.value, otlp_endpoint))
 
     @property
     def _pump(self) -> SenderPump | ReceiverPump | None:
@@ -236,7 +239,8 @@ class WorkerSide:
         for tid in meta.admission_over:
             pump.submit(AdmissionOver(tid))
         for spec in meta.recv:
-            self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids))
+            self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
+                       trace_headers=spec.trace_headers)
             pump.request_of[spec.transfer_id] = spec.request_id
             pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
             pump.began[spec.transfer_id] = time.monotonic()
@@ -273,7 +277,8 @@ class WorkerSide:
 
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
         for spec in sends:
-            self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids))
+            self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids),
+                       trace_headers=spec.trace_headers)
             pump.run_now(BlocksReady(spec.transfer_id, tuple(spec.block_ids), spec.owner))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
@@ -298,6 +303,8 @@ class WorkerSide:
         if pump is not None:
             pump.stop()
             self._tx = self._rx = None
+        if self.trace.spans is not None:
+            self.trace.spans.close()
 
 
 class TransferPump(threading.Thread, Generic[E]):

@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 # Closed-by-client marker (nginx's 499): nobody reads it, but access logs show it.
 _CLIENT_CLOSED = 499
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed to the legs
 
 
 def error_response(
@@ -143,6 +144,9 @@ class _Request:
     failures: list[LegFailure]
     authorization: str | None
     attempts: int = 0
+    # The client's W3C trace context, passed to both legs: the engines' request spans (and
+    # kvpush's transfer spans) join the client's trace.
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -217,6 +221,8 @@ class Dispatcher:
             authorization=None
             if self.settings.backend_api_key
             else request.headers.get("authorization"),
+            trace={k: v[:512] for k in TRACE_HEADERS
+                   if (v := request.headers.get(k)) is not None},
         )
         try:
             await self._wait_for_pair(req)
@@ -592,4 +598,5 @@ def _leg_headers(req: _Request, tid: str) -> dict[str, str]:
     }
     if req.authorization is not None:
         headers["Authorization"] = req.authorization
+    headers.update(req.trace)
     return headers

@@ -1,0 +1,139 @@
+"""Optional OpenTelemetry spans of each transfer, joined to vLLM's own request spans.
+
+When vLLM's tracing is on (``--otlp-traces-endpoint``) and ``opentelemetry-sdk`` is
+installed (``pip install kvpush-prod[otel]``; vLLM's own tracing needs it too), each engine
+exports one span per transfer and side, to the same endpoint:
+
+- D: ``kvpush.receive``, from the moment the worker learns of the transfer (blocks
+  reserved and admitted) to its end, with events ``register`` (REGISTER sent to P),
+  ``pull`` (a fallback READ posted), ``done`` (P's DONE arrived) and the outcome;
+- P: ``kvpush.send``, from the prompt's KV being ready to the blocks' release, with events
+  ``register`` (D's REGISTER arrived), ``push`` (a WRITE chunk posted: bytes, chunk id,
+  last), ``pull_done`` and the outcome.
+
+Each span's parent is the request's W3C trace context (``traceparent`` header the client or
+router sent, which vLLM keeps as the request's ``trace_headers``), so the spans sit under
+vLLM's ``llm_request`` span of the same request. Spans are fed from the worker's event
+trace (``kvpush_prod.trace.Tracer``); without an endpoint nothing is imported or recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_OPEN = 65_536  # spans of transfers not ended yet; the oldest is ended "abandoned"
+SPAN_NAME = {"consumer": "kvpush.receive", "producer": "kvpush.send"}
+# The worker's trace events that mark a phase (event -> span event name).
+PHASES = {"post": "", "done_in": "done", "msg_in": "", "msg_out": ""}
+BEGIN = ("recv_spec", "blocks_ready")
+END = {"report": "outcome", "release": "outcome", "forward_failed": ""}
+
+
+class TransferSpans:
+    """One open span per transfer id; fed ``(event, transfer id, fields)`` by the Tracer."""
+
+    def __init__(self, tracer: Any, side: str, max_open: int = MAX_OPEN) -> None:
+        self._tracer = tracer
+        self._side = side
+        self._name = SPAN_NAME.get(side, f"kvpush.{side}")
+        self._max_open = max_open
+        self._open: OrderedDict[str, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def on_event(self, event: str, tid: str, fields: Mapping[str, Any]) -> None:
+        """The Tracer's hook: begin, annotate or end the span of ``tid``."""
+        if not tid:
+            return
+        if event in BEGIN:
+            self.begin(tid, fields.get("trace_headers"), blocks=fields.get("blocks"))
+        elif event in END:
+            outcome = str(fields.get(END[event], "failed") if END[event] else "failed")
+            self.end(tid, outcome)
+        elif event == "post":
+            op = str(fields.get("op", ""))
+            self.event(tid, "push" if op == "WRITE" else "pull", bytes=fields.get("nbytes"),
+                       chunk=fields.get("chunk"), last=fields.get("last"))
+        elif event in ("msg_in", "msg_out"):
+            kind = str(fields.get("kind", ""))
+            if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):
+                self.event(tid, _snake(kind))
+        elif event == "done_in":
+            self.event(tid, "done")
+
+    def begin(self, tid: str, headers: Mapping[str, str] | None = None, **attrs: Any) -> None:
+        if tid in self._open:
+            return
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
+
+        context = TraceContextTextMapPropagator().extract(dict(headers)) if headers else None
+        span = self._tracer.start_span(self._name, context=context,
+                                       attributes=_attrs(transfer_id=tid, side=self._side,
+                                                         **attrs))
+        self._open[tid] = span
+        while len(self._open) > self._max_open:
+            _, oldest = self._open.popitem(last=False)
+            oldest.set_attribute("kvpush.outcome", "abandoned")
+            oldest.end()
+
+    def event(self, tid: str, name: str, **attrs: Any) -> None:
+        span = self._open.get(tid)
+        if span is not None:
+            span.add_event(name, attributes=_attrs(**attrs), timestamp=time.time_ns())
+
+    def end(self, tid: str, outcome: str) -> None:
+        span = self._open.pop(tid, None)
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("kvpush.outcome", outcome)
+        if outcome in ("failed", "expired", "recompute"):
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end()
+
+    def close(self) -> None:
+        """At shutdown: end what is still open (``abandoned``)."""
+        while self._open:
+            _, span = self._open.popitem(last=False)
+            span.set_attribute("kvpush.outcome", "abandoned")
+            span.end()
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower()
+                   for i, c in enumerate(name))
+
+
+def _attrs(**kw: Any) -> dict[str, Any]:
+    return {f"kvpush.{k}": v for k, v in kw.items()
+            if isinstance(v, (str, bool, int, float))}
+
+
+def transfer_spans(side: str, endpoint: str | None) -> TransferSpans | None:
+    """Spans exported to ``endpoint`` (vLLM's ``otlp_traces_endpoint``); None when it is
+    unset, or when OpenTelemetry is not installed (logged once: tracing was asked for)."""
+    if not endpoint:
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        logger.warning("kvpush: vLLM tracing is on (%s) but OpenTelemetry is not installed "
+                       "(%s): no kvpush spans; pip install 'kvpush-prod[otel]'", endpoint, exc)
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": f"kvpush-{side}"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    logger.info("kvpush: transfer spans go to %s", endpoint)
+    return TransferSpans(provider.get_tracer("kvpush_prod"), side)

@@ -1,0 +1,87 @@
+"""Transfer spans (OpenTelemetry): one per transfer and side, under the request's trace
+context, with an event per phase and the outcome; bounded; never in the transfer's way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+
+from kvpush_prod.otel import TransferSpans, transfer_spans  # noqa: E402
+from kvpush_prod.trace import Tracer  # noqa: E402
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = "00f067aa0ba902b7"
+HEADERS = {"traceparent": f"00-{TRACE_ID}-{PARENT}-01"}
+
+
+def setup(side: str, max_open: int = 100) -> tuple[Tracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = TransferSpans(provider.get_tracer("test"), side, max_open=max_open)
+    return Tracer("", spans=spans), exporter
+
+
+def test_a_receive_span_joins_the_request_trace_with_its_phases() -> None:
+    trace, exported = setup("consumer")
+    assert trace.on
+    trace("recv_spec", "t1", blocks=8, trace_headers=HEADERS)
+    trace("msg_out", "t1", kind="Register")
+    trace("done_in", "t1")
+    trace("report", "t1", ok=True, outcome="pushed")
+    (span,) = exported.get_finished_spans()
+    assert span.name == "kvpush.receive"
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT
+    assert [e.name for e in span.events] == ["register", "done"]
+    assert span.attributes["kvpush.outcome"] == "pushed"
+    assert span.attributes["kvpush.transfer_id"] == "t1"
+    assert span.attributes["kvpush.blocks"] == 8
+
+
+def test_a_send_span_counts_its_chunks_and_marks_failures() -> None:
+    trace, exported = setup("producer")
+    trace("blocks_ready", "t2", blocks=3)  # no trace context: a root span
+    trace("msg_in", "t2", kind="Register")
+    trace("post", "t2", op="WRITE", chunk=1, nbytes=4096, last=False)
+    trace("post", "t2", op="WRITE", chunk=2, nbytes=2048, last=True)
+    trace("release", "t2", outcome="failed")
+    (span,) = exported.get_finished_spans()
+    assert span.name == "kvpush.send" and span.parent is None
+    assert [e.name for e in span.events] == ["register", "push", "push"]
+    assert span.events[1].attributes["kvpush.bytes"] == 4096
+    assert span.status.status_code.name == "ERROR"
+
+
+def test_open_spans_are_bounded_and_ended_at_shutdown() -> None:
+    trace, exported = setup("consumer", max_open=2)
+    for tid in ("a", "b", "c"):
+        trace("recv_spec", tid, blocks=1)
+    assert [s.attributes["kvpush.outcome"] for s in exported.get_finished_spans()] == [
+        "abandoned"]
+    trace.spans.close()
+    assert len(exported.get_finished_spans()) == 3
+
+
+def test_a_broken_span_backend_turns_itself_off_and_the_caller_goes_on() -> None:
+    class Broken:
+        def on_event(self, *a: Any) -> None:
+            raise RuntimeError("exporter gone")
+
+    trace = Tracer("", spans=Broken())
+    trace("recv_spec", "t", blocks=1)  # does not raise
+    assert trace.spans is None and not trace.on
+
+
+def test_no_endpoint_no_spans() -> None:
+    assert transfer_spans("consumer", None) is None
+    assert transfer_spans("consumer", "") is None
