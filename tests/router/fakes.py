@@ -130,6 +130,8 @@ class FakeVLLM:
         self.die_after_chunks: int | None = None  # raise mid-stream after this many chunks
         self.chunk_delay = 0.0
         self.gate: asyncio.Event | None = None  # streamed: wait on it before the last token
+        # What /metrics reports (vLLM's series the engine_load policy reads).
+        self.running, self.waiting, self.kv_usage = 0, 0, 0.0
         self.server = Server(self._build())
 
     @property
@@ -262,6 +264,18 @@ class FakeVLLM:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=self.health_status)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            text = (
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.running}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {self.waiting}\n'
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {self.kv_usage}\n'
+            )
+            return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")
         async def models() -> Response:

@@ -566,3 +566,13 @@ async def test_backend_api_key_is_used_for_probe_and_legs(fakes, router):
     assert p.requests[0].headers["authorization"] == "Bearer sekret"
     assert d.requests[0].headers["authorization"] == "Bearer sekret"
     assert "sekret" not in repr(r.settings)
+
+
+async def test_engine_load_routes_to_the_engine_its_metrics_say_is_idle(fakes, router):
+    p = await fakes("prefill")
+    d_busy, d_idle = await fakes("decode"), await fakes("decode")
+    d_busy.running, d_busy.waiting, d_busy.kv_usage = 8, 4, 0.95
+    r = await router([p], [d_busy, d_idle], policy="engine_load")
+    for _ in range(3):
+        assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
+    assert len(d_idle.requests) == 3 and not d_busy.requests

@@ -43,8 +43,9 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument(
         "--policy",
-        choices=["round_robin", "least_loaded"],
-        help="how to pick backends (default round_robin)",
+        choices=["round_robin", "least_loaded", "engine_load"],
+        help="how to pick backends (default round_robin; engine_load: the engines' own "
+        "running and waiting requests and KV usage, from their /metrics)",
     )
     p.add_argument(
         "--mode",

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key
 
-PolicyName = Literal["round_robin", "least_loaded"]
+PolicyName = Literal["round_robin", "least_loaded", "engine_load"]
 # push: both legs at once (push connectors); pull: P first, then D with P's
 # kv_transfer_params (vLLM's NixlConnector, the usual prefill-then-decode proxy flow).
 RouterMode = Literal["push", "pull"]
@@ -103,7 +103,9 @@ class RouterSettings(_Strict):
     prefill_timeout_s: float = Field(default=300.0, gt=0)
     # From sending D's leg to its first byte (D waits for the KV there); None = no limit.
     first_byte_timeout_s: float | None = Field(default=600.0, gt=0)
-    health_interval_s: float = Field(default=2.0, gt=0)
+    # A dead engine (connection refused) is out of rotation at the next poll, a frozen one
+    # after health_timeout_s more; with policy engine_load each poll also reads /metrics.
+    health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=2.0, gt=0)
     probe_timeout_s: float = Field(default=60.0, gt=0)
     # An unknown model triggers a refresh of the backends' model lists at most this often,

@@ -18,13 +18,35 @@ import httpx
 from kvpush_prod.router.backends import BackendPool, check_remote_key, resolve_identity
 from kvpush_prod.router.config import RouterSettings
 from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body, signed
-from kvpush_prod.router.types import Backend, Role
+from kvpush_prod.router.types import Backend, EngineLoad, Role
 
 log = logging.getLogger(__name__)
 
 
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+_LOAD_SERIES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_load(text: str, now: float) -> EngineLoad:
+    """Running and waiting requests (summed over the engine's cores) and the fullest core's
+    KV cache usage, from vLLM's Prometheus text; only these lines are parsed."""
+    got = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        field = _LOAD_SERIES.get(name)
+        if field is None:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if value != value or value < 0:  # NaN or negative: not a load
+            continue
+        got[field] = max(got[field], value) if field == "kv_usage" else got[field] + value
+    return EngineLoad(got["running"], got["waiting"], min(got["kv_usage"], 1.0), now)
 
 
 class HealthMonitor:
@@ -92,7 +114,19 @@ class HealthMonitor:
             await self.probe(b, epoch)
         if b.role is Role.DECODE and self.settings.probe_decode and not b.key_probed:
             await self.probe_decode_key(b, epoch)
+        if self.settings.policy == "engine_load":
+            await self.read_load(b)
         self.pool.mark_healthy(b, epoch)
+
+    async def read_load(self, b: Backend) -> None:
+        """The engine's own load from its /metrics; on failure the last reading stays (an
+        engine that cannot answer /metrics but answers /health is not taken out for it)."""
+        try:
+            r = await self.client.get(b.url + "/metrics", timeout=self._health_timeout)
+            r.raise_for_status()
+            b.load = parse_load(r.text, time.monotonic())
+        except (httpx.HTTPError, ValueError) as e:
+            log.debug("reading the load of %s failed: %s", b.url, _err(e))
 
     async def fetch_models(self, b: Backend) -> None:
         r = await self.client.get(b.url + "/v1/models", timeout=self._health_timeout)

@@ -1,6 +1,7 @@
 """Pairing policies: which of the eligible backends of one role gets the next leg.
 
-Tiny strategy objects, one per role; they only read ``Backend.inflight`` and keep a cursor.
+Tiny strategy objects, one per role; they read ``Backend.inflight`` (and ``Backend.load``,
+the engine's own /metrics) and keep a cursor.
 """
 
 from __future__ import annotations
@@ -52,9 +53,34 @@ class LeastLoaded(RoundRobin):
         return chosen
 
 
+class EngineLoadAware(RoundRobin):
+    """The engine's own load, from its /metrics (``Backend.load``), with the router's legs in
+    flight since: queued requests weigh double (they wait for a slot), and a KV cache over
+    80% full adds up to 10 more (new requests there soon preempt running ones). A backend
+    whose load was never read counts only its legs in flight. Ties go round robin."""
+
+    @staticmethod
+    def score(b: Backend) -> float:
+        load = b.load
+        if load is None:
+            return float(b.inflight)
+        busy = max(float(b.inflight), load.running + load.waiting)
+        return busy + 2 * load.waiting + 50 * max(0.0, load.kv_usage - 0.8)
+
+    def choose(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> Backend:
+        chosen = min(self._rotated(backends, eligible), key=self.score)
+        self._advance_past(backends, chosen)
+        return chosen
+
+
+POLICIES = ("round_robin", "least_loaded", "engine_load")
+
+
 def make_policy(name: str) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
-    raise ValueError(f"unknown router policy {name!r}; use round_robin or least_loaded")
+    if name == "engine_load":
+        return EngineLoadAware()
+    raise ValueError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")

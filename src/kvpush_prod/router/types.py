@@ -30,6 +30,16 @@ class PrefillIdentity:
     remote_key: str | None = None
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine's own /metrics said of its load (summed over its engine cores)."""
+
+    running: float = 0.0  # vllm:num_requests_running
+    waiting: float = 0.0  # vllm:num_requests_waiting
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (the fullest core)
+    at: float = 0.0  # time.monotonic() of the reading
+
+
 @dataclass(eq=False)
 class Backend:
     """One engine's OpenAI server as the router sees it. Compared by identity, not value."""
@@ -56,6 +66,8 @@ class Backend:
     # Drained by an operator: no new legs; cleared when the engine comes back after a
     # restart (it went down and up again) or by an undrain.
     draining: bool = False
+    # The engine's own load from its /metrics (policy engine_load), None until read.
+    load: EngineLoad | None = None
 
     @property
     def up(self) -> bool:
@@ -74,6 +86,9 @@ class Backend:
             "healthy": self.healthy,
             "inflight": self.inflight,
             "draining": self.draining,
+            "load": None if self.load is None else {
+                "running": self.load.running, "waiting": self.load.waiting,
+                "kv_usage": self.load.kv_usage},
             "models": list(self.models),
         }
         if self.role is Role.PREFILL:
