@@ -244,3 +244,27 @@ def test_p_ignores_what_is_not_its_to_push() -> None:
     p.on_new_request(probe)
     assert p.request_finished(probe, []) == (False, p.identity())
     assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).empty()
+
+
+def test_asked_again_after_a_failed_allocation_with_a_larger_local_hit_registers_the_rest() -> None:
+    # vLLM's sequence: get_num_new_matched_tokens admits, allocate_slots fails (no
+    # update_state_after_alloc), another request with the same system prompt is cached
+    # meanwhile, and the next step asks again with a larger block-aligned local hit.
+    d = d_side()
+    req = request("r", 100, {**PREFILL, "transfer_id": "t1"})
+    assert d.get_num_new_matched_tokens(req, 0) == (100, True)
+    assert d.get_num_new_matched_tokens(req, 32) == (68, True)
+    allocate(d, req, [7, 8, 50, 51, 52, 53, 54], 68)
+    (spec,) = d.build_connector_meta(None).recv  # type: ignore[arg-type]
+    assert (spec.block_ids, spec.first_block) == ([50, 51, 52, 53, 54], 2)
+    assert d.credits.in_use == 5
+    d.update_connector_output(output(finished_recving={"r"}))
+    assert d.credits.in_use == 0
+
+
+def test_asked_again_with_a_smaller_local_hit_is_decided_afresh_not_a_crash() -> None:
+    d = d_side()
+    req = request("r", 100, {**PREFILL, "transfer_id": "t1"})
+    assert d.get_num_new_matched_tokens(req, 64) == (36, True)
+    assert d.get_num_new_matched_tokens(req, 0) == (100, True)  # the cached prefix was evicted
+    assert d.credits.in_use == 7

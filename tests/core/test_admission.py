@@ -112,3 +112,34 @@ def test_a_skipped_request_is_over() -> None:
     a = admissions()
     a.skip("r")
     assert a.is_over("r") and a.get("r") is None
+
+
+def test_an_admitted_request_asked_again_with_a_larger_prefix_hit_loads_fewer_blocks() -> None:
+    # vLLM asks again after allocate_slots failed; meanwhile another request with the same
+    # system prompt was cached, so the local hit grew by two blocks.
+    a = admissions()
+    rx = a.track("r", "t", "p:1", "")
+    assert a.ask("r", 100, 0, 0.0).nblocks == 7
+    again = a.ask("r", 100, 32, 0.1)
+    assert (again.verdict, again.tokens, again.nblocks) == (Verdict.LOAD, 68, 5)
+    assert (rx.first_block, rx.nblocks, rx.admitted) == (2, 5, True)
+    assert a.ledger.in_use == 5
+    a.allocated("r", 5)
+    a.ended("r")
+    assert a.ledger.in_use == 0
+
+
+def test_an_admitted_request_asked_again_with_a_smaller_hit_waits_when_there_is_no_room() -> None:
+    a = admissions(budget=10)
+    a.track("r", "t1", "p:1", "")
+    assert a.ask("r", 100, 48, 0.0).nblocks == 4
+    a.track("other", "t2", "p:1", "")
+    assert a.ask("other", 96, 0, 0.0).verdict is Verdict.LOAD  # 6 blocks: budget full
+    later = a.ask("r", 100, 0, 0.1)  # its cached prefix was evicted: 7 blocks now
+    assert (later.verdict, later.first_wait) == (Verdict.LATER, True)
+    assert not a.get("r").admitted  # type: ignore[union-attr]
+    assert a.ledger.in_use == 6
+    a.ended("other")
+    back = a.ask("r", 100, 0, 0.2)
+    assert back.verdict is Verdict.LOAD and back.wait_over and back.first_admit
+    assert a.ledger.in_use == 7

@@ -86,11 +86,40 @@ def test_asking_again_for_an_admitted_transfer_is_idempotent() -> None:
     assert led.in_use == 3 and led.peer_credit("p1").granted_total == 3
 
 
-def test_a_conflicting_request_for_an_admitted_transfer_is_a_protocol_error() -> None:
+def test_an_admitted_transfer_asking_for_fewer_blocks_keeps_its_credit_shrunk() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 5, 0.0).admitted
+    smaller = led.request("t1", "p1", 3, 0.1)  # the local prefix hit grew between asks
+    assert smaller.admitted and led.holds("t1")
+    assert led.in_use == 3 and led.peer_credit("p1").in_use == 3
+    assert led.release("t1") and led.in_use == 0 and led.peer_credit("p1").in_use == 0
+
+
+def test_an_admitted_transfer_asking_for_more_blocks_is_decided_afresh() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 3, 0.0).admitted
+    assert led.request("t1", "p1", 6, 0.1).admitted  # room: re-granted at the new size
+    assert led.in_use == 6 and led.peer_credit("p1").in_use == 6
+    assert led.request("t2", "p2", 4, 0.2).admitted
+    later = led.request("t1", "p1", 7, 0.3)  # no room for 7 now: it loses its grant and waits
+    assert later.decision is Decision.LATER and not led.holds("t1") and led.is_waiting("t1")
+    assert led.in_use == 4 and led.peer_credit("p1").in_use == 0
+    assert not led.release("t1")  # waiting only: no credit to return
+    assert led.in_use == 4
+
+
+def test_an_admitted_transfer_growing_past_the_budget_is_refused_and_holds_nothing() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 8, 0.0).admitted
+    assert led.request("t1", "p1", 11, 0.1).decision is Decision.REFUSE
+    assert led.in_use == 0 and not led.holds("t1")
+
+
+def test_the_same_transfer_asked_for_from_another_peer_is_a_protocol_error() -> None:
     led = ledger()
     led.request("t1", "p1", 3, 0.0)
-    with pytest.raises(ProtocolError, match=r"'t1'.*3 blocks.*'p1'.*4"):
-        led.request("t1", "p1", 4, 0.0)
+    with pytest.raises(ProtocolError, match=r"'t1'.*3 blocks.*'p1'.*4.*'p2'"):
+        led.request("t1", "p2", 4, 0.0)
 
 
 def test_a_negative_request_is_a_protocol_error_naming_the_value() -> None:

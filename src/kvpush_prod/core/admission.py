@@ -149,6 +149,9 @@ class Admissions(Generic[T]):
             return Answer(Verdict.LOAD, decision, tokens, rx.nblocks, first_admit=first_admit,
                           wait_over=wait_over, reason=admission.reason)
         if decision is Decision.LATER:
+            # An admitted request asked again with more blocks (a smaller prefix hit) may
+            # lose its credit here: it waits like any other.
+            rx.admitted = False
             first_wait, rx.waiting = not rx.waiting, True
             return Answer(Verdict.LATER, decision, nblocks=rx.nblocks, first_wait=first_wait,
                           reason=admission.reason)
