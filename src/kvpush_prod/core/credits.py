@@ -145,7 +145,8 @@ class CreditLedger:
     def settings(self) -> CreditSettings:
         return self._settings
 
-    def request(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float) -> Admission:
+    def request(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float,
+                capacity: int | None = None) -> Admission:
         """Decide whether ``transfer_id`` may reserve ``nblocks`` blocks for ``peer`` now.
 
         Asking again for an admitted transfer with the same peer and size answers ADMIT
@@ -153,6 +154,12 @@ class CreditLedger:
         (the prefix hit changed between asks) adjusts the grant: a smaller one shrinks in
         place and stays admitted; a larger one is decided afresh, as a new request would
         be (so it may lose its credit and wait). Another peer is a ProtocolError.
+
+        ``capacity``: the blocks D can hold for new grants now (its KV cache's free blocks
+        less those promised to grants not yet allocated; None: unknown). A grant never
+        exceeds it: the budget is a cap on top of D's real room, never a promise of room.
+        Capacity comes and goes, so a request it cannot hold now waits (LATER); only the
+        budget and the per-peer cap refuse.
         """
         if nblocks < 0:
             raise ProtocolError(
@@ -190,10 +197,13 @@ class CreditLedger:
 
         head = self._aged_head(now, exclude=transfer_id)
         peer_used = self._peer_in_use(peer)
-        free = s.budget_blocks - self._in_use
+        budget_free = s.budget_blocks - self._in_use
+        free = budget_free if capacity is None else min(budget_free, max(0, capacity))
         peer_free = s.per_peer_cap_blocks - peer_used
-        if nblocks > free:
+        if nblocks > budget_free:
             reason = f"budget full: {self._in_use}/{s.budget_blocks} blocks in use"
+        elif nblocks > free:
+            reason = f"KV cache full: {capacity} blocks free for new transfers, {nblocks} needed"
         elif nblocks > peer_free:
             reason = f"peer {peer!r} at cap: {peer_used}/{s.per_peer_cap_blocks} blocks in use"
         elif head is not None and not self._leaves_room(head, peer, nblocks, free, peer_free):
