@@ -155,7 +155,8 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_breaker_trips", "counter", ("role", "peer"),
        "Times the peer's circuit breaker opened.", healthy=False),
     _s("kvpush_credits_budget_blocks", "gauge", _R,
-       "D's receive window: KV blocks inbound transfers may reserve."),
+       "D's receive window: KV blocks inbound transfers may reserve now (the budget, "
+       "capped by the blocks D's KV cache has free)."),
     _s("kvpush_credits_in_use_blocks", "gauge", _R,
        "Blocks of the receive window reserved by admitted transfers now."),
     _s("kvpush_credits_granted_blocks", "counter", _R,

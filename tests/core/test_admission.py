@@ -143,3 +143,32 @@ def test_an_admitted_request_asked_again_with_a_smaller_hit_waits_when_there_is_
     back = a.ask("r", 100, 0, 0.2)
     assert back.verdict is Verdict.LOAD and back.wait_over and back.first_admit
     assert a.ledger.in_use == 7
+
+
+def test_blocks_granted_but_not_allocated_are_not_counted_as_free_twice() -> None:
+    a = admissions(budget=100, cap=100)
+    a.track("r1", "t1", "p:1", "")
+    a.track("r2", "t2", "p:1", "")
+    assert a.ask("r1", 64, 0, 0.0, free_blocks=6).verdict is Verdict.LOAD  # 4 blocks promised
+    assert a.promised() == 4
+    later = a.ask("r2", 64, 0, 0.0, free_blocks=6)  # only 2 of the 6 are not promised
+    assert later.verdict is Verdict.LATER
+    a.allocated("r1", 4)  # now they are gone from the pool, and no longer promised
+    assert a.promised() == 0
+    assert a.ask("r2", 64, 0, 0.1, free_blocks=4).verdict is Verdict.LOAD
+
+
+def test_asking_again_does_not_count_its_own_grant_against_itself() -> None:
+    a = admissions(budget=100, cap=100)
+    a.track("r", "t", "p:1", "")
+    assert a.ask("r", 64, 0, 0.0, free_blocks=4).verdict is Verdict.LOAD
+    assert a.ask("r", 64, 0, 0.1, free_blocks=4).verdict is Verdict.LOAD
+
+
+def test_a_dropped_transfer_returns_its_credit_and_is_over() -> None:
+    a = admissions()
+    a.track("r", "t", "p:1", "")
+    a.ask("r", 64, 0, 0.0)
+    assert a.drop("r") is not None
+    assert a.ledger.in_use == 0 and a.is_over("r") and a.get("r") is None
+    assert a.drop("r") is None

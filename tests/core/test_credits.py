@@ -318,3 +318,52 @@ def test_every_transfer_that_keeps_asking_is_admitted_within_the_aging_bound(
     for tid, wait in admitted_wait.items():
         bound = aging + (ahead[tid] + 1) * hold_max
         assert wait <= bound, f"{tid} waited {wait} steps > bound {bound}"
+
+
+def test_a_grant_never_exceeds_the_capacity_d_has_now() -> None:
+    led = ledger(budget=10, cap=10)
+    full = led.request("t1", "p1", 4, 0.0, capacity=3)
+    assert full.decision is Decision.LATER and "KV cache full: 3 blocks free" in full.reason
+    assert led.in_use == 0 and led.is_waiting("t1")
+    assert led.request("t1", "p1", 4, 0.1, capacity=4).admitted
+
+
+def test_capacity_never_refuses_only_the_budget_does() -> None:
+    # Room comes back as requests finish: a wait for capacity ends; one for budget never.
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 8, 0.0, capacity=0).decision is Decision.LATER
+    assert led.request("t2", "p1", 11, 0.0, capacity=1000).decision is Decision.REFUSE
+
+
+def test_with_room_in_the_cache_the_budget_is_the_cap() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 6, 0.0, capacity=1000).admitted
+    later = led.request("t2", "p1", 5, 0.0, capacity=1000)
+    assert later.decision is Decision.LATER and "budget full" in later.reason
+
+
+def test_the_aged_head_keeps_its_room_within_the_capacity() -> None:
+    led = ledger(budget=100, cap=100, aging=1.0)
+    assert led.request("big", "p1", 8, 0.0, capacity=5).decision is Decision.LATER
+    # Past aging, a small one may not take what the head needs of the real room.
+    held = led.request("small", "p2", 2, 2.0, capacity=9)
+    assert held.decision is Decision.LATER and "held back" in held.reason
+    assert led.request("small", "p2", 2, 2.1, capacity=10).admitted
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 12),
+                          st.booleans()), max_size=60))
+@CORE
+def test_grants_fit_the_capacity_of_each_ask(
+        steps: list[tuple[int, int, int, bool]]) -> None:
+    led = ledger(budget=12, cap=12)
+    for i, (tid, n, capacity, release) in enumerate(steps):
+        key = f"t{tid}"
+        if release:
+            led.release(key)
+            continue
+        held_before = led.holds(key)
+        admitted = led.request(key, "p", n, float(i), capacity=capacity).admitted
+        if admitted and not held_before:
+            assert n <= capacity  # a new grant fits the room D has now
+        assert led.in_use <= 12
