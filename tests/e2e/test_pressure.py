@@ -74,6 +74,16 @@ async def test_answers_under_kv_pressure_equal_a_single_engines_and_nothing_is_h
     def delta(metric: str, **labels: str) -> float:
         return metric_sum(after, metric, **labels) - metric_sum(before, metric, **labels)
 
+    print("pressure:", {
+        "preemptions": delta("vllm:num_preemptions_total"),
+        "transfers": {o: delta("kvpush_transfers_total", role="consumer", outcome=o)
+                      for o in ("pushed", "retried", "pull_fallback", "recompute", "failed",
+                                "prefix_hit", "aborted")},
+        "admissions": {d: delta("kvpush_admissions_total", role="consumer", decision=d)
+                       for d in ("admit", "later", "refuse")},
+        "prompt_tokens": {s: delta("vllm:prompt_tokens_by_source_total", source=s)
+                          for s in ("external_kv_transfer", "local_compute", "local_cache_hit")},
+    })
     # The pressure was real: D preempted running requests to make room.
     assert delta("vllm:num_preemptions_total") > 0
     # KV did come over the wire, and no hook had to contain anything.
