@@ -50,6 +50,7 @@ EXPECTED = {
     "kvpush_kv_params_rejected": ("counter", ("role", "reason")),
     "kvpush_control_insecure": ("gauge", ("role",)),
     "kvpush_pump_errors": ("counter", ("role", "reason")),
+    "kvpush_hook_errors": ("counter", ("role", "reason")),
     "kvpush_connector_blocks": ("gauge", ("role",)),
     "kvpush_transfers_active": ("gauge", ("role",)),
     "kvpush_peer_restarts": ("counter", ("role",)),

@@ -70,6 +70,17 @@ CONTROL_REJECT_REASONS = (
 PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
                          "foreign_peer", "unusable")
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")
+# vLLM's connector hooks that contain what raises in them (connector/connector.py).
+HOOKS = (
+    # scheduler side
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+    "on_new_request", "request_finished", "update_connector_output", "has_pending_push_work",
+    # worker side
+    "bind_connector_metadata", "wait_for_save", "get_finished", "build_connector_worker_meta",
+    "shutdown",
+    # both
+    "get_kv_connector_stats",
+)
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 # Labels vLLM puts on every connector series, and what Prometheus adds on a scrape.
@@ -144,7 +155,8 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_breaker_trips", "counter", ("role", "peer"),
        "Times the peer's circuit breaker opened.", healthy=False),
     _s("kvpush_credits_budget_blocks", "gauge", _R,
-       "D's receive window: KV blocks inbound transfers may reserve."),
+       "D's receive window: KV blocks inbound transfers may reserve now (the budget, "
+       "capped by the blocks D's KV cache has free)."),
     _s("kvpush_credits_in_use_blocks", "gauge", _R,
        "Blocks of the receive window reserved by admitted transfers now."),
     _s("kvpush_credits_granted_blocks", "counter", _R,
@@ -183,6 +195,10 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        "Inputs or actions of the transfer pump that raised, by stage (message, command, "
        "action, completion, timer); each is contained: the others of the pass go on.",
        values={"reason": PUMP_STAGES}, healthy=False),
+    _s("kvpush_hook_errors", "counter", ("role", "reason"),
+       "vLLM connector hooks that raised, by hook: contained (never an engine crash), the "
+       "requests concerned recompute their prompt or fail per kv_load_failure_policy; a bug.",
+       values={"reason": HOOKS}, healthy=False),
     _s("kvpush_connector_blocks", "gauge", _R,
        "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
        "D: reserved for inbound transfers)."),

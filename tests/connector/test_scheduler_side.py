@@ -244,3 +244,84 @@ def test_p_ignores_what_is_not_its_to_push() -> None:
     p.on_new_request(probe)
     assert p.request_finished(probe, []) == (False, p.identity())
     assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).empty()
+
+
+def test_asked_again_after_a_failed_allocation_with_a_larger_local_hit_registers_the_rest() -> None:
+    # vLLM's sequence: get_num_new_matched_tokens admits, allocate_slots fails (no
+    # update_state_after_alloc), another request with the same system prompt is cached
+    # meanwhile, and the next step asks again with a larger block-aligned local hit.
+    d = d_side()
+    req = request("r", 100, {**PREFILL, "transfer_id": "t1"})
+    assert d.get_num_new_matched_tokens(req, 0) == (100, True)
+    assert d.get_num_new_matched_tokens(req, 32) == (68, True)
+    allocate(d, req, [7, 8, 50, 51, 52, 53, 54], 68)
+    (spec,) = d.build_connector_meta(None).recv  # type: ignore[arg-type]
+    assert (spec.block_ids, spec.first_block) == ([50, 51, 52, 53, 54], 2)
+    assert d.credits.in_use == 5
+    d.update_connector_output(output(finished_recving={"r"}))
+    assert d.credits.in_use == 0
+
+
+def test_asked_again_with_a_smaller_local_hit_is_decided_afresh_not_a_crash() -> None:
+    d = d_side()
+    req = request("r", 100, {**PREFILL, "transfer_id": "t1"})
+    assert d.get_num_new_matched_tokens(req, 64) == (36, True)
+    assert d.get_num_new_matched_tokens(req, 0) == (100, True)  # the cached prefix was evicted
+    assert d.credits.in_use == 7
+
+
+class FakePool:
+    """vLLM's BlockPool as D's admission reads it."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+def bound(side: ConsumerSide, pool: FakePool) -> ConsumerSide:
+    side.bind_kv_cache_manager(SimpleNamespace(block_pool=pool))
+    return side
+
+
+def test_d_admits_only_what_its_kv_cache_has_free_and_waits_for_room() -> None:
+    pool = FakePool(free=5)
+    d = bound(d_side(budget=1.0), pool)
+    req = request("r", 100, {**PREFILL, "transfer_id": "t1"})  # 7 blocks
+    assert d.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert d.build_connector_meta(None).wait_admission == [  # type: ignore[arg-type]
+        PeerRef("t1", "10.0.0.1", 15500)]
+    pool.free = 7  # running requests finished
+    assert d.get_num_new_matched_tokens(req, 0) == (100, True)
+
+
+def test_d_with_room_in_its_cache_is_capped_by_the_budget_fraction() -> None:
+    d = bound(d_side(budget=0.1), FakePool(free=100))  # budget: 10 of 100 blocks
+    a = request("a", 128, {**PREFILL, "transfer_id": "ta"})  # 8 blocks
+    b = request("b", 48, {**PREFILL, "transfer_id": "tb"})  # 3 blocks
+    assert d.get_num_new_matched_tokens(a, 0) == (128, True)
+    assert d.get_num_new_matched_tokens(b, 0) == (None, False)
+
+
+def test_grants_not_yet_allocated_are_taken_off_the_free_blocks() -> None:
+    pool = FakePool(free=10)
+    d = bound(d_side(budget=1.0), pool)
+    a = request("a", 96, {**PREFILL, "transfer_id": "ta"})  # 6 blocks
+    b = request("b", 96, {**PREFILL, "transfer_id": "tb"})  # 6 blocks
+    assert d.get_num_new_matched_tokens(a, 0) == (96, True)
+    assert d.get_num_new_matched_tokens(b, 0) == (None, False)  # 10 free, 6 promised to a
+    allocate(d, a, list(range(6)), 96)
+    pool.free = 4
+    assert d.get_num_new_matched_tokens(b, 0) == (None, False)
+    d.update_connector_output(output(finished_recving={"a"}))
+    pool.free = 10  # a decoded and finished: its blocks are back
+    assert d.get_num_new_matched_tokens(b, 0) == (96, True)
+
+
+def test_the_budget_gauge_shows_what_d_can_grant_now() -> None:
+    pool = FakePool(free=3)
+    d = bound(d_side(budget=0.5), pool)
+    assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 3
+    pool.free = 90
+    assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 50

@@ -86,11 +86,40 @@ def test_asking_again_for_an_admitted_transfer_is_idempotent() -> None:
     assert led.in_use == 3 and led.peer_credit("p1").granted_total == 3
 
 
-def test_a_conflicting_request_for_an_admitted_transfer_is_a_protocol_error() -> None:
+def test_an_admitted_transfer_asking_for_fewer_blocks_keeps_its_credit_shrunk() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 5, 0.0).admitted
+    smaller = led.request("t1", "p1", 3, 0.1)  # the local prefix hit grew between asks
+    assert smaller.admitted and led.holds("t1")
+    assert led.in_use == 3 and led.peer_credit("p1").in_use == 3
+    assert led.release("t1") and led.in_use == 0 and led.peer_credit("p1").in_use == 0
+
+
+def test_an_admitted_transfer_asking_for_more_blocks_is_decided_afresh() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 3, 0.0).admitted
+    assert led.request("t1", "p1", 6, 0.1).admitted  # room: re-granted at the new size
+    assert led.in_use == 6 and led.peer_credit("p1").in_use == 6
+    assert led.request("t2", "p2", 4, 0.2).admitted
+    later = led.request("t1", "p1", 7, 0.3)  # no room for 7 now: it loses its grant and waits
+    assert later.decision is Decision.LATER and not led.holds("t1") and led.is_waiting("t1")
+    assert led.in_use == 4 and led.peer_credit("p1").in_use == 0
+    assert not led.release("t1")  # waiting only: no credit to return
+    assert led.in_use == 4
+
+
+def test_an_admitted_transfer_growing_past_the_budget_is_refused_and_holds_nothing() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 8, 0.0).admitted
+    assert led.request("t1", "p1", 11, 0.1).decision is Decision.REFUSE
+    assert led.in_use == 0 and not led.holds("t1")
+
+
+def test_the_same_transfer_asked_for_from_another_peer_is_a_protocol_error() -> None:
     led = ledger()
     led.request("t1", "p1", 3, 0.0)
-    with pytest.raises(ProtocolError, match=r"'t1'.*3 blocks.*'p1'.*4"):
-        led.request("t1", "p1", 4, 0.0)
+    with pytest.raises(ProtocolError, match=r"'t1'.*3 blocks.*'p1'.*4.*'p2'"):
+        led.request("t1", "p2", 4, 0.0)
 
 
 def test_a_negative_request_is_a_protocol_error_naming_the_value() -> None:
@@ -289,3 +318,52 @@ def test_every_transfer_that_keeps_asking_is_admitted_within_the_aging_bound(
     for tid, wait in admitted_wait.items():
         bound = aging + (ahead[tid] + 1) * hold_max
         assert wait <= bound, f"{tid} waited {wait} steps > bound {bound}"
+
+
+def test_a_grant_never_exceeds_the_capacity_d_has_now() -> None:
+    led = ledger(budget=10, cap=10)
+    full = led.request("t1", "p1", 4, 0.0, capacity=3)
+    assert full.decision is Decision.LATER and "KV cache full: 3 blocks free" in full.reason
+    assert led.in_use == 0 and led.is_waiting("t1")
+    assert led.request("t1", "p1", 4, 0.1, capacity=4).admitted
+
+
+def test_capacity_never_refuses_only_the_budget_does() -> None:
+    # Room comes back as requests finish: a wait for capacity ends; one for budget never.
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 8, 0.0, capacity=0).decision is Decision.LATER
+    assert led.request("t2", "p1", 11, 0.0, capacity=1000).decision is Decision.REFUSE
+
+
+def test_with_room_in_the_cache_the_budget_is_the_cap() -> None:
+    led = ledger(budget=10, cap=10)
+    assert led.request("t1", "p1", 6, 0.0, capacity=1000).admitted
+    later = led.request("t2", "p1", 5, 0.0, capacity=1000)
+    assert later.decision is Decision.LATER and "budget full" in later.reason
+
+
+def test_the_aged_head_keeps_its_room_within_the_capacity() -> None:
+    led = ledger(budget=100, cap=100, aging=1.0)
+    assert led.request("big", "p1", 8, 0.0, capacity=5).decision is Decision.LATER
+    # Past aging, a small one may not take what the head needs of the real room.
+    held = led.request("small", "p2", 2, 2.0, capacity=9)
+    assert held.decision is Decision.LATER and "held back" in held.reason
+    assert led.request("small", "p2", 2, 2.1, capacity=10).admitted
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 12),
+                          st.booleans()), max_size=60))
+@CORE
+def test_grants_fit_the_capacity_of_each_ask(
+        steps: list[tuple[int, int, int, bool]]) -> None:
+    led = ledger(budget=12, cap=12)
+    for i, (tid, n, capacity, release) in enumerate(steps):
+        key = f"t{tid}"
+        if release:
+            led.release(key)
+            continue
+        held_before = led.holds(key)
+        admitted = led.request(key, "p", n, float(i), capacity=capacity).admitted
+        if admitted and not held_before:
+            assert n <= capacity  # a new grant fits the room D has now
+        assert led.in_use <= 12

@@ -55,7 +55,7 @@ HEALTHY = {
 EMITTED_ON_FAULTS = {
     "kvpush_retries", "kvpush_fallbacks", "kvpush_breaker_trips", "kvpush_leases_expired",
     "kvpush_leases_fenced", "kvpush_control_messages_rejected", "kvpush_kv_params_rejected",
-    "kvpush_peer_restarts", "kvpush_pump_errors",
+    "kvpush_peer_restarts", "kvpush_pump_errors", "kvpush_hook_errors",
 }
 # Gauges back to zero once the engines are idle, and gauges that must be positive.
 ZERO_WHEN_IDLE = {"kvpush_credits_in_use_blocks", "kvpush_credits_waiting_transfers",

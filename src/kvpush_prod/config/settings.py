@@ -213,7 +213,9 @@ class CreditSettings(_Section):
     """D's receive window for inbound transfers."""
 
     budget_fraction: float = Field(
-        0.5, gt=0, le=1.0, description="Fraction of D's KV blocks inbound transfers may reserve."
+        0.5, gt=0, le=1.0,
+        description="Fraction of D's KV blocks inbound transfers may reserve at most; within "
+        "it, a transfer is admitted only when D's KV cache has the blocks free.",
     )
     per_peer_fraction: float = Field(
         1.0, gt=0, le=1.0, description="Fraction of the budget one prefill peer may hold."

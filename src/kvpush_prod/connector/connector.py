@@ -2,6 +2,14 @@
 
 Each hook's docstring states what it promises (what it returns, what None means, when
 blocks are handed back), split by the side it runs on, as vLLM's ``base.py`` does.
+
+No hook called while the engine serves ever raises into vLLM: what raises in our code is
+logged, counted (``kvpush_hook_errors{reason=<hook>}``) and turned into an outcome for the
+requests concerned (they compute their prompt, or their receive fails and vLLM's
+``kv_load_failure_policy`` applies), never a dead EngineCore. The fencing rules hold on
+that path too: a receive is reported failed only when no REGISTER left for it, and P keeps
+blocks whose push was handed to the worker. Only construction and ``register_kv_caches``
+raise (a configuration kvpush cannot run with must stop the engine at start).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from kvpush_prod.connector.trust import Trust
 from kvpush_prod.connector.worker import WorkerSide
 from kvpush_prod.core.vocabulary import Side
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.metrics import StatsBuffer, merge_stats
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +87,9 @@ class PushConnector(KVConnectorBase_V1):
                 f"model has {len(kv_cache_config.kv_cache_groups)} groups"
             )
         self.kv_role = side
+        self._hook_stats = StatsBuffer()  # hooks that raised (the sides' buffers may be broken)
+        # D, worker: receives failed here (no REGISTER left), reported with the next results
+        self._failed_here: set[str] = set()
         self.cfg = config_from_extra(ktc.kv_connector_extra_config)
         engine_id = str(ktc.engine_id)
         parallel = vllm_config.parallel_config
@@ -141,8 +153,28 @@ class PushConnector(KVConnectorBase_V1):
         leave now (not after the forward); P's requests to expect, hold or abort are queued
         for the pump. Returns at once: nothing here waits on the network."""
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, PushMetadata):
+        if self._worker is None or not isinstance(connector_metadata, PushMetadata):
+            return
+        self._failed_here.update(connector_metadata.fail_recv)
+        try:
             self._worker.on_metadata(connector_metadata)
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("bind_connector_metadata")
+            self._fail_unsent_receives(connector_metadata)
+
+    def _fail_unsent_receives(self, meta: PushMetadata) -> None:
+        """After ``on_metadata`` raised: a receive whose REGISTER never reached the pump can
+        get no WRITE, so it fails now (else vLLM would wait for it forever). One that did
+        reach it runs its course (the permit and the transfer deadline bound it)."""
+        pump = getattr(self._worker, "_rx", None)
+        handed = getattr(pump, "request_of", None)
+        if handed is None:
+            return
+        for spec in meta.recv:
+            if spec.transfer_id not in handed:  # the worker notes it before submitting
+                logger.error("kvpush: request %s: its REGISTER was not sent; its receive "
+                             "fails", spec.request_id)
+                self._failed_here.add(spec.request_id)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker: nothing to start (P pushes into D's blocks, D only waits); returns at once."""
@@ -162,7 +194,10 @@ class PushConnector(KVConnectorBase_V1):
         or SIGTERM mid-step): then this step's prompts were not computed and pushing their
         blocks would hand D garbage under a valid DONE."""
         if self._worker is not None:
-            self._worker.after_forward(forward_failed=sys.exc_info()[0] is not None)
+            try:
+                self._worker.after_forward(forward_failed=sys.exc_info()[0] is not None)
+            except Exception:  # noqa: BLE001 - never kill the engine
+                self._contained("wait_for_save")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Worker, each step: the transfers that ended since the last call.
@@ -174,7 +209,14 @@ class PushConnector(KVConnectorBase_V1):
         A receive is reported only once no WRITE or READ can still land in its blocks.
         """
         assert self._worker is not None
-        sending, recving, failed = self._worker.get_finished()
+        try:
+            sending, recving, failed = self._worker.get_finished()
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("get_finished")
+            sending, recving, failed = set(), set(), set()
+        if self._failed_here:
+            failed = failed | self._failed_here
+            self._failed_here = set()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
         )
@@ -189,20 +231,38 @@ class PushConnector(KVConnectorBase_V1):
         for the decode reply; None when no receive ended."""
         if self._worker is None:
             return None
-        outcomes = self._worker.take_outcomes()
+        try:
+            outcomes = self._worker.take_outcomes()
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("build_connector_worker_meta")
+            return None
         return PushWorkerMeta(outcomes) if outcomes else None
 
     def get_kv_connector_stats(self) -> KvpushStats | None:
         """Both sides: what happened since the last call, for vLLM's /metrics; None when
         nothing did."""
         side = self._worker or self._scheduler
-        data = side.get_stats() if side is not None else {}
+        try:
+            data = side.get_stats() if side is not None else {}
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("get_kv_connector_stats")
+            data = {}
+        data = merge_stats(data, self._hook_stats.drain())
         return KvpushStats(data=data) if data else None
+
+    def _contained(self, hook: str, rid: str = "") -> None:
+        """Log and count what raised in ``hook`` (for request ``rid``); the engine goes on."""
+        self._hook_stats.inc("kvpush_hook_errors", (self.kv_role.value, hook))
+        logger.exception("kvpush: %s raised%s; contained, the engine goes on", hook,
+                         f" for request {rid}" if rid else "")
 
     def shutdown(self) -> None:
         """Worker: stop the pump, close the control endpoint and the NIXL agent."""
         if self._worker is not None:
-            self._worker.shutdown()
+            try:
+                self._worker.shutdown()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                self._contained("shutdown")
 
     # ============================================================== scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -222,32 +282,62 @@ class PushConnector(KVConnectorBase_V1):
         blocks than the budget (then D computes the prompt itself). P: always ``(0, False)``.
         """
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("get_num_new_matched_tokens", request.request_id)
+        try:
+            self._scheduler.after_failed_ask(request)
+        except Exception:  # noqa: BLE001
+            self._contained("get_num_new_matched_tokens", request.request_id)
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Scheduler, D: the blocks for the pushed tokens are allocated; the worker sends P
         the REGISTER (a write permit on them) with this step's metadata. P: nothing."""
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("update_state_after_alloc", request.request_id)
+        try:
+            self._scheduler.after_failed_alloc(request, num_external_tokens)
+        except Exception:  # noqa: BLE001
+            self._contained("update_state_after_alloc", request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, each step: the registrations, waits, pushes, holds and aborts of this
         step for the workers (a ``PushMetadata``, possibly empty)."""
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self._scheduler.build_connector_meta(scheduler_output)
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("build_connector_meta")
+        try:
+            return self._scheduler.take_meta()  # what the step gathered still goes out
+        except Exception:  # noqa: BLE001
+            self._contained("build_connector_meta")
+            return PushMetadata()
 
     def on_new_request(self, request: Request) -> None:
         """Scheduler, P: a request to push arrived; the worker keeps D's permit renewed
         until its prompt is computed. D: nothing."""
         if self._scheduler is not None:
-            self._scheduler.on_new_request(request)
+            try:
+                self._scheduler.on_new_request(request)
+            except Exception:  # noqa: BLE001 - never kill the engine; it is not pushed
+                self._contained("on_new_request", request.request_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler: the workers' finished sends and receives of the last step (P stops
         holding those blocks; D returns their credit and notes how each arrived)."""
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        try:
+            self._scheduler.update_connector_output(connector_output)
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("update_connector_output")
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -261,12 +351,28 @@ class PushConnector(KVConnectorBase_V1):
         A router's probe gets this engine's identity (its key) and frees at once.
         """
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("request_finished", request.request_id)
+        try:
+            return self._scheduler.after_failed_finish(request)
+        except Exception:  # noqa: BLE001
+            self._contained("request_finished", request.request_id)
+            # Unknown state: keeping the blocks is the safe side (no WRITE into freed blocks)
+            # for P; D's blocks are held by vLLM until its receive is reported anyway.
+            return self.kv_role is Side.PRODUCER, None
 
     def has_pending_push_work(self) -> bool:
         """Scheduler: True while blocks are held for a push, aborts wait for their fence or
         notices are queued: vLLM keeps stepping (and collecting results) until then."""
-        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+        if self._scheduler is None:
+            return False
+        try:
+            return self._scheduler.has_pending_push_work()
+        except Exception:  # noqa: BLE001 - never kill the engine
+            self._contained("has_pending_push_work")
+            return True  # keep stepping: held blocks are collected only by steps
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvpushStats:

@@ -59,6 +59,9 @@ class PushMetadata(KVConnectorMetadata):
     recv: list[RecvSpec] = field(default_factory=list)
     not_needed: list[PeerRef] = field(default_factory=list)
     abort_recv: list[str] = field(default_factory=list)  # transfer ids
+    # request ids whose blocks were allocated but no REGISTER left (a hook raised): no WRITE
+    # can land in them, so the workers report them in failed_recving at once
+    fail_recv: list[str] = field(default_factory=list)
     # producer
     # prefill queued, blocks will come: (transfer id, decode key the router named)
     expect_send: list[tuple[str, str]] = field(default_factory=list)
@@ -68,7 +71,7 @@ class PushMetadata(KVConnectorMetadata):
 
     def empty(self) -> bool:
         return not (self.wait_admission or self.admission_over or self.recv or self.not_needed
-                    or self.abort_recv or self.expect_send or self.send or self.hold
+                    or self.abort_recv or self.fail_recv or self.expect_send or self.send or self.hold
                     or self.abort_send)
 
 

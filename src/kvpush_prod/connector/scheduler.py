@@ -91,6 +91,28 @@ class SchedulerSide:
     def bind_kv_cache_manager(self, manager: Any) -> None:
         self._kv_cache_manager = manager
 
+    def contained(self, hook: str, rid: str = "") -> None:
+        """Log and count what raised in ``hook`` (for request ``rid``); the caller goes on."""
+        self.stats.inc("kvpush_hook_errors", (self.role, hook))
+        logger.exception("kvpush: %s raised%s; contained, the engine goes on", hook,
+                         f" for request {rid}" if rid else "")
+
+    def take_meta(self) -> PushMetadata:
+        """This step's metadata as it stands, and a fresh one for the next step."""
+        meta, self._meta = self._meta, PushMetadata()
+        return meta
+
+    # What a hook that raised leaves behind is made safe by these (connector.py calls them).
+    def after_failed_ask(self, request: Request) -> None:
+        """``get_num_new_matched_tokens`` raised: the request computes its prompt locally."""
+
+    def after_failed_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """``update_state_after_alloc`` raised."""
+
+    def after_failed_finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` raised: what to answer vLLM."""
+        return False, None
+
     def identity(self) -> dict[str, Any]:
         """What a router needs to point a decode engine at this prefill engine."""
         out: dict[str, Any] = {
@@ -116,8 +138,7 @@ class SchedulerSide:
         return None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
-        meta, self._meta = self._meta, PushMetadata()
-        return meta
+        return self.take_meta()
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -173,13 +194,22 @@ class ConsumerSide(SchedulerSide):
             rx = self.admissions.track(rid, remote.transfer_id, f"{remote.host}:{remote.port}",
                                        remote)
         answer = self.admissions.ask(rid, request.num_prompt_tokens, num_computed_tokens,
-                                     time.monotonic())
+                                     time.monotonic(), self.free_blocks())
         self._tell(rx, answer)
         if answer.verdict is Verdict.LOAD:
             return answer.tokens, True
         if answer.verdict is Verdict.LATER:
             return None, False
         return 0, False
+
+    def free_blocks(self) -> int | None:
+        """Blocks free in D's KV cache now (vLLM's block pool; evictable cached blocks
+        count as free, as vLLM's allocator counts them), None before it is bound."""
+        manager = self._kv_cache_manager
+        pool = getattr(manager, "block_pool", None) if manager is not None else None
+        if pool is None:
+            return None
+        return int(pool.get_num_free_blocks())
 
     def _tell(self, rx: Inbound[RemotePrefill], answer: Answer) -> None:
         """Count what ``answer`` changed, and put what P must hear in the metadata."""
@@ -208,18 +238,68 @@ class ConsumerSide(SchedulerSide):
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         rx = self.admissions.get(rid)
-        if rx is None or rx.allocated or num_external_tokens <= 0:
+        if rx is None or rx.allocated:
+            return
+        if num_external_tokens <= 0:
+            if rx.admitted:
+                # vLLM scheduled it without the load (its local hit covers what P would
+                # send): nothing will come, the credit returns and P may free.
+                self.admissions.drop(rid)
+                self._not_needed(rx, Outcome.PREFIX_HIT)
             return
         all_blocks = blocks.get_block_ids()[0]
         d_blocks = list(all_blocks[rx.first_block:rx.first_block + rx.nblocks])
         if len(d_blocks) != rx.nblocks:
             logger.error("kvpush: request %s got %d blocks, expected %d from block %d",
                          rid, len(all_blocks), rx.nblocks, rx.first_block)
-        self.admissions.allocated(rid, len(d_blocks))
         remote = rx.remote
-        self._meta.recv.append(RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
-                                        rx.first_block, request.num_prompt_tokens, remote.key,
-                                        trace_headers_of(request)))
+        spec = RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
+                        rx.first_block, request.num_prompt_tokens, remote.key,
+                        trace_headers_of(request))
+        # Last, and together: allocated means its REGISTER is in this step's metadata.
+        self.admissions.allocated(rid, len(d_blocks))
+        self._meta.recv.append(spec)
+
+    def after_failed_ask(self, request: Request) -> None:
+        # Nothing was allocated for it: it computes its prompt, P may free, credit returns.
+        rid = request.request_id
+        rx = self.admissions.get(rid)
+        if rx is not None and rx.allocated:
+            return  # its receive is under way: it ends (or is aborted) the usual way
+        self.admissions.drop(rid)
+        if rx is not None:
+            self._not_needed(rx, Outcome.RECOMPUTE)
+
+    def after_failed_alloc(self, request: Request, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if any(spec.request_id == rid for spec in self._meta.recv):
+            return  # its REGISTER goes out with this step: the receive runs as usual
+        rx = self.admissions.get(rid)
+        if rx is not None and rx.allocated:
+            return
+        self.admissions.drop(rid)
+        if rx is not None:
+            self._not_needed(rx, Outcome.FAILED)
+        if num_external_tokens > 0:
+            # vLLM allocated its blocks and waits for the load; no REGISTER left, so no WRITE
+            # can land in them: report the receive failed (kv_load_failure_policy applies).
+            self._meta.fail_recv.append(rid)
+
+    def after_failed_finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        rx = self.admissions.get(rid)
+        if rx is None:
+            self._received.pop(rid, None)
+            return False, None
+        if rx.allocated:
+            # Blocks registered with P: abort and wait for the fence, as request_finished does.
+            if not rx.aborting:
+                rx.aborting = True
+                self._meta.abort_recv.append(rx.transfer_id)
+            return False, None
+        self.admissions.drop(rid)
+        self._not_needed(rx, Outcome.ABORTED)
+        return False, None
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -246,22 +326,28 @@ class ConsumerSide(SchedulerSide):
             self._outcomes.update(worker_meta.outcomes)
         failed = output.failed_recving or set()
         for rid in output.finished_recving or ():
-            rx, _ = self.admissions.ended(rid)
-            outcome = self._outcomes.pop(rid, "")
-            if rx is None or rx.aborting:
-                continue
-            ok = rid not in failed
-            if ok:
-                self.stats.inc("kvpush_transfer_bytes", (self.role,),
-                               rx.nblocks * self.block_bytes)
-            elif self.recompute_on_failure:
-                self.stats.inc("kvpush_transfers", (self.role, Outcome.RECOMPUTE.value))
-            self._received[rid] = {
-                "transfer_id": rx.transfer_id,
-                "outcome": (outcome or Outcome.PUSHED.value) if ok else Outcome.FAILED.value,
-                "blocks": rx.nblocks if ok else 0,
-                "bytes": rx.nblocks * self.block_bytes if ok else 0,
-            }
+            try:
+                self._received_one(rid, rid not in failed)
+            except Exception:  # noqa: BLE001 - one request's bookkeeping never stops the rest
+                self.contained("update_connector_output", rid)
+
+    def _received_one(self, rid: str, ok: bool) -> None:
+        """The receive of ``rid`` ended (``ok`` or failed): its credit returns first."""
+        rx, _ = self.admissions.ended(rid)
+        outcome = self._outcomes.pop(rid, "")
+        if rx is None or rx.aborting:
+            return
+        if ok:
+            self.stats.inc("kvpush_transfer_bytes", (self.role,),
+                           rx.nblocks * self.block_bytes)
+        elif self.recompute_on_failure:
+            self.stats.inc("kvpush_transfers", (self.role, Outcome.RECOMPUTE.value))
+        self._received[rid] = {
+            "transfer_id": rx.transfer_id,
+            "outcome": (outcome or Outcome.PUSHED.value) if ok else Outcome.FAILED.value,
+            "blocks": rx.nblocks if ok else 0,
+            "bytes": rx.nblocks * self.block_bytes if ok else 0,
+        }
 
     def has_pending_push_work(self) -> bool:
         return bool(self.admissions.aborting) or super().has_pending_push_work()
@@ -271,8 +357,10 @@ class ConsumerSide(SchedulerSide):
         self.stats.set("kvpush_connector_blocks", (self.role,), sum(rx.nblocks for rx in allocated))
         self.stats.set("kvpush_transfers_active", (self.role,), len(self.admissions))
         self.stats.set("kvpush_leases_active", (self.role, "permit"), len(allocated))
-        self.stats.set("kvpush_credits_budget_blocks", (self.role,),
-                       self.credits.in_use + self.credits.free)
+        free, pool = self.credits.free, self.free_blocks()
+        if pool is not None:
+            free = min(free, max(0, pool - self.admissions.promised()))
+        self.stats.set("kvpush_credits_budget_blocks", (self.role,), self.credits.in_use + free)
         self.stats.set("kvpush_credits_in_use_blocks", (self.role,), self.credits.in_use)
         self.stats.set("kvpush_credits_waiting_transfers", (self.role,), self.credits.waiting)
 
@@ -323,22 +411,50 @@ class ProducerSide(SchedulerSide):
 
     def _collect_sends(self, so: SchedulerOutput) -> None:
         for rid, n in so.num_scheduled_tokens.items():
-            req = self._requests.get(rid)
-            if req is None or rid in self._sent:
-                continue
-            if req.num_computed_tokens + n < req.num_prompt_tokens:
-                continue  # chunked prefill: the prompt completes in a later step
             try:
-                tid = transfer_id_of(rid, req.kv_transfer_params or {})
-            except KVTransferParamsError as exc:
-                logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-                self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
-                continue
-            nblocks = cdiv(req.num_prompt_tokens, self.block_size)
-            blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
-            self._sent[rid] = (tid, len(blocks))
-            self._meta.send.append(SendSpec(rid, tid, blocks, self._owners.get(rid, ""),
-                                            trace_headers_of(req)))
+                self._collect_send(rid, n)
+            except Exception:  # noqa: BLE001 - one request never stops the others' pushes
+                self.contained("build_connector_meta", rid)
+                # Not pushed: request_finished frees its blocks and tells D.
+                self._requests.pop(rid, None)
+
+    def _collect_send(self, rid: str, n: int) -> None:
+        req = self._requests.get(rid)
+        if req is None or rid in self._sent:
+            return
+        if req.num_computed_tokens + n < req.num_prompt_tokens:
+            return  # chunked prefill: the prompt completes in a later step
+        try:
+            tid = transfer_id_of(rid, req.kv_transfer_params or {})
+        except KVTransferParamsError as exc:
+            logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
+            self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
+            return
+        nblocks = cdiv(req.num_prompt_tokens, self.block_size)
+        blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
+        spec = SendSpec(rid, tid, blocks, self._owners.get(rid, ""), trace_headers_of(req))
+        # Together: a request in _sent has its push in this step's metadata, so its blocks
+        # must be held until the push is over (request_finished answers True).
+        self._sent[rid] = (tid, len(blocks))
+        self._meta.send.append(spec)
+
+    def after_failed_finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._owners.pop(rid, None)
+        sent = self._sent.pop(rid, None)
+        if sent is not None:
+            # Its push was handed to the worker: the blocks stay until finished_sending.
+            tid, nblocks = sent
+            self._held[rid] = nblocks
+            self._meta.hold.append(tid)
+            return True, None
+        if rid in self._held:
+            return True, None  # held already (the hold is queued)
+        # Never pushed: free now, and D must not wait for it.
+        with contextlib.suppress(Exception):
+            self._meta.abort_send.append(transfer_id_of(rid, request.kv_transfer_params or {}))
+        return False, None
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

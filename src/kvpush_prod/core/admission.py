@@ -130,8 +130,13 @@ class Admissions(Generic[T]):
         return rx
 
     def ask(self, key: str, num_prompt_tokens: int, num_computed_tokens: int,
-            now: float) -> Answer:
-        """May the tracked request ``key`` load its prompt's missing tokens from P now?"""
+            now: float, free_blocks: int | None = None) -> Answer:
+        """May the tracked request ``key`` load its prompt's missing tokens from P now?
+
+        ``free_blocks``: the blocks free in D's KV cache now (None: unknown, the credit
+        budget alone decides). Blocks already granted to other requests but not allocated
+        yet are taken off it, so a grant never counts on blocks promised to another.
+        """
         rx = self._rx.get(key)
         if rx is None:
             return Answer(Verdict.LOCAL)
@@ -141,7 +146,10 @@ class Admissions(Generic[T]):
             return self._give_up(rx, Outcome.PREFIX_HIT)
         rx.first_block, rx.nblocks = blocks_to_receive(num_prompt_tokens, num_computed_tokens,
                                                        self.block_size)
-        admission = self.ledger.request(rx.transfer_id, rx.peer, rx.nblocks, now)
+        capacity = None
+        if free_blocks is not None:
+            capacity = max(0, free_blocks - self.promised(exclude=key))
+        admission = self.ledger.request(rx.transfer_id, rx.peer, rx.nblocks, now, capacity)
         decision = admission.decision
         if decision is Decision.ADMIT:
             first_admit, wait_over = not rx.admitted, rx.waiting
@@ -149,6 +157,9 @@ class Admissions(Generic[T]):
             return Answer(Verdict.LOAD, decision, tokens, rx.nblocks, first_admit=first_admit,
                           wait_over=wait_over, reason=admission.reason)
         if decision is Decision.LATER:
+            # An admitted request asked again with more blocks (a smaller prefix hit) may
+            # lose its credit here: it waits like any other.
+            rx.admitted = False
             first_wait, rx.waiting = not rx.waiting, True
             return Answer(Verdict.LATER, decision, nblocks=rx.nblocks, first_wait=first_wait,
                           reason=admission.reason)
@@ -156,6 +167,11 @@ class Admissions(Generic[T]):
         answer = self._give_up(rx, Outcome.RECOMPUTE)
         return Answer(Verdict.LOCAL, decision, nblocks=rx.nblocks,
                       not_needed=answer.not_needed, reason=admission.reason)
+
+    def promised(self, exclude: str = "") -> int:
+        """Blocks granted (credit held) whose allocation has not happened yet."""
+        return sum(rx.nblocks for rx in self._rx.values()
+                   if rx.admitted and not rx.allocated and rx.key != exclude)
 
     def allocated(self, key: str, nblocks: int) -> Inbound[T] | None:
         """The blocks for ``key`` are allocated (``nblocks`` of them): it is received now."""
@@ -173,6 +189,15 @@ class Admissions(Generic[T]):
         if rx is not None and not rx.allocated:
             self.ledger.release(rx.transfer_id)
             rx.admitted = False
+
+    def drop(self, key: str) -> Inbound[T] | None:
+        """Forget ``key``'s transfer before any REGISTER left (a shell could not carry it
+        out): its credit comes back, it is not asked about again. The entry, or None."""
+        rx = self._rx.pop(key, None)
+        self._over.add(key)
+        if rx is not None:
+            self.ledger.release(rx.transfer_id)
+        return rx
 
     def finish(self, key: str) -> Finish[T]:
         """The request ended (finished or aborted)."""

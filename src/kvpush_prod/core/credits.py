@@ -145,11 +145,21 @@ class CreditLedger:
     def settings(self) -> CreditSettings:
         return self._settings
 
-    def request(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float) -> Admission:
+    def request(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float,
+                capacity: int | None = None) -> Admission:
         """Decide whether ``transfer_id`` may reserve ``nblocks`` blocks for ``peer`` now.
 
         Asking again for an admitted transfer with the same peer and size answers ADMIT
-        again (the scheduler may ask on every step until it allocates).
+        again (the scheduler may ask on every step until it allocates). A different size
+        (the prefix hit changed between asks) adjusts the grant: a smaller one shrinks in
+        place and stays admitted; a larger one is decided afresh, as a new request would
+        be (so it may lose its credit and wait). Another peer is a ProtocolError.
+
+        ``capacity``: the blocks D can hold for new grants now (its KV cache's free blocks
+        less those promised to grants not yet allocated; None: unknown). A grant never
+        exceeds it: the budget is a cap on top of D's real room, never a promise of room.
+        Capacity comes and goes, so a request it cannot hold now waits (LATER); only the
+        budget and the per-peer cap refuse.
         """
         if nblocks < 0:
             raise ProtocolError(
@@ -158,13 +168,21 @@ class CreditLedger:
             )
         held = self._held.get(transfer_id)
         if held is not None:
-            if held.peer != peer or held.nblocks != nblocks:
+            if held.peer != peer:
                 raise ProtocolError(
                     "conflicting credit request",
                     f"transfer {transfer_id!r} already holds {held.nblocks} blocks from peer "
                     f"{held.peer!r} but asked for {nblocks} from {peer!r}; release it first",
                 )
-            return Admission(Decision.ADMIT, "already admitted")
+            if held.nblocks == nblocks:
+                return Admission(Decision.ADMIT, "already admitted")
+            if nblocks < held.nblocks:
+                # The local prefix hit grew between asks (vLLM asks again after a failed
+                # allocation): fewer blocks to receive, the credit shrinks in place.
+                self._shrink(held, nblocks)
+                return Admission(Decision.ADMIT, f"credit reduced to {nblocks} blocks")
+            # More blocks than granted: give the grant back and ask like a new transfer.
+            self._unhold(transfer_id)
 
         s = self._settings
         if nblocks > s.budget_blocks or nblocks > s.per_peer_cap_blocks:
@@ -179,10 +197,13 @@ class CreditLedger:
 
         head = self._aged_head(now, exclude=transfer_id)
         peer_used = self._peer_in_use(peer)
-        free = s.budget_blocks - self._in_use
+        budget_free = s.budget_blocks - self._in_use
+        free = budget_free if capacity is None else min(budget_free, max(0, capacity))
         peer_free = s.per_peer_cap_blocks - peer_used
-        if nblocks > free:
+        if nblocks > budget_free:
             reason = f"budget full: {self._in_use}/{s.budget_blocks} blocks in use"
+        elif nblocks > free:
+            reason = f"KV cache full: {capacity} blocks free for new transfers, {nblocks} needed"
         elif nblocks > peer_free:
             reason = f"peer {peer!r} at cap: {peer_used}/{s.per_peer_cap_blocks} blocks in use"
         elif head is not None and not self._leaves_room(head, peer, nblocks, free, peer_free):
@@ -276,6 +297,17 @@ class CreditLedger:
             counters = self._peers[peer] = _PeerCounters()
         counters.granted_total += nblocks
         self._admitted += 1
+
+    def _shrink(self, held: _Holding, nblocks: int) -> None:
+        diff = held.nblocks - nblocks
+        held.nblocks = nblocks
+        self._in_use -= diff
+        self._peers[held.peer].released_total += diff
+
+    def _unhold(self, transfer_id: TransferId) -> None:
+        held = self._held.pop(transfer_id)
+        self._in_use -= held.nblocks
+        self._peers[held.peer].released_total += held.nblocks
 
     def _aged_head(self, now: float, exclude: TransferId) -> tuple[TransferId, _Waiter] | None:
         """The oldest waiter if it has waited past the aging bound (and is not ``exclude``)."""
