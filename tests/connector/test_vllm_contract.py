@@ -121,3 +121,20 @@ def test_the_checker_sees_a_hook_we_lack() -> None:
 
 def test_kvpush_declines_sleep_mode() -> None:
     assert PushConnector.supports_sleep_mode(None) is False
+
+
+@pytest.mark.parametrize(("field", "flag"), [("pipeline_parallel_size", "--pipeline-parallel-size"),
+                                             ("decode_context_parallel_size",
+                                              "--decode-context-parallel-size")])
+def test_unsupported_parallelism_is_refused_at_start_up_naming_the_flag(field: str,
+                                                                         flag: str) -> None:
+    from types import SimpleNamespace
+
+    from kvpush_prod.connector.connector import unsupported_topology
+    from kvpush_prod.errors import ConfigError
+
+    ok = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1)
+    unsupported_topology(ok)
+    with pytest.raises(ConfigError, match=f"{flag} 2") as info:
+        unsupported_topology(SimpleNamespace(**{**vars(ok), field: 2}))
+    assert f"{flag} 1" in str(info.value)

@@ -67,6 +67,24 @@ def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def unsupported_topology(parallel: Any) -> None:
+    """Refuse at start-up what kvpush cannot transfer, naming the value and the fix (never a
+    silent wait or a late fallback at the first request)."""
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {pp}: kvpush does not support pipeline parallelism "
+            "(each stage holds other layers' KV and their control ports would collide); run "
+            "prefill and decode engines with --pipeline-parallel-size 1 (tensor parallelism "
+            "is supported)")
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    if dcp > 1:
+        raise ConfigError(
+            f"--decode-context-parallel-size {dcp}: kvpush does not support decode context "
+            "parallelism (KV split by tokens across ranks); run with "
+            "--decode-context-parallel-size 1")
+
+
 class PushConnector(KVConnectorBase_V1):
     """Push-based KV transfer: D reserves blocks and grants a permit, P WRITEs, D waits."""
 
@@ -84,8 +102,10 @@ class PushConnector(KVConnectorBase_V1):
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError(
                 f"PushConnector supports models with one KV cache group (full attention); this "
-                f"model has {len(kv_cache_config.kv_cache_groups)} groups"
+                f"model has {len(kv_cache_config.kv_cache_groups)} groups (hybrid or "
+                "sliding-window attention): serve it with vLLM's NixlConnector instead"
             )
+        unsupported_topology(vllm_config.parallel_config)
         self.kv_role = side
         self._hook_stats = StatsBuffer()  # hooks that raised (the sides' buffers may be broken)
         # D, worker: receives failed here (no REGISTER left), reported with the next results
