@@ -64,6 +64,15 @@ class ClusterSpec:
     extra_keys: tuple[str, ...] = ()
     # The router signs kv_transfer_params with a params key the engines require.
     signed_params: bool = True
+    # How many prefill and decode engines: the first of each role is named "prefill" and
+    # "decode", the others "prefill-1", "decode-1", ... (P on core 0, D on core 1).
+    prefills: int = 1
+    decodes: int = 1
+
+
+def role_names(role: str, n: int) -> list[str]:
+    """``role``, ``role-1``, ... (the first keeps the plain name tests and tools use)."""
+    return [role] + [f"{role}-{i}" for i in range(1, n)]
 
 
 class Cluster:
@@ -76,14 +85,19 @@ class Cluster:
         self.procs: dict[str, Proc] = {}
         self.specs: dict[str, EngineSpec] = {}
         self.urls: dict[str, str] = {}
-        ports = free_port_block(8)
-        self.p_control, self.d_control = ports, ports + 4
+        self.prefill_names = role_names("prefill", spec.prefills)
+        self.decode_names = role_names("decode", spec.decodes)
+        # Four control ports per engine (TP ranks), one block for all of them.
+        ports = free_port_block(4 * (spec.prefills + spec.decodes))
+        self.control_ports = {name: ports + 4 * i for i, name in
+                              enumerate(self.prefill_names + self.decode_names)}
+        self.p_control, self.d_control = self.control_ports["prefill"], self.control_ports["decode"]
         self.router_port = free_port()
         self.keys_dir = spec.workdir / "keys"
         self.allowed_dir = spec.workdir / "allowed"
         self.params_key_file = spec.workdir / "params.key"
         if spec.secure:
-            self._make_keys(("prefill", "decode", *spec.extra_keys))
+            self._make_keys((*self.prefill_names, *self.decode_names, *spec.extra_keys))
         if spec.signed_params:
             self.params_key_file.write_text(secrets.token_hex(32) + "\n")
             self.params_key_file.chmod(0o600)
@@ -120,16 +134,22 @@ class Cluster:
         common: dict[str, Any] = {"model": self.model, "block_size": s.block_size,
                                   "max_num_seqs": s.max_num_seqs,
                                   "extra_args": list(s.engine_args)}
-        if name == "prefill":
-            kv = push_kv_config("kv_producer", profile, self.p_control,
-                                {**s.extra, **s.prefill_extra}, s.prefill_engine_id,
+        if name in self.prefill_names:
+            engine_id = s.prefill_engine_id if name == "prefill" else None
+            if engine_id is None and name != "prefill":
+                engine_id = f"{s.prefill_engine_id}-{name}" if s.prefill_engine_id else None
+            kv = push_kv_config("kv_producer", profile, self.control_ports[name],
+                                {**s.extra, **s.prefill_extra}, engine_id,
                                 security=self._security_extra(name))
             common["extra_args"] += s.prefill_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
-        if name == "decode":
-            kv = push_kv_config("kv_consumer", profile, self.d_control,
-                                {**s.extra, **s.decode_extra}, s.decode_engine_id,
+        if name in self.decode_names:
+            engine_id = s.decode_engine_id if name == "decode" else None
+            if engine_id is None and name != "decode":
+                engine_id = f"{s.decode_engine_id}-{name}" if s.decode_engine_id else None
+            kv = push_kv_config("kv_consumer", profile, self.control_ports[name],
+                                {**s.extra, **s.decode_extra}, engine_id,
                                 s.kv_load_failure_policy, security=self._security_extra(name))
             common["extra_args"] += s.decode_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
@@ -137,7 +157,8 @@ class Cluster:
         return EngineSpec(name, port=free_port(), cpu_bind="0", **common)
 
     def start(self, timeout: float = 600.0) -> Cluster:
-        names = ["prefill", "decode"] + (["reference"] if self.spec.reference else [])
+        names = [*self.prefill_names, *self.decode_names] + (
+            ["reference"] if self.spec.reference else [])
         for name in names:
             self.start_engine(name, wait=False)
         try:
@@ -161,8 +182,12 @@ class Cluster:
 
     def start_router(self) -> None:
         cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
-               "--port", str(self.router_port), "--prefill", self.urls["prefill"],
-               "--decode", self.urls["decode"], *self.spec.router_args]
+               "--port", str(self.router_port)]
+        for name in self.prefill_names:
+            cmd += ["--prefill", self.urls[name]]
+        for name in self.decode_names:
+            cmd += ["--decode", self.urls[name]]
+        cmd += self.spec.router_args
         if self.spec.signed_params:
             cmd += ["--params-key-file", str(self.params_key_file)]
         if self.spec.secure:
@@ -198,12 +223,17 @@ class Cluster:
     def connector_blocks(self, name: str) -> float:
         return metric_sum(self.metrics(name), "kvpush_connector_blocks")
 
+    @property
+    def engine_names(self) -> list[str]:
+        """Every prefill and decode engine's name (not the reference)."""
+        return [*self.prefill_names, *self.decode_names]
+
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
         """Wait until both engines hold no blocks for the connector; return the last readings."""
         deadline = time.monotonic() + timeout
         last: dict[str, float] = {}
         while time.monotonic() < deadline:
-            last = {n: self.connector_blocks(n) for n in ("prefill", "decode")
+            last = {n: self.connector_blocks(n) for n in self.engine_names
                     if n in self.procs and self.procs[n].alive()}
             if all(v == 0 for v in last.values()):
                 return last
