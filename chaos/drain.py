@@ -19,6 +19,7 @@ from kvpush_prod.chaos.harness import (
     allow_after,
     check_all_answered,
     main,
+    traffic_resumes,
 )
 from kvpush_prod.router.drain import drain
 
@@ -65,11 +66,7 @@ async def run(ctx: Context) -> None:
                              waited is not None,
                              "" if waited is not None else "still draining or down after 60 s")
             gen.phase = f"after{i}"
-            gen.extend(max(0, gen.progress.sent + per_phase - gen.limit))
-            resumed = await gen.wait_ok_in_phase(f"after{i}", per_phase, timeout=180)
-            ctx.event(f"traffic after restart {i}: {'resumed' if resumed else 'NOT resumed'}",
-                      ok=gen.progress.by_phase_ok.get(f"after{i}", 0))
-            if not resumed:
+            if not await traffic_resumes(ctx, gen, i, per_phase):
                 break
         allow_after(gen, n, per_phase)
         await task

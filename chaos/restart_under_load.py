@@ -17,6 +17,7 @@ from kvpush_prod.chaos.harness import (
     break_and_recover,
     check_resumed,
     main,
+    traffic_resumes,
 )
 
 NAME = "restart_under_load"
@@ -62,11 +63,7 @@ async def run(ctx: Context) -> None:
         for i, (engine, how) in enumerate(plan, 1):
             faults.append(await break_and_recover(ctx, gen, engine, how, tag=str(i)))
             # Traffic must resume before the next fault.
-            gen.extend(max(0, gen.progress.sent + per_phase - gen.limit))
-            resumed = await gen.wait_ok_in_phase(f"after{i}", per_phase, timeout=180)
-            ctx.event(f"traffic after restart {i}: {'resumed' if resumed else 'NOT resumed'}",
-                      ok=gen.progress.by_phase_ok.get(f"after{i}", 0))
-            if not resumed:
+            if not await traffic_resumes(ctx, gen, i, per_phase):
                 break
         allow_after(gen, n, per_phase)
         await task

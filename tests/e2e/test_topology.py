@@ -24,11 +24,17 @@ CONCURRENCY = 4
 _seeds = itertools.count(20_000)
 
 
+TOKEN = "a" * 64
+
+
 @pytest.fixture(scope="module")
 def two_by_two(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-2x2"), prefills=2, decodes=2,
+    workdir = e2e_workdir("e2e-2x2")
+    token = workdir / "admin.token"
+    token.write_text(TOKEN)
+    spec = ClusterSpec(workdir=workdir, prefills=2, decodes=2,
                        prefill_kv_gib=1, decode_kv_gib=1, kv_load_failure_policy="recompute",
-                       router_args=["--policy", "engine_load"])
+                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)])
     with Cluster(spec) as c:
         yield c
 
@@ -95,6 +101,33 @@ async def _steady_load(cluster: Cluster, victim: str, n: int) -> tuple[list[Resu
         if g.ok:
             assert g.text == ref.text, (i, "a wrong answer after the kill")
     return got, prompts, in_flight_at_kill
+
+
+async def test_draining_one_of_two_decode_engines_under_load_fails_nothing(
+        two_by_two: Cluster) -> None:
+    """A rolling restart of one D by drain: the other D takes the traffic, 0 requests fail."""
+    from kvpush_prod.router.drain import drain
+
+    victim = "decode-1"
+    prompts = [prompt_of_length(250 + 41 * i, seed=next(_seeds)) for i in range(16)]
+    async with httpx.AsyncClient(timeout=180) as client:
+        async def one(i: int) -> Result:
+            await asyncio.sleep(0.4 * i)  # spread over the drain and the restart
+            return await request(client, two_by_two.urls["router"],
+                                 completion_body(prompts[i], MAX_TOKENS, i % 2 == 0))
+
+        load = asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await asyncio.sleep(1.0)
+        drained = await asyncio.to_thread(drain, two_by_two.urls[victim],
+                                          [two_by_two.urls["router"]], TOKEN, 120.0,
+                                          lambda _: None, 0.5)
+        assert drained
+        await asyncio.to_thread(two_by_two.procs[victim].stop)
+        await asyncio.to_thread(two_by_two.start_engine, victim, True, 600.0)
+        got = await load
+        refs = [await reference(client, two_by_two, p) for p in prompts]
+    assert [g.error for g in got if not g.ok] == []
+    assert [i for i, (g, r) in enumerate(zip(got, refs, strict=True)) if g.text != r.text] == []
 
 
 @pytest.mark.parametrize("victim", ["decode-1", "prefill-1"])

@@ -290,6 +290,16 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
     return at
 
 
+async def traffic_resumes(ctx: Context, gen: LoadGenerator, i: int, per_phase: int) -> bool:
+    """After recovery ``i``: let ``per_phase`` more requests go and wait until they succeed
+    (phase ``after<i>``); False if they did not within 180 s."""
+    gen.extend(max(0, gen.progress.sent + per_phase - gen.limit))
+    resumed = await gen.wait_ok_in_phase(f"after{i}", per_phase, timeout=180)
+    ctx.event(f"traffic after restart {i}: {'resumed' if resumed else 'NOT resumed'}",
+              ok=gen.progress.by_phase_ok.get(f"after{i}", 0))
+    return resumed
+
+
 def check_resumed(ctx: Context, phase: str, what: str, until: float | None = None) -> None:
     """Every request launched in ``phase`` (after a recovery) must have succeeded; with
     ``until``, only those that ended before it (the next fault) count."""

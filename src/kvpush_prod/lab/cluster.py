@@ -75,6 +75,14 @@ def role_names(role: str, n: int) -> list[str]:
     return [role] + [f"{role}-{i}" for i in range(1, n)]
 
 
+def _engine_id(base: str | None, name: str, first: str) -> str | None:
+    """The spec's engine id for the first engine of a role, ``<id>-<name>`` for the others
+    (None: vLLM picks one)."""
+    if base is None or name == first:
+        return base
+    return f"{base}-{name}"
+
+
 class Cluster:
     """Start with ``start()``, stop with ``stop()`` (or use as a context manager)."""
 
@@ -135,21 +143,17 @@ class Cluster:
                                   "max_num_seqs": s.max_num_seqs,
                                   "extra_args": list(s.engine_args)}
         if name in self.prefill_names:
-            engine_id = s.prefill_engine_id if name == "prefill" else None
-            if engine_id is None and name != "prefill":
-                engine_id = f"{s.prefill_engine_id}-{name}" if s.prefill_engine_id else None
             kv = push_kv_config("kv_producer", profile, self.control_ports[name],
-                                {**s.extra, **s.prefill_extra}, engine_id,
+                                {**s.extra, **s.prefill_extra},
+                                _engine_id(s.prefill_engine_id, name, "prefill"),
                                 security=self._security_extra(name))
             common["extra_args"] += s.prefill_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
         if name in self.decode_names:
-            engine_id = s.decode_engine_id if name == "decode" else None
-            if engine_id is None and name != "decode":
-                engine_id = f"{s.decode_engine_id}-{name}" if s.decode_engine_id else None
             kv = push_kv_config("kv_consumer", profile, self.control_ports[name],
-                                {**s.extra, **s.decode_extra}, engine_id,
+                                {**s.extra, **s.decode_extra},
+                                _engine_id(s.decode_engine_id, name, "decode"),
                                 s.kv_load_failure_policy, security=self._security_extra(name))
             common["extra_args"] += s.decode_args
             return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
