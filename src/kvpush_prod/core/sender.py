@@ -148,6 +148,7 @@ class Sender:
         self._retired: OrderedDict[tuple[str, int], RetiredIncarnations] = OrderedDict()
         self._agents: dict[str, tuple[str, int]] = {}  # agent name -> the D rank it belongs to
         self._next_heartbeat = 0.0
+        self._capped = (0, 0)  # the scheduler's capped counters last reported
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -480,6 +481,13 @@ class Sender:
                 chunk.nbytes, done,
                 tuple(o.blocks[first:]) if chunk.is_last else (),
             ))
+        capped = self.sched.capped()
+        if capped != self._capped:
+            for reason, now_n, before in zip(("bytes", "chunks"), capped, self._capped,
+                                             strict=True):
+                if now_n > before:
+                    out.append(Note(NoteKind.LINK_CAPPED, reason, "", float(now_n - before)))
+            self._capped = capped
         for tid in self.sched.take_expired():
             o = self._out.get(tid)
             # Only a push still queued: one given up meanwhile (falling back, D reading our
