@@ -61,6 +61,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
         pull_permit_s=cfg.fallback.pull_permit_s,
         register_grace_s=leases.register_grace_s,
         max_peers=cfg.control.max_peers,
+        done_query_s=retry.done_query_timeout_ms / 1000.0,
     )
     receiver = ReceiverSettings(
         block_bytes=block_bytes,

@@ -119,7 +119,9 @@ class SchedulerStats:
 
 
 # The last chunk's life: it waits for the others, then flies, may wait for a retry, lands.
-_LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE = range(4)
+# HELD: it failed, and whether its DONE arrived anyway is being asked (``hold``): it is
+# posted again (``repost_last``) or counted as landed (``confirm_last``) on the answer.
+_LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE, _LAST_HELD = range(5)
 
 
 class _Transfer:
@@ -385,9 +387,14 @@ class ChunkScheduler:
         *,
         retry_at: float | None = None,
         give_up: bool = False,
+        hold: bool = False,
     ) -> None:
         """A chunk failed. It is queued again (from ``retry_at`` if later than ``now``),
         or with ``give_up`` its transfer is dropped like ``cancel`` (the shell falls back).
+
+        ``hold`` (a last chunk only): its DONE may have landed although the post failed, so
+        it is neither re-posted nor given up until the shell knows: ``repost_last`` or
+        ``confirm_last`` (or ``cancel``). The transfer still expires at its cut-off.
         """
         rec = self._inflight.pop(chunk_id, None)
         if rec is None:
@@ -406,9 +413,51 @@ class ChunkScheduler:
                 self._transfers_cancelled += 1
             elif t.cutoff <= now:
                 self._expire(t)  # it could never be posted again
+            elif hold:
+                if not chunk.is_last:
+                    raise ProtocolError(
+                        "hold of a chunk that is not last",
+                        f"chunk {chunk_id} of {t.tid!r} carries no DONE: retry or give it up",
+                    )
+                self._count_queued(t, chunk.nbytes)
+                t.last = _LAST_HELD
+                t.last_attempt = chunk.attempt + 1
+                t.last_first_at = chunk.first_posted_at
             else:
                 self._requeue(t, chunk, now, retry_at)
         self._wake(lk)
+
+    def repost_last(self, transfer_id: TransferId, now: float,
+                    retry_at: float | None = None) -> bool:
+        """A held last chunk did not land: queue it again (from ``retry_at``, as a retry).
+
+        False if the transfer is gone (expired, cancelled) or holds no last chunk."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.last != _LAST_HELD:
+            return False
+        if retry_at is not None and retry_at > now:
+            t.delayed += 1
+            t.last = _LAST_DELAYED
+            heapq.heappush(self._delayed, (retry_at, next(self._seq), t, t.last_start,
+                                           t.num_blocks, True, t.last_attempt, t.last_first_at))
+            return True
+        t.last = _LAST_PENDING
+        if t.heap_seq == 0 and t.peek() is not None:
+            self._push(t)
+            self._wake(t.link)
+        return True
+
+    def confirm_last(self, transfer_id: TransferId) -> bool:
+        """A held last chunk did land (its DONE arrived): the transfer is complete.
+
+        False if the transfer is gone or holds no last chunk."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.last != _LAST_HELD:
+            return False
+        t.last = _LAST_DONE
+        self._end(t)
+        self._transfers_done += 1
+        return True
 
     def take_expired(self) -> list[TransferId]:
         """Transfers dropped since the last call because their permit came within the stop
@@ -457,7 +506,7 @@ class ChunkScheduler:
         if t is None:
             return 0
         # ``delayed`` already counts a last chunk waiting for its retry time.
-        last_ready_again = t.last == _LAST_PENDING and t.last_attempt > 0
+        last_ready_again = t.last in (_LAST_PENDING, _LAST_HELD) and t.last_attempt > 0
         return len(t.retry) + t.delayed + int(last_ready_again)
 
     def bandwidth(self, link: LinkId) -> float:
@@ -565,12 +614,15 @@ class ChunkScheduler:
                 self._push(t)
                 self._wake(t.link)
 
+    def _count_queued(self, t: _Transfer, nbytes: int) -> None:
+        t.queued_bytes += nbytes
+        t.queued_chunks += 1
+        self._queued_bytes += nbytes
+        self._queued_chunks += 1
+
     def _requeue(self, t: _Transfer, chunk: Chunk, now: float, retry_at: float | None) -> None:
         attempt = chunk.attempt + 1
-        t.queued_bytes += chunk.nbytes
-        t.queued_chunks += 1
-        self._queued_bytes += chunk.nbytes
-        self._queued_chunks += 1
+        self._count_queued(t, chunk.nbytes)
         if retry_at is not None and retry_at > now:
             t.delayed += 1
             if chunk.is_last:
