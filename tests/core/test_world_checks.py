@@ -10,7 +10,8 @@ import pytest
 
 from .sim_world import Attack, Chaos, Violation, World
 
-KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat"]
+KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat",
+         "DoneQuery", "DoneState"]
 
 
 def pushing_world(seed: int) -> tuple[World, str]:
