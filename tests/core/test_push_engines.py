@@ -363,6 +363,24 @@ def test_open_breaker_sends_new_transfers_straight_to_pull() -> None:
     assert of(out, PostWrite) == [] and len(msgs(out, m.Fallback)) == 1
 
 
+def test_chunk_failures_that_retries_absorb_do_not_open_the_breaker() -> None:
+    # The breaker counts failed pushes (threshold 2), not failed chunks: under a steady rate
+    # of WRITE errors that retries absorb, pushes go on instead of all turning into pulls.
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(), 0.0), PostWrite)
+    now = 0.0
+    for _ in range(2):
+        now += 0.05
+        assert [n.kind for n in of(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now),
+                                   Note)] == ["retry"]
+        (w,) = of(s.poll(now + 0.05), PostWrite)
+    assert [v.value for v in s.breaker_states(now).values()] == ["closed"]
+    s.blocks_ready("u", [1], now)
+    assert len(of(s.on_message(register("u", blocks=[30]), now), PostWrite)) == 1
+
+
 def test_no_write_is_posted_inside_the_stop_margin_of_the_permit() -> None:
     s = sender()
     s.on_message(register(ttl_ms=5000), 0.0)

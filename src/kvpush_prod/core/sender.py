@@ -436,12 +436,9 @@ class Sender:
                 outcome = Outcome.RETRIED if o.retried else Outcome.PUSHED
                 return [Note(NoteKind.TRANSFER_DONE, outcome, o.tid), *self._close(o, outcome)]
             return self._after_drain(o, now) + self.poll(now)
-        # A failed chunk.
-        before = self.breakers[chunk.link].state(now)
-        self.breakers.record_failure(chunk.link, now)
+        # A failed chunk. The peer's breaker counts failed pushes, not chunks: a chunk that
+        # a retry delivers is not evidence against the peer (``_give_up`` records them).
         out: list[Action] = []
-        if before is not BreakerState.OPEN and self.breakers[chunk.link].state(now) is BreakerState.OPEN:
-            out.append(Note(NoteKind.BREAKER_TRIP, chunk.link, str(error)))
         if o is None or not o.queued:
             self.sched.on_chunk_failed(chunk_id, now, give_up=True)
             return out + (self._after_drain(o, now) if o is not None else [])
@@ -479,7 +476,15 @@ class Sender:
 
     def _give_up(self, o: _Out, action: ErrorClass, reason: str, now: float) -> list[Action]:
         """Give up the push of ``o``: stop posting, let the rest drain, then fall back or
-        fail."""
+        fail. A push given up for the link's sake (not a request's own fatal error) counts
+        against the peer's breaker."""
+        out: list[Action] = []
+        if action is not ErrorClass.FATAL and o.peer:
+            before = self.breakers[o.peer].state(now)
+            self.breakers.record_failure(o.peer, now)
+            if before is not BreakerState.OPEN and \
+                    self.breakers[o.peer].state(now) is BreakerState.OPEN:
+                out.append(Note(NoteKind.BREAKER_TRIP, o.peer, reason))
         self.sched.cancel(o.tid)
         o.queued = False
         o.confirm = None
@@ -487,7 +492,7 @@ class Sender:
         fallback = action is not ErrorClass.FATAL and self.s.fallback
         o.drain_then = AfterDrain.FALLBACK if fallback else AfterDrain.FAILED
         o.reason = reason
-        return self._after_drain(o, now)
+        return out + self._after_drain(o, now)
 
     def _done_query(self, o: _Out) -> SendMessage:
         assert o.reg is not None and o.confirm is not None
