@@ -73,6 +73,7 @@ class Needs:
     policy: str = "recompute"
     prefill_faults: tuple[tuple[str, Any], ...] = ()  # KVPUSH_FAULTS fields for P
     decode_blocks: int = 256
+    profile: str | None = None  # the engines' profile (None: the lab's cpu-loopback)
 
     def faults_json(self, workdir: Path) -> str | None:
         if not self.prefill_faults:
@@ -91,7 +92,8 @@ def fault_switch(workdir: Path) -> Path:
 def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpec:
     """A cluster for ``needs``: stable engine ids, so a restarted engine keeps its identity."""
     spec = ClusterSpec(workdir=workdir, prefill_engine_id="chaos-prefill",
-                       decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy)
+                       decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy,
+                       profile=needs.profile)
     if trace:
         for env in (spec.prefill_env, spec.decode_env):
             env["KVPUSH_TRACE_DIR"] = str(workdir / "traces")
