@@ -491,10 +491,18 @@ class Harmless:
         return False
 
     def report_finished(self, a: ReportFinished, /) -> bool:
-        return False
+        # An aborted receive of the origin's own transfer, ended by its own restart (below).
+        return a.outcome is Outcome.ABORTED and self._own_receive(a.transfer_id)
 
     def report_failed(self, a: ReportFailed, /) -> bool:
-        return False
+        # An engine forging with its own key speaks as its live process: the first message D
+        # hears from a restarted prefill (here a "forged" one) rightly fails the transfers
+        # its dead process held. Those are the origin's own; nobody else's may end.
+        return a.reason == "peer_restarted" and self._own_receive(a.transfer_id)
+
+    def _own_receive(self, tid: str) -> bool:
+        """D's receive ``tid`` belonged to the origin (its owner is the forger's key)."""
+        return isinstance(self.engine, Receiver) and tid not in self.before["transfers"]
 
     def _first_come(self, tid: str) -> bool:
         return isinstance(self.engine, Sender) and tid not in self.before["transfers"]
