@@ -28,6 +28,12 @@ sim_world.KNOWN_BUGS keeps the attacker off those moves until they are fixed.
 
 Examples: the loaded hypothesis profile (``HYPOTHESIS_PROFILE=ci``: 300), or
 ``KVPUSH_HYPOTHESIS_EXAMPLES``; steps per example: ``KVPUSH_HYPOTHESIS_STEPS`` (100).
+Nightly size: ``HYPOTHESIS_PROFILE=ci KVPUSH_HYPOTHESIS_EXAMPLES=3000
+KVPUSH_HYPOTHESIS_STEPS=150 pytest tests/core/test_protocol_stateful.py -k TestProtocolWorld``:
+about 6 minutes on a 2-core box when it passes (2026-11-30), plus up to ~5 minutes of
+shrinking when it finds something. That size found a world false positive the CI size did
+not (an engine's first message after its own restart, sent under its key, counted as a
+forgery acted on); after the fix it ran 3000 x 150 with no violation.
 A failure prints the steps, the world (sizes, chaos, seed), its events around the broken
 invariant and ``@reproduce_failure`` (the blob; ``print_blob``).
 """
