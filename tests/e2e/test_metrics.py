@@ -47,6 +47,7 @@ HEALTHY = {
     ("kvpush_admissions", "consumer"),
     ("kvpush_leases_active", "producer"), ("kvpush_leases_active", "consumer"),
     ("kvpush_link_bandwidth_bytes_per_second", "producer"),
+    ("kvpush_link_capped", "producer"),
     ("kvpush_inflight_bytes", "producer"),
     ("kvpush_transfers_active", "producer"), ("kvpush_transfers_active", "consumer"),
     ("kvpush_breaker_state", "producer"),
