@@ -615,7 +615,6 @@ class SenderPump(TransferPump[Sender]):
     """P's pump: its completions are its WRITEs'; D's READs of its blocks need progress."""
 
     side = Side.PRODUCER
-    _capped_exported = False
 
     def _progress(self) -> None:
         if self.engine.pulling:
@@ -624,12 +623,6 @@ class SenderPump(TransferPump[Sender]):
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         p = self.engine
-        if not self._capped_exported:
-            # Samples from the start (0 until a cap holds a chunk back), as every healthy
-            # series has: a dashboard's rate() needs the series before the first increment.
-            self._capped_exported = True
-            for reason in ("bytes", "chunks"):
-                self.stats.inc("kvpush_link_capped", (self.role, reason), 0.0)
         for link in p.sched.links():
             self.stats.set("kvpush_link_bandwidth_bytes_per_second",
                            (self.role, self._peer_label.get(link, link)), p.sched.bandwidth(link))
