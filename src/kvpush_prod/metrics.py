@@ -176,6 +176,11 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        "Late messages or writes refused because their generation was stale.", healthy=False),
     _s("kvpush_link_bandwidth_bytes_per_second", "gauge", ("role", "peer"),
        "Measured bandwidth of the link to the peer (EWMA of chunk completions)."),
+    _s("kvpush_link_capped", "counter", ("role", "reason"),
+       "Times a chunk ready to post waited because its link was at an in-flight cap: bytes "
+       "(measured bandwidth x push.target_latency_ms) or chunks (push.max_inflight_chunks). "
+       "Load, not a fault; absent until a cap first binds.",
+       values={"reason": ("bytes", "chunks")}, healthy=False),
     _s("kvpush_inflight_bytes", "gauge", _R, "Bytes posted and not yet completed."),
     _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
        "Control messages and notifications dropped (never acted on), by reason.",

@@ -1,7 +1,7 @@
 """Every chaos scenario in a short form, on real engines: the verdict must be PASS.
 
-Three clusters, one at a time: a plain pair (kills and restarts), a pair whose P fails 30%
-of its WRITEs, and a pair whose P fails every WRITE while a switch file exists (bad_peer;
+Three clusters, one at a time: a plain pair (kills and restarts), a pair on the
+cpu-multichunk profile (many chunks per transfer) whose P fails 30% of its WRITEs, and a pair whose P fails every WRITE while a switch file exists (bad_peer;
 stall_prefill and client_cancel run there with the switch off, policy ``fail``).
 """
 

@@ -35,8 +35,8 @@ def test_the_profiles_are_package_data_of_the_distribution() -> None:
 
 
 def test_every_shipped_profile_loads_by_name() -> None:
-    assert set(shipped()) == {"cpu-loopback", "default", "efa-p5en", "high-concurrency",
-                              "ib-ucx"}
+    assert set(shipped()) == {"cpu-loopback", "cpu-multichunk", "default", "efa-p5en",
+                              "high-concurrency", "ib-ucx"}
     for name, path in shipped().items():
         assert load_config(name, env={}) == load_config(path, env={})
 
@@ -64,7 +64,8 @@ def test_a_file_wins_over_a_name_and_the_scheme_always_means_the_shipped_one(
 def test_an_unknown_profile_is_an_error_naming_the_shipped_ones(spec: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle) as err:
         load_config(spec, env={})
-    assert "cpu-loopback, default, efa-p5en, high-concurrency, ib-ucx" in str(err.value)
+    assert ("cpu-loopback, cpu-multichunk, default, efa-p5en, high-concurrency, ib-ucx"
+            in str(err.value))
 
 
 def test_the_connector_takes_a_shipped_profile_by_name_in_its_extra_config() -> None:

@@ -183,8 +183,10 @@ class Attack:
     ttl_ms: int = 3000
 
 
-ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", "Failed"),
-                "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register")}
+ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", "Failed",
+                      "DoneState"),
+                "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register",
+                      "DoneQuery")}
 
 
 @dataclass(frozen=True)
@@ -489,10 +491,18 @@ class Harmless:
         return False
 
     def report_finished(self, a: ReportFinished, /) -> bool:
-        return False
+        # An aborted receive of the origin's own transfer, ended by its own restart (below).
+        return a.outcome is Outcome.ABORTED and self._own_receive(a.transfer_id)
 
     def report_failed(self, a: ReportFailed, /) -> bool:
-        return False
+        # An engine forging with its own key speaks as its live process: the first message D
+        # hears from a restarted prefill (here a "forged" one) rightly fails the transfers
+        # its dead process held. Those are the origin's own; nobody else's may end.
+        return a.reason == "peer_restarted" and self._own_receive(a.transfer_id)
+
+    def _own_receive(self, tid: str) -> bool:
+        """D's receive ``tid`` belonged to the origin (its owner is the forger's key)."""
+        return isinstance(self.engine, Receiver) and tid not in self.before["transfers"]
 
     def _first_come(self, tid: str) -> bool:
         return isinstance(self.engine, Sender) and tid not in self.before["transfers"]
@@ -726,10 +736,12 @@ class World:
     # ------------------------------------------------------------------ stale generations
     _FOR_D = {"Failed": "Failed", "CancelAck": "CancelAck", "Fallback": "Fallback",
               "Done": "Done", "Register": "Failed", "Cancel": "CancelAck",
-              "PullDone": "Fallback", "Heartbeat": "Done"}
+              "PullDone": "Fallback", "Heartbeat": "Done", "DoneQuery": "DoneQuery",
+              "DoneState": "DoneQuery"}
     _FOR_P = {"Register": "Register", "Cancel": "Cancel", "PullDone": "PullDone",
               "Heartbeat": "Heartbeat", "Failed": "Register", "CancelAck": "Cancel",
-              "Fallback": "PullDone", "Done": "Heartbeat"}
+              "Fallback": "PullDone", "Done": "Heartbeat", "DoneQuery": "DoneState",
+              "DoneState": "DoneState"}
 
     def stale_candidates(self, role: str) -> list[tuple[str, str]]:
         """(node, transfer) pairs where a message with another generation can be made to
@@ -781,6 +793,8 @@ class World:
                 msg = m.Failed(v, tid, g, p.info, "stale")
             elif kind == "CancelAck":
                 msg = m.CancelAck(v, tid, g, p.info)
+            elif kind == "DoneQuery":
+                msg = m.DoneQuery(v, tid, g, p.info, inc.void_below)
             else:
                 msg = m.Fallback(v, tid, g, p.info, list(range(len(inc.blocks))), 0, "stale",
                                  4000, sent_at=p.wall(self.now))
@@ -800,6 +814,9 @@ class World:
                 msg = m.Cancel(v, tid, g, d.info, "stale")
             elif kind == "PullDone":
                 msg = m.PullDone(v, tid, g, d.info, True)
+            elif kind == "DoneState":
+                msg = m.DoneState(v, tid, g, d.info, o.confirm.attempt if o.confirm else 0,
+                                  "done")
             else:
                 msg = m.Heartbeat(v, d.info, node.inc, [(tid, g)], 3000, sent_at=d.wall(self.now))
             src = d
@@ -850,7 +867,7 @@ class World:
         so only the generation is at stake)."""
         eng = node.engine
         if isinstance(eng, Receiver):
-            if not isinstance(msg, (m.Failed, m.CancelAck, m.Fallback)):
+            if not isinstance(msg, (m.Failed, m.CancelAck, m.Fallback, m.DoneQuery)):
                 return ""
             peer = eng._peers.get((origin, msg.sender.rank))
             if peer is None or peer.incarnation != msg.sender.incarnation:
@@ -866,7 +883,7 @@ class World:
             o = eng._out.get(tid)
             ok = o is None or o.reg is None or o.owner != origin or gen in (0, o.reg.generation)
             return "" if ok else tid
-        if not isinstance(msg, (m.Register, m.Cancel, m.PullDone)):
+        if not isinstance(msg, (m.Register, m.Cancel, m.PullDone, m.DoneState)):
             return ""
         known = eng._peers.get((origin, msg.sender.rank))
         if isinstance(msg, m.Register) and (known is None
@@ -1071,6 +1088,12 @@ class World:
                 msg = m.Cancel(v, tid, gen if a.guess != "zero" else 0, claim, "forged")
             elif kind == "PullDone":
                 msg = m.PullDone(v, tid, gen, claim, r.random() < 0.7)
+            elif kind == "DoneState":
+                # The attempt P asks about, where it asks (the attacker may have seen it).
+                o = eng._out.get(tid)
+                attempt = o.confirm.attempt if o is not None and o.confirm else 0
+                msg = m.DoneState(v, tid, gen, claim, attempt,
+                                  r.choice(("done", "pending", "gone")))
             else:
                 msg = m.Failed(v, tid, gen, claim, "forged")
         else:
@@ -1085,6 +1108,9 @@ class World:
             elif kind == "Fallback":
                 msg = m.Fallback(v, tid, gen, claim, [r.choice(range(P_BLOCKS)) for _ in range(n)],
                                  0, "forged", a.ttl_ms, sent_at=sent_at)
+            elif kind == "DoneQuery":
+                # A forged question must void nothing: the owner's DONE still counts.
+                msg = m.DoneQuery(v, tid, gen, claim, inc.void_below if inc is not None else 0)
             else:
                 msg = m.Register(v, tid, claim, list(range(n)), 0, n * 16, gen, a.ttl_ms,
                                  sent_at=sent_at)

@@ -175,25 +175,82 @@ def test_retryable_chunk_error_is_retried_and_counted() -> None:
         ReleaseSend("t", "retried", 300)]
 
 
-def test_a_failed_last_chunk_is_never_posted_again_decode_pulls_instead() -> None:
+def test_a_failed_last_chunk_is_not_posted_again_until_decode_says_its_done_did_not_arrive() -> None:
     # Found by test_protocol_stateful: the last chunk carries DONE; its WRITE can fail at P
     # after the bytes and DONE reached D (an ack lost with the connection). D then reported
-    # the KV and released the blocks, and P's retry of that chunk wrote into freed blocks.
+    # the KV and released the blocks, so a blind retry would write into freed blocks: P asks.
     s = sender()
     s.blocks_ready("t", [1], 0.0)
     s.hold("t")
     (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
-    assert w.done is not None
+    assert w.done is not None and w.done.attempt == 0
     out = s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    (q,) = msgs(out, m.DoneQuery)
+    assert (q.transfer_id, q.generation, q.attempt) == ("t", 1, 0)
     assert of(out, PostWrite) == [] and of(s.poll(1.0), PostWrite) == []
-    (fb,) = msgs(out, m.Fallback)
-    assert fb.block_ids == [1]
-    # A fatal error on it still fails the transfer (no fallback).
-    s2 = sender()
-    s2.blocks_ready("t", [1], 0.0)
-    (w,) = of(s2.on_message(register(blocks=[10]), 0.0), PostWrite)
-    out = s2.on_chunk(w.chunk_id, False, "NIXL_ERR_INVALID_PARAM", 0.1)
-    assert msgs(out, m.Fallback) == [] and len(msgs(out, m.Failed)) == 1
+    assert msgs(out, m.Fallback) == []
+    out = s.on_message(m.DoneState(1, "t", 1, D, 0, "pending"), 0.2)
+    assert [n.kind for n in of(out, Note)] == ["retry"]
+    (again,) = of(out + s.poll(0.3), PostWrite)
+    assert again.done is not None and again.done.attempt == 1 and again.dst_blocks == (10,)
+    assert of(s.on_chunk(again.chunk_id, True, "", 0.4), ReleaseSend) == [
+        ReleaseSend("t", "retried", 100)]
+
+
+def test_decode_confirming_the_done_ends_the_push_without_posting_again() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    (w1,) = of(s.on_message(register(), 0.0), PostWrite)
+    (w2,) = of(s.on_chunk(w1.chunk_id, True, "", 0.1), PostWrite)
+    out = s.on_chunk(w2.chunk_id, False, "ERR:nixlBackendError", 0.2)
+    assert len(msgs(out, m.DoneQuery)) == 1
+    out = s.on_message(m.DoneState(1, "t", 1, D, 0, "done"), 0.3)
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "retried", 300)]
+    assert of(s.poll(1.0) + s.tick(2.0), PostWrite) == [] and s.active == 0
+
+
+def test_a_decode_that_does_not_answer_gets_a_fallback_after_the_done_query_bound() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    resent = msgs(s.tick(0.1 + SS.done_query_s / 2), m.DoneQuery)
+    assert len(resent) == 1  # asked again meanwhile (a lost question is not the answer)
+    assert msgs(s.tick(0.1 + SS.done_query_s * 0.9), m.Fallback) == []
+    (fb,) = msgs(s.tick(0.1 + SS.done_query_s), m.Fallback)
+    assert fb.reason.startswith("done_query_timeout")
+    # A late answer changes nothing: D pulls.
+    assert s.on_message(m.DoneState(1, "t", 1, D, 0, "done"), 2.0) == []
+
+
+def test_decode_gone_ends_the_push_as_failed_without_a_fallback() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    out = s.on_message(m.DoneState(1, "t", 1, D, 0, "gone"), 0.2)
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "failed", 0)]
+    assert msgs(out, m.Fallback) == []
+
+
+def test_a_done_state_from_another_engine_or_generation_or_attempt_changes_nothing() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1)
+    other = m.PeerInfo("X", 5, 0, "tcp://x:1", ag("agent-x", "tcp://x:1"), b"meta", LAYOUT)
+    (a,) = s.on_message(m.DoneState(1, "t", 1, other, 0, "done"), 0.2)
+    (b,) = s.on_message(m.DoneState(1, "t", 1, D, 0, "done"), 0.2, origin="tcp://x:1")
+    (c,) = s.on_message(m.DoneState(1, "t", 9, D, 0, "done"), 0.2)
+    assert (a.reason, b.reason, c.reason) == ("not_owner", "not_owner", "stale_generation")
+    assert s.on_message(m.DoneState(1, "t", 1, D, 5, "done"), 0.2) == []  # another attempt
+    assert s.active == 1 and of(s.poll(0.3), PostWrite) == []
+    out = s.on_message(m.DoneState(1, "t", 1, D, 0, "done"), 0.3)  # the owner's answer
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "retried", 100)]
 
 
 def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:
@@ -204,6 +261,8 @@ def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:
     now, fallback = 0.1, []
     for _ in range(5):
         out = s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now)
+        (q,) = msgs(out, m.DoneQuery)
+        out = s.on_message(m.DoneState(1, "t", 1, D, q.attempt, "pending"), now)
         fallback = msgs(out, m.Fallback)
         if fallback:
             break
@@ -211,10 +270,75 @@ def test_exhausted_retries_fall_back_to_pull_and_free_after_pull_done() -> None:
         (w,) = of(s.poll(now), PostWrite)
     (fb,) = fallback
     assert fb.block_ids == [1] and fb.sender.agent_meta == b"meta"
+    assert fb.reason.startswith("retries_exhausted")
     # P keeps its blocks until D says the pull is over.
     assert of(s.tick(now + 1), ReleaseSend) == []
     done = m.PullDone(1, "t", 1, D, True)
     assert s.on_message(done, now + 2) == [ReleaseSend("t", "pull_fallback", 0)]
+
+
+def test_a_fatal_error_on_the_last_chunk_fails_the_transfer_without_asking() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    out = s.on_chunk(w.chunk_id, False, "NIXL_ERR_INVALID_PARAM", 0.1)
+    assert msgs(out, m.Fallback) == [] and msgs(out, m.DoneQuery) == []
+    assert len(msgs(out, m.Failed)) == 1
+
+
+def test_decode_answers_a_done_query_and_voids_that_attempts_done() -> None:
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    g = reg.generation
+    (ans,) = msgs(r.on_message(m.DoneQuery(1, "t", g, P, 0), 0.1), m.DoneState)
+    assert (ans.state, ans.attempt, ans.generation) == ("pending", 0, g)
+    # The first post's DONE, landing late, no longer ends the receive: the re-post's does.
+    (late,) = r.on_done(done(gen=g), 0.2)
+    assert (late.kind, late.reason) == ("fenced", "void_attempt") and r.active == 1
+    again = m.Done(m.PROTOCOL_VERSION, "t", g, 1, attempt=1)
+    assert r.on_done(again, 0.3) == [ReportFinished("t", "pushed")]
+    # DONE is delivered once: a second one of the generation changes nothing.
+    (dup,) = r.on_done(again, 0.4)
+    assert (dup.kind, dup.reason) == ("fenced", "duplicate_done")
+    (ans,) = msgs(r.on_message(m.DoneQuery(1, "t", g, P, 1), 0.5), m.DoneState)
+    assert ans.state == "done"
+
+
+def test_decode_answers_done_once_the_done_arrived_and_gone_when_it_never_knew() -> None:
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    assert r.on_done(done(gen=reg.generation), 0.1) == [ReportFinished("t", "pushed")]
+    assert r.on_done(done(gen=reg.generation), 0.15)[0].reason == "duplicate_done"
+    (ans,) = msgs(r.on_message(m.DoneQuery(1, "t", reg.generation, P, 0), 0.2), m.DoneState)
+    assert ans.state == "done"
+    (ans,) = msgs(r.on_message(m.DoneQuery(1, "u", 5, P, 0), 0.2), m.DoneState)
+    assert ans.state == "gone"
+
+
+def test_only_the_owner_may_ask_whether_done_arrived() -> None:
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
+    out = r.on_message(m.DoneQuery(1, "t", reg.generation, P, 0), 0.1, origin="intruder")
+    assert msgs(out, m.DoneState) == [] and [n.reason for n in of(out, Note)] == ["not_owner"]
+    # Its question voided nothing: the first post's DONE still counts.
+    assert r.on_done(done(gen=reg.generation), 0.2) == [ReportFinished("t", "pushed")]
+    out = r.on_message(m.DoneQuery(1, "t", reg.generation, P, 0), 0.3, origin="intruder")
+    assert msgs(out, m.DoneState) == [] and [n.reason for n in of(out, Note)] == ["not_owner"]
+
+
+def test_an_ambiguous_last_chunk_ends_pushed_once_on_both_sides() -> None:
+    # The last WRITE lands with its DONE but fails at P: P asks, D says done.
+    s, r = sender(), receiver()
+    (reg,) = msgs(r.register("t", P.control, [10], 0, 10, 0.0), m.Register)
+    s.blocks_ready("t", [1], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(reg, 0.0), PostWrite)
+    assert w.done is not None
+    assert r.on_done(w.done, 0.1) == [ReportFinished("t", "pushed")]
+    (q,) = msgs(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1), m.DoneQuery)
+    (ans,) = msgs(r.on_message(q, 0.2), m.DoneState)
+    assert of(s.on_message(ans, 0.3, origin=D.control), ReleaseSend) == [
+        ReleaseSend("t", "retried", 100)]
 
 
 def test_fatal_error_fails_the_transfer_without_fallback() -> None:
@@ -237,6 +361,24 @@ def test_open_breaker_sends_new_transfers_straight_to_pull() -> None:
     s.blocks_ready("t9", [1], 0.2)
     out = s.on_message(register("t9", blocks=[30]), 0.2)
     assert of(out, PostWrite) == [] and len(msgs(out, m.Fallback)) == 1
+
+
+def test_chunk_failures_that_retries_absorb_do_not_open_the_breaker() -> None:
+    # The breaker counts failed pushes (threshold 2), not failed chunks: under a steady rate
+    # of WRITE errors that retries absorb, pushes go on instead of all turning into pulls.
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    (w,) = of(s.on_message(register(), 0.0), PostWrite)
+    now = 0.0
+    for _ in range(2):
+        now += 0.05
+        assert [n.kind for n in of(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now),
+                                   Note)] == ["retry"]
+        (w,) = of(s.poll(now + 0.05), PostWrite)
+    assert [v.value for v in s.breaker_states(now).values()] == ["closed"]
+    s.blocks_ready("u", [1], now)
+    assert len(of(s.on_message(register("u", blocks=[30]), now), PostWrite)) == 1
 
 
 def test_no_write_is_posted_inside_the_stop_margin_of_the_permit() -> None:

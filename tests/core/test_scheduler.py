@@ -24,8 +24,10 @@ def sched(
     aging: float = math.inf,
     stop: float = 0.5,
     alpha: float = 0.5,
+    max_chunks: int = 100_000,
 ) -> ChunkScheduler:
-    """Defaults: 10 blocks of 100 B per chunk, initial cap 10 kB (10 chunks)."""
+    """Defaults: 10 blocks of 100 B per chunk, initial cap 10 kB (10 chunks); the chunk
+    cap out of the way."""
     return ChunkScheduler(
         SchedulerSettings(
             chunk_bytes=chunk_bytes,
@@ -34,6 +36,7 @@ def sched(
             aging_bytes_per_s=aging,
             stop_margin_s=stop,
             ewma_alpha=alpha,
+            max_inflight_chunks=max_chunks,
         )
     )
 
@@ -258,6 +261,40 @@ def test_in_flight_bytes_stay_within_the_cap() -> None:
     assert s.next_chunks(0.0) == []
     s.on_chunk_done(first[0].id, 0.001)
     assert len(s.next_chunks(0.001)) >= 1
+
+
+def test_a_link_never_has_more_chunks_in_flight_than_max_inflight_chunks() -> None:
+    # The byte cap would allow 100 chunks; the chunk cap allows 4.
+    s = ChunkScheduler(SchedulerSettings(chunk_bytes=100, target_latency_s=0.01,
+                                         initial_bandwidth_bytes_per_s=1e6,
+                                         max_inflight_chunks=4))
+    s.add("t", "L", 100, 50, FAR, 0.0)
+    s.add("u", "M", 100, 50, FAR, 0.0)
+    first = s.next_chunks(0.0)
+    assert s.inflight_chunks_on("L") == 4 and s.inflight_chunks_on("M") == 4
+    assert len(first) == 8 and s.next_chunks(0.0) == []
+    s.on_chunk_done(first[0].id, 0.001)
+    again = s.next_chunks(0.001)
+    assert len(again) == 1 and again[0].link == first[0].link
+    assert s.inflight_chunks_on(first[0].link) == 4
+
+
+def test_each_time_a_ready_chunk_finds_its_link_full_the_cap_that_bound_is_counted() -> None:
+    by_chunks = ChunkScheduler(SchedulerSettings(chunk_bytes=100, target_latency_s=0.01,
+                                                 initial_bandwidth_bytes_per_s=1e6,
+                                                 max_inflight_chunks=2))
+    by_chunks.add("t", "L", 100, 10, FAR, 0.0)
+    by_chunks.next_chunks(0.0)
+    assert by_chunks.capped() == (0, 1)
+    by_bytes = sched(latency=0.003)  # three chunks of 1000 B fit
+    by_bytes.add("t", "L", 100, 100, FAR, 0.0)
+    by_bytes.next_chunks(0.0)
+    assert by_bytes.capped() == (1, 0)
+    assert by_bytes.stats().capped_bytes == 1
+    idle = sched()
+    idle.add("t", "L", 100, 5, FAR, 0.0)
+    idle.next_chunks(0.0)
+    assert idle.capped() == (0, 0)  # nothing waited
 
 
 def test_an_idle_link_always_takes_one_chunk_even_above_the_cap() -> None:
@@ -495,6 +532,7 @@ def test_a_limit_of_zero_posts_nothing() -> None:
         {"ewma_alpha": 1.5},
         {"initial_bandwidth_bytes_per_s": 0.0},
         {"min_sample_s": 0.0},
+        {"max_inflight_chunks": 0},
     ],
 )
 def test_invalid_scheduler_settings_are_config_errors(kwargs: dict[str, float]) -> None:
@@ -510,7 +548,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.s = sched(chunk_bytes=1000, latency=0.002, stop=0.5, aging=2000.0)
+        self.s = sched(chunk_bytes=1000, latency=0.002, stop=0.5, aging=2000.0, max_chunks=3)
         self.now = 0.0
         self.n = 0
         self.blocks: dict[str, int] = {}  # live transfer -> num_blocks
@@ -537,8 +575,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(limit=st.one_of(st.none(), st.integers(1, 4)))
     def post(self, limit: int | None) -> None:
         inflight = defaultdict(int)
+        count: dict[str, int] = defaultdict(int)
         for c in self.flying.values():
             inflight[c.link] += c.nbytes
+            count[c.link] += 1
         for c in self.s.next_chunks(self.now, limit):
             assert c.transfer_id in self.blocks, "posted a chunk of an ended transfer"
             assert self.now < self.cutoff[c.transfer_id], "posted past the permit cut-off"
@@ -550,6 +590,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             before = inflight[c.link]
             assert before == 0 or before + c.nbytes <= self.s.cap_bytes(c.link)
             inflight[c.link] += c.nbytes
+            count[c.link] += 1
+            assert count[c.link] <= 3, "more chunks in flight than max_inflight_chunks"
             self.flying[c.id] = c
         for tid in self.s.take_expired():
             assert self.now >= self.cutoff[tid], "expired before its cut-off"

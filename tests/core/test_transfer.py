@@ -94,8 +94,8 @@ def test_an_event_without_a_table_entry_raises_naming_state_and_event() -> None:
     with pytest.raises(ProtocolError, match=r"'t1'.*CHUNK_POSTED.*WAITING_BLOCKS"):
         m.fire(E.CHUNK_POSTED, 0.0)
     assert m.state is S.WAITING_BLOCKS  # unchanged
-    with pytest.raises(ProtocolError, match="DONE in state RETRYING"):
-        next_state(S.RETRYING, E.DONE)
+    with pytest.raises(ProtocolError, match="REGISTER in state RETRYING"):
+        next_state(S.RETRYING, E.REGISTER)
 
 
 def test_terminal_states_are_sticky_and_late_events_are_ignored_and_counted() -> None:

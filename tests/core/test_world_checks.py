@@ -10,7 +10,8 @@ import pytest
 
 from .sim_world import Attack, Chaos, Violation, World
 
-KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat"]
+KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat",
+         "DoneQuery", "DoneState"]
 
 
 def pushing_world(seed: int) -> tuple[World, str]:
@@ -111,7 +112,7 @@ def test_a_message_of_a_dead_process_that_is_acted_on_is_caught(monkeypatch: Any
 
 def every_attack() -> list[Attack]:
     return [Attack(kind, forger, claim, guess, "live", layout=layout)
-            for kind in range(6)
+            for kind in range(7)
             for forger in ("attacker", "engine")
             for claim in ("owner", "owner_new", "own")
             for guess in ("current", "random")
@@ -137,6 +138,30 @@ def test_forgeries_of_every_kind_about_a_live_transfer_are_refused(seed: int) ->
     w.run_until(w.now + 30.0)
     w.quiesce()
     assert w.stats["report:ReportFinished(pushed)"] == 2  # the attacks changed nothing
+
+
+def test_an_engine_restarted_under_its_own_key_may_end_what_its_dead_process_held() -> None:
+    # Found at 3000 x 150: P0 restarts; its first message D0 hears from the new process is
+    # one "forged" about P1's transfer under P0's own key. D0 rightly fails what P0's dead
+    # process held (P0's own receive), and must touch nothing of P1's.
+    w = World(2, 1, Chaos(skew=False), 0)
+    w.run_until(0.5)
+    for p in ("P0", "P1"):
+        w.slow_down(p, "D0", 60.0)
+    t0 = w.new_request(w.nodes["P0"], w.nodes["D0"], 8, 0)
+    t1 = w.new_request(w.nodes["P1"], w.nodes["D0"], 8, 0)
+    d = w.nodes["D0"].engine
+    while not all(t in d._in and d._in[t].p_incarnation is not None for t in (t0, t1)):
+        w.run_until(w.now + 0.05)
+        assert w.now < 10.0, "the pushes never started"
+    w.crash(w.nodes["P0"])
+    w.run_until(w.now + 0.1)
+    w.start(w.nodes["P0"])
+    w.attack(w.nodes["D0"], t1, Attack(0, "engine", "owner", "current", "live"))
+    assert w.stats["report:ReportFailed(peer_restarted)"] == 1 and t0 not in d._in
+    assert t1 in d._in
+    w.run_until(w.now + 90.0)
+    w.quiesce()
 
 
 def test_a_forgery_that_is_acted_on_is_caught(monkeypatch: Any) -> None:

@@ -78,6 +78,7 @@ class Needs:
     # for an engine that is drained or restarting (router no_backend_wait_s; 0: off).
     admin: bool = False
     no_backend_wait_s: float = 0.0
+    profile: str | None = None  # the engines' profile (None: the lab's cpu-loopback)
 
     def faults_json(self, workdir: Path) -> str | None:
         if not self.prefill_faults:
@@ -96,7 +97,8 @@ def fault_switch(workdir: Path) -> Path:
 def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpec:
     """A cluster for ``needs``: stable engine ids, so a restarted engine keeps its identity."""
     spec = ClusterSpec(workdir=workdir, prefill_engine_id="chaos-prefill",
-                       decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy)
+                       decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy,
+                       profile=needs.profile)
     if trace:
         for env in (spec.prefill_env, spec.decode_env):
             env["KVPUSH_TRACE_DIR"] = str(workdir / "traces")

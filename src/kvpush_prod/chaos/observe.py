@@ -184,6 +184,16 @@ class Observer:
                 total += v
         return total
 
+    def by_label(self, engine: str, name: str, label: str, **labels: str) -> dict[str, float]:
+        """How much counter ``name`` grew on ``engine``, per value of ``label``."""
+        out: dict[str, float] = {}
+        for (n, lbls), v in self.tracks[engine].acc.items():
+            d = dict(lbls)
+            if n == name and v and all(d.get(k) == val for k, val in labels.items()):
+                key = d.get(label, "")
+                out[key] = out.get(key, 0.0) + v
+        return out
+
     def counters(self, engine: str, prefix: str = "kvpush_") -> dict[str, float]:
         """Every counter increase on ``engine`` whose name starts with ``prefix``."""
         out: dict[str, float] = {}

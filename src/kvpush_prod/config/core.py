@@ -31,6 +31,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
     scheduler = SchedulerSettings(
         chunk_bytes=cfg.push.chunk_bytes,
         target_latency_s=cfg.push.target_latency_ms / 1000.0,
+        max_inflight_chunks=cfg.push.max_inflight_chunks,
         stop_margin_s=leases.stop_margin_s,
     )
     retries = RetrySettings(
@@ -60,6 +61,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
         pull_permit_s=cfg.fallback.pull_permit_s,
         register_grace_s=leases.register_grace_s,
         max_peers=cfg.control.max_peers,
+        done_query_s=retry.done_query_timeout_ms / 1000.0,
     )
     receiver = ReceiverSettings(
         block_bytes=block_bytes,

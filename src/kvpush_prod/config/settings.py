@@ -290,6 +290,13 @@ class RetrySettings(_Section):
     budget_burst: int = Field(
         20, ge=1, le=100_000, description="Retry tokens one peer may hold (retries at once)."
     )
+    done_query_timeout_ms: float = Field(
+        1000.0, gt=0, le=600_000,
+        description="A failed last chunk (it carries DONE, which may have landed anyway): how "
+        "long P waits for D to say whether DONE arrived before falling back to pull. D's "
+        "answer ends the push (DONE arrived) or lets P post the last chunk again under the "
+        "retry policy and budget.",
+    )
 
     @model_validator(mode="after")
     def _backoff_grows(self) -> RetrySettings:

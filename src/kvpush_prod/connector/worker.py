@@ -512,6 +512,8 @@ class TransferPump(threading.Thread, Generic[E]):
             logger.warning("kvpush: circuit breaker to %s opened: %s", note.reason, note.detail)
         elif kind is NoteKind.QUEUE_WAIT:
             self.stats.observe("kvpush_queue_wait_seconds", self._labels, note.value)
+        elif kind is NoteKind.LINK_CAPPED:
+            self.stats.inc("kvpush_link_capped", (self.role, note.reason), int(note.value))
         elif kind is NoteKind.TRANSFER_DONE:
             began = self.began.pop(note.detail, None)
             if began is not None:

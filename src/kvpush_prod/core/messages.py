@@ -168,16 +168,50 @@ class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
-    """P -> D, as the notification of the last WRITE: every block of the transfer has landed."""
+    """P -> D, as the notification of the last WRITE: every block of the transfer has landed.
+
+    ``attempt``: which post of the last chunk carries it (0: the first). D takes no DONE of
+    an attempt it already told P had not arrived (``DoneState`` pending): that post may
+    still land late, after the re-post, and must not end the receive under it."""
 
     v: int
     transfer_id: TransferId
     generation: U63
     num_blocks: Count
     checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1  # crc32 of the blocks P wrote when verification is on, else -1
+    attempt: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
-ControlMessage = Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone
+class DoneQuery(msgspec.Struct, tag="done_query", frozen=True):
+    """P -> D: the post ``attempt`` of the last chunk failed at P, but its DONE may have
+    landed: did it? D answers with ``DoneState``; from then on D ignores that attempt's
+    DONE if it had not arrived (so P may post the last chunk again)."""
+
+    v: int
+    transfer_id: TransferId
+    generation: U63
+    sender: PeerInfo
+    attempt: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+
+
+DoneStateName = Literal["done", "pending", "gone"]
+
+
+class DoneState(msgspec.Struct, tag="done_state", frozen=True):
+    """D -> P, the answer to a ``DoneQuery``: ``done`` (the DONE of this generation arrived:
+    the transfer is pushed), ``pending`` (it did not; D still waits, and ignores that
+    attempt's DONE from now on), ``gone`` (D no longer receives this transfer)."""
+
+    v: int
+    transfer_id: TransferId
+    generation: U63
+    sender: PeerInfo
+    attempt: Annotated[int, Meta(ge=0, le=1 << 16)]
+    state: DoneStateName
+
+
+ControlMessage = (Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone
+                  | DoneQuery | DoneState)
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -34,6 +34,9 @@ from kvpush_prod.core.messages import (
     CancelAck,
     ControlMessage,
     Done,
+    DoneQuery,
+    DoneState,
+    DoneStateName,
     Failed,
     Fallback,
     Heartbeat,
@@ -75,6 +78,9 @@ class ReceiverSettings:
     budget: BudgetSettings = field(default_factory=BudgetSettings)
     timeouts: TransferTimeouts = field(default_factory=TransferTimeouts)
     max_peers: int = 1024  # prefill ranks remembered (least recently heard forgotten first)
+    # Transfers whose DONE arrived, remembered to answer a DoneQuery and to ignore a second
+    # DONE of the same generation (oldest forgotten first).
+    max_done_log: int = 65_536
 
 
 @dataclass(eq=False)
@@ -98,6 +104,9 @@ class _Receive:
     reads: set[int] = field(default_factory=set)
     read_failed: str = ""  # set once the pull is given up
     checksum: int = -1
+    # DONEs of last-chunk posts below this attempt are void: D told P (DoneState pending)
+    # they had not arrived, so P posts the last chunk again.
+    void_below: int = 0
 
 
 @dataclass
@@ -133,6 +142,8 @@ class Receiver:
         self._heard: OrderedDict[str, float] = OrderedDict()  # origin -> last heard
         self._chunks: dict[int, tuple[Chunk, str]] = {}
         self._next_heartbeat = 0.0
+        # transfer -> (generation, owner) of the receives that ended with their DONE
+        self._done_log: OrderedDict[str, tuple[int, str]] = OrderedDict()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -206,6 +217,12 @@ class Receiver:
         """The DONE notification of a last WRITE, from NIXL agent ``agent`` ("" unknown)."""
         rx = self._in.get(done.transfer_id)
         if rx is None:
+            logged = self._done_log.get(done.transfer_id)
+            if logged is not None and logged[0] == done.generation:
+                # A DONE is delivered once: a second one of the same generation (a re-post
+                # whose first post landed after all) changes nothing.
+                return [Note(NoteKind.FENCED, "duplicate_done",
+                             f"DONE {done.transfer_id} gen {done.generation} again")]
             return [Note(NoteKind.REJECTED, "unknown_transfer", f"DONE for {done.transfer_id}")]
         expected = self._owner_agent(rx)
         if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
@@ -215,6 +232,12 @@ class Receiver:
             return [Note(NoteKind.FENCED, "stale_generation",
                          f"DONE {done.transfer_id} gen {done.generation}, expected "
                          f"{rx.generation}")]
+        if done.attempt < rx.void_below:
+            # D told P this post's DONE had not arrived; P re-posts the last chunk, and only
+            # that post's DONE (after its bytes) ends the receive.
+            return [Note(NoteKind.FENCED, "void_attempt",
+                         f"DONE {done.transfer_id} attempt {done.attempt}, void below "
+                         f"{rx.void_below}")]
         self.leases.ack(rx.tid, rx.generation)  # the last WRITE landed: P is done with them
         if rx.cancelling:
             return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
@@ -222,7 +245,14 @@ class Receiver:
             return self._end(rx, now, ReportFailed(rx.tid, "checksum_mismatch",
                                                    "the pushed blocks differ from P's"))
         rx.machine.fire(E.DONE, now)
+        self._log_done(rx)
         return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
+
+    def _log_done(self, rx: _Receive) -> None:
+        self._done_log[rx.tid] = (rx.generation, rx.owner)
+        self._done_log.move_to_end(rx.tid)
+        while len(self._done_log) > self.s.max_done_log:
+            self._done_log.popitem(last=False)
 
     def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
                    origin: str = "") -> list[Action]:
@@ -231,13 +261,15 @@ class Receiver:
         origin = origin or msg.sender.control
         if isinstance(msg, Heartbeat):
             return self._on_heartbeat(msg, now, origin)
-        if not isinstance(msg, (Failed, CancelAck, Fallback)):
+        if not isinstance(msg, (Failed, CancelAck, Fallback, DoneQuery)):
             return [Note(NoteKind.REJECTED, "unexpected",
                          f"{type(msg).__name__} is not for a decode engine")]
         out = self._note_peer(msg.sender, origin, now)
         if out is None:
             return [self._retired_note(msg.sender)]
         rx = self._in.get(msg.transfer_id)
+        if rx is None and isinstance(msg, DoneQuery):
+            return out + self._on_done_query_ended(msg, origin)
         if rx is None:
             return [*out, Note(NoteKind.REJECTED, "unknown_transfer",
                                f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
@@ -249,6 +281,12 @@ class Receiver:
             return [*out, Note(NoteKind.FENCED, "stale_generation",
                                f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
                                f"expected {rx.generation}")]
+        if isinstance(msg, DoneQuery):
+            # Not arrived (or D no longer takes pushes: cancelling, pulling). From now on
+            # the DONE of that post, or of an earlier one, is void: it may still land, late,
+            # after P's re-post, and must not end the receive under the re-post's bytes.
+            rx.void_below = max(rx.void_below, msg.attempt + 1)
+            return [*out, self._done_state(rx.address, msg, origin, "pending")]
         if isinstance(msg, Fallback):
             return out + self._on_fallback(rx, msg, now, age)
         if rx.fallback is not None:
@@ -261,6 +299,23 @@ class Receiver:
             rx.machine.fire(E.FAIL, now)
             return out + self._end(rx, now, ReportFailed(rx.tid, msg.reason, msg.detail))
         return out + self._end(rx, now, ReportFailed(rx.tid, "cancelled_by_peer"))
+
+    def _on_done_query_ended(self, q: DoneQuery, origin: str) -> list[Action]:
+        """A DoneQuery about a transfer D no longer receives: its DONE arrived (if the log
+        says so, for that generation and owner) or the receive ended otherwise."""
+        logged = self._done_log.get(q.transfer_id)
+        if logged is not None and logged[1] != origin:
+            return [Note(NoteKind.REJECTED, "not_owner",
+                         f"DoneQuery {q.transfer_id} from an engine that does not own it")]
+        if logged is not None and logged[0] == q.generation:
+            return [self._done_state(q.sender.control, q, origin, "done")]
+        # Unknown here (never, or long ago): the answer goes only to the asker's channel.
+        return [self._done_state(q.sender.control, q, origin, "gone")]
+
+    def _done_state(self, address: str, q: DoneQuery, origin: str,
+                    state: DoneStateName) -> SendMessage:
+        return SendMessage(address, DoneState(PROTOCOL_VERSION, q.transfer_id, q.generation,
+                                              self.slim, q.attempt, state), origin)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, origin: str) -> list[Action]:
         out = self._note_peer(hb.sender, origin, now)

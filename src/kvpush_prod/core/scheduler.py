@@ -30,13 +30,17 @@ class SchedulerSettings:
     ``aging_bytes_per_s``: a transfer's queued bytes count as ``queued / aging`` seconds
     of lateness, so one added more than that later can no longer overtake it; ``inf``
     gives pure least-queued-bytes-first (which can starve big transfers).
-    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate. The defaults of
-    ``chunk_bytes``, ``target_latency_s`` and ``stop_margin_s`` are the configuration's
-    (``push.chunk_bytes``, ``push.target_latency_ms``, ``leases.stop_margin_s``).
+    ``ewma_alpha``: weight of the newest sample in the bandwidth estimate.
+    ``max_inflight_chunks``: a link never has more chunks posted and not completed (beside
+    the byte cap). The defaults of ``chunk_bytes``, ``target_latency_s``,
+    ``max_inflight_chunks`` and ``stop_margin_s`` are the configuration's
+    (``push.chunk_bytes``, ``push.target_latency_ms``, ``push.max_inflight_chunks``,
+    ``leases.stop_margin_s``).
     """
 
     chunk_bytes: int = 4 * 1024 * 1024
     target_latency_s: float = 0.002
+    max_inflight_chunks: int = 64
     stop_margin_s: float = 1.0
     aging_bytes_per_s: float = 1024.0**3
     ewma_alpha: float = 0.25
@@ -52,6 +56,10 @@ class SchedulerSettings:
             )
         if not (self.stop_margin_s >= 0 and math.isfinite(self.stop_margin_s)):
             raise ConfigError(f"scheduler stop_margin_s must be >= 0, got {self.stop_margin_s}")
+        if self.max_inflight_chunks < 1:
+            raise ConfigError(
+                f"scheduler max_inflight_chunks must be >= 1, got {self.max_inflight_chunks}"
+            )
         if not self.aging_bytes_per_s > 0:
             raise ConfigError(
                 f"scheduler aging_bytes_per_s must be > 0 (inf: no aging), "
@@ -104,10 +112,16 @@ class SchedulerStats:
     transfers_done: int
     transfers_expired: int
     transfers_cancelled: int
+    # Times a chunk ready to post waited because its link was at a cap: its in-flight
+    # bytes (``capped_bytes``) or ``max_inflight_chunks`` (``capped_chunks``).
+    capped_bytes: int = 0
+    capped_chunks: int = 0
 
 
 # The last chunk's life: it waits for the others, then flies, may wait for a retry, lands.
-_LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE = range(4)
+# HELD: it failed, and whether its DONE arrived anyway is being asked (``hold``): it is
+# posted again (``repost_last``) or counted as landed (``confirm_last``) on the answer.
+_LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE, _LAST_HELD = range(5)
 
 
 class _Transfer:
@@ -193,7 +207,7 @@ class ChunkScheduler:
     Guarantees: on each link, chunks go least-queued-bytes-first with aging (a transfer is
     overtaken only by transfers added less than ``queued / aging_bytes_per_s`` after it);
     links with ready work take turns; a link's in-flight bytes stay within its cap (or one
-    chunk); no chunk of a transfer within ``stop_margin_s`` of its permit deadline (it is
+    chunk) and its chunks in flight within ``max_inflight_chunks``; no chunk of a transfer within ``stop_margin_s`` of its permit deadline (it is
     reported expired instead); a transfer's last chunk only after its others completed.
     Each decision is O(log n) in the queued transfers.
     """
@@ -224,6 +238,8 @@ class ChunkScheduler:
         self._transfers_done = 0
         self._transfers_expired = 0
         self._transfers_cancelled = 0
+        self._capped_bytes = 0
+        self._capped_chunks = 0
 
     @property
     def settings(self) -> SchedulerSettings:
@@ -371,9 +387,14 @@ class ChunkScheduler:
         *,
         retry_at: float | None = None,
         give_up: bool = False,
+        hold: bool = False,
     ) -> None:
         """A chunk failed. It is queued again (from ``retry_at`` if later than ``now``),
         or with ``give_up`` its transfer is dropped like ``cancel`` (the shell falls back).
+
+        ``hold`` (a last chunk only): its DONE may have landed although the post failed, so
+        it is neither re-posted nor given up until the shell knows: ``repost_last`` or
+        ``confirm_last`` (or ``cancel``). The transfer still expires at its cut-off.
         """
         rec = self._inflight.pop(chunk_id, None)
         if rec is None:
@@ -392,9 +413,51 @@ class ChunkScheduler:
                 self._transfers_cancelled += 1
             elif t.cutoff <= now:
                 self._expire(t)  # it could never be posted again
+            elif hold:
+                if not chunk.is_last:
+                    raise ProtocolError(
+                        "hold of a chunk that is not last",
+                        f"chunk {chunk_id} of {t.tid!r} carries no DONE: retry or give it up",
+                    )
+                self._count_queued(t, chunk.nbytes)
+                t.last = _LAST_HELD
+                t.last_attempt = chunk.attempt + 1
+                t.last_first_at = chunk.first_posted_at
             else:
                 self._requeue(t, chunk, now, retry_at)
         self._wake(lk)
+
+    def repost_last(self, transfer_id: TransferId, now: float,
+                    retry_at: float | None = None) -> bool:
+        """A held last chunk did not land: queue it again (from ``retry_at``, as a retry).
+
+        False if the transfer is gone (expired, cancelled) or holds no last chunk."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.last != _LAST_HELD:
+            return False
+        if retry_at is not None and retry_at > now:
+            t.delayed += 1
+            t.last = _LAST_DELAYED
+            heapq.heappush(self._delayed, (retry_at, next(self._seq), t, t.last_start,
+                                           t.num_blocks, True, t.last_attempt, t.last_first_at))
+            return True
+        t.last = _LAST_PENDING
+        if t.heap_seq == 0 and t.peek() is not None:
+            self._push(t)
+            self._wake(t.link)
+        return True
+
+    def confirm_last(self, transfer_id: TransferId) -> bool:
+        """A held last chunk did land (its DONE arrived): the transfer is complete.
+
+        False if the transfer is gone or holds no last chunk."""
+        t = self._transfers.get(transfer_id)
+        if t is None or t.last != _LAST_HELD:
+            return False
+        t.last = _LAST_DONE
+        self._end(t)
+        self._transfers_done += 1
+        return True
 
     def take_expired(self) -> list[TransferId]:
         """Transfers dropped since the last call because their permit came within the stop
@@ -443,13 +506,18 @@ class ChunkScheduler:
         if t is None:
             return 0
         # ``delayed`` already counts a last chunk waiting for its retry time.
-        last_ready_again = t.last == _LAST_PENDING and t.last_attempt > 0
+        last_ready_again = t.last in (_LAST_PENDING, _LAST_HELD) and t.last_attempt > 0
         return len(t.retry) + t.delayed + int(last_ready_again)
 
     def bandwidth(self, link: LinkId) -> float:
         """The link's estimated bandwidth in bytes/s (the initial guess before any sample)."""
         lk = self._links.get(link)
         return self._s.initial_bandwidth_bytes_per_s if lk is None else lk.bandwidth
+
+    def inflight_chunks_on(self, link: LinkId) -> int:
+        """Chunks posted on ``link`` and not completed (at most ``max_inflight_chunks``)."""
+        lk = self._links.get(link)
+        return 0 if lk is None else lk.inflight_chunks
 
     def cap_bytes(self, link: LinkId) -> float:
         """The link's in-flight cap: max(chunk_bytes, bandwidth * target_latency_s)."""
@@ -464,6 +532,10 @@ class ChunkScheduler:
         times = [h[0][0] for h in (self._cutoffs, self._delayed) if h]
         return min(times) if times else None
 
+    def capped(self) -> tuple[int, int]:
+        """(capped_bytes, capped_chunks) of ``stats()``, cheaply (the shell polls it often)."""
+        return self._capped_bytes, self._capped_chunks
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             chunks_posted=self._posted,
@@ -472,6 +544,8 @@ class ChunkScheduler:
             transfers_done=self._transfers_done,
             transfers_expired=self._transfers_expired,
             transfers_cancelled=self._transfers_cancelled,
+            capped_bytes=self._capped_bytes,
+            capped_chunks=self._capped_chunks,
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -496,7 +570,9 @@ class ChunkScheduler:
             heapq.heapify(self._cutoffs)
 
     def _wake(self, lk: _Link) -> None:
-        if not lk.active and lk.heap and lk.inflight_bytes < lk.cap:
+        # A full link joins the round too: its turn finds it full, counts the cap that bound
+        # and leaves it out until one of its chunks completes (O(1) per completion).
+        if not lk.active and lk.heap:
             lk.active = True
             self._active.append(lk)
 
@@ -538,12 +614,15 @@ class ChunkScheduler:
                 self._push(t)
                 self._wake(t.link)
 
+    def _count_queued(self, t: _Transfer, nbytes: int) -> None:
+        t.queued_bytes += nbytes
+        t.queued_chunks += 1
+        self._queued_bytes += nbytes
+        self._queued_chunks += 1
+
     def _requeue(self, t: _Transfer, chunk: Chunk, now: float, retry_at: float | None) -> None:
         attempt = chunk.attempt + 1
-        t.queued_bytes += chunk.nbytes
-        t.queued_chunks += 1
-        self._queued_bytes += chunk.nbytes
-        self._queued_chunks += 1
+        self._count_queued(t, chunk.nbytes)
         if retry_at is not None and retry_at > now:
             t.delayed += 1
             if chunk.is_last:
@@ -590,8 +669,12 @@ class ChunkScheduler:
                 continue
             start, end, is_last, attempt, first_at = nxt
             nbytes = (end - start) * t.block_bytes
-            if lk.inflight_chunks and lk.inflight_bytes + nbytes > lk.cap:
+            if lk.inflight_chunks >= self._s.max_inflight_chunks:
+                self._capped_chunks += 1
                 return None  # full; a completion on this link wakes it again
+            if lk.inflight_chunks and lk.inflight_bytes + nbytes > lk.cap:
+                self._capped_bytes += 1
+                return None
             heapq.heappop(heap)
             t.take(is_last)
             t.queued_bytes -= nbytes

@@ -37,6 +37,8 @@ from kvpush_prod.core.messages import (
     CancelAck,
     ControlMessage,
     Done,
+    DoneQuery,
+    DoneState,
     Failed,
     Fallback,
     Heartbeat,
@@ -97,6 +99,21 @@ class SenderSettings:
     # bigger than ours, not absurdly so: describing 1M blocks costs seconds).
     max_peer_blocks_ratio: int = 16
     min_peer_blocks_limit: int = 65_536
+    # A failed last chunk: how long P waits for D's answer to "did its DONE arrive?" before
+    # falling back to pull (the question is re-sent a few times meanwhile).
+    done_query_s: float = 1.0
+
+
+@dataclass(eq=False, slots=True)
+class _Confirm:
+    """A last chunk that failed at P while its DONE may have landed: D is being asked."""
+
+    attempt: int  # the failed post (the DONE it carried names it)
+    error: ChunkError | str
+    first_posted_at: float
+    nbytes: int
+    until: float  # no answer by then: fall back
+    resend_at: float
 
 
 @dataclass(eq=False)
@@ -125,6 +142,7 @@ class _Out:
     outcome: Outcome | Literal[""] = ""  # set when the transfer is over; ReleaseSend once held
     released: bool = False
     pushed_bytes: int = 0
+    confirm: _Confirm | None = None  # the last chunk failed: waiting for D's DoneState
 
 
 class Sender:
@@ -150,6 +168,7 @@ class Sender:
         self._retired: OrderedDict[tuple[str, int], RetiredIncarnations] = OrderedDict()
         self._agents: dict[str, tuple[str, int]] = {}  # agent name -> the D rank it belongs to
         self._next_heartbeat = 0.0
+        self._capped = (0, 0)  # the scheduler's capped counters last reported
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -241,6 +260,8 @@ class Sender:
             return self._on_cancel(msg, now, origin)
         if isinstance(msg, PullDone):
             return self._on_pull_done(msg, now, origin)
+        if isinstance(msg, DoneState):
+            return self._on_done_state(msg, now, origin)
         return [Note(NoteKind.REJECTED, "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
@@ -427,22 +448,30 @@ class Sender:
                 outcome = Outcome.RETRIED if o.retried else Outcome.PUSHED
                 return [Note(NoteKind.TRANSFER_DONE, outcome, o.tid), *self._close(o, outcome)]
             return self._after_drain(o, now) + self.poll(now)
-        # A failed chunk.
-        before = self.breakers[chunk.link].state(now)
-        self.breakers.record_failure(chunk.link, now)
+        # A failed chunk. The peer's breaker counts failed pushes, not chunks: a chunk that
+        # a retry delivers is not evidence against the peer (``_give_up`` records them).
         out: list[Action] = []
-        if before is not BreakerState.OPEN and self.breakers[chunk.link].state(now) is BreakerState.OPEN:
-            out.append(Note(NoteKind.BREAKER_TRIP, chunk.link, str(error)))
         if o is None or not o.queued:
             self.sched.on_chunk_failed(chunk_id, now, give_up=True)
             return out + (self._after_drain(o, now) if o is not None else [])
-        if chunk.is_last:
+        kind = classify(error)
+        if chunk.is_last and kind.action is ErrorClass.RETRY:
             # The last chunk carries DONE. A failed completion does not mean nothing landed
             # (the ack can be lost after the bytes and the notification arrived): D may have
-            # reported the KV and released the blocks, so that WRITE is never posted again.
-            # D pulls instead (it ignores the FALLBACK if DONE did arrive).
-            kind = classify(error)
-            action, reason = kind.action, f"last_chunk_failed: {kind.kind}"
+            # reported the KV and released the blocks, so the WRITE is not posted again
+            # blindly: P asks D (DoneQuery) and re-posts only if D says DONE did not arrive.
+            # (An error that breaks the push path, e.g. the peer disconnected, falls back at
+            # once below: D ignores the FALLBACK if DONE did arrive.)
+            self.sched.on_chunk_failed(chunk_id, now, hold=True)
+            o.retried = True
+            self._fire(o, E.CHUNK_ERROR, now)
+            if not self.sched.has_transfer(o.tid):
+                return out + self.poll(now)  # past its cut-off: reported expired there
+            o.confirm = _Confirm(chunk.attempt, error, chunk.first_posted_at, chunk.nbytes,
+                                 now + self.s.done_query_s, now + self.s.done_query_s / 4)
+            return [*out, self._done_query(o)]
+        if chunk.is_last:
+            action, reason = kind.action, f"{kind.kind}: {kind.why}"
         else:
             decision = decide(error, attempt=chunk.attempt + 1,
                               first_attempt_at=chunk.first_posted_at, now=now,
@@ -454,14 +483,76 @@ class Sender:
                 out.append(Note(NoteKind.RETRY, decision.classification.kind, decision.reason))
                 return out
             action, reason = decision.action, decision.reason
-        # Give up the push: stop posting, let the rest drain, then fall back or fail.
         self.sched.on_chunk_failed(chunk_id, now, give_up=True)
+        return out + self._give_up(o, action, reason, now)
+
+    def _give_up(self, o: _Out, action: ErrorClass, reason: str, now: float) -> list[Action]:
+        """Give up the push of ``o``: stop posting, let the rest drain, then fall back or
+        fail. A push given up for the link's sake (not a request's own fatal error) counts
+        against the peer's breaker."""
+        out: list[Action] = []
+        if action is not ErrorClass.FATAL and o.peer:
+            before = self.breakers[o.peer].state(now)
+            self.breakers.record_failure(o.peer, now)
+            if before is not BreakerState.OPEN and \
+                    self.breakers[o.peer].state(now) is BreakerState.OPEN:
+                out.append(Note(NoteKind.BREAKER_TRIP, o.peer, reason))
+        self.sched.cancel(o.tid)
         o.queued = False
+        o.confirm = None
         self._fire(o, E.CHUNK_ERROR, now)
         fallback = action is not ErrorClass.FATAL and self.s.fallback
         o.drain_then = AfterDrain.FALLBACK if fallback else AfterDrain.FAILED
         o.reason = reason
         return out + self._after_drain(o, now)
+
+    def _done_query(self, o: _Out) -> SendMessage:
+        assert o.reg is not None and o.confirm is not None
+        q = DoneQuery(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim, o.confirm.attempt)
+        return SendMessage(o.reg.sender.control, q, o.owner)
+
+    def _on_done_state(self, msg: DoneState, now: float, origin: str) -> list[Action]:
+        """D's answer to a DoneQuery: only the transfer's owner speaks, for its generation."""
+        o = self._out.get(msg.transfer_id)
+        if o is None or o.reg is None:
+            return [Note(NoteKind.REJECTED, "unknown_transfer",
+                         f"DoneState for {msg.transfer_id}")]
+        if origin != o.owner:
+            return [Note(NoteKind.REJECTED, "not_owner",
+                         f"DoneState {msg.transfer_id} from an engine that does not own it")]
+        if msg.generation != o.reg.generation:
+            return [Note(NoteKind.FENCED, "stale_generation",
+                         f"DoneState {msg.transfer_id} gen {msg.generation}, "
+                         f"current {o.reg.generation}")]
+        c = o.confirm
+        if c is None or msg.attempt != c.attempt or not o.queued:
+            return []  # a duplicate or late answer: the question is settled
+        o.confirm = None
+        if msg.state == "done":
+            # The DONE did land: the push is complete, the last chunk is not posted again.
+            self.sched.confirm_last(o.tid)
+            o.queued = False
+            o.pushed_bytes += c.nbytes
+            self.breakers.record_success(o.peer, now)
+            self._fire(o, E.DONE, now)
+            return [Note(NoteKind.TRANSFER_DONE, Outcome.RETRIED, o.tid),
+                    *self._close(o, Outcome.RETRIED)]
+        if msg.state == "gone":
+            # D no longer receives it (it failed or ended the receive): nothing to push.
+            self.sched.cancel(o.tid)
+            o.queued = False
+            self._fire(o, E.FAIL, now)
+            return self._close(o, Outcome.FAILED)
+        # Not arrived, and D now ignores that post's DONE: post the last chunk again, like
+        # any chunk, under the same policy and budget.
+        decision = decide(c.error, attempt=c.attempt + 1, first_attempt_at=c.first_posted_at,
+                          now=now, policy=self.policy, budget=self.budget, peer=o.peer)
+        if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
+            if not self.sched.repost_last(o.tid, now, decision.retry_at):
+                return self.poll(now)
+            return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason),
+                    *self.poll(now)]
+        return self._give_up(o, decision.action, decision.reason, now)
 
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:
@@ -476,7 +567,8 @@ class Sender:
             first = reg.first_block
             done = None
             if chunk.is_last:
-                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(reg.block_ids))
+                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(reg.block_ids),
+                            attempt=chunk.attempt)
             self._chunks[chunk.id] = (chunk, o.tid)
             o.inflight.add(chunk.id)
             if o.machine.state is S.RETRYING:
@@ -492,6 +584,13 @@ class Sender:
                 chunk.nbytes, done,
                 tuple(o.blocks[first:]) if chunk.is_last else (),
             ))
+        capped = self.sched.capped()
+        if capped != self._capped:
+            for reason, now_n, before in zip(("bytes", "chunks"), capped, self._capped,
+                                             strict=True):
+                if now_n > before:
+                    out.append(Note(NoteKind.LINK_CAPPED, reason, "", float(now_n - before)))
+            self._capped = capped
         for tid in self.sched.take_expired():
             o = self._out.get(tid)
             # Only a push still queued: one given up meanwhile (falling back, D reading our
@@ -511,6 +610,17 @@ class Sender:
         for o in list(self._out.values()):
             if o.outcome:
                 continue
+            c = o.confirm
+            if c is not None and o.queued:
+                if now >= c.until:
+                    # D did not answer: maybe it never will (partitioned, dead). Pull.
+                    out += self._give_up(o, ErrorClass.FALLBACK,
+                                         "done_query_timeout: D did not say whether the "
+                                         "last chunk's DONE arrived", now)
+                    continue
+                if now >= c.resend_at:
+                    c.resend_at = now + self.s.done_query_s / 4
+                    out.append(self._done_query(o))
             st = o.machine.state
             if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
                     and now >= o.lease_until:

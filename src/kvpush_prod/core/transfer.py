@@ -79,6 +79,8 @@ _TABLE: dict[tuple[TransferState, TransferEvent], TransferState] = {
     (S.RETRYING, E.CHUNK_DONE): S.RETRYING,
     (S.RETRYING, E.CHUNK_ERROR): S.RETRYING,
     (S.RETRYING, E.RETRY): S.PUSHING,
+    # The last chunk failed at P, but D confirms its DONE arrived (DoneState done).
+    (S.RETRYING, E.DONE): S.DONE,
     (S.RETRYING, E.FALLBACK): S.FALLBACK,
     # Pull: D's READs are chunks too.
     (S.FALLBACK, E.CHUNK_POSTED): S.FALLBACK,

@@ -63,6 +63,9 @@ class NoteKind(Word):
     PEER_RESTART = "peer_restart"  # reason: decode | prefill
     TRANSFER_DONE = "transfer_done"  # P: the last WRITE landed; detail: the transfer id
     QUEUE_WAIT = "queue_wait"  # P: value = seconds from ready to the first chunk posted
+    # P: value = times a ready chunk waited for its link's in-flight cap since the last such
+    # note; reason: the cap that bound (bytes | chunks)
+    LINK_CAPPED = "link_capped"
 
 
 class AfterDrain(Word):

@@ -16,12 +16,17 @@ from kvpush_prod.core.retry.policy import RetryPolicy
 
 @dataclass(frozen=True, slots=True)
 class RetryDecision:
-    """What the shell does after a chunk error: retry at ``retry_at``, fall back, or fail."""
+    """What the shell does after a chunk error: retry at ``retry_at``, fall back, or fail.
+
+    ``gave_up``: why a retryable error is not retried (``retries_exhausted``: the policy
+    said stop; ``retry_budget``: the peer's budget is empty); "" otherwise. ``reason``
+    starts with it (or with the error's kind), so its first word is a metric label."""
 
     action: ErrorClass
     retry_at: float | None
     classification: Classification
     reason: str
+    gave_up: str = ""
 
 
 def decide(
@@ -44,10 +49,12 @@ def decide(
     at = policy.next_attempt_at(attempt, first_attempt_at, now)
     if at is None:
         return RetryDecision(
-            ErrorClass.FALLBACK, None, c, f"{c.kind}: gave up after attempt {attempt}"
+            ErrorClass.FALLBACK, None, c,
+            f"retries_exhausted: {c.kind}, gave up after attempt {attempt}", "retries_exhausted",
         )
     if not budget.try_spend(peer, now):
         return RetryDecision(
-            ErrorClass.FALLBACK, None, c, f"{c.kind}: retry budget of peer {peer!r} is empty"
+            ErrorClass.FALLBACK, None, c,
+            f"retry_budget: {c.kind}, the retry budget of peer {peer!r} is empty", "retry_budget",
         )
     return RetryDecision(ErrorClass.RETRY, at, c, f"{c.kind}: retry {attempt} at {at:.3f}")
