@@ -1,6 +1,6 @@
-"""The transfer pump sleeps: it never waits less than 1 ms between transport polls, blocks
-for the idle period when nothing is in flight, and the engine thread sees a DONE at its
-step without the pump thread having polled for it."""
+"""The transfer pump sleeps: it never waits less than 1 ms between transport polls, waits
+the idle period when none of its own chunks are in flight (receives included), and the
+engine thread sees a DONE at its step without the pump thread having polled for it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.worker import MIN_WAIT_S, ReceiverPump, WorkerSide
+from kvpush_prod.connector.worker import MIN_WAIT_S, TransferPump, WorkerSide
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.core.commands import RegisterBlocks
 from kvpush_prod.core.vocabulary import Side
@@ -22,7 +22,7 @@ class _Waits:
     """Stands in for the endpoint's ``wait``: records each timeout, stops the pump after
     ``n`` of them."""
 
-    def __init__(self, pump: ReceiverPump, n: int) -> None:
+    def __init__(self, pump: TransferPump[Any], n: int) -> None:
         self.pump, self.n = pump, n
         self.timeouts: list[float] = []
         self.thread_names: set[str] = set()
@@ -37,7 +37,7 @@ class _Waits:
         return False
 
 
-def _run_pump(pump: ReceiverPump, n: int = 20) -> _Waits:
+def _run_pump(pump: TransferPump[Any], n: int = 20) -> _Waits:
     waits = _Waits(pump, n)
     pump.endpoint.wait = waits  # type: ignore[method-assign]
     pump.start()
@@ -52,12 +52,21 @@ def test_the_pump_waits_the_idle_period_when_nothing_is_in_flight() -> None:
     assert set(waits.timeouts) == {pair.d.cfg.transport.idle_poll_ms / 1e3}
 
 
-def test_the_pump_never_waits_less_than_1_ms_while_a_receive_is_pending() -> None:
+def test_a_pending_receive_alone_keeps_the_pump_at_the_idle_period() -> None:
     pair = Pair()
     pair.d.request_of["t"] = "d-t"
     pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
     waits = _run_pump(pair.d)
     assert pair.d.engine.active == 1
+    assert set(waits.timeouts) == {pair.d.cfg.transport.idle_poll_ms / 1e3}
+
+
+def test_the_pump_never_waits_less_than_1_ms_while_its_chunks_are_in_flight() -> None:
+    pair = Pair()
+    pair.tx.fates = ["PROC"] * 3  # P's WRITEs stay in flight
+    pair.push()
+    waits = _run_pump(pair.p)
+    assert pair.tx.posts  # posted, none completed (the last waits for the others)
     assert min(waits.timeouts) >= MIN_WAIT_S
     assert waits.timeouts[-1] == pytest.approx(1e-3)  # active_poll_ms: 1, the floor
 

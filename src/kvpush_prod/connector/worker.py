@@ -322,11 +322,12 @@ class WorkerSide:
 class TransferPump(threading.Thread, Generic[E]):
     """The one thread that touches NIXL and the control sockets, and the driver's Effects.
 
-    Blocks on the control socket and its wake pipe while idle (no CPU spent); while chunks or
-    receives are in flight, polls the transport every ``transport.active_poll_ms`` (never
-    less than ``MIN_WAIT_S``: NIXL offers no fd to block on). The engine thread also looks
-    at completions where it already holds the lock (``run_now``) and once per step
-    (``progress_now``), so a result never waits for the pump's timer.
+    Blocks on the control socket and its wake pipe while idle (no CPU spent), waking at
+    least every ``transport.idle_poll_ms`` for timers; while its own chunks are in flight,
+    polls the transport every ``transport.active_poll_ms`` (never less than ``MIN_WAIT_S``:
+    NIXL offers no fd to block on). The engine thread looks at completions where it already
+    holds the lock (``run_now``) and once per step (``progress_now``): that is how D sees a
+    DONE, at the step that can use it, without a fast-polling pump.
     """
 
     side: Side
@@ -417,8 +418,13 @@ class TransferPump(threading.Thread, Generic[E]):
                 time.sleep(0.01)
 
     def _busy(self) -> bool:
-        """Chunks or receives in flight: poll at the active rate."""
-        return bool(self._handles) or self.engine.busy or self._watching()
+        """Our own chunks in flight or queued: poll at the active rate.
+
+        Receives waiting for their DONE do not count: the engine steps all the while (vLLM
+        runs empty steps for requests waiting for remote KV) and ``progress_now`` looks at
+        the notifications at each step, so a faster pump would find nothing sooner.
+        """
+        return bool(self._handles) or self.engine.busy
 
     def _watching(self) -> bool:
         """Something only a transport poll can tell (beyond our own chunks) is awaited."""
