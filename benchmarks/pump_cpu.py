@@ -6,8 +6,9 @@ CPU time from /proc/<pid>/task/<tid>/stat over a wall interval:
   2. receiving D: P is stopped (SIGSTOP) and ``--requests`` requests are sent, so D has
      them admitted, their blocks reserved and REGISTERs out, and waits for remote KV the
      whole interval (its pump has receives pending); then P is continued.
-The pump thread is the one named ``kvpush-pump`` (a tree older than that shows as its
-process's name: look at the top threads). Shares are of one core (1.0 = a whole core).
+The pump thread is the one named ``kvpush-pump`` (in a tree older than that it shows as its
+process's name: look at the top threads; ``[main]`` marks a process's main thread). Shares
+are of one core (1.0 = a whole core), at the kernel's clock-tick resolution (10 ms).
 
     PYTHONPATH=src python benchmarks/pump_cpu.py [--window 4] [--requests 4] [--out x.json]
 """
@@ -49,6 +50,8 @@ def _threads(cluster: Cluster, name: str) -> dict[tuple[int, int], tuple[str, fl
             except OSError:
                 continue
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            if tid == proc.pid:
+                comm += "[main]"  # the process's own thread (vLLM's step loop in a worker)
             fields = stat[stat.rindex(")") + 2:].split()
             out[(proc.pid, tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
     return out
