@@ -76,6 +76,12 @@ TICK_S = 0.05  # leases, deadlines and heartbeats are looked at this often
 # bounded wait is unavoidable while chunks are in flight; anything shorter was measured to
 # busy a whole core on the engine's own CPU (poll(0) for a 100 us period).
 MIN_WAIT_S = 0.001
+# After handing over a push, the engine thread watches the chunks it posted for at most this
+# long: NIXL/UCX completes a WRITE and sends its DONE notification only when the writer's
+# side is progressed, and the pump's next poll is up to a period (plus a GIL switch
+# interval) away. Bounded, and only right after a post: a 1 MiB loopback WRITE completes in
+# ~0.2 ms, and P's pump takes over whatever is still in flight.
+HANDOFF_WATCH_S = 0.001
 PUMP_THREAD_NAME = b"kvpush-pump"  # what ps, top -H and /proc/<pid>/task/<tid>/comm show
 _PR_SET_NAME = 15
 
@@ -374,11 +380,18 @@ class TransferPump(threading.Thread, Generic[E]):
         with self.lock:
             try:
                 self.driver.apply(command)
-                if self._handles:
-                    self._check_chunks()  # a chunk that landed at once frees its link now
+                self._watch_handoff()
             except Exception:  # noqa: BLE001 - never break the engine's step
                 logger.exception("kvpush: push hand-off failed")
         self.endpoint.wake()  # the pump now has chunks to watch: poll at the active rate
+
+    def _watch_handoff(self) -> None:
+        """Progress the chunks just posted until they complete or ``HANDOFF_WATCH_S`` ends."""
+        deadline = time.monotonic() + HANDOFF_WATCH_S
+        while self._handles:
+            self._check_chunks()
+            if time.monotonic() >= deadline:
+                return
 
     def progress_now(self) -> None:
         """Engine thread, once per step: completions and notifications now (one transport
