@@ -1,6 +1,6 @@
 """The transfer pump sleeps: it never waits less than 1 ms between transport polls, waits
-the idle period when none of its own chunks are in flight (receives included), and the
-engine thread sees a DONE at its step without the pump thread having polled for it."""
+the idle period when nothing is in flight, and the engine thread sees a DONE at its step
+without the pump thread having polled for it."""
 
 from __future__ import annotations
 
@@ -52,13 +52,14 @@ def test_the_pump_waits_the_idle_period_when_nothing_is_in_flight() -> None:
     assert set(waits.timeouts) == {pair.d.cfg.transport.idle_poll_ms / 1e3}
 
 
-def test_a_pending_receive_alone_keeps_the_pump_at_the_idle_period() -> None:
+def test_the_pump_never_waits_less_than_1_ms_while_a_receive_is_pending() -> None:
     pair = Pair()
     pair.d.request_of["t"] = "d-t"
     pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
     waits = _run_pump(pair.d)
     assert pair.d.engine.active == 1
-    assert set(waits.timeouts) == {pair.d.cfg.transport.idle_poll_ms / 1e3}
+    assert min(waits.timeouts) >= MIN_WAIT_S
+    assert waits.timeouts[-1] == pytest.approx(1e-3)  # active_poll_ms: 1, the floor
 
 
 def test_the_pump_never_waits_less_than_1_ms_while_its_chunks_are_in_flight() -> None:
