@@ -77,10 +77,11 @@ TICK_S = 0.05  # leases, deadlines and heartbeats are looked at this often
 # busy a whole core on the engine's own CPU (poll(0) for a 100 us period).
 MIN_WAIT_S = 0.001
 # After handing over a push, the engine thread watches the chunks it posted for at most this
-# long: NIXL/UCX completes a WRITE and sends its DONE notification only when the writer's
-# side is progressed, and the pump's next poll is up to a period (plus a GIL switch
-# interval) away. Bounded, and only right after a post: a 1 MiB loopback WRITE completes in
-# ~0.2 ms, and P's pump takes over whatever is still in flight.
+# long: NIXL/UCX completes a WRITE (frees the link for the next chunk, lets P release the
+# blocks) only when the writer's side is progressed, and the pump's next poll is up to a
+# period (plus a GIL switch interval) away: measured on loopback, post -> completion seen
+# 1.38 ms p50 without the watch, 0.28-0.46 ms with it. Bounded, and only right after a post;
+# P's pump takes over whatever is still in flight.
 HANDOFF_WATCH_S = 0.001
 PUMP_THREAD_NAME = b"kvpush-pump"  # what ps, top -H and /proc/<pid>/task/<tid>/comm show
 _PR_SET_NAME = 15
