@@ -40,7 +40,7 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
     "transport.backend": ("connector/worker.py", "t.backend"),
     "transport.progress_thread": ("connector/worker.py", "t.progress_thread"),
     "transport.progress_delay_us": ("connector/worker.py", "t.progress_delay_us"),
-    "transport.active_poll_us": ("connector/worker.py", "self.cfg.transport.active_poll_us"),
+    "transport.active_poll_ms": ("connector/worker.py", "self.cfg.transport.active_poll_ms"),
     "transport.idle_poll_ms": ("connector/worker.py", "self.cfg.transport.idle_poll_ms"),
     "transport.num_threads": ("connector/worker.py", "t.num_threads"),
     "push.chunk_timeout_s": ("connector/worker.py", "cfg.push.chunk_timeout_s"),

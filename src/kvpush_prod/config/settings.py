@@ -19,6 +19,11 @@ PROFILE_ENV = "KVPUSH_PROFILE"
 SECURITY_DOCS = "docs/security.md"
 # Keys that existed once: an old profile gets told what replaced them, not "unknown key".
 REMOVED_KEYS = {
+    ("transport", "active_poll_us"): (
+        "replaced by transport.active_poll_ms (whole milliseconds, at least 1): a poll period "
+        "below 1 ms busied a whole core on the engine's CPU, and completions no longer wait "
+        "for the period (the engine thread polls once per step); use active_poll_ms: 1"
+    ),
     ("control", "secret"): (
         "the shared HMAC secret was replaced by per-engine CurveZMQ keys (encrypted, mutually "
         "authenticated, replay-safe): run `kvpush keys generate NAME --dir DIR` for each "
@@ -178,11 +183,21 @@ class TransportSettings(_Section):
         "hard-codes 0, which spins a whole core per agent; our own poller drives progress "
         "while transfers are active.",
     )
-    active_poll_us: int = Field(
-        100, ge=10, le=100_000, description="Poll period while transfers are in flight."
+    active_poll_ms: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Period of the transfer pump's transport polls while chunks or receives "
+        "are in flight, in whole milliseconds; 1 ms is the floor: NIXL gives no fd to block "
+        "on, and a shorter period busies a core. Completions do not wait for it: the engine "
+        "thread also polls once per step and right after handing over a push.",
     )
     idle_poll_ms: int = Field(
-        50, ge=1, le=10_000, description="Longest sleep of the poller when nothing is in flight."
+        50,
+        ge=1,
+        le=10_000,
+        description="Longest sleep of the transfer pump when nothing is in flight (it blocks "
+        "on the control socket and wakes at once for a message or a push).",
     )
     num_threads: int = Field(
         0, ge=0, le=64, description="NIXL backend worker threads (0: the backend's default)."

@@ -39,6 +39,7 @@ BIND_WAIT_S = 10.0  # how long a taken control port is retried before giving up
 HANDSHAKE_IVL_MS = 5000  # a connection not through its handshake by then is dropped
 LOG_EVERY_S = 10.0  # at most one log line per rejection reason this often (all are counted)
 MONITOR_DRAIN = 1000  # events read per monitor per wait; the rest wake the next wait
+MIN_WAIT_MS = 1  # the shortest blocking wait: a caller looping on wait() never spins a core
 SNDHWM = 10_000
 
 Socket = zmq.Socket[bytes]
@@ -204,10 +205,11 @@ class ControlEndpoint:
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for input or a ``wake``; True if messages may be waiting.
 
-        Also counts failed handshakes reported meanwhile. Returns at once, True, when the
-        last ``receive`` left messages behind.
+        The wait is whole milliseconds, at least ``MIN_WAIT_MS`` (a shorter timeout is rounded
+        up: a loop around ``wait`` never spins). Also counts failed handshakes reported
+        meanwhile. Returns at once, True, when the last ``receive`` left messages behind.
         """
-        timeout_ms = 0 if self._pending else max(0, int(timeout_s * 1000))
+        timeout_ms = 0 if self._pending else max(MIN_WAIT_MS, math.ceil(timeout_s * 1000))
         events = dict(self._poller.poll(timeout_ms))
         if self._wake_r in events:
             with contextlib.suppress(BlockingIOError):
