@@ -220,8 +220,8 @@ def _latency_table(data: dict[str, Any]) -> list[str]:
         "",
         "## Latency and throughput (ms; tok/s)",
         "",
-        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | errors | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | D CPU ms/token | errors | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for length, conc in _keys(data):
         for name in _sides(data):
@@ -237,9 +237,13 @@ def _latency_table(data: dict[str, Any]) -> list[str]:
                     for q in ("p50", "p90", "p99")
                 )
                 + f" | {_f(cell.get('throughput_tok_s'), 0)} | {_f(tms, 2)} | "
+                f"{_f(cell.get('d_cpu_ms_per_token'), 2)} | "
                 f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |"
             )
     return lines + [
+        "",
+        "D CPU ms/token: CPU time of the decode engine's whole process tree (the single "
+        "engine's for `single`) during the cell, per output token.",
         "",
         "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
         "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "

@@ -399,16 +399,24 @@ async def _run_cells(
                 n = w.requests_in(length, conc)
                 prompts = prompts_for(length, conc, n, salt=0)
                 before = _scrape_all(running)
+                cpu_engine = "decode" if side.disaggregated else "single"
+                cpu_before = running.cpu_seconds(cpu_engine)
                 since = time.time()
                 samples, wall = await run_requests(
                     send, running.entry, prompts, length, conc, w.max_tokens
                 )
                 until = time.time()
+                cpu_used = running.cpu_seconds(cpu_engine) - cpu_before
                 await asyncio.sleep(0.3)  # let the last reports and traces land
                 after = _scrape_all(running)
                 cell = summarise(samples, wall)
+                out_tokens = sum(x.output_tokens for x in samples if x.ok)
                 cell.update(
                     {
+                        # D's (or the single engine's) CPU per output token, whole
+                        # process tree: what decoding costs beside the transfer.
+                        "d_cpu_ms_per_token": (round(1000 * cpu_used / out_tokens, 3)
+                                               if out_tokens else None),
                         "length": length,
                         "concurrency": conc,
                         "loadavg": os.getloadavg(),

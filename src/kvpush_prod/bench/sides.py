@@ -323,6 +323,17 @@ class RunningSide:
             out[n] = round(total, 1)
         return out
 
+    def cpu_seconds(self, name: str) -> float:
+        """User + system CPU seconds of engine ``name``'s whole process tree so far."""
+        import psutil
+
+        total = 0.0
+        for p in self.procs[name].tree() if name in self.procs else ():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
             with contextlib.suppress(Exception):  # best effort: stop the others too
