@@ -85,8 +85,14 @@ def test_the_refused_transfer_frees_its_blocks_at_once_not_after_the_send_lease(
                        origin=D.control)
     assert msgs(out, m.Failed)
     assert of(s.hold("t"), ReleaseSend)  # freed as soon as vLLM hands the blocks over
-    # Blocks of a refused transfer that arrive later are freed unpushed too.
-    s.on_message(register(tid="u", sender_info=with_facts(D, block_size="32")), 0.0,
-                 origin=D.control)
-    assert of(s.blocks_ready("u", [4, 5], 0.1, owner=D.control), PostWrite) == []
-    assert of(s.hold("u"), ReleaseSend)
+
+
+def test_an_incompatible_engine_cannot_end_a_transfer_it_does_not_own() -> None:
+    """Found by the hostile e2e test: an authenticated engine with a foreign layout that
+    registers a transfer whose owner is not known yet must not end it."""
+    s = sender_with_facts()
+    s.blocks_ready("t", [1, 2, 3], 0.0)  # no decode named by the router
+    intruder = msgspec.structs.replace(with_facts(D, block_size="32"), control="tcp://x:1")
+    s.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
+    assert of(s.on_message(register(sender_info=with_facts(D)), 0.1, origin=D.control),
+              PostWrite)

@@ -41,4 +41,25 @@ def cluster(request: pytest.FixtureRequest,
     spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
                        block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
     with Cluster(spec) as c:
+        SHARED.append(c)
         yield c
+        SHARED.remove(c)
+
+
+# The session's shared clusters, so a module that needs the memory for a big cluster of its
+# own (tests/e2e/test_topology.py: five engines) can stop them first; a test that asks for
+# ``cluster`` afterwards gets it started again (``_shared_cluster_running``).
+SHARED: list[Cluster] = []
+
+
+def release_shared_clusters() -> None:
+    for c in SHARED:
+        c.stop()
+
+
+@pytest.fixture(autouse=True)
+def _shared_cluster_running(request: pytest.FixtureRequest) -> None:
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        if isinstance(c, Cluster) and not all(p.alive() for p in c.procs.values()):
+            c.start()

@@ -17,6 +17,8 @@ from kvpush_prod.lab.client import Result, completion_body, metric_sum, request,
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
+from .conftest import release_shared_clusters
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
@@ -32,6 +34,7 @@ def two_by_two(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def
     workdir = e2e_workdir("e2e-2x2")
     token = workdir / "admin.token"
     token.write_text(TOKEN)
+    release_shared_clusters()  # five engines here: the session's shared pair must go
     spec = ClusterSpec(workdir=workdir, prefills=2, decodes=2,
                        prefill_kv_gib=1, decode_kv_gib=1, kv_load_failure_policy="recompute",
                        router_args=["--policy", "engine_load", "--admin-token-file", str(token)])

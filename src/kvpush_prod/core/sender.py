@@ -279,15 +279,14 @@ class Sender:
             out = [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
                 refused.detail), origin)]
-            owner = (o.owner or o.required) if o is not None else ""
-            if not owner or owner == origin:
-                # The transfer's decode engine can never take this KV: end it now, as its
-                # CANCEL would (blocks still to come are freed unpushed), rather than hold
-                # the prompt's blocks for the whole send lease.
+            if o is not None and (o.owner or o.required) == origin and not o.inflight:
+                # The transfer's own decode engine (the one the router named, or its
+                # registrant) can never take this KV: end it now rather than hold the
+                # prompt's blocks for the whole send lease. Never for a transfer whose
+                # owner is unknown: any authenticated engine could end it that way.
                 self._tombstone(reg.transfer_id, now, origin)
-                if o is not None and not o.inflight:
-                    self._fire(o, E.CANCEL, now)
-                    out += self._close(o, Outcome.FAILED)
+                self._fire(o, E.CANCEL, now)
+                out += self._close(o, Outcome.FAILED)
             return out
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
