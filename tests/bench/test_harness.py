@@ -20,6 +20,7 @@ from kvpush_prod.bench.runner import (
     estimate_wall_s,
     plan,
     prompts_for,
+    run_open_loop,
     run_requests,
 )
 from kvpush_prod.bench.sides import SIDES, SPINFIX_DIR, SideSettings
@@ -40,10 +41,35 @@ def test_plan_skips_cells_already_in_results_json_unless_forced(tmp_path):
     store.put("kvpush", cell_key(1024, 1), {"length": 1024, "concurrency": 1})
     s = _settings(tmp_path, ["kvpush", "single"], lengths=[1024], concurrency=[1, 4])
     again = ResultStore(tmp_path / "results.json")  # reloaded from disk
-    assert plan(again, s) == {"kvpush": [(1024, 4)], "single": [(1024, 1), (1024, 4)]}
+    assert plan(again, s) == {"kvpush": [(1024, 4, 0.0)],
+                              "single": [(1024, 1, 0.0), (1024, 4, 0.0)]}
     s.force = True
-    assert plan(again, s)["kvpush"] == [(1024, 1), (1024, 4)]
+    assert plan(again, s)["kvpush"] == [(1024, 1, 0.0), (1024, 4, 0.0)]
     assert estimate_wall_s(plan(again, s), s.workload) > 0
+
+
+def test_open_loop_cells_are_planned_keyed_and_sized_apart_from_closed_ones(tmp_path):
+    s = _settings(tmp_path, ["kvpush"], lengths=[1024], concurrency=[4], rates=[8], requests=40)
+    cells = plan(ResultStore(tmp_path / "results.json"), s)["kvpush"]
+    assert cells == [(1024, 4, 0.0), (1024, 0, 8.0)]
+    assert [cell_key(*c) for c in cells] == ["1024x4", "1024@8rps"]
+    assert s.workload.requests_in(1024, 0, 8.0) == 40  # not "two rounds of the concurrency"
+    assert estimate_wall_s({"kvpush": [(1024, 0, 8.0)]}, s.workload) >= 40 / 8
+
+
+async def test_open_loop_sends_on_schedule_whatever_comes_back():
+    starts = []
+
+    async def send(url, prompt, n, max_tokens):
+        starts.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.5)  # slow replies must not hold the next request back
+        return Sample(True, 0.001, 0.5, (0.001,), 2)
+
+    samples, wall = await run_open_loop(send, "http://x", ["p"] * 5, 1, 50.0, 2)
+    assert len(samples) == 5
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(0.01 <= g < 0.3 for g in gaps), gaps  # ~20 ms apart, not 500 ms
+    assert wall < 2 * 0.5  # overlapped, not 5 x 0.5 s
 
 
 def test_prompts_are_distinct_within_a_cell_and_identical_across_sides():
@@ -124,6 +150,23 @@ def test_ratios_and_targets_are_computed_against_each_baseline():
     assert t["TTFT p50 vs vLLM push, 1024 tok, c=1"]["ok"] is True  # 0.625 <= 0.85
     assert t["TTFT p50 vs vLLM pull, 1024 tok, c=4"]["ok"] is None  # not measured
     assert t["KV transfer p50 (prefill done -> D knows), 1024 tok, c=1, ms"]["ok"] is True
+
+
+def test_open_loop_rows_compare_tpot_at_the_same_arrival_rate_and_show_d_batches():
+    def open_cell(ttft, tpot, batch):
+        return {**_cell(1024, 0, ttft, tpot), "rate": 8.0, "d_tokens_per_step": batch}
+
+    data = {**RESULTS, "cells": {k: dict(v) for k, v in RESULTS["cells"].items()}}
+    data["cells"]["kvpush"]["1024@8rps"] = open_cell(30.0, 5.0, 3.0)
+    data["cells"]["vllm-push"]["1024@8rps"] = open_cell(60.0, 5.5, 3.2)
+    (row,) = report.open_loop(data)
+    assert row["tpot_p50"] == pytest.approx(5.0 / 5.5) and row["d_batch_base"] == 3.2
+    t = {x["target"]: x for x in report.targets(data)}
+    assert t["TPOT p50 vs vLLM push, 1024 tok, open loop 8 req/s"]["ok"] is True
+    md = report.markdown(data)
+    assert "## Open loop" in md and "| 1024 | 8/s open | kvpush |" in md
+    assert report._keys(data) == [(1024, 1)]  # open cells stay out of the closed tables
+    assert "## Open loop" not in report.markdown(RESULTS)
 
 
 def test_what_authentication_costs_is_kvpush_against_itself_without_keys():

@@ -21,6 +21,16 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 4,8, got {text!r}") from None
+    if any(x <= 0 for x in out):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 requests per second, got {text!r}")
+    return out
+
+
 def _sides(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in SIDES]
@@ -57,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--concurrency", type=_ints, default=[1, 4, 16], help="concurrency levels (default 1,4,16)"
+    )
+    p.add_argument(
+        "--rates",
+        type=_floats,
+        default=[],
+        help="open-loop cells too: requests per second on a fixed schedule, the same for "
+        "every side (e.g. 4,8); compares TPOT at the same offered load (default none)",
     )
     p.add_argument(
         "--requests",
@@ -122,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     a = build_parser().parse_args(args)
-    from kvpush_prod.bench.runner import BenchSettings, ResultStore, Workload, estimate_wall_s, plan
+    from kvpush_prod.bench.runner import (
+        BenchSettings,
+        ResultStore,
+        Workload,
+        cell_key,
+        estimate_wall_s,
+        plan,
+    )
     from kvpush_prod.bench.sides import SideSettings
 
     out: Path = a.out
@@ -136,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             requests=a.requests,
             max_tokens=a.max_tokens,
             warmup=a.warmup,
+            rates=a.rates,
         ),
         side=SideSettings(
             workdir=workdir.resolve(),
@@ -151,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.plan:
         todo = plan(ResultStore(out / "results.json"), settings)
         for side, cells in todo.items():
-            print(f"{side}: {', '.join(f'{n}x{c}' for n, c in cells)}")
+            print(f"{side}: {', '.join(cell_key(*c) for c in cells)}")
         print(f"about {estimate_wall_s(todo, settings.workload) / 60:.0f} min")
         return 0
     if max(a.concurrency) > a.max_num_seqs:

@@ -31,10 +31,43 @@ def _get(cell: dict[str, Any] | None, metric: str, q: str = "p50") -> float | No
 
 
 def _keys(data: dict[str, Any]) -> list[tuple[int, int]]:
+    """Closed-loop cells (prompt length, concurrency)."""
     keys = {
-        (c["length"], c["concurrency"]) for cells in data["cells"].values() for c in cells.values()
+        (c["length"], c["concurrency"])
+        for cells in data["cells"].values()
+        for c in cells.values()
+        if not c.get("rate")
     }
     return sorted(keys)
+
+
+def _open_keys(data: dict[str, Any]) -> list[tuple[int, float]]:
+    """Open-loop cells (prompt length, requests per second)."""
+    keys = {(c["length"], c["rate"]) for cells in data["cells"].values()
+            for c in cells.values() if c.get("rate")}
+    return sorted(keys)
+
+
+def open_key(length: int, rate: float) -> str:
+    return f"{length}@{rate:g}rps"
+
+
+def open_loop(data: dict[str, Any], base: str = "vllm-push") -> list[dict[str, Any]]:
+    """kvpush against ``base`` at the same arrival rate: TTFT and TPOT p50 ratios and both
+    sides' decode batch (D's tokens per step)."""
+    cells = data["cells"]
+    rows = []
+    for length, rate in _open_keys(data):
+        key = open_key(length, rate)
+        ours, other = cells.get(OURS, {}).get(key), cells.get(base, {}).get(key)
+        rows.append({
+            "length": length, "rate": rate,
+            "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(other, "ttft_ms")),
+            "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(other, "tpot_ms")),
+            "d_batch_ours": _get(ours, "d_tokens_per_step"),
+            "d_batch_base": _get(other, "d_tokens_per_step"),
+        })
+    return rows
 
 
 def _sides(data: dict[str, Any]) -> list[str]:
@@ -153,6 +186,10 @@ def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
         )
     t = ((c(OURS, 1) or {}).get("transfer") or {}).get("kv_ready_to_d_knows_ms") or {}
     check(f"KV transfer p50 (prefill done -> D knows), {length} tok, c=1, ms", t.get("p50"), 0.5)
+    for row in open_loop(data):
+        if row["length"] == length:
+            check(f"TPOT p50 vs vLLM push, {length} tok, open loop {row['rate']:g} req/s",
+                  row["tpot_p50"], 1.0)
     return out
 
 
@@ -164,6 +201,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
     lines += _ratio_table(data)
     lines += _auth_cost_table(data)
     lines += _flow_table(data)
+    lines += _open_loop_table(data)
     lines += _targets_table(data)
     lines.append("")
     return "\n".join(lines)
@@ -178,7 +216,8 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"{meta.get('versions', {}).get('nixl', '?')}",
         f"- workload: prompts {w.get('lengths')} tokens, concurrency {w.get('concurrency')}, "
         f"{w.get('requests')} requests per cell (at least 2x the concurrency), "
-        f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop; "
+        f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop"
+        + (f", and open loop at {w.get('rates')} req/s" if w.get("rates") else "") + "; "
         f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
         f"on core(s) {meta.get('binding', {}).get('single', '0')}",
         f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.lab.client'}"
@@ -220,12 +259,14 @@ def _latency_table(data: dict[str, Any]) -> list[str]:
         "",
         "## Latency and throughput (ms; tok/s)",
         "",
-        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | D CPU ms/token | errors | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt | conc | side | TTFT p50 | p90 | p99 | TPOT p50 | p90 | p99 | ITL p50 | p90 | p99 | tok/s | KV transfer p50 | D CPU ms/token | D tokens/step | errors | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for length, conc in _keys(data):
+    rows = [(n, str(c), f"{n}x{c}") for n, c in _keys(data)]
+    rows += [(n, f"{r:g}/s open", open_key(n, r)) for n, r in _open_keys(data)]
+    for length, conc, key in rows:
         for name in _sides(data):
-            cell = data["cells"].get(name, {}).get(f"{length}x{conc}")
+            cell = data["cells"].get(name, {}).get(key)
             if not cell:
                 continue
             tms, _what = transfer_ms(cell)
@@ -238,12 +279,17 @@ def _latency_table(data: dict[str, Any]) -> list[str]:
                 )
                 + f" | {_f(cell.get('throughput_tok_s'), 0)} | {_f(tms, 2)} | "
                 f"{_f(cell.get('d_cpu_ms_per_token'), 2)} | "
+                f"{_f(cell.get('d_tokens_per_step'), 1)} | "
                 f"{cell.get('errors', 0)} | {_f((cell.get('loadavg') or [None])[0])} |"
             )
     return lines + [
         "",
         "D CPU ms/token: CPU time of the decode engine's whole process tree (the single "
-        "engine's for `single`) during the cell, per output token.",
+        "engine's for `single`) during the cell, per output token. D tokens/step: the "
+        "decode engine's mean tokens per engine step (vLLM's `vllm:iteration_tokens_total`), "
+        "i.e. its decode batch; in a closed loop a shorter TTFT leaves each client's request "
+        "longer on D, so the batch, and with it TPOT, grows at the same throughput. Open-loop "
+        "rows (`R/s open`) send every side the same arrival schedule.",
         "",
         "KV transfer: kvpush = P `blocks_ready` -> D `report` from the traces "
         "(the prompt's last token computed -> D knows its KV arrived); vLLM = its own "
@@ -291,6 +337,18 @@ def _flow_table(data: dict[str, Any]) -> list[str]:
     return _pair_table(
         "## Router flow: sequential / concurrent (kvpush-sequential / kvpush; > 1: what "
         "running P first costs)", flow_cost(data))
+
+
+def _open_loop_table(data: dict[str, Any]) -> list[str]:
+    rows = open_loop(data)
+    if not rows:
+        return []
+    lines = ["", "## Open loop: the same arrival schedule for every side (kvpush / vllm-push)",
+             "", "| prompt | req/s | TTFT p50 | TPOT p50 | D tokens/step kvpush | vllm-push |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['length']} | {r['rate']:g} | {_x(r['ttft_p50'])} | {_x(r['tpot_p50'])} | "
+              f"{_f(r['d_batch_ours'])} | {_f(r['d_batch_base'])} |" for r in rows]
+    return lines
 
 
 def _targets_table(data: dict[str, Any]) -> list[str]:

@@ -29,17 +29,26 @@ class Workload:
     requests: int = 32  # per cell
     max_tokens: int = 64
     warmup: int = 3  # requests per prompt length before measuring (handshakes, caches)
+    # Open loop: requests per second, sent on a fixed schedule whatever the replies (the
+    # same arrival times for every side), so D decodes at the same offered load.
+    rates: list[float] = field(default_factory=list)
 
-    def cells(self) -> list[tuple[int, int]]:
-        return [(n, c) for n in self.lengths for c in self.concurrency]
+    def cells(self) -> list[Cell]:
+        closed = [(n, c, 0.0) for n in self.lengths for c in self.concurrency]
+        return closed + [(n, 0, float(r)) for n in self.lengths for r in self.rates]
 
-    def requests_in(self, length: int, concurrency: int) -> int:
+    def requests_in(self, length: int, concurrency: int, rate: float = 0.0) -> int:
+        if rate:
+            return self.requests
         # At least two rounds of the concurrency, so the level is really reached.
         return max(self.requests, 2 * concurrency)
 
 
-def cell_key(length: int, concurrency: int) -> str:
-    return f"{length}x{concurrency}"
+Cell = tuple[int, int, float]  # prompt length, concurrency (closed loop), rate/s (open loop)
+
+
+def cell_key(length: int, concurrency: int, rate: float = 0.0) -> str:
+    return f"{length}@{rate:g}rps" if rate else f"{length}x{concurrency}"
 
 
 # ---------------------------------------------------------------------------------- store
@@ -139,6 +148,26 @@ async def run_requests(
     return list(samples), time.perf_counter() - t0
 
 
+async def run_open_loop(
+    send: RequestFn,
+    url: str,
+    prompts: list[str],
+    prompt_len: int,
+    rate: float,
+    max_tokens: int,
+) -> tuple[list[Sample], float]:
+    """Open loop: request ``i`` leaves at ``i / rate`` s whatever came back (fixed schedule,
+    the same for every side); returns samples and wall time."""
+    t0 = time.perf_counter()
+
+    async def one(i: int, prompt: str) -> Sample:
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+        return await send(url, prompt, prompt_len, max_tokens)
+
+    samples = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return list(samples), time.perf_counter() - t0
+
+
 def prompts_for(length: int, concurrency: int, n: int, salt: int) -> list[str]:
     """Distinct random prompts of exactly ``length`` tokens, the same for every side.
 
@@ -176,6 +205,15 @@ def _sum(samples: dict[Any, float], name: str, **labels: str) -> float:
     from kvpush_prod.lab.client import metric_sum
 
     return metric_sum(samples, name, **labels)
+
+
+def d_tokens_per_step(before: dict[str, Any], after: dict[str, Any], engine: str) -> float | None:
+    """Mean tokens per engine step of ``engine`` between two scrapes (None if unknown)."""
+    for name in ("vllm:iteration_tokens_total", "vllm:iteration_tokens"):
+        h = histogram_delta(before.get(engine, {}), after.get(engine, {}), name)
+        if h:
+            return round(float(h["mean_s"]), 2)
+    return None
 
 
 def transfer_section(
@@ -235,9 +273,9 @@ class BenchSettings:
     command: str = ""
 
 
-def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[tuple[int, int]]]:
+def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[Cell]]:
     """The cells still to run, per side (all of them with ``force``)."""
-    todo: dict[str, list[tuple[int, int]]] = {}
+    todo: dict[str, list[Cell]] = {}
     for name in s.sides:
         cells = [c for c in s.workload.cells() if s.force or not store.has(name, cell_key(*c))]
         if cells:
@@ -246,7 +284,7 @@ def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[tuple[int, int]
 
 
 def estimate_wall_s(
-    todo: dict[str, list[tuple[int, int]]],
+    todo: dict[str, list[Cell]],
     w: Workload,
     start_s: float = 90.0,
     per_token_s: float = 0.00012,
@@ -256,10 +294,10 @@ def estimate_wall_s(
     total = 0.0
     for _side, cells in todo.items():
         total += start_s + len(w.lengths) * w.warmup * 1.0
-        for length, conc in cells:
-            n = w.requests_in(length, conc)
+        for length, conc, rate in cells:
+            n = w.requests_in(length, conc, rate)
             per_req = length * per_token_s + w.max_tokens * per_output_token_s
-            total += n * per_req / max(1.0, conc**0.5)
+            total += n / rate + per_req if rate else n * per_req / max(1.0, conc**0.5)
     return total
 
 
@@ -310,7 +348,7 @@ def run(s: BenchSettings) -> ResultStore:
 
 
 def _run_side(
-    store: ResultStore, s: BenchSettings, side: Side, cells: list[tuple[int, int]], pbar: Any
+    store: ResultStore, s: BenchSettings, side: Side, cells: list[Cell], pbar: Any
 ) -> None:
     if pbar is not None:
         pbar.set_description(f"{side.name}: starting")
@@ -348,7 +386,7 @@ async def _run_cells(
     store: ResultStore,
     s: BenchSettings,
     running: RunningSide,
-    cells: list[tuple[int, int]],
+    cells: list[Cell],
     pbar: Any,
     started_s: float,
 ) -> None:
@@ -356,7 +394,7 @@ async def _run_cells(
     w = s.workload
     import aiohttp
 
-    limit = max(c for _, c in cells) + 4
+    limit = max(max(c for _, c, _r in cells), 64) + 4
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(
         trust_env=False, timeout=timeout, connector=aiohttp.TCPConnector(limit=limit)
@@ -377,7 +415,7 @@ async def _run_cells(
             if pbar is not None:
                 pbar.set_description(f"{side.name}: warm-up")
             warm_errors = 0
-            for length in sorted({n for n, _ in cells}):
+            for length in sorted({n for n, _, _r in cells}):
                 prompts = prompts_for(length, 0, w.warmup, salt=99)
                 got, _ = await run_requests(send_quiet, running.entry, prompts, length, 2, 8)
                 warm_errors += sum(1 for g in got if not g.ok)
@@ -393,18 +431,25 @@ async def _run_cells(
             }
             store.data["sides"][side.name] = info
             store.save()
-            for length, conc in cells:
+            for length, conc, rate in cells:
                 if pbar is not None:
-                    pbar.set_description(f"{side.name} {length} tok x{conc}")
-                n = w.requests_in(length, conc)
-                prompts = prompts_for(length, conc, n, salt=0)
+                    pbar.set_description(f"{side.name} {cell_key(length, conc, rate)}")
+                n = w.requests_in(length, conc, rate)
+                # Open-loop cells get their own prompts (no prefix hits on closed-loop ones).
+                prompts = prompts_for(length, conc, n, salt=0) if not rate else prompts_for(
+                    length, 1000 + int(rate * 10), n, salt=0)
                 before = _scrape_all(running)
                 cpu_engine = "decode" if side.disaggregated else "single"
                 cpu_before = running.cpu_seconds(cpu_engine)
                 since = time.time()
-                samples, wall = await run_requests(
-                    send, running.entry, prompts, length, conc, w.max_tokens
-                )
+                if rate:
+                    samples, wall = await run_open_loop(
+                        send, running.entry, prompts, length, rate, w.max_tokens
+                    )
+                else:
+                    samples, wall = await run_requests(
+                        send, running.entry, prompts, length, conc, w.max_tokens
+                    )
                 until = time.time()
                 cpu_used = running.cpu_seconds(cpu_engine) - cpu_before
                 await asyncio.sleep(0.3)  # let the last reports and traces land
@@ -419,9 +464,13 @@ async def _run_cells(
                                                if out_tokens else None),
                         "length": length,
                         "concurrency": conc,
+                        "rate": rate,
+                        # D's mean tokens per engine step (vLLM's iteration histogram): its
+                        # decode batch, which a closed loop makes larger when TTFT is shorter.
+                        "d_tokens_per_step": d_tokens_per_step(before, after, cpu_engine),
                         "loadavg": os.getloadavg(),
                         "at": since,
                         "transfer": transfer_section(running, before, after, since, until),
                     }
                 )
-                store.put(side.name, cell_key(length, conc), cell)
+                store.put(side.name, cell_key(length, conc, rate), cell)
