@@ -127,6 +127,23 @@ def test_snapshots_from_buffers_land_in_the_series_with_vllm_labels() -> None:
     assert got[("kvpush_transfer_seconds_bucket", _base(role="producer", le="0.005"))] == 1
 
 
+def test_a_gauge_leaves_only_when_its_value_changed() -> None:
+    """Gauges are set every engine step; an unchanged one must not make every step's
+    snapshot non-empty (vLLM ships and records each non-empty one)."""
+    buf = StatsBuffer()
+    buf.set("kvpush_inflight_bytes", ("consumer",), 0)
+    assert buf.drain() == {"g": [["kvpush_inflight_bytes", ["consumer"], 0]]}
+    buf.set("kvpush_inflight_bytes", ("consumer",), 0)
+    assert buf.drain() == {}
+    buf.set("kvpush_inflight_bytes", ("consumer",), 4096)
+    buf.set("kvpush_breaker_state", ("producer", "d0"), 0)
+    got = buf.drain()["g"]
+    assert sorted(got) == [["kvpush_breaker_state", ["producer", "d0"], 0],
+                           ["kvpush_inflight_bytes", ["consumer"], 4096]]
+    buf.set("kvpush_inflight_bytes", ("consumer",), 0)
+    assert buf.drain() == {"g": [["kvpush_inflight_bytes", ["consumer"], 0]]}
+
+
 def test_every_series_is_registered_before_any_observation() -> None:
     reg = CollectorRegistry()
     MetricsSink(_factory, VLLM_BASE, {0: ["m", "0"]}, registry=reg)

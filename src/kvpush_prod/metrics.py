@@ -231,12 +231,17 @@ def sample_names(series: Series) -> tuple[str, ...]:
 
 
 class StatsBuffer:
-    """Thread-safe buffer of observations between two drains (counters as deltas)."""
+    """Thread-safe buffer of observations between two drains (counters as deltas).
+
+    A gauge leaves with a drain only when its value differs from the one the last drain
+    carried: gauges are set every engine step, and a snapshot that is never empty would be
+    shipped worker -> engine core -> API server and recorded at every step for nothing."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._sent: dict[tuple[str, tuple[str, ...]], float] = {}
         self._hist: list[tuple[str, tuple[str, ...], float]] = []
 
     def inc(self, name: str, labels: tuple[str, ...], value: float = 1.0) -> None:
@@ -252,14 +257,21 @@ class StatsBuffer:
         with self._lock:
             self._hist.append((name, labels, value))
 
+    def gauge_values(self) -> dict[tuple[str, tuple[str, ...]], float]:
+        """Every gauge's value as last set (whether or not a drain carried it)."""
+        with self._lock:
+            return {**self._sent, **self._gauges}
+
     def drain(self) -> dict[str, Any]:
         """A serialisable snapshot, emptied afterwards; ``{}`` when nothing happened."""
         with self._lock:
             data: dict[str, Any] = {}
             if self._counters:
                 data["c"] = [[n, list(lb), v] for (n, lb), v in self._counters.items()]
-            if self._gauges:
-                data["g"] = [[n, list(lb), v] for (n, lb), v in self._gauges.items()]
+            changed = [(k, v) for k, v in self._gauges.items() if self._sent.get(k) != v]
+            if changed:
+                data["g"] = [[n, list(lb), v] for (n, lb), v in changed]
+                self._sent.update(changed)
             if self._hist:
                 data["h"] = [[n, list(lb), v] for n, lb, v in self._hist]
             self._counters, self._gauges, self._hist = {}, {}, []

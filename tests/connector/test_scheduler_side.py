@@ -49,7 +49,9 @@ def counters(side: SchedulerSide) -> dict[tuple[str, ...], float]:
 
 
 def gauges(side: SchedulerSide) -> dict[tuple[str, ...], float]:
-    return {(name, *labels): v for name, labels, v in side.get_stats().get("g", [])}
+    """The gauges as they stand after a step (a drain carries only changed ones)."""
+    side.get_stats()
+    return {(name, *labels): v for (name, labels), v in side.stats.gauge_values().items()}
 
 
 def allocate(side: ConsumerSide, req: Any, ids: list[int], external: int) -> None:
