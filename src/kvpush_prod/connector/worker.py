@@ -56,6 +56,7 @@ from kvpush_prod.core.sender import Sender
 from kvpush_prod.core.vocabulary import NoteKind, Outcome, Side
 from kvpush_prod.driver import Driver, Engine, Stage
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.loglimit import LogLimiter
 from kvpush_prod.metrics import StatsBuffer
 from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+LOG_EVERY_S = 10.0  # at most one line per kind of rejection, fence or restart this often
 MESSAGES_PER_PASS = 256  # a flood of control messages cannot hold the pump (and its lock)
 TICK_S = 0.05  # leases, deadlines and heartbeats are looked at this often
 # The shortest wait of the pump between two transport polls. NIXL 1.5.1's Python API has no
@@ -379,6 +381,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._reported_rejects: dict[str, int] = {}
+        self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
 
     # -- engine thread API
     def submit(self, command: Command[E]) -> None:
@@ -514,8 +517,8 @@ class TransferPump(threading.Thread, Generic[E]):
         try:
             return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
         except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
-            logger.error("kvpush: cannot connect to %s (%s): %s", info.agent_name,
-                         info.engine_id, exc)
+            self._log.log(logging.ERROR, "connect", "kvpush: cannot connect to %s (%s): %s",
+                          info.agent_name, info.engine_id, exc)
             return None
 
     def disconnect(self, agent: str) -> None:
@@ -563,11 +566,13 @@ class TransferPump(threading.Thread, Generic[E]):
     def note(self, note: Note) -> None:
         kind = note.kind
         if kind is NoteKind.REJECTED:
+            # Peers choose how many of these happen: counted each, logged rate-limited.
             self.stats.inc("kvpush_control_messages_rejected", (self.role, note.reason))
-            logger.warning("kvpush: rejected (%s): %s", note.reason, note.detail)
+            self._log.log(logging.WARNING, (kind, note.reason), "kvpush: rejected (%s): %s",
+                          note.reason, note.detail)
         elif kind is NoteKind.FENCED:
             self.stats.inc("kvpush_leases_fenced", self._labels)
-            logger.info("kvpush: fenced: %s", note.detail)
+            self._log.log(logging.INFO, kind, "kvpush: fenced: %s", note.detail)
         elif kind is NoteKind.RETRY:
             self.stats.inc("kvpush_retries", (self.role, note.reason))
         elif kind is NoteKind.FALLBACK:
@@ -591,7 +596,7 @@ class TransferPump(threading.Thread, Generic[E]):
             self.trace("transfer_done", note.detail)
         elif kind is NoteKind.PEER_RESTART:
             self.stats.inc("kvpush_peer_restarts", self._labels)
-            logger.warning("kvpush: peer restarted: %s", note.detail)
+            self._log.log(logging.WARNING, kind, "kvpush: peer restarted: %s", note.detail)
 
     def contained(self, stage: Stage, what: str) -> None:
         """Log and count an input or action that raised; the rest of the pass goes on."""

@@ -12,7 +12,6 @@ import itertools
 import logging
 import math
 import os
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kvpush_prod.control.security import (
 )
 from kvpush_prod.core import messages
 from kvpush_prod.errors import ConfigError, ProtocolError
+from kvpush_prod.loglimit import LogLimiter
 
 logger = logging.getLogger(__name__)
 BIND_WAIT_S = 10.0  # how long a taken control port is retried before giving up
@@ -98,7 +98,7 @@ class ControlEndpoint:
         self._max_peers = max_peers
         self.rejected: Counter[str] = Counter()
         self.evictions = 0  # peer sockets closed to stay within max_peers
-        self._log_state: dict[str, tuple[float, int]] = {}
+        self._log = LogLimiter(logger, LOG_EVERY_S)
         self._pending = False
         self._closed = False
         # A context of our own: the ZAP handler is per context, and so is the socket limit.
@@ -424,14 +424,7 @@ class ControlEndpoint:
     def _reject(self, reason: str, detail: str) -> None:
         reason = reason.value if isinstance(reason, RejectReason) else reason
         self.rejected[reason] += 1
-        now = time.monotonic()
-        last, quiet = self._log_state.get(reason, (-math.inf, 0))
-        if now - last < LOG_EVERY_S:
-            self._log_state[reason] = (last, quiet + 1)
-            return
-        self._log_state[reason] = (now, 0)
-        more = f" ({quiet} more like it since the last such line)" if quiet else ""
-        logger.warning("kvpush: %s [%s]%s", detail, reason, more)
+        self._log.log(logging.WARNING, reason, "kvpush: %s [%s]", detail, reason)
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:
