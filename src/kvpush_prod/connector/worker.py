@@ -293,17 +293,21 @@ class WorkerSide:
             self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
                        trace_headers=spec.trace_headers)
             links = self._links(pump, spec.transfer_id, spec.p_tp)
+            try:
+                views = [self._view(link) for link in links]
+            except ConfigError:  # our blocks cannot be sliced by head (the log says why)
+                links = []
             if not links:
                 self._refuse_receive(pump, spec.request_id, spec.transfer_id, spec.p_tp)
                 continue
             with pump.lock:
                 if len(links) > 1:
                     pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
-                for link in links:
+                for link, view in zip(links, views, strict=True):
                     pump.links.add(link)
                     pump.request_of[link.core_id] = spec.request_id
                     pump.recv_blocks[link.core_id] = list(spec.block_ids)
-                    pump.views[link.core_id] = self._view(link)
+                    pump.views[link.core_id] = view
                     pump.began[link.core_id] = time.monotonic()
             for link in links:
                 pump.submit(RegisterBlocks(link.core_id,
@@ -347,7 +351,10 @@ class WorkerSide:
         layout = self.layout
         total = layout.total_kv_heads if layout is not None else 0
         why = tpmap.problem(p_tp, self.tp_size, total,
-                            layout.replicated if layout is not None else False)
+                            layout.replicated if layout is not None else False) or (
+            "this engine's KV cache blocks are not stored head after head (kv_cache_layout), "
+            "so a part of each block cannot be filled from another rank; use the same "
+            "tensor-parallel size on both")
         if p_tp not in self._refused_tp:
             self._refused_tp.add(p_tp)
             logger.error("kvpush: cannot receive KV from a prefill engine of tensor-parallel "
@@ -797,13 +804,13 @@ class TransferPump(threading.Thread, Generic[E]):
         if rid is None:
             logger.error("kvpush: report for unknown transfer %s", tid)
             return
+        began = self.began.pop(tid, None)
         join = self.joins.end(tid, ok, outcome)
         if join is None:
             return  # other P ranks still feed this request's blocks
-        began = self.began.pop(tid, None)
         tid, ok, outcome = join.base, join.ok, join.outcome or outcome
         if began is not None:
-            self.began.setdefault(tid, began)
+            self.began[tid] = began
         self.trace("report", tid, ok=ok, outcome=outcome.value)
         with self.results.lock:
             self.results.recving.add(rid)
