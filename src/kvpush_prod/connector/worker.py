@@ -495,7 +495,10 @@ class TransferPump(threading.Thread, Generic[E]):
         if key in self._mappings_logged:
             return
         self._mappings_logged.add(key)
-        logger.info("kvpush: tensor-parallel mapping (rank %d): %s", layout.tp_rank,
+        # A warning so that it shows with vLLM's default logging (kvpush's info lines do
+        # not): an operator should see once that the two sides' ranks are mapped by heads.
+        logger.warning("kvpush: tensor-parallel sizes differ, KV heads mapped (this is "
+                       "rank %d): %s", layout.tp_rank,
                     tpmap.mapping_text(key[0], key[1], max(layout.total_kv_heads, 1),
                                        layout.replicated))
 
