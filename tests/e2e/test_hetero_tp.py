@@ -32,11 +32,9 @@ _seeds = itertools.count(9100)
 def hetero(request: pytest.FixtureRequest,
            e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     p_tp, d_tp = request.param
-    # A TP 2 engine's ranks are bound to both cores, so each core carries a rank of it
-    # beside the other engines (and, on the shared CI box, other sessions' engines): a
-    # decode rank waiting for KV spins in vLLM's shared-memory queue, and the prefill
-    # engine sharing its core was seen starved for ~9 s. Longer leases keep such a stall a
-    # slow request rather than a recomputed one (what is tested here is the mapping).
+    # Each engine's ranks stay on its own core (ClusterSpec: tp_args), and longer leases
+    # keep a scheduling stall on the shared CI box a slow request rather than a recomputed
+    # one (what is tested here is the mapping, not the lease timings).
     leases = {"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}}
     spec = ClusterSpec(workdir=e2e_workdir(f"e2e-tp{p_tp}{d_tp}"), block_size=BLOCK,
                        prefill_kv_gib=1, decode_kv_gib=1, prefill_tp=p_tp, decode_tp=d_tp,
