@@ -32,14 +32,25 @@ _seeds = itertools.count(9100)
 def hetero(request: pytest.FixtureRequest,
            e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     p_tp, d_tp = request.param
-    # Each engine's ranks stay on its own core (ClusterSpec: tp_args), and longer leases
-    # keep a scheduling stall on the shared CI box a slow request rather than a recomputed
-    # one (what is tested here is the mapping, not the lease timings).
-    leases = {"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}}
+    # Each engine's ranks stay on its own core (ClusterSpec: tp_args). On the shared CI box
+    # the tensor-parallel size 1 engine of a fresh pair was seen frozen for 9-27 s on its
+    # first request (its pump unheard, its WRITEs or leases timing out into a pull
+    # fallback): longer timeouts keep such a stall a slow request, and one warm-up request
+    # (not asserted) goes first. What is tested here is the mapping, not the timings.
+    extra = {"leases": {"permit_ttl_s": 60.0, "peer_timeout_s": 45.0},
+             "push": {"chunk_timeout_s": 60.0}}
     spec = ClusterSpec(workdir=e2e_workdir(f"e2e-tp{p_tp}{d_tp}"), block_size=BLOCK,
                        prefill_kv_gib=1, decode_kv_gib=1, prefill_tp=p_tp, decode_tp=d_tp,
-                       extra=leases)
+                       extra=extra)
     with Cluster(spec) as c:
+        import asyncio
+
+        async def warm() -> None:
+            async with httpx.AsyncClient(timeout=180) as client:
+                await request(client, c.urls["router"],
+                              completion_body(prompt_of_length(3 * BLOCK, seed=1), 2, False))
+
+        asyncio.run(warm())
         yield c
 
 
