@@ -43,14 +43,8 @@ def hetero(request: pytest.FixtureRequest,
                        prefill_kv_gib=1, decode_kv_gib=1, prefill_tp=p_tp, decode_tp=d_tp,
                        extra=extra)
     with Cluster(spec) as c:
-        import asyncio
-
-        async def warm() -> None:
-            async with httpx.AsyncClient(timeout=180) as client:
-                await request(client, c.urls["router"],
-                              completion_body(prompt_of_length(3 * BLOCK, seed=1), 2, False))
-
-        asyncio.run(warm())
+        httpx.post(c.urls["router"] + "/v1/completions", timeout=180,
+                   json=completion_body(prompt_of_length(3 * BLOCK, seed=1), 2, False))
         yield c
 
 
