@@ -87,7 +87,7 @@ def test_an_ask_that_raises_computes_the_prompt_locally_and_frees_p_and_the_cred
     d.admissions.ask = boom  # type: ignore[method-assign]
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)
     assert d.credits.in_use == 0
-    assert c.build_connector_meta(None).not_needed == [PeerRef("t1", "10.0.0.1", 15500)]
+    assert c.build_connector_meta(None).not_needed == [PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)  # not asked about again
     assert hook_errors(c) == {("consumer", "get_num_new_matched_tokens"): 1}
 
@@ -101,7 +101,7 @@ def test_an_allocation_hook_that_raises_fails_the_receive_before_any_register() 
     meta = c.build_connector_meta(None)
     assert meta.recv == []  # no REGISTER: nothing can be written into its blocks
     assert meta.fail_recv == ["r"]
-    assert meta.not_needed == [PeerRef("t1", "10.0.0.1", 15500)]
+    assert meta.not_needed == [PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     assert d.credits.in_use == 0
     assert hook_errors(c) == {("consumer", "update_state_after_alloc"): 1}
 
@@ -133,7 +133,7 @@ def test_zero_external_tokens_after_an_admission_returns_the_credit() -> None:
     c.get_num_new_matched_tokens(req, 0)
     c.update_state_after_alloc(req, blocks(list(range(7))), 0)
     meta = c.build_connector_meta(None)
-    assert meta.recv == [] and meta.not_needed == [PeerRef("t1", "10.0.0.1", 15500)]
+    assert meta.recv == [] and meta.not_needed == [PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     assert d.credits.in_use == 0
 
 
@@ -162,7 +162,7 @@ def test_a_finish_that_raises_while_waiting_for_credit_frees_p() -> None:
     c.build_connector_meta(None)
     d.admissions.finish = boom  # type: ignore[method-assign]
     assert c.request_finished(req, []) == (False, None)
-    assert c.build_connector_meta(None).not_needed == [PeerRef("t1", "10.0.0.1", 15500)]
+    assert c.build_connector_meta(None).not_needed == [PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     assert d.credits.waiting == 0 and d.admissions.get("r") is None
 
 

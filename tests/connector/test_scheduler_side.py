@@ -98,7 +98,7 @@ def test_a_transfer_waiting_for_credit_keeps_p_waiting_until_it_is_admitted() ->
     assert d.get_num_new_matched_tokens(req, 0) == (None, False)
     assert d.get_num_new_matched_tokens(req, 0) == (None, False)
     meta = d.build_connector_meta(None)  # type: ignore[arg-type]
-    assert meta.wait_admission == [PeerRef("t1", "10.0.0.1", 15500)]
+    assert meta.wait_admission == [PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     allocate(d, big, list(range(10)), 160)
     d.update_connector_output(output(finished_recving={"big"}))
     assert d.get_num_new_matched_tokens(req, 0) == (48, True)
@@ -113,7 +113,7 @@ def test_a_transfer_larger_than_the_budget_is_computed_locally_and_p_told() -> N
     req = request("r", 160, {**PREFILL, "transfer_id": "t1"})
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     assert d.build_connector_meta(None).not_needed == [  # type: ignore[arg-type]
-        PeerRef("t1", "10.0.0.1", 15500)]
+        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     assert counters(d) == {("kvpush_admissions", "consumer", "refuse"): 1,
                            ("kvpush_transfers", "consumer", "recompute"): 1}
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # not asked about again
@@ -293,7 +293,7 @@ def test_d_admits_only_what_its_kv_cache_has_free_and_waits_for_room() -> None:
     req = request("r", 100, {**PREFILL, "transfer_id": "t1"})  # 7 blocks
     assert d.get_num_new_matched_tokens(req, 0) == (None, False)
     assert d.build_connector_meta(None).wait_admission == [  # type: ignore[arg-type]
-        PeerRef("t1", "10.0.0.1", 15500)]
+        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
     pool.free = 7  # running requests finished
     assert d.get_num_new_matched_tokens(req, 0) == (100, True)
 

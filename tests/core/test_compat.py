@@ -96,3 +96,56 @@ def test_an_incompatible_engine_cannot_end_a_transfer_it_does_not_own() -> None:
     s.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
     assert of(s.on_message(register(sender_info=with_facts(D)), 0.1, origin=D.control),
               PostWrite)
+
+
+def tp_info(info: m.PeerInfo, tp_size: int, rank: int, total: int = 2,
+            kv_heads: int | None = None) -> m.PeerInfo:
+    """``info`` as rank ``rank`` of ``tp_size`` over ``total`` KV heads (head-major blocks
+    of 50 B per head, as the layout would derive them)."""
+    local = total // tp_size
+    layout = msgspec.structs.replace(
+        LAYOUT, facts={**FACTS, "tp_size": str(tp_size)}, tp_size=tp_size, tp_rank=rank,
+        kv_heads=local if kv_heads is None else kv_heads, total_kv_heads=total,
+        regions=[m.Region(0, 50 * local, 50 * local, 64)])
+    return msgspec.structs.replace(info, rank=rank, layout=layout)
+
+
+def test_a_decode_engine_of_another_tp_size_is_met_and_pushed_to() -> None:
+    import random
+
+    s = Sender(tp_info(P, 2, 1), SS, random.Random(0))
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    out = s.on_message(register(sender_info=tp_info(D, 1, 0)), 0.0, origin=D.control)
+    assert of(out, ConnectPeer) and of(out, PostWrite)
+    assert not msgs(out, m.Failed)
+
+
+def test_tp_sizes_that_cannot_map_are_refused_at_the_first_handshake_naming_both() -> None:
+    import random
+
+    s = Sender(tp_info(P, 3, 0, total=6), SS, random.Random(0))
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    out = s.on_message(register(sender_info=tp_info(D, 2, 0, total=6)), 0.0, origin=D.control)
+    assert of(out, PostWrite) == []
+    (failed,) = msgs(out, m.Failed)
+    assert failed.reason == "incompatible"
+    assert "prefill --tensor-parallel-size 3" in failed.detail
+    assert "decode --tensor-parallel-size 2" in failed.detail
+    assert "one must divide the other" in failed.detail
+
+
+def test_a_decode_rank_whose_blocks_cannot_be_sliced_by_head_is_refused() -> None:
+    import random
+
+    s = Sender(tp_info(P, 1, 0), SS, random.Random(0))
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    # P (TP 1) would send half of each block to this D rank: P's blocks must be head-major.
+    p_flat = Sender(msgspec.structs.replace(
+        tp_info(P, 1, 0), layout=msgspec.structs.replace(tp_info(P, 1, 0).layout, kv_heads=0)),
+        SS, random.Random(0))
+    p_flat.blocks_ready("t", [1, 2, 3], 0.0)
+    out = p_flat.on_message(register(sender_info=tp_info(D, 2, 1)), 0.0, origin=D.control)
+    (failed,) = msgs(out, m.Failed)
+    assert "not stored head after head" in failed.detail
+    ok = s.on_message(register(sender_info=tp_info(D, 2, 1)), 0.0, origin=D.control)
+    assert of(ok, PostWrite)

@@ -17,6 +17,14 @@ def kvpush_version() -> str:
         return "unknown"
 
 
+def _total_kv_heads(model: Any, spec: Any) -> Any:
+    """The model's KV heads over all ranks (a rank's own count differs with the TP size)."""
+    if getattr(model, "use_mla", False):
+        return 1
+    get = getattr(model, "get_total_num_kv_heads", None)
+    return get() if callable(get) else getattr(spec, "num_kv_heads", "")
+
+
 def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
     """Model, revision, dtypes, block size, shape, parallelism, layout and versions."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -32,7 +40,7 @@ def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
         "kv_cache_dtype": getattr(vllm_config.cache_config, "cache_dtype", ""),
         "block_size": spec.block_size,
         "num_layers": getattr(model.hf_config, "num_hidden_layers", ""),
-        "num_kv_heads": getattr(spec, "num_kv_heads", ""),
+        "num_kv_heads": _total_kv_heads(model, spec),
         "head_size": getattr(spec, "head_size", ""),
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", ""),

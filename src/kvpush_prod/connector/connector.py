@@ -36,6 +36,7 @@ from kvpush_prod.connector.worker import WorkerSide
 from kvpush_prod.core.vocabulary import Side
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import StatsBuffer, merge_stats
+from kvpush_prod.transport.layout import Heads
 
 if TYPE_CHECKING:
     import torch
@@ -51,20 +52,39 @@ logger = logging.getLogger(__name__)
 
 
 def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """What prefill and decode must share for block bytes to mean the same thing."""
+    """What prefill and decode must share for a KV head's bytes to mean the same thing (the
+    tensor-parallel size is not part of it: ranks are mapped onto each other by heads)."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     parts = [
         str(model.hf_config.model_type),
         str(getattr(model.hf_config, "num_hidden_layers", "")),
         str(spec.block_size),
-        str(getattr(spec, "num_kv_heads", "")),
+        str(total_kv_heads(vllm_config)),
         str(getattr(spec, "head_size", "")),
         str(getattr(spec, "dtype", "")),
-        str(vllm_config.parallel_config.tensor_parallel_size),
         str(kv_cache_config.kv_cache_layout),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all ranks (1 for MLA's latent)."""
+    model = vllm_config.model_config
+    if getattr(model, "use_mla", False):
+        return 1
+    get = getattr(model, "get_total_num_kv_heads", None)
+    return int(get()) if callable(get) else 0
+
+
+def rank_heads(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> Heads:
+    """This rank's KV heads and tensor-parallel place, for the layout (``Layout.kv_heads``)."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    return Heads(local=1 if mla else int(getattr(spec, "num_kv_heads", 0) or 0),
+                 total=total_kv_heads(vllm_config),
+                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                 tp_rank=tp_rank, replicated=mla)
 
 
 def unsupported_topology(parallel: Any) -> None:
@@ -136,9 +156,11 @@ class PushConnector(KVConnectorBase_V1):
                     f"kv_transfer_config.kv_buffer_device={ktc.kv_buffer_device!r}: use 'cpu' "
                     "on the CPU platform or 'cuda' on GPUs"
                 )
+            tp_rank = get_tensor_model_parallel_rank()
             self._worker = WorkerSide(
                 self.cfg, self.kv_role, engine_id,
-                tp_rank=get_tensor_model_parallel_rank(),
+                tp_rank=tp_rank,
+                heads=rank_heads(vllm_config, kv_cache_config, tp_rank),
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=parallel.data_parallel_index,
                 signature=_signature(vllm_config, kv_cache_config),

@@ -26,6 +26,7 @@ class RecvSpec:
     num_tokens: int
     p_key: str = ""  # the prefill engine's public key ("" without keys)
     trace_headers: dict[str, str] | None = None  # the request's W3C trace context (spans)
+    p_tp: int = 0  # the prefill engine's tensor-parallel size (0: not told, same as ours)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PeerRef:
     p_host: str
     p_port: int
     p_key: str = ""
+    p_tp: int = 0  # the prefill engine's tensor-parallel size (0: not told, same as ours)
 
 
 @dataclass

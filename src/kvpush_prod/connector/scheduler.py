@@ -255,7 +255,7 @@ class ConsumerSide(SchedulerSide):
         remote = rx.remote
         spec = RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
                         rx.first_block, request.num_prompt_tokens, remote.key,
-                        trace_headers_of(request))
+                        trace_headers_of(request), remote.tp_size)
         # Last, and together: allocated means its REGISTER is in this step's metadata.
         self.admissions.allocated(rid, len(d_blocks))
         self._meta.recv.append(spec)
@@ -366,7 +366,8 @@ class ConsumerSide(SchedulerSide):
 
 
 def _ref(rx: Inbound[RemotePrefill]) -> PeerRef:
-    return PeerRef(rx.transfer_id, rx.remote.host, rx.remote.port, rx.remote.key)
+    return PeerRef(rx.transfer_id, rx.remote.host, rx.remote.port, rx.remote.key,
+                   rx.remote.tp_size)
 
 
 class ProducerSide(SchedulerSide):

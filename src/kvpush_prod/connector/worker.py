@@ -23,10 +23,11 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import core_settings
+from kvpush_prod.connector.links import Joins, Link, Links, Splits, d_links
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
-from kvpush_prod.core import messages
+from kvpush_prod.core import messages, tpmap
 from kvpush_prod.core.actions import (
     Action,
     Note,
@@ -62,7 +63,7 @@ from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
-from kvpush_prod.transport.layout import layout_from_kv_caches
+from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches
 from kvpush_prod.transport.nixl import NixlTransport, make_agent
 
 if TYPE_CHECKING:
@@ -141,12 +142,15 @@ class WorkerSide:
     def __init__(self, cfg: KvpushConfig, role: Side, engine_id: str, tp_rank: int,
                  tp_size: int, dp_index: int, signature: str, num_blocks: int,
                  facts: dict[str, str] | None = None,
-                 otlp_endpoint: str | None = None) -> None:
+                 otlp_endpoint: str | None = None, heads: Heads | None = None) -> None:
         self.cfg = cfg
         self.role = role
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.heads = heads or Heads(tp_size=tp_size, tp_rank=tp_rank)
+        self.layout: messages.Layout | None = None
+        self._refused_tp: set[int] = set()  # prefill TP sizes already logged as refused
         self.port = cfg.control.port + dp_index * tp_size + tp_rank
         self.signature = signature
         self.facts = facts or {}  # named for peers: a mismatch is reported value by value
@@ -174,8 +178,8 @@ class WorkerSide:
                 "verify.checksums reads KV blocks through host memory and cannot check a GPU "
                 "KV cache; set verify.checksums: false on GPU engines"
             )
-        layout = layout_from_kv_caches(kv_caches, self.num_blocks, self.signature,
-                                       self.facts)
+        layout = self.layout = layout_from_kv_caches(kv_caches, self.num_blocks,
+                                                     self.signature, self.facts, self.heads)
         host = self.cfg.control.advertise_host or self.cfg.control.host
         control = f"tcp://{host}:{self.port}"
         security = endpoint_security(self.cfg)
@@ -198,13 +202,17 @@ class WorkerSide:
         if self.role is Side.PRODUCER:
             pump = self._tx = SenderPump(self.cfg, Sender(me, settings.sender, rng), transport,
                                          endpoint, self.results, self.stats, self.trace)
+            self._tx.splits = Splits(self.tp_rank, self.tp_size, layout.total_kv_heads,
+                                     layout.replicated)
         else:
             pump = self._rx = ReceiverPump(
                 self.cfg, Receiver(me, settings.receiver, rng, tokens=rng), transport, endpoint,
                 self.results, self.stats, self.trace)
         pump.start()
-        logger.info("kvpush: %s rank %d ready, control %s, %d KV regions, %d B per block",
-                    self.role.value, self.tp_rank, me.control, len(layout.regions), block_bytes)
+        logger.info("kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
+                    "block, %d KV heads %s", self.role.value, self.tp_rank, self.tp_size,
+                    me.control, len(layout.regions), block_bytes, self.heads.local,
+                    "head-major" if layout.kv_heads else "(blocks not sliceable by head)")
 
     def _transport(self, layout: messages.Layout, control: str,
                    security: EndpointSecurity | None) -> Transport:
@@ -216,7 +224,8 @@ class WorkerSide:
         name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}",
                           identity)
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
-        transport: Transport = NixlTransport(agent, layout)
+        transport: Transport = NixlTransport(agent, layout,
+                                             producer=self.role is Side.PRODUCER)
         faults = fault_settings(self.cfg.faults.model_dump())
         if faults.enabled:
             transport = FaultyTransport(transport, faults)
@@ -248,38 +257,120 @@ class WorkerSide:
             return
         if self._rx is not None:
             self._on_receive_metadata(self._rx, meta)
-        if self._tx is not None:
+        tx = self._tx
+        if tx is not None:
+            # A transfer split over several D ranks (see connector.links) gets each command
+            # once per part; the facts are noted first, for parts made later.
             for tid, owner in meta.expect_send:
-                self._tx.submit(ExpectBlocks(tid, owner))
+                with tx.lock:
+                    known = tx.splits.note(tid)
+                    known.expected, known.owner = True, owner or known.owner
+                    parts = tx.splits.parts(tid)
+                for part in parts:
+                    tx.submit(ExpectBlocks(part, owner))
             for tid in meta.abort_send:
-                self._tx.submit(AbortSend(tid))
+                with tx.lock:
+                    parts = tx.splits.parts(tid)
+                    tx.splits.forget(tid)
+                for part in parts:
+                    tx.submit(AbortSend(part))
             for tid in meta.hold:
-                self._tx.submit(Hold(tid))
+                with tx.lock:
+                    tx.splits.note(tid).held = True
+                    parts = tx.splits.parts(tid)
+                for part in parts:
+                    tx.submit(Hold(part))
             self._pending_sends.extend(meta.send)
 
     def _on_receive_metadata(self, pump: ReceiverPump, meta: PushMetadata) -> None:
         for ref in meta.wait_admission:
-            pump.submit(AwaitAdmission(ref.transfer_id, self._address(ref.p_host, ref.p_port),
-                                       ref.p_key))
+            for link in self._links(pump, ref.transfer_id, ref.p_tp):
+                pump.submit(AwaitAdmission(link.core_id,
+                                           self._address(ref.p_host, ref.p_port, link.p_rank),
+                                           ref.p_key))
         for tid in meta.admission_over:
-            pump.submit(AdmissionOver(tid))
+            for part in pump.joins_parts(tid):
+                pump.submit(AdmissionOver(part))
         for spec in meta.recv:
             self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
                        trace_headers=spec.trace_headers)
-            pump.request_of[spec.transfer_id] = spec.request_id
-            pump.recv_blocks[spec.transfer_id] = list(spec.block_ids)
-            pump.began[spec.transfer_id] = time.monotonic()
-            pump.submit(RegisterBlocks(spec.transfer_id, self._address(spec.p_host, spec.p_port),
-                                       tuple(spec.block_ids), spec.first_block, spec.num_tokens,
-                                       spec.p_key))
+            links = self._links(pump, spec.transfer_id, spec.p_tp)
+            try:
+                views = [self._view(link) for link in links]
+            except ConfigError:  # our blocks cannot be sliced by head (the log says why)
+                links = []
+            if not links:
+                self._refuse_receive(pump, spec.request_id, spec.transfer_id, spec.p_tp)
+                continue
+            with pump.lock:
+                if len(links) > 1:
+                    pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
+                for link, view in zip(links, views, strict=True):
+                    pump.links.add(link)
+                    pump.request_of[link.core_id] = spec.request_id
+                    pump.recv_blocks[link.core_id] = list(spec.block_ids)
+                    pump.views[link.core_id] = view
+                    pump.began[link.core_id] = time.monotonic()
+            for link in links:
+                pump.submit(RegisterBlocks(link.core_id,
+                                           self._address(spec.p_host, spec.p_port, link.p_rank),
+                                           tuple(spec.block_ids), spec.first_block,
+                                           spec.num_tokens, spec.p_key))
         for ref in meta.not_needed:
-            pump.submit(NotNeeded(ref.transfer_id, self._address(ref.p_host, ref.p_port),
-                                  ref.p_key))
+            for link in self._links(pump, ref.transfer_id, ref.p_tp):
+                pump.submit(NotNeeded(link.core_id,
+                                      self._address(ref.p_host, ref.p_port, link.p_rank),
+                                      ref.p_key))
         for tid in meta.abort_recv:
-            pump.submit(AbortReceive(tid))
+            for part in pump.joins_parts(tid):
+                pump.submit(AbortReceive(part))
 
-    def _address(self, host: str, port: int) -> str:
-        return f"tcp://{host}:{port + self.tp_rank}"
+    def _links(self, pump: ReceiverPump, tid: str, p_tp: int) -> list[Link]:
+        """The sub-transfers of ``tid`` on this D rank (one, the transfer itself, when P
+        runs our tensor-parallel size); none when P's size cannot be mapped onto ours."""
+        layout = self.layout
+        if layout is None:
+            return [Link(tid, tid, self.tp_rank)]
+        try:
+            links = d_links(tid, self.tp_rank, self.tp_size, p_tp, layout.total_kv_heads,
+                            layout.replicated)
+        except ValueError:
+            return []
+        if len(links) > 1 or links[0].core_id != tid or links[0].p_rank != self.tp_rank:
+            pump.log_mapping(p_tp, layout)
+        return links
+
+    def _view(self, link: Link) -> list[messages.Region] | None:
+        """The part of each of our blocks ``link`` fills (None: the whole block)."""
+        if not link.heads or self.layout is None:
+            return None
+        return list(head_slab(self.layout, link.d_first, link.heads,
+                              self.layout.kv_heads).regions)
+
+    def _refuse_receive(self, pump: ReceiverPump, rid: str, tid: str, p_tp: int) -> None:
+        """P's tensor-parallel size cannot be mapped onto ours: the request fails here at
+        once (recomputed or failed by kv_load_failure_policy), said and counted."""
+        layout = self.layout
+        total = layout.total_kv_heads if layout is not None else 0
+        why = tpmap.problem(p_tp, self.tp_size, total,
+                            layout.replicated if layout is not None else False) or (
+            "this engine's KV cache blocks are not stored head after head (kv_cache_layout), "
+            "so a part of each block cannot be filled from another rank; use the same "
+            "tensor-parallel size on both")
+        if p_tp not in self._refused_tp:
+            self._refused_tp.add(p_tp)
+            logger.error("kvpush: cannot receive KV from a prefill engine of tensor-parallel "
+                         "size %d on this decode engine of size %d: %s", p_tp, self.tp_size, why)
+        self.stats.inc("kvpush_control_messages_rejected", (self.role.value, "incompatible"))
+        with self.results.lock:
+            self.results.recving.add(rid)
+            self.results.failed.add(rid)
+            self.results.outcomes[rid] = Outcome.FAILED.value
+        self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
+        self.trace("refused", tid, p_tp=p_tp)
+
+    def _address(self, host: str, port: int, p_rank: int | None = None) -> str:
+        return f"tcp://{host}:{port + (self.tp_rank if p_rank is None else p_rank)}"
 
     def after_forward(self, forward_failed: bool = False) -> None:
         """P: this step's prompts are computed; hand their blocks to the pump. With
@@ -288,14 +379,23 @@ class WorkerSide:
         if not self._pending_sends or pump is None:
             return
         sends, self._pending_sends = self._pending_sends, []
-        for spec in sends:
-            pump.request_of[spec.transfer_id] = spec.request_id
+        parts: dict[str, list[str]] = {}
+        with pump.lock:
+            for spec in sends:
+                pump.request_of[spec.transfer_id] = spec.request_id
+                known = pump.splits.note(spec.transfer_id)
+                known.expected, known.owner = True, spec.owner or known.owner
+                if forward_failed:
+                    known.failed = True
+                known.blocks = tuple(spec.block_ids)
+                parts[spec.transfer_id] = pump.splits.parts(spec.transfer_id)
         if forward_failed:
             logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
                            "pushed and their decode engines are told", len(sends))
             for spec in sends:
                 self.trace("forward_failed", spec.transfer_id)
-                pump.run_now(ForwardFailed(spec.transfer_id, tuple(spec.block_ids)))
+                for part in parts[spec.transfer_id]:
+                    pump.run_now(ForwardFailed(part, tuple(spec.block_ids)))
             return
         if self._device == "cuda":
             import torch
@@ -304,7 +404,8 @@ class WorkerSide:
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids),
                        trace_headers=spec.trace_headers)
-            pump.run_now(BlocksReady(spec.transfer_id, tuple(spec.block_ids), spec.owner))
+            for part in parts[spec.transfer_id]:
+                pump.run_now(BlocksReady(part, tuple(spec.block_ids), spec.owner))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Completions since the last step. Looks at the transport first (one cheap poll), so
@@ -366,6 +467,12 @@ class TransferPump(threading.Thread, Generic[E]):
         self.trace = trace or Tracer("")
         self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
         self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
+        # Sub-transfers across tensor-parallel sizes (connector.links); the engine thread
+        # changes them under ``lock``.
+        self.joins = Joins()  # D: a request's parts, one per P rank feeding this rank
+        self.links = Links()  # D: core ids <-> wire ids
+        self.views: dict[str, list[messages.Region] | None] = {}  # D: part -> slab it fills
+        self.splits = Splits(0, 1, 0)  # P: parts per D rank fed (set at registration)
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
         self._commands: queue.SimpleQueue[Command[E]] = queue.SimpleQueue()
         self._halt = threading.Event()
@@ -382,6 +489,21 @@ class TransferPump(threading.Thread, Generic[E]):
         self._last_tick = 0.0
         self._reported_rejects: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
+        self._mappings_logged: set[tuple[int, int]] = set()  # (P's TP, D's TP)
+
+    def log_mapping(self, other_tp: int, layout: messages.Layout) -> None:
+        """Say once per pair of sizes how heads map across tensor-parallel ranks."""
+        key = ((other_tp, layout.tp_size) if self.side is Side.CONSUMER
+               else (layout.tp_size, other_tp))  # (P's TP, D's TP)
+        if key in self._mappings_logged:
+            return
+        self._mappings_logged.add(key)
+        # A warning so that it shows with vLLM's default logging (kvpush's info lines do
+        # not): an operator should see once that the two sides' ranks are mapped by heads.
+        logger.warning("kvpush: tensor-parallel sizes differ, KV heads mapped (this is "
+                       "rank %d): %s", layout.tp_rank,
+                    tpmap.mapping_text(key[0], key[1], max(layout.total_kv_heads, 1),
+                                       layout.replicated))
 
     # -- engine thread API
     def submit(self, command: Command[E]) -> None:
@@ -466,6 +588,7 @@ class TransferPump(threading.Thread, Generic[E]):
                 if self.trace.on:
                     self.trace("msg_in", getattr(msg, "transfer_id", ""),
                                kind=type(msg).__name__)
+                msg = self._inbound(msg)
             except Exception:  # noqa: BLE001 - contained, counted, logged
                 self.contained(Stage.MESSAGE, type(msg).__name__)
                 continue
@@ -493,6 +616,10 @@ class TransferPump(threading.Thread, Generic[E]):
     def _progress(self) -> None:
         """Progress the transport for what the engine has in flight."""
 
+    def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
+        """A message as the core should see it (sub-transfers across TP sizes)."""
+        return msg
+
     def _light_pass(self) -> None:
         if not self._handles:
             self.transport.notifications()
@@ -514,6 +641,9 @@ class TransferPump(threading.Thread, Generic[E]):
         self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
         if info.layout is None:
             return None
+        mine = self.transport.layout
+        if info.layout.tp_size != mine.tp_size:
+            self.log_mapping(info.layout.tp_size, mine)
         try:
             return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
         except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
@@ -526,8 +656,10 @@ class TransferPump(threading.Thread, Generic[E]):
         self._peer_label.pop(agent, None)
 
     def write(self, action: PostWrite, peer: RemotePeer) -> ChunkError | None:
+        regions = peer.local.regions if peer.local is not None else None
         return self._post(action.chunk_id, action.transfer_id, "WRITE", peer,
-                          action.src_blocks, action.dst_blocks, self._done_notif(action))
+                          action.src_blocks, action.dst_blocks,
+                          self._done_notif(action, regions))
 
     def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
         return self._post(action.chunk_id, action.transfer_id, "READ", peer,
@@ -540,20 +672,26 @@ class TransferPump(threading.Thread, Generic[E]):
         self.stats.inc("kvpush_chunks", (self.role, "post_failed"))
 
     def release_send(self, action: ReleaseSend) -> None:
-        rid = self.request_of.pop(action.transfer_id, None)
+        tid = action.transfer_id
+        self.trace("release", tid, outcome=action.outcome.value)
+        join = self.splits.end(tid, action.outcome.delivered, action.outcome, action.nbytes)
+        if join is None:
+            self.began.pop(tid, None)
+            return  # other D ranks of this transfer are still fed from these blocks
+        rid = self.request_of.pop(join.base, None)
         if rid is None:
-            logger.error("kvpush: release of unknown transfer %s", action.transfer_id)
+            logger.error("kvpush: release of unknown transfer %s", tid)
             return
-        self.trace("release", action.transfer_id, outcome=action.outcome.value)
         with self.results.lock:
             self.results.sending.add(rid)
-        self._count_end(action.transfer_id, action.outcome, action.nbytes)
+        self._count_end(join.base if join.base in self.began else tid,
+                        join.outcome or action.outcome, join.nbytes)
 
     def report_finished(self, action: ReportFinished) -> None:
         ok = True
         blocks = self.recv_blocks.get(action.transfer_id)
         if action.checksum >= 0 and blocks is not None:
-            ok = self._checksum(blocks) == action.checksum
+            ok = self._checksum(blocks, self.views.get(action.transfer_id)) == action.checksum
             if not ok:
                 logger.error("kvpush: checksum mismatch on pulled %s", action.transfer_id)
         self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else Outcome.FAILED)
@@ -605,13 +743,14 @@ class TransferPump(threading.Thread, Generic[E]):
                          "and everything else goes on", what, stage.value)
 
     # -- the data plane
-    def _done_notif(self, action: PostWrite) -> bytes:
+    def _done_notif(self, action: PostWrite,
+                    regions: list[messages.Region] | None = None) -> bytes:
         if action.done is None:
             return b""
         done = action.done
         if self._verify:
             blocks = list(action.all_src or action.src_blocks)
-            done = msgspec.structs.replace(done, checksum=self._checksum(blocks))
+            done = msgspec.structs.replace(done, checksum=self._checksum(blocks, regions))
         return messages.encode_done(done)
 
     def _post(self, chunk_id: int, tid: str, op: Op, peer: RemotePeer,
@@ -656,9 +795,10 @@ class TransferPump(threading.Thread, Generic[E]):
             logger.warning("kvpush: chunk %d failed: %s", cid, error)
         self.driver.completed(cid, error)
 
-    def _checksum(self, blocks: list[int]) -> int:
+    def _checksum(self, blocks: list[int], regions: list[messages.Region] | None = None) -> int:
+        """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout)."""
         crc = 0
-        for region in self.transport.layout.regions:
+        for region in regions if regions is not None else self.transport.layout.regions:
             for b in blocks:
                 addr = region.base + b * region.block_stride
                 crc = zlib.crc32(ctypes.string_at(addr, region.block_len), crc)
@@ -667,10 +807,18 @@ class TransferPump(threading.Thread, Generic[E]):
     # -- vLLM's side of the results
     def _report(self, tid: str, ok: bool, outcome: Outcome) -> None:
         self.recv_blocks.pop(tid, None)
+        self.views.pop(tid, None)
         rid = self.request_of.pop(tid, None)
         if rid is None:
             logger.error("kvpush: report for unknown transfer %s", tid)
             return
+        began = self.began.pop(tid, None)
+        join = self.joins.end(tid, ok, outcome)
+        if join is None:
+            return  # other P ranks still feed this request's blocks
+        tid, ok, outcome = join.base, join.ok, join.outcome or outcome
+        if began is not None:
+            self.began[tid] = began
         self.trace("report", tid, ok=ok, outcome=outcome.value)
         with self.results.lock:
             self.results.recving.add(rid)
@@ -700,6 +848,36 @@ class SenderPump(TransferPump[Sender]):
 
     side = Side.PRODUCER
 
+    def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
+        """A REGISTER of a decode engine with more ranks than ours splits its transfer into
+        one part per D rank this rank feeds; what the engine said of it is replayed to the
+        new parts (before the REGISTER reaches the core)."""
+        if isinstance(msg, messages.Register):
+            base, parts, known = self.splits.on_register(msg)
+            if parts:
+                layout = msg.sender.layout
+                if layout is not None:
+                    self.log_mapping(layout.tp_size, self.transport.layout)
+                rid = self.request_of.get(base)
+                for part in parts:
+                    if rid is not None:
+                        self.trace("split", part, base=base)
+                    self._replay(part, known)
+        return msg
+
+    def _replay(self, part: str, known: Any) -> None:
+        if known is None:
+            return
+        if known.failed and known.blocks is not None:
+            self.driver.command(ForwardFailed(part, known.blocks))
+            return
+        if known.expected:
+            self.driver.command(ExpectBlocks(part, known.owner))
+        if known.blocks is not None:
+            self.driver.command(BlocksReady(part, known.blocks, known.owner))
+        if known.held:
+            self.driver.command(Hold(part))
+
     def _watching(self) -> bool:
         return self.engine.pulling
 
@@ -722,6 +900,17 @@ class ReceiverPump(TransferPump[Receiver]):
     """D's pump: it also watches NIXL notifications for the DONE of each push."""
 
     side = Side.CONSUMER
+
+    def joins_parts(self, tid: str) -> list[str]:
+        """The core's ids for ``tid`` on this rank (its parts when several P ranks feed it)."""
+        with self.lock:
+            return self.joins.parts(tid)
+
+    def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
+        super().send(peer, to, self.links.outbound(message))
+
+    def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
+        return self.links.inbound(msg)
 
     def _watching(self) -> bool:
         return self.engine.active > 0  # DONE notifications to watch
@@ -750,12 +939,14 @@ class ReceiverPump(TransferPump[Receiver]):
             return [Note(NoteKind.REJECTED, "malformed", f"bad DONE notification: {exc}")]
         if done is None:
             return []
+        done = self.links.done(done)
         self.trace("done_in", done.transfer_id)
         verified = True
         if done.checksum >= 0:
             blocks = rx.blocks_of(done.transfer_id)
             if blocks is not None:
-                verified = self._checksum(blocks) == done.checksum
+                verified = self._checksum(blocks, self.views.get(done.transfer_id)) \
+                    == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
         return rx.on_done(done, now, verified, agent)

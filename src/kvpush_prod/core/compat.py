@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# What both engines must share for a block's bytes to mean the same thing on both.
+from kvpush_prod.core import tpmap
+from kvpush_prod.core.messages import Layout
+
+# What both engines must share for a block's bytes to mean the same thing on both. The
+# tensor-parallel size may differ (``core.tpmap`` maps heads across ranks); ``num_kv_heads``
+# is the model's total.
 MUST_MATCH = ("model", "revision", "model_type", "dtype", "kv_cache_dtype", "block_size",
-              "num_layers", "num_kv_heads", "head_size", "tp_size", "kv_cache_layout")
-INFORMATIVE = ("kvpush",)
+              "num_layers", "num_kv_heads", "head_size", "kv_cache_layout")
+INFORMATIVE = ("kvpush", "tp_size")
 
 
 def differences(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
@@ -34,5 +39,66 @@ def describe(mine: Mapping[str, str], theirs: Mapping[str, str]) -> str:
             if k in mine and k in theirs and mine[k] != theirs[k]]
     parts = diff or ["the KV layouts differ (no named fact explains it: region sizes)"]
     return ("; ".join(parts + info) + ". Prefill and decode must serve the same model "
-            "(same --served-model-name and --revision), with the same dtype, KV cache dtype, "
-            "block size and tensor-parallel size")
+            "(same --served-model-name and --revision), with the same dtype, KV cache dtype "
+            "and block size")
+
+
+def tp_problem(p: Layout, d: Layout) -> str:
+    """Why prefill rank ``p`` cannot write into decode rank ``d`` across tensor-parallel
+    sizes ("" if it can, or if both run the same size): the sizes must map (``tpmap``),
+    the two ranks must share heads, and a side that gives or takes part of a block must
+    store its blocks head after head (``Layout.kv_heads``)."""
+    if p.tp_size == d.tp_size and not (p.replicated or d.replicated):
+        return ""
+    sizes = (f"prefill --tensor-parallel-size {p.tp_size}, decode --tensor-parallel-size "
+             f"{d.tp_size}")
+    if p.replicated != d.replicated:
+        return f"{sizes}: one side replicates its KV (MLA) and the other does not"
+    total = max(p.total_kv_heads, d.total_kv_heads)
+    if p.total_kv_heads != d.total_kv_heads or total < 1:
+        return (f"{sizes}: KV heads {p.total_kv_heads} on the prefill, {d.total_kv_heads} on "
+                "the decode; both must name the model's KV heads (same model and kvpush)")
+    why = tpmap.problem(p.tp_size, d.tp_size, total, p.replicated)
+    if why:
+        return why
+    pc = tpmap.piece(p.tp_rank, d.tp_rank, p.tp_size, d.tp_size, total, p.replicated)
+    if pc is None:
+        return (f"{sizes}: prefill rank {p.tp_rank} holds none of the KV heads of decode "
+                f"rank {d.tp_rank}")
+    for side, lay, whole, local in (("prefill", p, pc.whole_p, pc.p_local),
+                                    ("decode", d, pc.whole_d, pc.d_local)):
+        if not whole and lay.kv_heads != local:
+            return (f"{sizes}: the {side} rank {lay.tp_rank} would move part of each block "
+                    f"({pc.heads} of its {local} KV heads) but its KV cache blocks are not "
+                    "stored head after head (kv_cache_layout); use the same tensor-parallel "
+                    "size, or a head-major KV layout (vLLM's CPU backend, HND on GPUs)")
+    for a, b in zip(p.regions, d.regions, strict=False):
+        pa = a.block_len if pc.whole_p else a.block_len // pc.p_local * pc.heads
+        da = b.block_len if pc.whole_d else b.block_len // pc.d_local * pc.heads
+        if pa != da:
+            return (f"{sizes}: {pc.heads} KV heads are {pa} B per block on the prefill and "
+                    f"{da} B on the decode; the models' KV shapes differ")
+    return ""
+
+
+def layout_problem(p: Layout, d: Layout) -> str:
+    """Why prefill rank layout ``p`` and decode rank layout ``d`` cannot exchange KV ("" if
+    they can): the named facts (``differences``), then the tensor-parallel mapping, then
+    the hashes and region counts (a difference no fact names)."""
+    diff = differences(p.facts, d.facts)
+    if diff:
+        return describe(p.facts, d.facts)
+    why = tp_problem(p, d)
+    if why:
+        return why
+    if p.compat != d.compat or len(p.regions) != len(d.regions):
+        return describe(p.facts, d.facts)
+    if p.tp_size == d.tp_size and not p.replicated and any(
+            a.block_len != b.block_len for a, b in zip(p.regions, d.regions, strict=True)):
+        return "KV block sizes differ"
+    return ""
+
+
+def mapping(p: Layout, d: Layout) -> str:
+    """The tensor-parallel mapping of two compatible layouts, for the log."""
+    return tpmap.mapping_text(p.tp_size, d.tp_size, max(p.total_kv_heads, 1), p.replicated)

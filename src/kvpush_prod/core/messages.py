@@ -61,10 +61,19 @@ class Layout(msgspec.Struct, frozen=True):
     ``facts`` name what ``compat`` hashes (and the model, its revision and the versions),
     so a mismatch can be reported value by value (``core.compat``)."""
 
-    compat: Id  # hash of model shape, dtype, block size, tp size, region block lengths
+    compat: Id  # hash of model shape, dtype, block size, region block lengths per KV head
     mem_type: Literal["DRAM", "VRAM"]
     regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
     facts: Annotated[dict[FactName, FactValue], Meta(max_length=MAX_FACTS)] = {}
+    # Tensor parallelism (``core.tpmap``): this rank of ``tp_size``; each region's block
+    # holds ``kv_heads`` KV heads one after the other (head-major: head h is the h-th equal
+    # slab of the block), 0 when the block interior is not head-major (or cannot be told),
+    # out of the model's ``total_kv_heads``; ``replicated``: every rank holds all of them (MLA).
+    tp_size: Annotated[int, Meta(ge=1, le=65_536)] = 1
+    tp_rank: Rank = 0
+    kv_heads: Annotated[int, Meta(ge=0, le=65_536)] = 0
+    total_kv_heads: Annotated[int, Meta(ge=0, le=65_536)] = 0
+    replicated: bool = False
 
 
 class PeerInfo(msgspec.Struct, frozen=True):

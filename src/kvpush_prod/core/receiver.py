@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvpush_prod.core import compat
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
@@ -439,12 +440,11 @@ class Receiver:
         mine, theirs = self.me.layout, msg.sender.layout
         if theirs is None:
             return "no layout to read from"
-        if mine is not None and (theirs.compat != mine.compat
-                                 or len(theirs.regions) != len(mine.regions)
-                                 or any(a.block_len != b.block_len
-                                        for a, b in zip(theirs.regions, mine.regions,
-                                                        strict=True))):
-            return f"prefill KV layout {theirs.compat} is not this engine's {mine.compat}"
+        if mine is not None:
+            problem = compat.layout_problem(theirs, mine)
+            if problem:
+                return (f"prefill KV layout {theirs.compat} is not this engine's "
+                        f"{mine.compat}: {problem}")
         limit = min((r.num_blocks for r in theirs.regions), default=0)
         if any(b >= limit for b in msg.block_ids):
             return f"block ids outside the prefill KV cache of {limit} blocks"

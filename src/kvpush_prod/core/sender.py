@@ -746,16 +746,12 @@ class Sender:
         mine, theirs = self.me.layout, info.layout
         if mine is None or theirs is None:
             return ""
-        if theirs.compat != mine.compat or len(theirs.regions) != len(mine.regions) \
-                or theirs.mem_type not in ("DRAM", "VRAM") \
-                or compat.differences(mine.facts, theirs.facts):
-            return (f"{info.engine_id} rank {info.rank} is incompatible: "
-                    f"{compat.describe(mine.facts, theirs.facts)} (KV layout {theirs.compat} "
-                    f"with {len(theirs.regions)} regions, this engine's {mine.compat} with "
-                    f"{len(mine.regions)})")[:MAX_TEXT_LEN]
-        if any(a.block_len != b.block_len for a, b in zip(theirs.regions, mine.regions,
-                                                           strict=True)):
-            return f"{info.engine_id} rank {info.rank}: KV block sizes differ from this engine's"
+        problem = compat.layout_problem(mine, theirs) if theirs.mem_type in ("DRAM", "VRAM") \
+            else f"memory type {theirs.mem_type!r}"
+        if problem:
+            return (f"{info.engine_id} rank {info.rank} is incompatible: {problem} (KV layout "
+                    f"{theirs.compat} with {len(theirs.regions)} regions, this engine's "
+                    f"{mine.compat} with {len(mine.regions)})")[:MAX_TEXT_LEN]
         own = max((r.num_blocks for r in mine.regions), default=0)
         limit = max(own * self.s.max_peer_blocks_ratio, self.s.min_peer_blocks_limit)
         most = max((r.num_blocks for r in theirs.regions), default=0)

@@ -68,6 +68,22 @@ class ClusterSpec:
     # "decode", the others "prefill-1", "decode-1", ... (P on core 0, D on core 1).
     prefills: int = 1
     decodes: int = 1
+    # Tensor-parallel sizes (at most 4: the control ports reserved per engine).
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+
+def tp_args(tp: int, core: str) -> tuple[list[str], str]:
+    """Engine arguments and the CPU binding (VLLM_CPU_OMP_THREADS_BIND) for ``tp`` ranks on
+    the role's ``core``. Every rank stays on the role's core: an engine of TP > 1 whose
+    requests wait on the connector keeps stepping, and its ranks then spin in vLLM's
+    shared-memory queue; ranks spread over both cores were seen to starve the other
+    engine for 9-27 s (its pump unheard, its leases expiring)."""
+    if not 1 <= tp <= 4:
+        raise ValueError(f"tensor-parallel size {tp}: the lab runs 1 to 4 ranks per engine")
+    if tp == 1:
+        return [], core
+    return ["--tensor-parallel-size", str(tp)], "|".join([core] * tp)
 
 
 def role_names(role: str, n: int) -> list[str]:
@@ -147,16 +163,18 @@ class Cluster:
                                 {**s.extra, **s.prefill_extra},
                                 _engine_id(s.prefill_engine_id, name, "prefill"),
                                 security=self._security_extra(name))
-            common["extra_args"] += s.prefill_args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="0",
+            args, bind = tp_args(s.prefill_tp, "0")
+            common["extra_args"] += s.prefill_args + args
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind,
                               kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
         if name in self.decode_names:
             kv = push_kv_config("kv_consumer", profile, self.control_ports[name],
                                 {**s.extra, **s.decode_extra},
                                 _engine_id(s.decode_engine_id, name, "decode"),
                                 s.kv_load_failure_policy, security=self._security_extra(name))
-            common["extra_args"] += s.decode_args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind="1",
+            args, bind = tp_args(s.decode_tp, "1")
+            common["extra_args"] += s.decode_args + args
+            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind,
                               kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
         return EngineSpec(name, port=free_port(), cpu_bind="0", **common)
 

@@ -23,8 +23,10 @@ class RemotePeer:
     """A connected remote agent and its prepared descriptor list."""
 
     agent_name: str
-    layout: Layout
+    layout: Layout  # the remote bytes this rank exchanges with it (a head slab across TP sizes)
     dlist: Any
+    local: Layout | None = None  # this rank's bytes exchanged with it (None: the whole layout)
+    local_dlist: Any = None
 
 
 class ChunkFailed(TransportError):

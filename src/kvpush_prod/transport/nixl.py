@@ -13,7 +13,7 @@ from kvpush_prod.core.messages import Layout
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.errors import ConfigError, TransportError
 from kvpush_prod.transport.base import Completion, Op, RemotePeer
-from kvpush_prod.transport.layout import all_descriptors, descriptor_indices
+from kvpush_prod.transport.layout import all_descriptors, descriptor_indices, pair_views
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,10 @@ def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us
 class NixlTransport:
     """Moves blocks between this rank's registered KV cache and connected peers."""
 
-    def __init__(self, agent: Any, layout: Layout) -> None:
+    def __init__(self, agent: Any, layout: Layout, producer: bool = True) -> None:
         self.agent = agent
         self.layout = layout
+        self.producer = producer  # which side of a tensor-parallel mapping this rank is
         descs = all_descriptors(layout)
         self._reg = agent.register_memory(
             [(r.base, r.block_stride * (r.num_blocks - 1) + r.block_len, r.dev_id, "")
@@ -104,8 +105,12 @@ class NixlTransport:
             raise TransportError(
                 "incompatible",
                 f"peer KV layout {layout.compat} != local {self.layout.compat}: prefill and "
-                "decode must run the same model, dtype, block size and tensor-parallel size",
+                "decode must run the same model, dtype and block size",
             )
+        try:
+            local_view, remote_view = pair_views(self.layout, layout, self.producer)
+        except ConfigError as exc:
+            raise TransportError("incompatible", str(exc)) from exc
         if expect_name and expect_name.encode() not in agent_meta:
             raise TransportError(
                 "not_owner",
@@ -120,8 +125,14 @@ class NixlTransport:
             )
         peer = self._peers.get(name)
         if peer is None:
-            dlist = self.agent.prep_xfer_dlist(name, all_descriptors(layout), layout.mem_type)
-            peer = RemotePeer(name, layout, dlist)
+            dlist = self.agent.prep_xfer_dlist(name, all_descriptors(remote_view),
+                                               layout.mem_type)
+            peer = RemotePeer(name, remote_view, dlist)
+            if local_view is not self.layout:
+                # A head slab of our blocks (tensor-parallel sizes differ): its own dlist.
+                peer.local = local_view
+                peer.local_dlist = self.agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", all_descriptors(local_view), local_view.mem_type)
             self._peers[name] = peer
         return peer
 
@@ -129,10 +140,13 @@ class NixlTransport:
         peer = self._peers.pop(agent_name, None)
         if peer is None:
             return
-        try:
-            self.agent.release_dlist_handle(peer.dlist)
-        except Exception:  # noqa: BLE001 - best effort on a dead peer
-            logger.debug("release_dlist_handle failed for %s", agent_name, exc_info=True)
+        for dlist in (peer.dlist, peer.local_dlist):
+            if dlist is None:
+                continue
+            try:
+                self.agent.release_dlist_handle(dlist)
+            except Exception:  # noqa: BLE001 - best effort on a dead peer
+                logger.debug("release_dlist_handle failed for %s", agent_name, exc_info=True)
         try:
             self.agent.remove_remote_agent(agent_name)
         except Exception:  # noqa: BLE001
@@ -146,10 +160,11 @@ class NixlTransport:
                 "invalid_param",
                 f"{len(local_blocks)} local blocks vs {len(remote_blocks)} remote blocks",
             )
+        local = peer.local or self.layout
         handle = self.agent.make_prepped_xfer(
             op,
-            self._local,
-            descriptor_indices(local_blocks, self.layout),
+            self._local if peer.local_dlist is None else peer.local_dlist,
+            descriptor_indices(local_blocks, local),
             peer.dlist,
             descriptor_indices(remote_blocks, peer.layout),
             notif,
