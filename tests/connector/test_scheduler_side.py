@@ -325,3 +325,13 @@ def test_the_budget_gauge_shows_what_d_can_grant_now() -> None:
     assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 3
     pool.free = 90
     assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 50
+
+
+def test_p_behind_a_data_parallel_api_server_names_its_rank_and_its_own_port() -> None:
+    cfg = config_from_extra({"control": {"port": 15000}})
+    side = scheduler_side(cfg, Side.PRODUCER, "prefill-0_dp1", BS, 1000, 2, 1, 100, dp_size=2)
+    ident = side.identity()
+    # Rank 1 of 2 with TP 2: its control ports start after rank 0's two.
+    assert (ident["remote_port"], ident["dp_rank"], ident["dp_size"]) == (15002, 1, 2)
+    plain = scheduler_side(cfg, Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100).identity()
+    assert "dp_rank" not in plain and "dp_size" not in plain
