@@ -121,6 +121,7 @@ class FakeVLLM:
         # (vLLM's own balancing); with dp_header_honoured False the header is ignored.
         self.dp_size = 1
         self.dp_header_honoured = True
+        self.dp_size_known = False  # a dense model's engine cores do not know dp_size
         self._next_rank = 0
         self._rank_of: dict[str, int] = {}
         # The engine's control-channel public key (Z85), or None: an engine without keys.
@@ -177,7 +178,9 @@ class FakeVLLM:
             "tp_size": self.tp_size,
         }
         if dp:
-            out.update(dp_rank=rank, dp_size=self.dp_size)
+            out["dp_rank"] = rank
+            if self.dp_size_known:
+                out["dp_size"] = self.dp_size
         if self.remote_key is not None:
             out["remote_key"] = self.remote_key
         return out
@@ -314,6 +317,11 @@ class FakeVLLM:
         if self.dp_size > 1:
             pinned = request.headers.get("x-data-parallel-rank")
             if pinned is not None and self.dp_header_honoured:
+                if not 0 <= int(pinned) < self.dp_size:  # vLLM's own answer
+                    return JSONResponse({"error": {
+                        "message": f"data_parallel_rank {pinned} is out of range "
+                                   f"[0, {self.dp_size}).", "type": "BadRequestError",
+                        "param": None, "code": 400}}, status_code=400)
                 self._rank_of[rid] = int(pinned)
             else:
                 self._rank_of[rid] = self._next_rank % self.dp_size

@@ -18,6 +18,7 @@ async def test_every_dp_rank_is_probed_and_each_leg_is_pinned_to_the_rank_d_is_t
     d = await fakes("decode")
     r = await router([p], [d])
     await wait_until(lambda: r.app.state.pool.prefill[0].up, what="p up with every rank")
+    # Ranks 0, 1, 2 answered (rank 3 was refused as out of range): three engine cores.
     pinned = sorted(int(s.headers["x-data-parallel-rank"]) for s in p.probes
                     if "x-data-parallel-rank" in s.headers)
     assert pinned == [0, 1, 2]
@@ -62,3 +63,14 @@ async def test_without_data_parallelism_no_rank_header_is_sent(fakes: Any, route
     assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
     assert all("x-data-parallel-rank" not in s.headers for s in [*p.probes, *p.requests])
     assert "dp_rank" not in d.requests[0].body["kv_transfer_params"]
+
+
+async def test_a_rank_that_knows_the_dp_size_must_agree_with_the_ranks_found(
+        fakes: Any, router: Any) -> None:
+    p = await fakes("prefill", engine_id="p")
+    p.dp_size, p.dp_size_known = 2, True
+    d = await fakes("decode")
+    r = await router([p], [d])
+    await wait_until(lambda: r.app.state.pool.prefill[0].up, what="p up")
+    assert r.app.state.pool.prefill[0].identity.dp_size == 2
+    assert (await r.post("/v1/completions", COMPLETION)).status_code == 200

@@ -85,7 +85,7 @@ def resolve_identity(
             port=int(values["port"]),
             tp_size=int(values["tp_size"]),
             remote_key=check_remote_key(given_key or probed.get("remote_key")),
-            dp_rank=None if dp_rank is None or dp_size <= 1 else int(dp_rank),
+            dp_rank=None if dp_rank is None else int(dp_rank),
             dp_size=max(1, dp_size),
         )
     except (TypeError, ValueError) as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -48,6 +49,10 @@ def parse_load(text: str, now: float) -> EngineLoad:
         got[field] = max(got[field], value) if field == "kv_usage" else got[field] + value
     return EngineLoad(got["running"], got["waiting"], min(got["kv_usage"], 1.0), now)
 
+
+# Data-parallel ranks of one API server the identity probe looks for, at most.
+MAX_DP_RANKS = 256
+OUT_OF_RANGE = "data-parallel rank out of range"
 
 class HealthMonitor:
     """Keeps each backend's ``healthy``, ``models``, (for P) ``identity`` and (for D, with
@@ -141,9 +146,11 @@ class HealthMonitor:
     async def probe(self, b: Backend, epoch: int) -> None:
         """Learn P's identity from one tiny request; leaves it None (P unused) on failure.
 
-        A P whose answer says it runs ``dp_size`` > 1 data-parallel engine cores behind its
-        API server is probed once per DP rank (vLLM's ``X-data-parallel-rank`` header): each
-        core has its own control port, and a P leg is pinned to the core D registers with."""
+        A P whose answer names a ``dp_rank`` (a data-parallel engine core behind its API
+        server) is probed once per DP rank, 0, 1, ... until vLLM answers that the rank is out
+        of range (vLLM's ``X-data-parallel-rank`` header; the engine cores of a dense model
+        do not know how many they are): each core has its own control port, and a P leg is
+        pinned to the core D registers with."""
         if not b.models:
             self.pool.set_identity(b, None, "cannot probe identity: /v1/models lists no model")
             return
@@ -154,10 +161,12 @@ class HealthMonitor:
             self.pool.set_identity(b, None, error)
             return
         ranks: dict[int, PrefillIdentity] = {}
-        for rank in range(identity.dp_size if identity.dp_size > 1 else 0):
+        for rank in range(MAX_DP_RANKS if identity.dp_rank is not None else 0):
             got, error = await self._probe_identity(b, epoch, rank)
             if b.epoch != epoch:
                 return
+            if got is None and rank > 0 and error.startswith(OUT_OF_RANGE):
+                break  # every rank seen
             if got is None:
                 self.pool.set_identity(b, None, error)
                 return
@@ -170,6 +179,14 @@ class HealthMonitor:
                     "--data-parallel-external-lb) and list each as a prefill backend"))
                 return
             ranks[rank] = got
+        if ranks:
+            if identity.dp_size not in (1, len(ranks)):
+                self.pool.set_identity(b, None, (
+                    f"P says it has {identity.dp_size} data-parallel ranks but answered "
+                    f"for {len(ranks)}"))
+                return
+            identity = dataclasses.replace(identity, dp_size=len(ranks))
+            ranks = {r: dataclasses.replace(i, dp_size=len(ranks)) for r, i in ranks.items()}
         log.info("prefill backend %s identity %s%s", b.url, identity,
                  f" ({len(ranks)} data-parallel ranks)" if ranks else "")
         self.pool.set_identity(b, identity, None, ranks)
@@ -182,6 +199,8 @@ class HealthMonitor:
             r = await self._post_probe(b, rank)
         except httpx.HTTPError as e:
             return None, f"identity probe{at} failed: {_err(e)}"
+        if r.status_code == 400 and rank is not None and "out of range" in r.text:
+            return None, f"{OUT_OF_RANGE}: {r.text[:300]}"
         if r.status_code != 200:
             return None, f"identity probe{at} answered HTTP {r.status_code}: {r.text[:300]}"
         try:
@@ -252,7 +271,7 @@ class HealthMonitor:
             identity = resolve_identity(params, b.overrides)
         except (ValueError, AttributeError):
             return
-        if identity.dp_size > 1 or ident.dp_size > 1:
+        if identity.dp_rank is not None or ident.dp_rank is not None:
             # Restarted with data parallelism (before or now): every rank's identity may
             # have changed; probe them all again before the next leg.
             log.warning("prefill backend %s changed identity (data-parallel engine): "

@@ -29,7 +29,7 @@ class PrefillIdentity:
     # P's control-channel public key (Z85); None when P runs without keys.
     remote_key: str | None = None
     # With data parallelism behind one API server: which engine core (its control port is
-    # its own) and how many there are; None / 1 without.
+    # its own) and how many there are (found by probing the ranks); None / 1 without.
     dp_rank: int | None = None
     dp_size: int = 1
 
@@ -81,7 +81,7 @@ class Backend:
     def identity_complete(self) -> bool:
         """The identity is known, and with data parallelism that of every DP rank."""
         ident = self.identity
-        return ident is not None and (ident.dp_size <= 1 or len(self.ranks) == ident.dp_size)
+        return ident is not None and (ident.dp_rank is None or len(self.ranks) == ident.dp_size)
 
     @property
     def up(self) -> bool:
@@ -94,7 +94,7 @@ class Backend:
         """The identity a new P leg goes to: the backend's own, or with data parallelism
         the next DP rank in turn (its ``dp_rank`` says which, for the leg's header)."""
         assert self.identity is not None
-        if self.identity.dp_size <= 1 or not self.ranks:
+        if self.identity.dp_rank is None or not self.ranks:
             return self.identity
         ranks = sorted(self.ranks)
         chosen = self.ranks[ranks[self.next_rank % len(ranks)]]
@@ -129,7 +129,7 @@ class Backend:
                     "remote_key": ident.remote_key,
                 }
             )
-            if ident is not None and ident.dp_size > 1:
+            if ident is not None and ident.dp_rank is not None:
                 out["identity"]["dp_size"] = ident.dp_size
                 out["dp_ranks"] = {r: {"engine_id": i.engine_id, "control_port": i.port}
                                    for r, i in sorted(self.ranks.items())}
