@@ -3,14 +3,14 @@ each with its own control port) behind the router, in the concurrent flow: the r
 learns both DP ranks' identities and pins each P leg to one rank, D registers with that
 rank; every answer equals a single engine's, every transfer is pushed, both ranks serve.
 
-Not in CI yet: on the shared 2-core box (load average ~10), of two runs with every fix in
-place one pushed all 12 (it then failed only on a stale P gauge, since fixed) and one did
-not. In that failure the routing was right (each D registered with the rank that had the
-request) but D's control messages to both P ranks arrived ~8 s late (REGISTERs sent at
-0.1-0.3 s reached P at 8.5 s; D's and both P ranks' pumps were silent meanwhile; one CurveZMQ
-handshake P -> D timed out), so permits expired. Sequential requests and a burst of 12
-concurrent ones without the reference engine pushed 12/12 (twice). Run it with
-KVPUSH_E2E_DP=1 while that stall is found."""
+Not in CI yet: on the shared 2-core box (load average ~10), of three runs with every fix in
+place one pushed all 12 (it then failed only on a stale P gauge, since fixed) and two did
+not, with the routing right (each D registered with the rank that had the request) but D
+stalled at the first concurrent transfers from both ranks: once D's REGISTERs reached P only
+after ~8 s, once the first WRITE of each rank never completed while D's pump traced nothing
+for 10 s; both times a CurveZMQ handshake P -> D timed out and the permits expired.
+Sequential requests and a burst of 12 concurrent ones without the reference engine pushed
+12/12 (two runs). Run it with KVPUSH_E2E_DP=1 while that stall is found."""
 
 from __future__ import annotations
 
