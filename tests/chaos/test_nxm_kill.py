@@ -20,7 +20,7 @@ def test_killing_one_of_two_engines_per_role_costs_at_most_its_requests(
     module = importlib.import_module("chaos.nxm_kill")
     opts = Options(requests=32, concurrency=4, timeout=180.0, quiesce_timeout=90.0,
                    progress_every=8, policy="recompute", max_prompt=1200,
-                   extra={"outage_rate": 1.0})
+                   extra={"outage_rate": 0.5})
     needs = module.needs(opts)
     try:
         cluster = cluster_pool.get("nxm", needs)
