@@ -12,4 +12,5 @@ SCENARIOS = (
     "bad_peer",
     "client_cancel",
     "restart_under_load",
+    "nxm_kill",
 )

@@ -186,3 +186,13 @@ def test_zero_and_negative_counter_deltas_are_ignored() -> None:
     sink.observe({"c": [["kvpush_chunks", ["producer", "ok"], 0],
                         ["kvpush_chunks", ["producer", "ok"], -3]]})
     assert ("kvpush_chunks_total", _base(role="producer", result="ok")) not in _scrape(reg)
+
+
+def test_gauges_show_the_latest_write_across_api_server_processes() -> None:
+    # With several API servers (vLLM's default with --data-parallel-size) each process
+    # writes the gauges of the engines it hears from; the default multiprocess mode would
+    # keep every process's last value, stale ones too (an idle engine reading as busy).
+    sink = MetricsSink(_factory, VLLM_BASE, {0: ["m", "0"]}, registry=CollectorRegistry())
+    gauges = [s.name for s in CONNECTOR_SERIES if s.kind == "gauge"]
+    assert gauges
+    assert {sink._metrics[n]._multiprocess_mode for n in gauges} == {"mostrecent"}

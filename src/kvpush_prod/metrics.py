@@ -306,6 +306,12 @@ class MetricsSink:
             kwargs: dict[str, Any] = {"labelnames": [*base_labels, *s.labels]}
             if s.kind == "histogram":
                 kwargs["buckets"] = list(s.buckets)
+            if s.kind == "gauge":
+                # Several API server processes (vLLM --api-server-count, the default with
+                # --data-parallel-size) each write the gauges of the engines they hear
+                # from: the latest write is the engine's state, as for vLLM's own gauges
+                # (the default mode would keep each process's last value, stale ones too).
+                kwargs["multiprocess_mode"] = "mostrecent"
             if registry is not None:
                 kwargs["registry"] = registry
             self._metrics[s.name] = cls(s.name, s.doc, **kwargs)

@@ -11,8 +11,15 @@ from typing import Any
 import httpx
 
 from kvpush_prod.chaos.load import LoadGenerator, Record
-from kvpush_prod.chaos.observe import TRANSFERS, Observer, Reading, idle_problems
-from kvpush_prod.chaos.verdict import Report, attribute_streaming, clear_error, tally
+from kvpush_prod.chaos.observe import TRANSFERS, Observer, Reading, idle_problems, role_of
+from kvpush_prod.chaos.verdict import (
+    Kill,
+    Report,
+    attribute_streaming,
+    clear_error,
+    failures_beyond_kills,
+    tally,
+)
 from kvpush_prod.chaos.workload import Mix, make_request, workload
 
 
@@ -117,6 +124,42 @@ def test_idle_problems_name_the_engine_and_the_series() -> None:
     assert any("kvpush_credits_in_use_blocks not exported" in p for p in probs)
     assert any("kv_cache_usage_perc=0.2000" in p for p in probs)
     assert idle_problems(Reading("prefill", 0.0, False), 0.0) == []
+
+
+def test_every_decode_engine_of_many_is_checked_for_credits_left() -> None:
+    assert [role_of(n) for n in ("decode", "decode-1", "prefill", "prefill-1")] == [
+        "decode", "decode", "prefill", "prefill"]
+    d1 = Reading("decode-1", 0.0, True, blocks=0, active=0, credits=4, kv_usage=0.0)
+    assert idle_problems(d1, 0.0) == ["decode-1: kvpush_credits_in_use_blocks=4"]
+    p1 = Reading("prefill-1", 0.0, True, blocks=0, active=0, credits=None, kv_usage=0.0)
+    assert idle_problems(p1, 0.0) == []
+
+
+def _failed(idx: int, started: float, ended: float) -> Any:
+    return _rec(idx=idx, started=started, ended=ended, status=502, error_kind="http",
+                error='{"error": {"message": "decode leg failed"}}')
+
+
+def test_failures_in_flight_at_a_kill_are_allowed_up_to_its_count() -> None:
+    kills = [Kill("decode-1", at=10.0, in_flight=2, until=10.2),
+             Kill("prefill-1", at=50.0, in_flight=1)]
+    ok = [_rec(idx=0, status=200, started=9.0, ended=12.0)]
+    # Two failures spanning the first kill (one started while the kill ran), one the second.
+    assert failures_beyond_kills(
+        ok + [_failed(1, 8.0, 10.5), _failed(2, 10.1, 10.4), _failed(3, 49.0, 51.0)],
+        kills) == []
+    # A third failure at the first kill is one more than were in flight on the victim.
+    too_many = failures_beyond_kills(
+        [_failed(1, 8.0, 10.5), _failed(2, 9.0, 11.0), _failed(4, 9.5, 10.3)], kills)
+    assert too_many == ["3 requests failed at the kill of decode-1 (10.0 s), but only 2 were "
+                        "in flight on it"]
+    # A request sent while the victim was down must not fail (the other engines serve it).
+    later = failures_beyond_kills([_failed(5, 20.0, 21.0)], kills)
+    assert len(later) == 1 and later[0].startswith("request #5 (p) failed without a kill")
+    # Hung and cancelled requests are judged by their own checks.
+    assert failures_beyond_kills([_rec(idx=6, error_kind="timeout", started=20.0),
+                                  _rec(idx=7, error_kind="cancelled", started=20.0)],
+                                 kills) == []
 
 
 # ------------------------------------------------------------------ counters across restarts

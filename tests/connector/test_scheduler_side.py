@@ -327,3 +327,20 @@ def test_the_budget_gauge_shows_what_d_can_grant_now() -> None:
     assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 3
     pool.free = 90
     assert gauges(d)[("kvpush_credits_budget_blocks", "consumer")] == 50
+
+
+def test_p_behind_a_data_parallel_api_server_names_its_rank_and_its_own_port() -> None:
+    cfg = config_from_extra({"control": {"port": 15000}})
+    # A dense model's DP rank: vLLM says only its index and suffixes the engine id.
+    side = scheduler_side(cfg, Side.PRODUCER, "prefill-0_dp1", BS, 1000, 2, 1, 100)
+    ident = side.identity()
+    # Rank 1 with TP 2: its control ports start after rank 0's two.
+    assert (ident["remote_port"], ident["dp_rank"]) == (15002, 1)
+    assert "dp_size" not in ident
+    rank0 = scheduler_side(cfg, Side.PRODUCER, "prefill-0_dp0", BS, 1000, 1, 0, 100)
+    assert rank0.identity()["dp_rank"] == 0
+    # A MoE model's ranks keep data_parallel_size: it is passed on.
+    moe = scheduler_side(cfg, Side.PRODUCER, "prefill-0_dp1", BS, 1000, 1, 1, 100, dp_size=2)
+    assert (moe.identity()["dp_rank"], moe.identity()["dp_size"]) == (1, 2)
+    plain = scheduler_side(cfg, Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100).identity()
+    assert "dp_rank" not in plain and "dp_size" not in plain

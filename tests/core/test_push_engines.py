@@ -657,3 +657,49 @@ def test_register_before_the_prefill_request_is_kept_alive_for_the_grace_period(
     assert msgs(s.tick(10.6), m.Heartbeat) == []
     s.expect_blocks("t", 10.7)
     assert msgs(s.tick(11.7), m.Heartbeat)[0].live == [("t", 1)]
+
+
+# Data-parallel engine cores behind one API server share one key (one origin) and have
+# rank 0 each; vLLM names them <engine id>_dp<N>. Each is its own peer, not a restart of
+# the other.
+PKEY, DKEY = "p-key", "d-key"
+
+
+def _core(engine_id: str, incarnation: int, port: int, key: str) -> m.PeerInfo:
+    return m.PeerInfo(engine_id, incarnation, 0, f"tcp://p:{port}",
+                      ag(f"agent-{engine_id}-{incarnation}", key), b"meta", LAYOUT)
+
+
+def test_prefill_dp_ranks_sharing_a_key_are_not_restarts_of_one_another() -> None:
+    r = receiver()
+    p0, p1 = _core("P_dp0", 1, 1, PKEY), _core("P_dp1", 2, 2, PKEY)
+    (reg0,) = msgs(r.register("t0", "tcp://p:1", [10], 0, 10, 0.0, owner=PKEY), m.Register)
+    (reg1,) = msgs(r.register("t1", "tcp://p:2", [11], 0, 10, 0.0, owner=PKEY), m.Register)
+    out = r.on_message(m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.1,
+                       origin=PKEY)
+    out += r.on_message(m.Heartbeat(1, p1, D.incarnation, [("t1", reg1.generation)]), 0.2,
+                        origin=PKEY)
+    out += r.on_message(m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.3,
+                        origin=PKEY)
+    assert of(out, ReportFailed) == []
+    assert [n for n in of(out, Note) if n.kind in ("peer_restart", "fenced")] == []
+    # A restart of one core (same engine id, new incarnation) still fails what it held.
+    p1b = _core("P_dp1", 3, 2, PKEY)
+    out = r.on_message(m.Heartbeat(1, p1b, D.incarnation, []), 0.4, origin=PKEY)
+    assert of(out, ReportFailed) == [ReportFailed("t1", "peer_restarted",
+                                                  "prefill tcp://p:2 restarted")]
+    assert r.on_done(done("t0", reg0.generation), 0.5,
+                     agent=p0.agent_name) == [ReportFinished("t0", "pushed")]
+
+
+def test_decode_dp_ranks_sharing_a_key_each_get_their_own_agent() -> None:
+    s = sender()
+    d0, d1 = _core("D_dp0", 5, 1, DKEY), _core("D_dp1", 6, 2, DKEY)
+    s.blocks_ready("t0", [1], 0.0)
+    s.blocks_ready("t1", [2], 0.0)
+    out0 = s.on_message(register("t0", blocks=[10], sender_info=d0), 0.1, origin=DKEY)
+    out1 = s.on_message(register("t1", blocks=[11], sender_info=d1), 0.2, origin=DKEY)
+    (c0,), (c1,) = of(out0, ConnectPeer), of(out1, ConnectPeer)
+    assert (c0.replaces, c1.replaces) == ("", "")
+    assert [n for n in of(out1, Note) if n.kind == "peer_restart"] == []
+    assert [w.peer for w in of(out0 + out1, PostWrite)] == [d0.agent_name, d1.agent_name]

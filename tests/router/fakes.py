@@ -115,6 +115,15 @@ class FakeVLLM:
         self.control_host = "10.0.0.7"
         self.control_port = control_port
         self.tp_size = 1
+        # Data parallelism behind this API server: engine cores 0..dp_size-1, each with its
+        # engine id suffixed _dp<rank> and its own control port (as vLLM and kvpush do). A
+        # request goes to the rank named by X-data-parallel-rank, else to the next in turn
+        # (vLLM's own balancing); with dp_header_honoured False the header is ignored.
+        self.dp_size = 1
+        self.dp_header_honoured = True
+        self.dp_size_known = False  # a dense model's engine cores do not know dp_size
+        self._next_rank = 0
+        self._rank_of: dict[str, int] = {}
         # The engine's control-channel public key (Z85), or None: an engine without keys.
         self.remote_key: str | None = None
         self.requests: list[Seen] = []  # completions and chat, probes excluded
@@ -156,16 +165,22 @@ class FakeVLLM:
     # -- vLLM-shaped bodies --------------------------------------------------------------
 
     def identity_params(self, request_id: str) -> dict[str, Any]:
-        out = {
+        rank = self._rank_of.get(request_id, 0)
+        dp = self.dp_size > 1
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [[1, 2]],
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": f"{self.engine_id}_dp{rank}" if dp else self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.control_host,
-            "remote_port": self.control_port,
+            "remote_port": self.control_port + rank * self.tp_size,
             "tp_size": self.tp_size,
         }
+        if dp:
+            out["dp_rank"] = rank
+            if self.dp_size_known:
+                out["dp_size"] = self.dp_size
         if self.remote_key is not None:
             out["remote_key"] = self.remote_key
         return out
@@ -299,6 +314,18 @@ class FakeVLLM:
         body = await request.json()
         seen = Seen(path, dict(request.headers), body)
         rid = request.headers.get("x-request-id", uuid.uuid4().hex)
+        if self.dp_size > 1:
+            pinned = request.headers.get("x-data-parallel-rank")
+            if pinned is not None and self.dp_header_honoured:
+                if not 0 <= int(pinned) < self.dp_size:  # vLLM's own answer
+                    return JSONResponse({"error": {
+                        "message": f"data_parallel_rank {pinned} is out of range "
+                                   f"[0, {self.dp_size}).", "type": "BadRequestError",
+                        "param": None, "code": 400}}, status_code=400)
+                self._rank_of[rid] = int(pinned)
+            else:
+                self._rank_of[rid] = self._next_rank % self.dp_size
+                self._next_rank += 1
         if (body.get("kv_transfer_params") or {}).get("kvpush_probe"):
             self.probes.append(seen)
             return JSONResponse(self.probe_answer(path, body, rid))

@@ -25,11 +25,19 @@ import httpx
 
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import TRANSFERS, Observer, idle_problems
-from kvpush_prod.chaos.verdict import Report, Tally, attribute_streaming, describe_wrong, tally
+from kvpush_prod.chaos.verdict import (
+    Kill,
+    Report,
+    Tally,
+    attribute_streaming,
+    describe_wrong,
+    failures_beyond_kills,
+    tally,
+)
 from kvpush_prod.chaos.workload import Mix, RequestSpec, workload
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 
-ENGINES = ("prefill", "decode")
+ENGINES = ("prefill", "decode")  # the first engine of each role (the single-pair names)
 FAULTS_ENV = "KVPUSH_FAULTS"
 
 
@@ -79,6 +87,11 @@ class Needs:
     admin: bool = False
     no_backend_wait_s: float = 0.0
     profile: str | None = None  # the engines' profile (None: the lab's cpu-loopback)
+    # How many prefill and decode engines (prefill, prefill-1, ...; decode, decode-1, ...)
+    # and the router's policy (None: its default).
+    prefills: int = 1
+    decodes: int = 1
+    router_policy: str | None = None
 
     def faults_json(self, workdir: Path) -> str | None:
         if not self.prefill_faults:
@@ -98,7 +111,12 @@ def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpe
     """A cluster for ``needs``: stable engine ids, so a restarted engine keeps its identity."""
     spec = ClusterSpec(workdir=workdir, prefill_engine_id="chaos-prefill",
                        decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy,
-                       profile=needs.profile)
+                       profile=needs.profile, prefills=needs.prefills,
+                       decodes=needs.decodes)
+    if needs.prefills + needs.decodes > 2:
+        spec.prefill_kv_gib = spec.decode_kv_gib = 1  # five engines must fit beside others
+    if needs.router_policy:
+        spec.router_args += ["--policy", needs.router_policy]
     if trace:
         for env in (spec.prefill_env, spec.decode_env):
             env["KVPUSH_TRACE_DIR"] = str(workdir / "traces")
@@ -127,6 +145,15 @@ async def _keep_loading(gen: LoadGenerator | None) -> None:
         if gen.progress.sent >= gen.limit:
             gen.extend(gen.concurrency)
         await asyncio.sleep(0.2)
+
+
+async def _pace(gen: LoadGenerator, per_s: float) -> None:
+    """Steady load at about ``per_s`` requests a second (at most the generator's concurrency
+    in flight), whatever its limit was."""
+    while True:
+        if gen.progress.sent >= gen.limit:
+            gen.extend(1)
+        await asyncio.sleep(1.0 / per_s)
 
 
 def _compact(v: Any) -> str:
@@ -159,6 +186,8 @@ class Context:
         self._stream: Iterator[RequestSpec] | None = None
         self._t0 = time.monotonic()
         self.generators: list[LoadGenerator] = []
+        self.engines: tuple[str, ...] = tuple(cluster.engine_names)
+        self.kills: list[Kill] = []
 
     # -- output
     def now(self) -> float:
@@ -233,18 +262,24 @@ class Context:
         self.observer.note_restart(name)
         return time.monotonic() - t0
 
-    async def wait_router_ready(self, timeout: float = 60.0) -> float | None:
-        """Wait until the router reports both roles up; seconds waited, None on timeout."""
+    async def wait_router_ready(self, timeout: float = 60.0,
+                                engine: str | None = None) -> float | None:
+        """Wait until the router reports both roles up (with ``engine``: until it routes to
+        that engine again); seconds waited, None on timeout."""
         t0 = time.monotonic()
         url = self.cluster.urls["router"] + "/health"
         async with httpx.AsyncClient(trust_env=False) as client:
             while time.monotonic() - t0 < timeout:
-                try:
-                    r = await client.get(url, timeout=2.0)
-                    if r.status_code == 200:
+                if engine is not None:
+                    if await self.observer.router_has(engine):
                         return time.monotonic() - t0
-                except httpx.HTTPError:
-                    pass
+                else:
+                    try:
+                        r = await client.get(url, timeout=2.0)
+                        if r.status_code == 200:
+                            return time.monotonic() - t0
+                    except httpx.HTTPError:
+                        pass
                 await asyncio.sleep(0.25)
         return None
 
@@ -290,6 +325,64 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
     ctx.report.check(f"router sees {engine} again after the restart{tag}", waited is not None,
                      "" if waited is not None else "GET /health of the router stayed 503")
     return at
+
+
+async def kill_in_flight(ctx: Context, gen: LoadGenerator, engine: str, tag: str = "") -> Kill:
+    """Wait for a transfer in flight on ``engine`` (load topped up meanwhile), kill -9 its
+    whole process tree, and record the requests it held: the most that may fail for it (the
+    larger of its own running + waiting count and the router's legs open to it). Requests
+    launched from here are in phase ``outage<tag>``."""
+    evidence = await ctx.wait_in_flight((engine,), what=f"kill -9 {engine}", gen=gen)
+    held = await ctx.observer.requests_on(engine)
+    legs = await ctx.observer.router_legs(engine)
+    gen.phase = f"outage{tag}"
+    at = ctx.now()
+    await ctx.kill(engine)
+    until = ctx.now()
+    legs = max(legs, await ctx.observer.router_legs(engine))
+    kill = Kill(engine, at, max(held, legs), until)
+    ctx.kills.append(kill)
+    ctx.event(f"kill -9 {engine} (whole process tree)", evidence=evidence,
+              in_flight=kill.in_flight, engine_requests=held, router_legs=legs,
+              outstanding=ctx.outstanding())
+    return kill
+
+
+async def rejoin(ctx: Context, gen: LoadGenerator, engine: str, tag: str = "",
+                 timeout: float = 120.0, per_s: float = 2.0) -> bool:
+    """Start the killed ``engine`` again (same port and engine id) under a steady load of
+    ``per_s`` requests a second, wait until the router routes to it and its new process has
+    finished a request of the load (phase ``after<tag>`` from then on); checks both. True if
+    it took traffic again."""
+    pacer = asyncio.create_task(_pace(gen, per_s))
+    try:
+        secs = await ctx.restart(engine)
+    finally:
+        pacer.cancel()
+    ctx.event(f"{engine} restarted and healthy", seconds=round(secs, 1),
+              sent_meanwhile=len([r for r in gen.records if r.phase == f"outage{tag}"]))
+    waited = await ctx.wait_router_ready(engine=engine)
+    ctx.report.check(f"the router routes to {engine} again after its restart{tag}",
+                     waited is not None, "" if waited is not None else
+                     "kvpush_router_backend_up stayed 0 for 60 s")
+    gen.phase = f"after{tag}"
+    top_up = asyncio.create_task(_keep_loading(gen))
+    t0 = time.monotonic()
+    served = 0.0
+    try:
+        while time.monotonic() - t0 < timeout:
+            served = await ctx.observer.served(engine)
+            if served > 0:
+                break
+            await asyncio.sleep(0.5)
+    finally:
+        top_up.cancel()
+    took = served > 0
+    ctx.event(f"{engine} {'takes traffic again' if took else 'took NO traffic'}",
+              served=served, waited_s=round(time.monotonic() - t0, 1))
+    ctx.report.check(f"{engine} takes traffic again after its restart{tag}", took,
+                     "" if took else f"its new process finished no request in {timeout:.0f} s")
+    return took
 
 
 async def traffic_resumes(ctx: Context, gen: LoadGenerator, i: int, per_phase: int) -> bool:
@@ -424,7 +517,7 @@ async def _healthy(url: str) -> bool:
 async def _poke(cluster: Cluster) -> None:
     """One plain local request to each live engine: makes it step (and publish its gauges)."""
     async with httpx.AsyncClient(trust_env=False) as client:
-        for name in ENGINES:
+        for name in cluster.engine_names:
             proc = cluster.procs.get(name)
             if proc is None or not proc.alive():
                 continue
@@ -440,7 +533,7 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     name = module.NAME
     needs = needs or module.needs(opts)
     report = Report(name, opts.as_dict())
-    observer = Observer(cluster, ENGINES)
+    observer = Observer(cluster, tuple(cluster.engine_names))
     ctx = Context(name, cluster, opts, needs, report, observer, log)
     log_from = _log_sizes(cluster)
     t_start = time.monotonic()
@@ -461,14 +554,22 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     ctx.event("load over; waiting for quiescence", requests=len(records))
     leaked = await _check_quiescence(ctx, baseline)
     await _check_engines_up(cluster, report)
+    if ctx.kills:
+        report.data["kills"] = [k.as_dict() for k in ctx.kills]
+        beyond = failures_beyond_kills(records, ctx.kills)
+        report.check("requests that failed were at most those in flight on the victims",
+                     not beyond, "; ".join(beyond[:5]))
 
     # Correctness against the single engine.
     ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
     refs = await _references(cluster, ctx.specs, records)
     t = tally(records, refs)
-    consumer = {dict(lbls).get("outcome", ""): v
-                for (n, lbls), v in observer.tracks["decode"].acc.items()
-                if n == TRANSFERS and dict(lbls).get("role") == "consumer"}
+    consumer: dict[str, float] = {}
+    for engine in cluster.decode_names:  # every decode engine's receives, added up
+        for (n, lbls), v in observer.tracks[engine].acc.items():
+            if n == TRANSFERS and dict(lbls).get("role") == "consumer":
+                outcome = dict(lbls).get("outcome", "")
+                consumer[outcome] = consumer.get(outcome, 0.0) + v
     streamed = attribute_streaming(t, consumer)
     report.table = _table(t, streamed, leaked)
     _check_answers(report, t, opts)
@@ -522,7 +623,7 @@ async def _check_quiescence(ctx: Context, baseline: dict[str, float]) -> int:
 
 
 async def _check_engines_up(cluster: Cluster, report: Report) -> None:
-    for e in ENGINES:
+    for e in cluster.engine_names:
         p = cluster.procs.get(e)
         up = p is not None and p.alive() and await _healthy(cluster.urls[e])
         report.check(f"{e} up at the end", up, "" if up else
@@ -571,7 +672,7 @@ def _record_details(report: Report, t: Tally, streamed: dict[str, int], observer
     report.data["unclear_kinds"] = t.unclear_kinds
     report.data["wrong_answers"] = t.wrong
     report.data["hung_requests"] = t.hung_samples
-    report.data["metrics"] = {e: observer.counters(e) for e in ENGINES}
+    report.data["metrics"] = {e: observer.counters(e) for e in observer.engines}
     report.data["metric_peaks"] = observer.peaks
     report.data["phases"] = _phase_summary(records, t.classes)
     report.data["records"] = [{**r.to_json(), "class": t.classes.get(r.idx, "")}
@@ -665,8 +766,9 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix=f"kvpush-chaos-{module.NAME}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{module.NAME}] {module.DESCRIPTION}", flush=True)
-    print(f"[{module.NAME}] starting prefill, decode, reference and router (policy "
-          f"{needs.policy}); logs in {workdir / 'logs'}", flush=True)
+    print(f"[{module.NAME}] starting {needs.prefills} prefill, {needs.decodes} decode, "
+          f"reference and router (policy {needs.policy}); logs in {workdir / 'logs'}",
+          flush=True)
     t0 = time.monotonic()
     cluster = Cluster(cluster_spec(needs, workdir, opts.trace))
     report = Report(module.NAME, opts.as_dict())

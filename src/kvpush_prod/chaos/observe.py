@@ -26,10 +26,20 @@ TRANSFERS = "kvpush_transfers_total"
 BREAKER_STATE = "kvpush_breaker_state"
 BREAKER_TRIPS = "kvpush_breaker_trips_total"
 START_TIME = "process_start_time_seconds"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+SUCCESS = "vllm:request_success_total"
+ROUTER_INFLIGHT = "kvpush_router_inflight"
+ROUTER_BACKEND_UP = "kvpush_router_backend_up"
 
 # Gauges whose highest value over the run goes into the report (evidence of what happened).
 PEAK_GAUGES = (BLOCKS, ACTIVE, CREDITS, BREAKER_STATE, KV_USAGE, "kvpush_inflight_bytes",
                "kvpush_credits_waiting_transfers")
+
+
+def role_of(engine: str) -> str:
+    """``decode`` for the decode engines (``decode``, ``decode-1``, ...), else ``prefill``."""
+    return "decode" if engine == "decode" or engine.startswith("decode-") else "prefill"
 
 
 def has_series(samples: Samples | None, name: str) -> bool:
@@ -240,6 +250,40 @@ class Observer:
             await asyncio.sleep(interval)
         return None
 
+    async def requests_on(self, engine: str) -> int:
+        """The requests that depend on ``engine`` now by its own count: vLLM's running +
+        waiting, and for a prefill engine also its transfers in progress (a request P has
+        answered may still wait on D for P's KV); 0 when it does not answer."""
+        s = await self.sample(engine, timeout=2.0)
+        if s is None:
+            return 0
+        self._ingest(engine, s)
+        n = metric_sum(s, RUNNING) + metric_sum(s, WAITING)
+        if role_of(engine) == "prefill":
+            n += metric_sum(s, ACTIVE)
+        return int(n)
+
+    async def router_legs(self, engine: str) -> int:
+        """Legs the router has open to ``engine`` now (``kvpush_router_inflight``; 0 when the
+        router does not answer)."""
+        s = await asyncio.to_thread(try_scrape, self.cluster.urls["router"], 2.0)
+        url = engine_url(self.cluster, engine)
+        return int(sum(v for (n, lbls), v in (s or {}).items()
+                       if n == ROUTER_INFLIGHT and dict(lbls).get("backend") == url))
+
+    async def router_has(self, engine: str) -> bool:
+        """Whether the router routes to ``engine`` (``kvpush_router_backend_up`` is 1)."""
+        s = await asyncio.to_thread(try_scrape, self.cluster.urls["router"], 2.0)
+        url = engine_url(self.cluster, engine)
+        return any(v == 1.0 for (n, lbls), v in (s or {}).items()
+                   if n == ROUTER_BACKEND_UP and dict(lbls).get("backend") == url)
+
+    async def served(self, engine: str) -> float:
+        """Requests the running process of ``engine`` has finished (vLLM's success counter
+        since its start; 0 when it does not answer)."""
+        s = await self.sample(engine, timeout=2.0)
+        return metric_sum(s, SUCCESS) if s is not None else 0.0
+
     async def breaker_state(self, engine: str = "prefill") -> float | None:
         """The highest breaker state P reports (0 closed, 1 half-open, 2 open); None if absent."""
         s = await self.sample(engine)
@@ -275,7 +319,7 @@ def idle_problems(r: Reading, idle_kv: float | None, eps: float = 1e-9) -> list[
         out.append(f"{r.engine}: {BLOCKS} not exported")
     elif r.blocks > 0:
         out.append(f"{r.engine}: {BLOCKS}={r.blocks:g}")
-    if r.engine == "decode":
+    if role_of(r.engine) == "decode":
         if r.credits is None:
             out.append(f"{r.engine}: {CREDITS} not exported")
         elif r.credits > 0:

@@ -237,3 +237,51 @@ def table_markdown(reports: list[dict[str, Any]]) -> str:
         rows.append(f"| {r['scenario']} | {r['verdict']} | "
                     + " | ".join(str(t.get(c, "")) for c in TABLE_COLUMNS) + " |")
     return "\n".join(rows)
+
+
+@dataclass
+class Kill:
+    """One engine killed under load: when, and how many requests it could have taken along.
+
+    ``in_flight`` is the most requests that had a leg on ``engine`` at that moment: the
+    larger of the router's legs open to it (read just before and just after the kill) and
+    the engine's own running + waiting requests (read just before)."""
+
+    engine: str
+    at: float  # seconds since the load began (the records' clock), just before the kill
+    in_flight: int
+    until: float | None = None  # when the kill returned (its whole tree gone); None: ``at``
+
+    @property
+    def end(self) -> float:
+        return self.at if self.until is None else self.until
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "at": round(self.at, 3), "until": round(self.end, 3),
+                "in_flight": self.in_flight}
+
+
+def failures_beyond_kills(records: list[Record], kills: list[Kill]) -> list[str]:
+    """Why the failed requests are more than the kills explain (empty: they are not).
+
+    With several engines per role a kill may cost only the requests that had a leg on the
+    victim: a failed request must have been in flight at some kill (started before it, ended
+    after it), and each kill may account for at most its ``in_flight``. A request sent while
+    the victim was down must not fail (the router routes around a dead engine). Cancelled
+    and hung requests are judged elsewhere."""
+    failed = [r for r in records if not r.ok and r.error_kind not in ("cancelled", "timeout")]
+    problems: list[str] = []
+    charged = {id(k): 0 for k in kills}
+    for rec in failed:
+        at = [k for k in kills if rec.started <= k.end and rec.ended >= k.at]
+        if not at:
+            problems.append(f"request #{rec.idx} ({rec.phase}) failed without a kill while "
+                            f"it ran ({rec.started:.1f}-{rec.ended:.1f} s): "
+                            f"{rec.status or rec.error_kind} {rec.error[:160]}")
+            continue
+        charged[id(at[0])] += 1  # in flight at several kills: counts against the first
+    for k in kills:
+        if charged[id(k)] > k.in_flight:
+            problems.append(f"{charged[id(k)]} requests failed at the kill of {k.engine} "
+                            f"({k.at:.1f} s), but only {k.in_flight} were in flight on it")
+    return problems

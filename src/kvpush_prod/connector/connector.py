@@ -147,6 +147,7 @@ class PushConnector(KVConnectorBase_V1):
                 num_blocks=kv_cache_config.num_blocks,
                 recompute_on_failure=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
                 trust=Trust.from_config(self.cfg),
+                dp_size=parallel.data_parallel_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -56,12 +56,22 @@ def cdiv(a: int, b: int) -> int:
 def scheduler_side(cfg: KvpushConfig, role: Side, engine_id: str, block_size: int,
                    block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
                    recompute_on_failure: bool = False,
-                   trust: Trust | None = None) -> SchedulerSide:
-    """The scheduler-side half for ``role``."""
+                   trust: Trust | None = None, dp_size: int = 1) -> SchedulerSide:
+    """The scheduler-side half for ``role`` (``dp_index`` of ``dp_size`` data-parallel
+    engine cores behind one API server)."""
+    side: SchedulerSide
     if role is Side.CONSUMER:
-        return ConsumerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index,
+        side = ConsumerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index,
                             num_blocks, recompute_on_failure, trust)
-    return ProducerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+    else:
+        side = ProducerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+    side.dp_size = dp_size
+    # vLLM runs the data-parallel ranks of a dense model as independent engines and tells
+    # them only their index (data_parallel_size is 1 in the engine core); it marks them by
+    # suffixing the engine id with _dp<rank>, which is how a rank knows it is one.
+    if dp_size > 1 or engine_id.endswith(f"_dp{dp_index}"):
+        side.dp_rank = dp_index
+    return side
 
 
 class SchedulerSide:
@@ -83,6 +93,9 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.control_host = cfg.control.advertise_host or cfg.control.host
         self.control_port = cfg.control.port + dp_index * tp_size
+        self.dp_index = dp_index
+        self.dp_size = 1  # set by scheduler_side (1 also when vLLM did not say)
+        self.dp_rank: int | None = None  # set by scheduler_side for a data-parallel rank
         self.trust = trust if trust is not None else Trust()
         self.stats = StatsBuffer()
         self._kv_cache_manager: Any = None
@@ -122,6 +135,12 @@ class SchedulerSide:
             "tp_size": self.tp_size,
             "kvpush": True,
         }
+        if self.dp_rank is not None:
+            # Which of the API server's data-parallel engine cores answers: a router pins
+            # the core with vLLM's X-data-parallel-rank header and points D at its port.
+            out["dp_rank"] = self.dp_rank
+            if self.dp_size > 1:
+                out["dp_size"] = self.dp_size
         if self.trust.public_key:
             out["remote_key"] = self.trust.public_key
         return out

@@ -25,7 +25,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
-from kvpush_prod.core.identity import owns_agent
+from kvpush_prod.core.identity import owns_agent, peer_slot
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit, RandomBits
 from kvpush_prod.core.messages import (
@@ -97,7 +97,7 @@ class _Receive:
     # our generation (so it got our REGISTER); None until then.
     p_incarnation: int | None
     owner: str = ""  # the prefill identity this transfer belongs to
-    p_rank: int = -1  # the rank of that P process
+    p_rank: int = -1  # the rank slot of that P process (identity.peer_slot)
     cancelling: bool = False
     renew: bool = True
     fallback: Fallback | None = None
@@ -326,7 +326,8 @@ class Receiver:
             rx = self._in.get(tid)
             if rx is not None and rx.owner == origin and gen == rx.generation:
                 rx.listed_at = now
-                rx.p_incarnation, rx.p_rank = hb.sender.incarnation, hb.sender.rank
+                rx.p_incarnation = hb.sender.incarnation
+                rx.p_rank = peer_slot(hb.sender.engine_id, hb.sender.rank)
         return out
 
     def _note_peer(self, sender: PeerInfo, origin: str, now: float) -> list[Action] | None:
@@ -336,7 +337,8 @@ class Receiver:
         its restart. None: the sender is a process already replaced (a message it sent
         before dying, delivered late): the caller drops the message.
         """
-        key = (origin, sender.rank)
+        slot = peer_slot(sender.engine_id, sender.rank)
+        key = (origin, slot)
         peer = self._peers.get(key)
         if peer is None:
             peer = self._peers[key] = _Peer()
@@ -353,7 +355,7 @@ class Receiver:
             peer.retired.add(old)
         out: list[Action] = []
         for rx in list(self._in.values()):
-            if rx.owner != origin or rx.p_incarnation is None or rx.p_rank != sender.rank:
+            if rx.owner != origin or rx.p_incarnation is None or rx.p_rank != slot:
                 continue  # not known to be held by the old process: its permit decides
             if rx.p_incarnation != sender.incarnation and rx.fallback is None:
                 # The process that had this transfer is gone (its port is taken by a new
@@ -539,6 +541,7 @@ class Receiver:
     def _heartbeats(self, now: float) -> list[Action]:
         """Renew the permits of transfers whose P is alive and still holds them."""
         per_peer: dict[tuple[str, str], list[tuple[str, int]]] = {}
+        slot_of: dict[tuple[str, str], int] = {}  # the P rank slot heard for that address
         for tid, dest in self._waiting.items():
             per_peer.setdefault(dest, []).append((tid, 0))
         for rx in self._in.values():
@@ -553,9 +556,11 @@ class Receiver:
             if self.leases.renew(rx.tid, rx.generation, now) is LeaseCheck.OK:
                 per_peer.setdefault((rx.address, rx.owner), []).append(
                     (rx.tid, rx.generation))
+                if rx.p_rank >= 0:
+                    slot_of[(rx.address, rx.owner)] = rx.p_rank
         out: list[Action] = []
         for (address, owner), live in per_peer.items():
-            peer = self._peers.get((owner, self.me.rank))
+            peer = self._peers.get((owner, slot_of.get((address, owner), self.me.rank)))
             for i in range(0, len(live), MAX_LIVE):
                 hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
                                peer.incarnation is not None else 0, live[i:i + MAX_LIVE],

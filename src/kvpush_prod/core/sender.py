@@ -26,7 +26,7 @@ from kvpush_prod.core.actions import (
     ReleaseSend,
     SendMessage,
 )
-from kvpush_prod.core.identity import owns_agent
+from kvpush_prod.core.identity import owns_agent, peer_slot
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
@@ -161,7 +161,8 @@ class Sender:
         # transfer id -> (until, the origins that asked; "" for this engine): the blocks of
         # a cancelled or aborted transfer are freed unpushed when they come
         self._tombstones: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
-        # The peer directory: D rank (origin, rank) -> the info P met it with, least recently
+        # The peer directory: D rank (origin, rank slot: identity.peer_slot) -> the info P
+        # met it with, least recently
         # used first. The only source of write targets and layouts.
         self._peers: OrderedDict[tuple[str, int], PeerInfo] = OrderedDict()
         # D rank -> replaced incarnations (their late messages are dropped)
@@ -323,7 +324,7 @@ class Sender:
 
     def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
         """``reg`` (from ``origin``) becomes the registration of ``o``."""
-        info = self._peers.get((origin, reg.sender.rank))
+        info = self._peers.get((origin, peer_slot(reg.sender.engine_id, reg.sender.rank)))
         o.reg, o.reg_at, o.owner = reg, now, origin
         # The write target is the agent P met for that authenticated D rank, never a name the
         # message carries.
@@ -680,7 +681,7 @@ class Sender:
         the actions and, if P refuses the peer, the refusal (``Note(rejected, ...)``, also
         the only action): ``incompatible``, a layout P cannot write into, or ``not_owner``.
         """
-        key = (origin, info.rank)
+        key = (origin, peer_slot(info.engine_id, info.rank))
         retired = self._retired.get(key)
         if retired is not None and info.incarnation in retired:
             return None
@@ -726,7 +727,7 @@ class Sender:
         if known is not None:
             self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
             self._retired.move_to_end(key)
-            out.append(Note(NoteKind.PEER_RESTART, "decode", f"{key[1]} incarnation {info.incarnation}"))
+            out.append(Note(NoteKind.PEER_RESTART, "decode", f"{info.engine_id} rank {info.rank} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
                 if o.owner == origin and o.peer == known.agent_name and not o.outcome:
@@ -831,7 +832,7 @@ class Sender:
 
     def _check(self, o: _Out, reg: Register) -> str:
         blocks = o.blocks or []
-        info = self._peers.get((o.owner, reg.sender.rank))
+        info = self._peers.get((o.owner, peer_slot(reg.sender.engine_id, reg.sender.rank)))
         if info is None or info.agent_name != o.peer or not o.peer:
             return (f"REGISTER of {reg.transfer_id}: no connected decode agent for "
                     f"{reg.sender.engine_id} rank {reg.sender.rank}")

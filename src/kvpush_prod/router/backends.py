@@ -77,12 +77,16 @@ def resolve_identity(
         )
     given_key = overrides.remote_key if overrides is not None else None
     try:
+        dp_size = int(probed.get("dp_size") or 1)
+        dp_rank = probed.get("dp_rank")
         return PrefillIdentity(
             engine_id=str(values["engine_id"]),
             host=str(values["host"]),
             port=int(values["port"]),
             tp_size=int(values["tp_size"]),
             remote_key=check_remote_key(given_key or probed.get("remote_key")),
+            dp_rank=None if dp_rank is None else int(dp_rank),
+            dp_size=max(1, dp_size),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(
@@ -143,6 +147,7 @@ class BackendPool:
             # A restarted engine has a new engine id and maybe a new control port:
             # forget the old identity so it is probed again before use.
             b.identity = None
+            b.ranks = {}
         # Likewise a restarted D may come back with another key.
         b.remote_key = None
         b.key_probed = False
@@ -160,9 +165,12 @@ class BackendPool:
             b.last_error = "identity not probed yet"
         self._publish(b, was_up)
 
-    def set_identity(self, b: Backend, identity: PrefillIdentity | None, error: str | None) -> None:
+    def set_identity(self, b: Backend, identity: PrefillIdentity | None, error: str | None,
+                     ranks: dict[int, PrefillIdentity] | None = None) -> None:
+        """Record P's identity (``ranks``: with data parallelism, every DP rank's)."""
         was_up = b.up
         b.identity = identity
+        b.ranks = dict(ranks or {}) if identity is not None else {}
         if error is not None:
             if error != b.last_error:  # a probe failing every poll is logged once
                 log.error("prefill backend %s unusable: %s", b.url, error)

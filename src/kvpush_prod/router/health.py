@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -17,8 +18,8 @@ import httpx
 
 from kvpush_prod.router.backends import BackendPool, check_remote_key, resolve_identity
 from kvpush_prod.router.config import RouterSettings
-from kvpush_prod.router.legs import COMPLETIONS_PATH, dumps, probe_body, signed
-from kvpush_prod.router.types import Backend, EngineLoad, Role
+from kvpush_prod.router.legs import COMPLETIONS_PATH, DP_RANK_HEADER, dumps, probe_body, signed
+from kvpush_prod.router.types import Backend, EngineLoad, PrefillIdentity, Role
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ def parse_load(text: str, now: float) -> EngineLoad:
         got[field] = max(got[field], value) if field == "kv_usage" else got[field] + value
     return EngineLoad(got["running"], got["waiting"], min(got["kv_usage"], 1.0), now)
 
+
+# Data-parallel ranks of one API server the identity probe looks for, at most.
+MAX_DP_RANKS = 256
+OUT_OF_RANGE = "data-parallel rank out of range"
 
 class HealthMonitor:
     """Keeps each backend's ``healthy``, ``models``, (for P) ``identity`` and (for D, with
@@ -110,7 +115,7 @@ class HealthMonitor:
             except (httpx.HTTPError, ValueError) as e:
                 self.pool.mark_down(b, f"GET /v1/models failed: {_err(e)}")
                 return
-        if b.role is Role.PREFILL and b.identity is None and b.needs_identity:
+        if b.role is Role.PREFILL and not b.identity_complete and b.needs_identity:
             await self.probe(b, epoch)
         if b.role is Role.DECODE and self.settings.probe_decode and not b.key_probed:
             await self.probe_decode_key(b, epoch)
@@ -139,46 +144,89 @@ class HealthMonitor:
         self.pool.set_models(b, ids)
 
     async def probe(self, b: Backend, epoch: int) -> None:
-        """Learn P's identity from one tiny request; leaves it None (P unused) on failure."""
+        """Learn P's identity from one tiny request; leaves it None (P unused) on failure.
+
+        A P whose answer names a ``dp_rank`` (a data-parallel engine core behind its API
+        server) is probed once per DP rank, 0, 1, ... until vLLM answers that the rank is out
+        of range (vLLM's ``X-data-parallel-rank`` header; the engine cores of a dense model
+        do not know how many they are): each core has its own control port, and a P leg is
+        pinned to the core D registers with."""
         if not b.models:
             self.pool.set_identity(b, None, "cannot probe identity: /v1/models lists no model")
             return
-        try:
-            r = await self._post_probe(b)
-        except httpx.HTTPError as e:
-            self.pool.set_identity(b, None, f"identity probe failed: {_err(e)}")
-            return
+        identity, error = await self._probe_identity(b, epoch, None)
         if b.epoch != epoch:
             return  # marked down while probing: the next good poll probes again
-        if r.status_code != 200:
-            snippet = r.text[:300]
-            self.pool.set_identity(
-                b, None, f"identity probe answered HTTP {r.status_code}: {snippet}"
-            )
+        if identity is None:
+            self.pool.set_identity(b, None, error)
             return
+        ranks: dict[int, PrefillIdentity] = {}
+        for rank in range(MAX_DP_RANKS if identity.dp_rank is not None else 0):
+            got, error = await self._probe_identity(b, epoch, rank)
+            if b.epoch != epoch:
+                return
+            if got is None and rank > 0 and error.startswith(OUT_OF_RANGE):
+                break  # every rank seen
+            if got is None:
+                self.pool.set_identity(b, None, error)
+                return
+            if got.dp_rank != rank:
+                self.pool.set_identity(b, None, (
+                    f"identity probe of data-parallel rank {rank} was answered by rank "
+                    f"{got.dp_rank}: this vLLM ignores the X-data-parallel-rank header, so a "
+                    "decode engine cannot know which engine core holds a request's KV; run "
+                    "one API server per DP rank (--data-parallel-rank / "
+                    "--data-parallel-external-lb) and list each as a prefill backend"))
+                return
+            ranks[rank] = got
+        if ranks:
+            if identity.dp_size not in (1, len(ranks)):
+                self.pool.set_identity(b, None, (
+                    f"P says it has {identity.dp_size} data-parallel ranks but answered "
+                    f"for {len(ranks)}"))
+                return
+            identity = dataclasses.replace(identity, dp_size=len(ranks))
+            ranks = {r: dataclasses.replace(i, dp_size=len(ranks)) for r, i in ranks.items()}
+        log.info("prefill backend %s identity %s%s", b.url, identity,
+                 f" ({len(ranks)} data-parallel ranks)" if ranks else "")
+        self.pool.set_identity(b, identity, None, ranks)
+
+    async def _probe_identity(self, b: Backend, epoch: int, rank: int | None
+                              ) -> tuple[PrefillIdentity | None, str]:
+        """One probe (pinned to DP ``rank`` when given): the identity, or None and why."""
+        at = "" if rank is None else f" (data-parallel rank {rank})"
+        try:
+            r = await self._post_probe(b, rank)
+        except httpx.HTTPError as e:
+            return None, f"identity probe{at} failed: {_err(e)}"
+        if r.status_code == 400 and rank is not None and "out of range" in r.text:
+            return None, f"{OUT_OF_RANGE}: {r.text[:300]}"
+        if r.status_code != 200:
+            return None, f"identity probe{at} answered HTTP {r.status_code}: {r.text[:300]}"
         try:
             params = r.json().get("kv_transfer_params")
-            identity = resolve_identity(params if isinstance(params, dict) else None, b.overrides)
+            return resolve_identity(params if isinstance(params, dict) else None,
+                                    b.overrides), ""
         except (ValueError, AttributeError) as e:
-            self.pool.set_identity(b, None, f"identity probe: {e}")
-            return
-        log.info("prefill backend %s identity %s", b.url, identity)
-        self.pool.set_identity(b, identity, None)
+            return None, f"identity probe{at}: {e}"
 
-    async def _post_probe(self, b: Backend) -> httpx.Response:
+    async def _post_probe(self, b: Backend, rank: int | None = None) -> httpx.Response:
         body = signed(
             probe_body(b.models[0]),
             self.settings.params_key,
             time.time(),
             self.settings.params_ttl_s,
         )
+        headers = {
+            "Content-Type": "application/json",
+            "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
+        }
+        if rank is not None:
+            headers[DP_RANK_HEADER] = str(rank)
         return await self.client.post(
             b.url + COMPLETIONS_PATH,
             content=dumps(body),
-            headers={
-                "Content-Type": "application/json",
-                "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
-            },
+            headers=headers,
             timeout=self._probe_timeout,
         )
 
@@ -215,12 +263,20 @@ class HealthMonitor:
         ident = b.identity
         if ident is None or b"remote_engine_id" not in body:
             return
-        if b'"remote_engine_id":"' + ident.engine_id.encode() + b'"' in body:
-            return  # the usual case, same engine: no need to parse
+        known = [ident, *b.ranks.values()]
+        if any(b'"remote_engine_id":"' + i.engine_id.encode() + b'"' in body for i in known):
+            return  # the usual case, same engine (or one of its DP ranks): no need to parse
         try:
             params: Any = json.loads(body).get("kv_transfer_params")
             identity = resolve_identity(params, b.overrides)
         except (ValueError, AttributeError):
+            return
+        if identity.dp_rank is not None or ident.dp_rank is not None:
+            # Restarted with data parallelism (before or now): every rank's identity may
+            # have changed; probe them all again before the next leg.
+            log.warning("prefill backend %s changed identity (data-parallel engine): "
+                        "probing its ranks again", b.url)
+            self.pool.set_identity(b, None, "identity changed: probing its ranks again")
             return
         if identity != b.identity:
             log.warning(

@@ -26,6 +26,11 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+# vLLM's request header that pins a request to one data-parallel engine core of an API
+# server (vllm/entrypoints: ``_get_data_parallel_rank``).
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
 def prefill_body(
     body: dict[str, Any], path: str, transfer_id: str, decode_key: str | None = None
 ) -> dict[str, Any]:

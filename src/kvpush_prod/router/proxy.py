@@ -38,6 +38,7 @@ from kvpush_prod.router.errors import (
 )
 from kvpush_prod.router.health import HealthMonitor
 from kvpush_prod.router.legs import (
+    DP_RANK_HEADER,
     check_status,
     decode_body,
     dumps,
@@ -348,12 +349,17 @@ class Dispatcher:
         assert p.identity is not None  # choose_pair only returns prefill backends that are up
         tid = uuid.uuid4().hex
         headers = _leg_headers(req, tid)
+        # With data parallelism behind P's API server: pin P's leg to one engine core, the
+        # one whose control port D registers with.
+        p_ident = p.pick_rank()
+        p_headers = headers if p_ident.dp_rank is None else {
+            **headers, DP_RANK_HEADER: str(p_ident.dp_rank)}
         p_content = self._seal(prefill_body(req.body, req.path, tid, d.remote_key))
-        d_body = decode_body(req.body, p.identity, tid)
+        d_body = decode_body(req.body, p_ident, tid)
         if self.settings.vllm_push_compat:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
         d_content = self._seal(d_body)
-        p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, headers))
+        p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, p_headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
             while not d_task.done():

@@ -28,6 +28,10 @@ class PrefillIdentity:
     tp_size: int
     # P's control-channel public key (Z85); None when P runs without keys.
     remote_key: str | None = None
+    # With data parallelism behind one API server: which engine core (its control port is
+    # its own) and how many there are (found by probing the ranks); None / 1 without.
+    dp_rank: int | None = None
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -68,13 +72,34 @@ class Backend:
     draining: bool = False
     # The engine's own load from its /metrics (policy engine_load), None until read.
     load: EngineLoad | None = None
+    # Prefill with data parallelism (identity.dp_size > 1): every engine core's identity,
+    # by DP rank; a P leg is pinned to one of them (X-data-parallel-rank).
+    ranks: dict[int, PrefillIdentity] = field(default_factory=dict)
+    next_rank: int = 0
+
+    @property
+    def identity_complete(self) -> bool:
+        """The identity is known, and with data parallelism that of every DP rank."""
+        ident = self.identity
+        return ident is not None and (ident.dp_rank is None or len(self.ranks) == ident.dp_size)
 
     @property
     def up(self) -> bool:
         """Routable: healthy, and for a prefill backend in push mode its identity is known."""
         return self.healthy and (
-            self.role is Role.DECODE or not self.needs_identity or self.identity is not None
+            self.role is Role.DECODE or not self.needs_identity or self.identity_complete
         )
+
+    def pick_rank(self) -> PrefillIdentity:
+        """The identity a new P leg goes to: the backend's own, or with data parallelism
+        the next DP rank in turn (its ``dp_rank`` says which, for the leg's header)."""
+        assert self.identity is not None
+        if self.identity.dp_rank is None or not self.ranks:
+            return self.identity
+        ranks = sorted(self.ranks)
+        chosen = self.ranks[ranks[self.next_rank % len(ranks)]]
+        self.next_rank += 1
+        return chosen
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.served
@@ -104,6 +129,10 @@ class Backend:
                     "remote_key": ident.remote_key,
                 }
             )
+            if ident is not None and ident.dp_rank is not None:
+                out["identity"]["dp_size"] = ident.dp_size
+                out["dp_ranks"] = {r: {"engine_id": i.engine_id, "control_port": i.port}
+                                   for r, i in sorted(self.ranks.items())}
         elif self.key_probed:
             out["remote_key"] = self.remote_key
         if not self.up:

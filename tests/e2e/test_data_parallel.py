@@ -1,0 +1,95 @@
+"""A prefill API server with data parallelism (``--data-parallel-size 2``: two engine cores,
+each with its own control port) behind the router, in the concurrent flow: the router
+learns both DP ranks' identities and pins each P leg to one rank, D registers with that
+rank; every answer equals a single engine's, every transfer is pushed, both ranks serve.
+
+Not in CI yet: on the shared 2-core box (load average ~10), of three runs with every fix in
+place one pushed all 12 (it then failed only on a stale P gauge, since fixed) and two did
+not, with the routing right (each D registered with the rank that had the request) but D
+stalled at the first concurrent transfers from both ranks: once D's REGISTERs reached P only
+after ~8 s, once the first WRITE of each rank never completed while D's pump traced nothing
+for 10 s; both times a CurveZMQ handshake P -> D timed out and the permits expired.
+Sequential requests and a burst of 12 concurrent ones without the reference engine pushed
+12/12 (two runs). Run it with KVPUSH_E2E_DP=1 while that stall is found."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.tinymodel import prompt_of_length
+
+from .conftest import release_shared_clusters
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
+    os.environ.get("KVPUSH_E2E_DP") != "1",
+    reason="intermittent ~8 s control-channel stall with DP on this box (see the module "
+           "docstring); KVPUSH_E2E_DP=1 runs it")]
+
+MAX_TOKENS = 12
+_seeds = itertools.count(40_000)
+TOKEN = "d" * 64
+
+
+@pytest.fixture(scope="module")
+def dp_prefill(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    workdir = e2e_workdir("e2e-dp2")
+    token = workdir / "admin.token"
+    token.write_text(TOKEN)
+    release_shared_clusters()  # P's two engine cores + D + reference: the shared pair must go
+    spec = ClusterSpec(workdir=workdir, prefill_kv_gib=1, decode_kv_gib=1,
+                       prefill_args=["--data-parallel-size", "2"],
+                       prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                       router_args=["--admin-token-file", str(token)])
+    with Cluster(spec) as c:
+        yield c
+
+
+def _by_rank(cluster: Cluster, name: str, metric: str) -> dict[str, float]:
+    """``metric`` per engine core (vLLM's ``engine`` label is the DP rank)."""
+    out: dict[str, float] = {}
+    for (n, labels), v in scrape(cluster.urls[name]).items():
+        if n == metric:
+            rank = dict(labels).get("engine", "")
+            out[rank] = out.get(rank, 0.0) + v
+    return out
+
+
+async def test_every_dp_rank_of_p_is_reachable_in_the_concurrent_flow(
+        dp_prefill: Cluster) -> None:
+    c = dp_prefill
+    async with httpx.AsyncClient(timeout=120) as client:
+        r = await client.get(c.urls["router"] + "/admin/backends",
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+        (p,) = r.json()["prefill"]
+        assert p["identity"]["dp_size"] == 2, p
+        ports = {int(k): v["control_port"] for k, v in p["dp_ranks"].items()}
+        assert len(set(ports.values())) == 2, p  # each engine core has its own port
+
+        before = _by_rank(c, "prefill", "vllm:request_success_total")
+        pushed_before = metric_sum(c.metrics("decode"), "kvpush_transfers_total",
+                                   role="consumer", outcome="pushed")
+        prompts = [prompt_of_length(n, seed=next(_seeds)) for n in (60, 300, 700, 150) * 3]
+        refs = [await request(client, c.urls["reference"],
+                              completion_body(pr, MAX_TOKENS, False)) for pr in prompts]
+        got = await asyncio.gather(*(
+            request(client, c.urls["router"], completion_body(pr, MAX_TOKENS, i % 2 == 0))
+            for i, pr in enumerate(prompts)))
+    for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
+        assert ref.ok, ref.error
+        assert g.ok, (i, g.error)
+        assert g.text == ref.text, i
+    pushed = metric_sum(c.metrics("decode"), "kvpush_transfers_total", role="consumer",
+                        outcome="pushed") - pushed_before
+    assert pushed == len(prompts)  # none fell back, expired or was recomputed
+    after = _by_rank(c, "prefill", "vllm:request_success_total")
+    grew = {rank: after[rank] - before.get(rank, 0.0) for rank in after}
+    assert len(grew) == 2 and all(v > 0 for v in grew.values()), grew
+    assert c.wait_idle(timeout=60) == dict.fromkeys(c.engine_names, 0)
