@@ -26,7 +26,8 @@ def _total_kv_heads(model: Any, spec: Any) -> Any:
 
 
 def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
-    """Model, revision, dtypes, block size, shape, parallelism, layout and versions."""
+    """Model, revision, dtypes, block size, shape, attention kind (MLA or not),
+    parallelism, layout and versions."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model = vllm_config.model_config
     served = getattr(model, "served_model_name", None) or model.model
@@ -47,4 +48,21 @@ def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
         "kvpush": kvpush_version(),
         "protocol": PROTOCOL_VERSION,
     }
+    facts.update(attention_facts(model))
     return {k: str(v)[:200] for k, v in facts.items()}
+
+
+def attention_facts(model: Any) -> dict[str, Any]:
+    """Whether the KV cache holds MLA latents (DeepSeek-style multi-head latent attention:
+    one ``kv_lora_rank + qk_rope_head_dim`` vector per token and layer, the same on every
+    tensor-parallel rank) or per-head K and V, and the latent's dimensions when it does.
+    For MLA, vLLM's spec names one KV head of the latent's size (``num_kv_heads`` 1,
+    ``head_size`` the latent size), which is right for the bytes but says nothing of MLA:
+    the named facts make a refusal say why (an engine with ``VLLM_MLA_DISABLE=1`` beside
+    one without, serving the same model)."""
+    if not getattr(model, "use_mla", False):
+        return {"use_mla": False}
+    hf = getattr(model, "hf_text_config", None) or model.hf_config
+    return {"use_mla": True,
+            "kv_lora_rank": getattr(hf, "kv_lora_rank", ""),
+            "qk_rope_head_dim": getattr(hf, "qk_rope_head_dim", "")}

@@ -65,6 +65,7 @@ def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
         str(getattr(spec, "dtype", "")),
         str(kv_cache_config.kv_cache_layout),
     ]
+    parts.append(f"mla={bool(getattr(model, 'use_mla', False))}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

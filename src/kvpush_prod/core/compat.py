@@ -27,8 +27,16 @@ INFORMATIVE = ("kvpush", "tp_size")
 def differences(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
     """The MUST_MATCH facts both name with different values, as "name: ours here, theirs
     there" (facts one side does not name are not compared: an older peer names fewer)."""
-    return [f"{k}: {mine[k]!r} here, {theirs[k]!r} on the peer" for k in MUST_MATCH
+    return [f"{k}: {mine[k]!r} here, {theirs[k]!r} on the peer{_HINTS.get(k, '')}"
+            for k in (*MUST_MATCH, *ATTENTION_FACTS)
             if k in mine and k in theirs and mine[k] != theirs[k]]
+
+
+# Also compared: the attention kind and an MLA latent's dimensions (a block of latents and
+# a block of per-head K and V are not the same bytes, even for the same model).
+ATTENTION_FACTS = ("use_mla", "kv_lora_rank", "qk_rope_head_dim")
+_HINTS = {"use_mla": " (one engine stores MLA latents, the other per-head K and V: run both "
+                     "with MLA, or both with VLLM_MLA_DISABLE=1)"}
 
 
 def describe(mine: Mapping[str, str], theirs: Mapping[str, str]) -> str:

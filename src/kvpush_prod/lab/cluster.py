@@ -24,6 +24,7 @@ from kvpush_prod.lab.launch import (
     start_engine,
     wait_healthy,
 )
+from kvpush_prod.lab.tinymla import TinyMlaSpec, write_tiny_mla_model
 from kvpush_prod.lab.tinymodel import TinyModelSpec, write_tiny_model
 from kvpush_prod.signing import sign_params
 
@@ -57,7 +58,8 @@ class ClusterSpec:
     decode_args: list[str] = field(default_factory=list)  # extra engine args, D only
     prefill_engine_id: str | None = None
     decode_engine_id: str | None = None
-    model: TinyModelSpec | None = None  # shape of the generated model (the lab's tiny Llama)
+    # Shape of the generated model: the lab's tiny Llama, or a tiny DeepSeek-style MLA model.
+    model: TinyModelSpec | TinyMlaSpec | None = None
     # Each engine gets its own CurveZMQ key pair and the allow-list of the cluster's keys
     # (plus ``extra_keys``, engines that may authenticate but own nothing: hostile tests).
     secure: bool = True
@@ -104,7 +106,10 @@ class Cluster:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.model = str(write_tiny_model(spec.workdir / "tiny-llama", spec.model))
+        if isinstance(spec.model, TinyMlaSpec):
+            self.model = str(write_tiny_mla_model(spec.workdir / "tiny-mla", spec.model))
+        else:
+            self.model = str(write_tiny_model(spec.workdir / "tiny-llama", spec.model))
         self.log_dir = spec.workdir / "logs"
         self.procs: dict[str, Proc] = {}
         self.specs: dict[str, EngineSpec] = {}

