@@ -247,3 +247,13 @@ def test_retired_incarnations_keep_the_latest_and_forget_the_oldest() -> None:
     assert 5 in retired and 2 not in retired
     retired.add(3)  # seen again: the newest now
     assert list(retired) == [4, 5, 3]
+
+
+def test_a_permit_received_exactly_stop_margin_late_stops_before_the_lease_ends() -> None:
+    """The property test's find: 0.10849... + 0.99999 - 0.10849... rounds above 0.99999."""
+    stop, ttl = 0.10849170761832719, 0.99999
+    t = table(skew=0.0)
+    lease = t.grant("k", 0.0, ttl)
+    permit = Permit.from_ttl("k", lease.generation, ttl, 0.0 + stop, stop)
+    assert t.reusable("k", 0.99999)
+    assert not permit.usable(0.99999)

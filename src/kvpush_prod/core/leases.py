@@ -311,6 +311,9 @@ class LeaseTable(Generic[K]):
         return now >= entry.lease.expires_at + self._settings.skew_margin_s
 
 
+ROUNDING_S = 1e-9  # holders stop this much early: float rounding never favours reuse
+
+
 @dataclass(frozen=True, slots=True)
 class Permit:
     """Holder side of a lease (P's permit to write D's blocks, or D's view of a send lease).
@@ -345,7 +348,10 @@ class Permit:
         return self.expires_at - self.stop_margin
 
     def usable(self, now: float) -> bool:
-        return now < self.stop_at
+        # ROUNDING_S: when the delay equals the stop margin exactly, ``received + ttl - stop``
+        # can round one ulp past the grantor's ``grant + ttl``; the holder stops that much
+        # earlier rather than later (found by the lease property test).
+        return now < self.stop_at - ROUNDING_S
 
     def renewed(self, generation: int, expires_at: float) -> Permit:
         """This permit extended to ``expires_at``; a stale generation is rejected.
