@@ -15,11 +15,10 @@ token for token with a single engine's. Attention stays sharp and content-depend
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush_prod.lab.tinymodel import _write_if_changed, write_tokenizer
+from kvpush_prod.lab.tinymodel import write_config_and_tokenizer
 
 
 @dataclass(frozen=True)
@@ -100,12 +99,7 @@ def write_tiny_mla_model(path: str | Path, spec: TinyMlaSpec | None = None) -> P
         "eos_token_id": 2,
         "pad_token_id": 3,
     }
-    _write_if_changed(out / "config.json", json.dumps(config, indent=2))
-    _write_if_changed(
-        out / "generation_config.json",
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}),
-    )
-    write_tokenizer(out, spec.vocab_size, spec.max_positions)
+    write_config_and_tokenizer(out, config, spec.vocab_size, spec.max_positions)
     _write_weights(out / "model.safetensors", spec)
     return out
 

@@ -65,14 +65,20 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
         "eos_token_id": 2,
         "pad_token_id": 3,
     }
+    write_config_and_tokenizer(out, config, spec.vocab_size, spec.max_positions)
+    _write_weights(out / "model.safetensors", spec)
+    return out
+
+
+def write_config_and_tokenizer(out: Path, config: dict[str, object], vocab_size: int,
+                               max_positions: int) -> None:
+    """config.json, generation_config.json and the lab tokenizer of a tiny model in ``out``."""
     _write_if_changed(out / "config.json", json.dumps(config, indent=2))
     _write_if_changed(
         out / "generation_config.json",
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}),
     )
-    write_tokenizer(out, spec.vocab_size, spec.max_positions)
-    _write_weights(out / "model.safetensors", spec)
-    return out
+    write_tokenizer(out, vocab_size, max_positions)
 
 
 def write_tokenizer(out: Path, vocab_size: int, max_positions: int) -> None:
