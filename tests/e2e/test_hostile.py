@@ -313,10 +313,13 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
                                                        if v > 0}, params_grew
     for name in ("prefill", "decode"):
         assert metric_sum(after[name], "kvpush_pump_errors_total") == 0
-    # The normal requests were pushed, not recomputed. KNOWN REGRESSION (stop 16, open in
-    # issue 12's note): since this stop one of the 12 normal requests, a hand-routed one, is
-    # recomputed after its permit ran out without DONE while the flood runs (correct answer,
-    # asserted above). Allowed here, once, until it is found; never more.
+    # The normal requests were pushed, not recomputed. KNOWN ISSUE (open in issue 13's note):
+    # in 4 of 4 runs at stop 17 one normal request sent right after the floods was
+    # recomputed: D's REGISTER reached P 8.1-8.6 s after D sent it, both pumps idle in their
+    # poll meanwhile (py-spy), and P logged a client handshake that did not finish in time;
+    # the control connection between the real P and D stalls in both directions after the
+    # flood (not the pump, not log I/O: rate-limiting the 35,000 log lines changed nothing).
+    # Correct answer asserted above. Allowed here, once, until it is found; never more.
     pushed = (metric_sum(after["decode"], "kvpush_transfers_total", outcome="pushed")
               - metric_sum(before["decode"], "kvpush_transfers_total", outcome="pushed"))
     normal = sum(1 for how, _, _ in results if not how.startswith("client:"))
