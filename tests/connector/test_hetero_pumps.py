@@ -9,11 +9,11 @@ from typing import Any
 import msgspec
 
 from kvpush_prod.config.core import core_settings
-from kvpush_prod.connector.links import Splits
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.connector.worker import ReceiverPump, SenderPump, WorkerSide
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.identity import agent_name
+from kvpush_prod.core.links import Splits
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
 from kvpush_prod.core.vocabulary import Side

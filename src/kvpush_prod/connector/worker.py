@@ -23,7 +23,6 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import core_settings
-from kvpush_prod.connector.links import Joins, Link, Links, Splits, d_links
 from kvpush_prod.connector.metadata import PushMetadata, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
@@ -51,6 +50,7 @@ from kvpush_prod.core.commands import (
     RegisterBlocks,
 )
 from kvpush_prod.core.identity import agent_name
+from kvpush_prod.core.links import Joins, Link, Links, Splits, d_links
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import BreakerState, ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
@@ -259,7 +259,7 @@ class WorkerSide:
             self._on_receive_metadata(self._rx, meta)
         tx = self._tx
         if tx is not None:
-            # A transfer split over several D ranks (see connector.links) gets each command
+            # A transfer split over several D ranks (see core.links) gets each command
             # once per part; the facts are noted first, for parts made later.
             for tid, owner in meta.expect_send:
                 with tx.lock:
@@ -467,7 +467,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self.trace = trace or Tracer("")
         self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
         self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
-        # Sub-transfers across tensor-parallel sizes (connector.links); the engine thread
+        # Sub-transfers across tensor-parallel sizes (core.links); the engine thread
         # changes them under ``lock``.
         self.joins = Joins()  # D: a request's parts, one per P rank feeding this rank
         self.links = Links()  # D: core ids <-> wire ids

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpush_prod.connector.links import Joins, Links, Splits, d_links
 from kvpush_prod.core import messages as m
+from kvpush_prod.core.links import Joins, Links, Splits, d_links
 from kvpush_prod.core.vocabulary import Outcome
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)], tp_size=1, kv_heads=2,

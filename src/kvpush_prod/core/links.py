@@ -1,8 +1,12 @@
-"""A transfer split across tensor-parallel ranks: the worker shell's sub-transfers and joins.
+"""A transfer split across tensor-parallel ranks: the books of its sub-transfers and joins.
+
+Pure (no I/O, no clock): which parts make a request, when it has ended and how, and which
+id each link carries on the wire are protocol decisions, so they live in the core; the
+worker shell only feeds it what its pump sees.
 
 When P and D run different tensor-parallel sizes (``core.tpmap``), one request's transfer
 is several *sub-transfers*, one per (P rank, D rank) link, each an ordinary transfer of the
-core. This module keeps the shell's books: which sub-transfers make up a request on this
+core. This module keeps the books: which sub-transfers make up a request on this
 rank (``Joins``: the request is reported once every part ended), which id a link carries
 on the wire (``Links``, D side: several P ranks feeding one D rank all name the transfer by
 its own id, so D tells their parts apart by the generation it granted each), and what a P
