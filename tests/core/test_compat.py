@@ -149,3 +149,14 @@ def test_a_decode_rank_whose_blocks_cannot_be_sliced_by_head_is_refused() -> Non
     assert "not stored head after head" in failed.detail
     ok = s.on_message(register(sender_info=tp_info(D, 2, 1)), 0.0, origin=D.control)
     assert of(ok, PostWrite)
+
+
+def test_the_layout_hash_is_made_of_the_facts_that_must_match_and_nothing_else() -> None:
+    from kvpush_prod.core.compat import MUST_MATCH, signature_of
+
+    facts = {k: f"v-{k}" for k in MUST_MATCH} | {"use_mla": "False", "tp_size": "1",
+                                                 "kvpush": "0.1.0"}
+    base = signature_of(facts)
+    assert signature_of(facts | {"tp_size": "2", "kvpush": "0.2.0"}) == base
+    for k in (*MUST_MATCH, "use_mla"):
+        assert signature_of(facts | {k: "other"}) != base, k

@@ -17,12 +17,14 @@ def kvpush_version() -> str:
         return "unknown"
 
 
-def _total_kv_heads(model: Any, spec: Any) -> Any:
-    """The model's KV heads over all ranks (a rank's own count differs with the TP size)."""
+def total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all ranks (a rank's own count differs with the TP size;
+    1 for MLA's latent; 0 when the model config cannot tell)."""
+    model = vllm_config.model_config
     if getattr(model, "use_mla", False):
         return 1
     get = getattr(model, "get_total_num_kv_heads", None)
-    return get() if callable(get) else getattr(spec, "num_kv_heads", "")
+    return int(get()) if callable(get) else 0
 
 
 def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
@@ -41,7 +43,7 @@ def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
         "kv_cache_dtype": getattr(vllm_config.cache_config, "cache_dtype", ""),
         "block_size": spec.block_size,
         "num_layers": getattr(model.hf_config, "num_hidden_layers", ""),
-        "num_kv_heads": _total_kv_heads(model, spec),
+        "num_kv_heads": total_kv_heads(vllm_config),
         "head_size": getattr(spec, "head_size", ""),
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", ""),

@@ -14,7 +14,6 @@ raise (a configuration kvpush cannot run with must stop the engine at start).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -27,12 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.compat import layout_facts
+from kvpush_prod.connector.compat import layout_facts, total_kv_heads
 from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
 from kvpush_prod.connector.scheduler import SchedulerSide, scheduler_side
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
 from kvpush_prod.connector.trust import Trust
 from kvpush_prod.connector.worker import WorkerSide
+from kvpush_prod.core.compat import signature_of
 from kvpush_prod.core.vocabulary import Side
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.metrics import StatsBuffer, merge_stats
@@ -49,33 +49,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def _signature(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """What prefill and decode must share for a KV head's bytes to mean the same thing (the
-    tensor-parallel size is not part of it: ranks are mapped onto each other by heads)."""
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    model = vllm_config.model_config
-    parts = [
-        str(model.hf_config.model_type),
-        str(getattr(model.hf_config, "num_hidden_layers", "")),
-        str(spec.block_size),
-        str(total_kv_heads(vllm_config)),
-        str(getattr(spec, "head_size", "")),
-        str(getattr(spec, "dtype", "")),
-        str(kv_cache_config.kv_cache_layout),
-    ]
-    parts.append(f"mla={bool(getattr(model, 'use_mla', False))}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def total_kv_heads(vllm_config: Any) -> int:
-    """The model's KV heads over all ranks (1 for MLA's latent)."""
-    model = vllm_config.model_config
-    if getattr(model, "use_mla", False):
-        return 1
-    get = getattr(model, "get_total_num_kv_heads", None)
-    return int(get()) if callable(get) else 0
 
 
 def rank_heads(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> Heads:
@@ -159,15 +132,16 @@ class PushConnector(KVConnectorBase_V1):
                     "on the CPU platform or 'cuda' on GPUs"
                 )
             tp_rank = get_tensor_model_parallel_rank()
+            facts = layout_facts(vllm_config, kv_cache_config)
             self._worker = WorkerSide(
                 self.cfg, self.kv_role, engine_id,
                 tp_rank=tp_rank,
                 heads=rank_heads(vllm_config, kv_cache_config, tp_rank),
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=parallel.data_parallel_index,
-                signature=_signature(vllm_config, kv_cache_config),
+                signature=signature_of(facts),
                 num_blocks=kv_cache_config.num_blocks,
-                facts=layout_facts(vllm_config, kv_cache_config),
+                facts=facts,
                 otlp_endpoint=getattr(vllm_config.observability_config,
                                       "otlp_traces_endpoint", None),
             )

@@ -11,6 +11,7 @@ earlier, when a message is decoded.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from kvpush_prod.core import tpmap
@@ -22,6 +23,14 @@ from kvpush_prod.core.messages import Layout
 MUST_MATCH = ("model", "revision", "model_type", "dtype", "kv_cache_dtype", "block_size",
               "num_layers", "num_kv_heads", "head_size", "kv_cache_layout")
 INFORMATIVE = ("kvpush", "tp_size")
+
+
+def signature_of(facts: Mapping[str, str]) -> str:
+    """The layout hash of ``facts``: what must match for a KV head's bytes to mean the same
+    on both sides (``MUST_MATCH`` and the attention kind; never the TP size: ranks are
+    mapped onto each other by heads). One list, so the hash and the named refusal agree."""
+    text = "|".join(f"{k}={facts.get(k, '')}" for k in (*MUST_MATCH, *ATTENTION_FACTS))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def differences(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
