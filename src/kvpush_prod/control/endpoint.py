@@ -376,8 +376,10 @@ class ControlEndpoint:
 
     def _close_peer(self, entry: tuple[Socket, Socket]) -> None:
         sock, monitor = entry
-        self._unwatch(monitor)
+        # Stop the monitor while its reader is still open: libzmq posts a last
+        # MONITOR_STOPPED event, which must have somewhere to go (this hung once).
         sock.disable_monitor()
+        self._unwatch(monitor)
         sock.close(0)
 
     def forget(self, address: str) -> None:
@@ -438,9 +440,11 @@ class ControlEndpoint:
         for entry in self._peers.values():
             self._close_peer(entry)
         self._peers.clear()
+        router = getattr(self, "_router", None)
+        if router is not None and self._monitors:
+            router.disable_monitor()  # before its reader closes, as in _close_peer
         for monitor in list(self._monitors):
             self._unwatch(monitor)
-        router = getattr(self, "_router", None)
         if router is not None:
             router.close(0)
         if self._auth is not None:
