@@ -313,14 +313,11 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
                                                        if v > 0}, params_grew
     for name in ("prefill", "decode"):
         assert metric_sum(after[name], "kvpush_pump_errors_total") == 0
-    # The normal requests were pushed, not recomputed. KNOWN ISSUE (open in issue 13's note):
-    # in 4 of 4 runs at stop 17 one normal request sent right after the floods was
-    # recomputed: D's REGISTER reached P 8.1-8.6 s after D sent it, both pumps idle in their
-    # poll meanwhile (py-spy), and P logged a client handshake that did not finish in time;
-    # the control connection between the real P and D stalls in both directions after the
-    # flood (not the pump, not log I/O: rate-limiting the 35,000 log lines changed nothing).
-    # Correct answer asserted above. Allowed here, once, until it is found; never more.
+    # The normal requests were pushed, not recomputed. (At stop 17 one request sent right
+    # after the floods was recomputed in 4 of 4 runs: a CurveZMQ handshake between the real
+    # P and D did not finish within HANDSHAKE_IVL while pyzmq's asyncio ZAP thread served
+    # the allow-list; with our own blocking ZAP thread, 0 recomputed in every run since.)
     pushed = (metric_sum(after["decode"], "kvpush_transfers_total", outcome="pushed")
               - metric_sum(before["decode"], "kvpush_transfers_total", outcome="pushed"))
     normal = sum(1 for how, _, _ in results if not how.startswith("client:"))
-    assert pushed >= normal - 1, (pushed, normal)
+    assert pushed >= normal, (pushed, normal)

@@ -4,12 +4,13 @@ the list, and what each failed handshake means (the reason it is counted under).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from kvpush_prod.control.codec import RejectReason
 from kvpush_prod.control.keys import KeyPair, fingerprint, load_allowed, load_keypair
@@ -20,6 +21,9 @@ ZAP_DOMAIN = "kvpush"
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 ZAP_REFUSED = 400  # the status our handler answers for a key not in the allow-list
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
+ZAP_VERSION = b"1.0"
+ZAP_DRAIN = 1000  # requests answered per wake-up; the rest wake the next poll
 
 
 @dataclass(frozen=True)
@@ -64,19 +68,86 @@ class _AllowList:
         return False
 
 
-class AllowListAuthenticator(ThreadAuthenticator):
-    """pyzmq's ZAP thread (it blocks on its sockets) with the allow-list as its only policy."""
+class AllowListAuthenticator:
+    """The ZAP handler (RFC 27) of our ROUTER, with the allow-list as its only policy.
+
+    A plain thread blocked in ``zmq_poll`` on the ZAP socket and a stop pipe: it sleeps
+    until a handshake asks, answers every waiting request, and sleeps again. (pyzmq's
+    ThreadAuthenticator runs an asyncio loop that re-wraps its sockets on every poll; in a
+    busy engine process we want the smallest thing that cannot miss a wake-up.)
+    """
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]],
                  allowed: Mapping[bytes, str]) -> None:
-        super().__init__(context)
         self.allow_list = _AllowList(allowed)
-        self.configure_curve_callback(ZAP_DOMAIN, self.allow_list)
+        self._ctx = context
+        self.answered: dict[bytes, int] = {b"200": 0, b"400": 0, b"500": 0}
+        self._zap = context.socket(zmq.REP)
+        self._zap.setsockopt(zmq.LINGER, 0)
+        self._zap.bind(ZAP_ENDPOINT)
+        stop_at = f"inproc://kvpush-zap-stop-{id(self):x}"
+        self._stop_r = context.socket(zmq.PAIR)
+        self._stop_r.setsockopt(zmq.LINGER, 0)
+        self._stop_r.bind(stop_at)
+        self._stop_w = context.socket(zmq.PAIR)
+        self._stop_w.setsockopt(zmq.LINGER, 0)
+        self._stop_w.connect(stop_at)
+        self._thread = threading.Thread(target=self._run, name="kvpush-zap", daemon=True)
 
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) > 3:  # [version, request id, domain, address, identity, mechanism, ...]
-            self.allow_list.address = msg[3].decode("utf-8", "replace")
-        await super().handle_zap_message(msg)
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and close its sockets; safe to call twice."""
+        if self._stop_w.closed:
+            return
+        if self._thread.is_alive():
+            self._stop_w.send(b"")
+            self._thread.join(5.0)
+        self._stop_w.close(0)
+        if not self._thread.is_alive():  # else it closes them itself on its way out
+            for sock in (self._zap, self._stop_r):
+                sock.close(0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._zap, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())  # sleeps, GIL released, until one is readable
+                if self._stop_r in ready:
+                    return
+                for _ in range(ZAP_DRAIN):
+                    try:
+                        request = self._zap.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._zap.send_multipart(self.answer(request))
+        except zmq.ZMQError:
+            return  # the context was terminated under us: the endpoint is closing
+        finally:
+            for sock in (self._zap, self._stop_r):
+                sock.close(0)
+
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """The ZAP reply to ``request``: 200 with the client's Z85 key as User-Id for a key
+        in the allow-list on our domain, 400 for anything else (a REP socket must answer
+        every request, even one it cannot read, or it never receives again)."""
+        request_id = request[1] if len(request) > 1 else b""
+        status, text, user = b"400", b"refused", b""
+        if len(request) < 7 or request[0] != ZAP_VERSION:
+            status, text = b"500", b"malformed ZAP request"
+        else:
+            domain, address, mechanism = request[2], request[3], request[5]
+            if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" \
+                    and len(request[6]) == 32:
+                key = z85.encode(request[6])
+                self.allow_list.address = address.decode("utf-8", "replace")
+                if self.allow_list.callback(ZAP_DOMAIN, key):
+                    status, text, user = b"200", b"OK", key
+        self.answered[status] = self.answered.get(status, 0) + 1
+        return [ZAP_VERSION, request_id, status, text, user, b""]
 
 
 def handshake_reason(event: int, value: int, outbound: bool) -> tuple[RejectReason, str] | None:
