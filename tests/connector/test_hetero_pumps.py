@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from kvpush_prod.config.core import core_settings
-from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
+from kvpush_prod.connector.metadata import PeerRef, PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.connector.worker import ReceiverPump, SenderPump, WorkerSide
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.identity import agent_name
@@ -161,6 +161,36 @@ def test_a_prefill_size_that_cannot_map_fails_the_receive_at_once() -> None:
         ws.on_metadata(bad)
         _, recving, failed = ws.results.take()
         assert recving == {"d-req"} and failed == {"d-req"}
+
+
+def test_a_refused_size_lets_every_p_rank_free_its_blocks_at_once() -> None:
+    w = World(1, 2)
+    (p,) = w.p
+    p.on_metadata(PushMetadata(expect_send=[("t", "")], send=[SendSpec("p-req", "t", [1, 2])],
+                               hold=["t"]))
+    p.after_forward()
+    w.step()
+    bad = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=3)])
+    for ws in w.d:
+        ws.on_metadata(bad)
+    w.step(8)
+    # P rank 0 freed its blocks without a WRITE (not at the end of its send lease) ...
+    assert p.results.take()[0] == {"p-req"} and w.posts(p) == []
+    # ... and P ranks 1 and 2 were told too, each once (by D rank 1 and D rank 0).
+    for rank in (1, 2):
+        (msg,) = w.wire.inbox[f"tcp://p:{1 + rank}"]
+        assert isinstance(msg, m.Cancel) and msg.transfer_id == "t"
+        assert msg.reason == "not_needed"
+
+
+def test_a_prefix_hit_from_a_refused_size_also_frees_every_p_rank() -> None:
+    w = World(1, 2)
+    for ws in w.d:
+        ws.on_metadata(PushMetadata(not_needed=[PeerRef("t", "p", 1, p_tp=3)]))
+        ws._rx._pass(True)  # type: ignore[union-attr]
+    assert sorted(a for a, box in w.wire.inbox.items() if a.startswith("tcp://p:")
+                  and any(isinstance(x, m.Cancel) for x in box)) == [
+        "tcp://p:1", "tcp://p:2", "tcp://p:3"]
 
 
 def test_one_part_failing_fails_the_request_only_after_the_other_part_ended() -> None:

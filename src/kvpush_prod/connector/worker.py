@@ -23,7 +23,7 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import core_settings
-from kvpush_prod.connector.metadata import PushMetadata, SendSpec
+from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
 from kvpush_prod.core import messages, tpmap
@@ -300,7 +300,7 @@ class WorkerSide:
             except ConfigError:  # our blocks cannot be sliced by head (the log says why)
                 links = []
             if not links:
-                self._refuse_receive(pump, spec.request_id, spec.transfer_id, spec.p_tp)
+                self._refuse_receive(pump, spec)
                 continue
             with pump.lock:
                 if len(links) > 1:
@@ -317,7 +317,11 @@ class WorkerSide:
                                            tuple(spec.block_ids), spec.first_block,
                                            spec.num_tokens, spec.p_key))
         for ref in meta.not_needed:
-            for link in self._links(pump, ref.transfer_id, ref.p_tp):
+            links = self._links(pump, ref.transfer_id, ref.p_tp)
+            if not links:  # a size we cannot map: every P rank still holds the blocks
+                self._free_at_every_p_rank(pump, ref.transfer_id, ref.p_host, ref.p_port,
+                                           ref.p_key, ref.p_tp)
+            for link in links:
                 pump.submit(NotNeeded(link.core_id,
                                       self._address(ref.p_host, ref.p_port, link.p_rank),
                                       ref.p_key))
@@ -347,9 +351,20 @@ class WorkerSide:
         return list(head_slab(self.layout, link.d_first, link.heads,
                               self.layout.kv_heads).regions)
 
-    def _refuse_receive(self, pump: ReceiverPump, rid: str, tid: str, p_tp: int) -> None:
+    def _free_at_every_p_rank(self, pump: ReceiverPump, tid: str, host: str, port: int,
+                              key: str, p_tp: int) -> None:
+        """No link maps ``tid`` onto this rank: tell the P ranks it will not be received
+        (each P rank by one D rank), so none holds its blocks until its send lease ends."""
+        for p_rank in range(p_tp or self.tp_size):
+            if p_rank % self.tp_size == self.tp_rank:
+                pump.submit(NotNeeded(tid, self._address(host, port, p_rank), key))
+
+    def _refuse_receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
         """P's tensor-parallel size cannot be mapped onto ours: the request fails here at
-        once (recomputed or failed by kv_load_failure_policy), said and counted."""
+        once (recomputed or failed by kv_load_failure_policy), said and counted, and the P
+        ranks are told they may free its blocks now (not when their send lease runs out)."""
+        rid, tid, p_tp = spec.request_id, spec.transfer_id, spec.p_tp
+        self._free_at_every_p_rank(pump, tid, spec.p_host, spec.p_port, spec.p_key, p_tp)
         layout = self.layout
         total = layout.total_kv_heads if layout is not None else 0
         why = tpmap.problem(p_tp, self.tp_size, total,
