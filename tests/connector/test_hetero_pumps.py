@@ -193,6 +193,22 @@ def test_a_prefix_hit_from_a_refused_size_also_frees_every_p_rank() -> None:
         "tcp://p:1", "tcp://p:2", "tcp://p:3"]
 
 
+def test_a_p_rank_that_feeds_no_d_rank_is_told_at_once() -> None:
+    # Replicated KV (MLA) from P TP 2 to D TP 1: D reads rank 0; rank 1 holds the blocks too.
+    w = World(2, 1)
+    (d,) = w.d
+    d.layout = msgspec.structs.replace(layout(1, 0), replicated=True)
+    d.on_metadata(PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200,
+                                              p_tp=2)]))
+    d._rx._pass(True)  # type: ignore[union-attr]
+    kinds = {address: [type(x) for x in w.wire.inbox[address]
+                       if not isinstance(x, m.Heartbeat)]
+             for address in ("tcp://p:1", "tcp://p:2")}
+    assert kinds == {"tcp://p:1": [m.Register], "tcp://p:2": [m.Cancel]}
+    (msg,) = [x for x in w.wire.inbox["tcp://p:2"] if isinstance(x, m.Cancel)]
+    assert msg.reason == "not_needed" and msg.transfer_id == "t"
+
+
 def test_one_part_failing_fails_the_request_only_after_the_other_part_ended() -> None:
     w = World(2, 1)
     # P rank 1 never gets its blocks: its part ends by a Failed (prefill aborted).

@@ -100,3 +100,11 @@ def test_mapping_text_names_every_link() -> None:
     text = tpmap.mapping_text(2, 1, 2)
     assert text == ("prefill TP 2 -> decode TP 1, 2 KV heads: P0[0:1]->D0[0:1], "
                     "P1[0:1]->D0[1:2]")
+
+
+def test_idle_p_ranks_are_those_of_replicated_kv_beyond_d_ranks() -> None:
+    assert tpmap.idle(2, 1, 1, replicated=True) == [1]
+    assert tpmap.idle(4, 2, 1, replicated=True) == [2, 3]
+    assert tpmap.idle(2, 2, 1, replicated=True) == []
+    assert tpmap.idle(1, 2, 1, replicated=True) == []
+    assert tpmap.idle(2, 1, 4) == []  # split heads: every P rank feeds the one D rank

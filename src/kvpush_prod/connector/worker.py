@@ -316,6 +316,8 @@ class WorkerSide:
                                            self._address(spec.p_host, spec.p_port, link.p_rank),
                                            tuple(spec.block_ids), spec.first_block,
                                            spec.num_tokens, spec.p_key))
+            self._free_at_idle_p_ranks(pump, spec.transfer_id, spec.p_host, spec.p_port,
+                                       spec.p_key, spec.p_tp)
         for ref in meta.not_needed:
             links = self._links(pump, ref.transfer_id, ref.p_tp)
             if not links:  # a size we cannot map: every P rank still holds the blocks
@@ -325,6 +327,9 @@ class WorkerSide:
                 pump.submit(NotNeeded(link.core_id,
                                       self._address(ref.p_host, ref.p_port, link.p_rank),
                                       ref.p_key))
+            if links:
+                self._free_at_idle_p_ranks(pump, ref.transfer_id, ref.p_host, ref.p_port,
+                                           ref.p_key, ref.p_tp)
         for tid in meta.abort_recv:
             for part in pump.joins_parts(tid):
                 pump.submit(AbortReceive(part))
@@ -352,12 +357,24 @@ class WorkerSide:
                               self.layout.kv_heads).regions)
 
     def _free_at_every_p_rank(self, pump: ReceiverPump, tid: str, host: str, port: int,
-                              key: str, p_tp: int) -> None:
-        """No link maps ``tid`` onto this rank: tell the P ranks it will not be received
-        (each P rank by one D rank), so none holds its blocks until its send lease ends."""
-        for p_rank in range(p_tp or self.tp_size):
+                              key: str, p_tp: int, ranks: list[int] | None = None) -> None:
+        """No link maps ``tid`` onto this rank: tell the P ranks (or just ``ranks``) it will
+        not be received (each P rank by one D rank), so none holds its blocks until its
+        send lease ends."""
+        for p_rank in range(p_tp or self.tp_size) if ranks is None else ranks:
             if p_rank % self.tp_size == self.tp_rank:
                 pump.submit(NotNeeded(tid, self._address(host, port, p_rank), key))
+
+    def _free_at_idle_p_ranks(self, pump: ReceiverPump, tid: str, host: str, port: int,
+                              key: str, p_tp: int) -> None:
+        """The P ranks that feed no D rank at these sizes (replicated KV, P's TP > D's)
+        hold the prompt's blocks too: tell them no REGISTER will come."""
+        layout = self.layout
+        if layout is None or p_tp <= self.tp_size:
+            return
+        ranks = tpmap.idle(p_tp, self.tp_size, layout.total_kv_heads, layout.replicated)
+        if ranks:
+            self._free_at_every_p_rank(pump, tid, host, port, key, p_tp, ranks)
 
     def _refuse_receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
         """P's tensor-parallel size cannot be mapped onto ours: the request fails here at

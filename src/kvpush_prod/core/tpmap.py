@@ -96,6 +96,13 @@ def fed(p_rank: int, p_tp: int, d_tp: int, total_heads: int,
     return [p for p in pieces(p_tp, d_tp, total_heads, replicated) if p.p_rank == p_rank]
 
 
+def idle(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) -> list[int]:
+    """The P ranks that feed no D rank (replicated KV with more P ranks than D ranks): they
+    hold a prompt's blocks all the same, and must be told that no REGISTER will come."""
+    feeding = {p.p_rank for p in pieces(p_tp, d_tp, total_heads, replicated)}
+    return [r for r in range(p_tp) if r not in feeding]
+
+
 def piece(p_rank: int, d_rank: int, p_tp: int, d_tp: int, total_heads: int,
           replicated: bool = False) -> Piece | None:
     """The piece between one P rank and one D rank (None: they exchange nothing)."""
