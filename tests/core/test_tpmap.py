@@ -108,3 +108,16 @@ def test_idle_p_ranks_are_those_of_replicated_kv_beyond_d_ranks() -> None:
     assert tpmap.idle(2, 2, 1, replicated=True) == []
     assert tpmap.idle(1, 2, 1, replicated=True) == []
     assert tpmap.idle(2, 1, 4) == []  # split heads: every P rank feeds the one D rank
+
+
+def test_unfed_p_ranks_are_each_told_by_exactly_one_d_rank() -> None:
+    def told(p_tp: int, d_tp: int, heads: int, replicated: bool = False,
+             refused: bool = False) -> list[list[int]]:
+        return [tpmap.unfed_told_by(r, p_tp, d_tp, heads, replicated, refused)
+                for r in range(d_tp)]
+
+    assert told(3, 2, 2, refused=True) == [[0, 2], [1]]  # refused: every P rank, once
+    assert told(2, 1, 1, replicated=True) == [[1]]  # MLA: P rank 1 feeds nobody
+    assert told(4, 2, 1, replicated=True) == [[2], [3]]
+    assert told(2, 1, 4) == [[]] and told(1, 2, 4) == [[], []]  # every P rank feeds
+    assert told(0, 2, 4, refused=True) == [[0], [1]]  # P's size not told: same as D's

@@ -316,20 +316,16 @@ class WorkerSide:
                                            self._address(spec.p_host, spec.p_port, link.p_rank),
                                            tuple(spec.block_ids), spec.first_block,
                                            spec.num_tokens, spec.p_key))
-            self._free_at_idle_p_ranks(pump, spec.transfer_id, spec.p_host, spec.p_port,
-                                       spec.p_key, spec.p_tp)
+            self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key,
+                             spec.p_tp)
         for ref in meta.not_needed:
             links = self._links(pump, ref.transfer_id, ref.p_tp)
-            if not links:  # a size we cannot map: every P rank still holds the blocks
-                self._free_at_every_p_rank(pump, ref.transfer_id, ref.p_host, ref.p_port,
-                                           ref.p_key, ref.p_tp)
             for link in links:
                 pump.submit(NotNeeded(link.core_id,
                                       self._address(ref.p_host, ref.p_port, link.p_rank),
                                       ref.p_key))
-            if links:
-                self._free_at_idle_p_ranks(pump, ref.transfer_id, ref.p_host, ref.p_port,
-                                           ref.p_key, ref.p_tp)
+            self._tell_unfed(pump, ref.transfer_id, ref.p_host, ref.p_port, ref.p_key,
+                             ref.p_tp, refused=not links)
         for tid in meta.abort_recv:
             for part in pump.joins_parts(tid):
                 pump.submit(AbortReceive(part))
@@ -356,32 +352,25 @@ class WorkerSide:
         return list(head_slab(self.layout, link.d_first, link.heads,
                               self.layout.kv_heads).regions)
 
-    def _free_at_every_p_rank(self, pump: ReceiverPump, tid: str, host: str, port: int,
-                              key: str, p_tp: int, ranks: list[int] | None = None) -> None:
-        """No link maps ``tid`` onto this rank: tell the P ranks (or just ``ranks``) it will
-        not be received (each P rank by one D rank), so none holds its blocks until its
-        send lease ends."""
-        for p_rank in range(p_tp or self.tp_size) if ranks is None else ranks:
-            if p_rank % self.tp_size == self.tp_rank:
-                pump.submit(NotNeeded(tid, self._address(host, port, p_rank), key))
-
-    def _free_at_idle_p_ranks(self, pump: ReceiverPump, tid: str, host: str, port: int,
-                              key: str, p_tp: int) -> None:
-        """The P ranks that feed no D rank at these sizes (replicated KV, P's TP > D's)
-        hold the prompt's blocks too: tell them no REGISTER will come."""
+    def _tell_unfed(self, pump: ReceiverPump, tid: str, host: str, port: int, key: str,
+                    p_tp: int, refused: bool = False) -> None:
+        """Tell the P ranks that hold ``tid``'s blocks but will get no REGISTER from any D
+        rank (``tpmap.unfed_told_by``) that they may free them now, not when their send
+        lease ends."""
         layout = self.layout
-        if layout is None or p_tp <= self.tp_size:
-            return
-        ranks = tpmap.idle(p_tp, self.tp_size, layout.total_kv_heads, layout.replicated)
-        if ranks:
-            self._free_at_every_p_rank(pump, tid, host, port, key, p_tp, ranks)
+        if layout is None and not refused:
+            return  # no layout, no mapping: each rank pairs with its own P rank
+        total, replicated = (layout.total_kv_heads, layout.replicated) if layout else (0, False)
+        for p_rank in tpmap.unfed_told_by(self.tp_rank, p_tp, self.tp_size, total,
+                                          replicated, refused):
+            pump.submit(NotNeeded(tid, self._address(host, port, p_rank), key))
 
     def _refuse_receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
         """P's tensor-parallel size cannot be mapped onto ours: the request fails here at
         once (recomputed or failed by kv_load_failure_policy), said and counted, and the P
         ranks are told they may free its blocks now (not when their send lease runs out)."""
         rid, tid, p_tp = spec.request_id, spec.transfer_id, spec.p_tp
-        self._free_at_every_p_rank(pump, tid, spec.p_host, spec.p_port, spec.p_key, p_tp)
+        self._tell_unfed(pump, tid, spec.p_host, spec.p_port, spec.p_key, p_tp, refused=True)
         layout = self.layout
         total = layout.total_kv_heads if layout is not None else 0
         why = tpmap.problem(p_tp, self.tp_size, total,

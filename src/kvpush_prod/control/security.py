@@ -21,6 +21,7 @@ ZAP_DOMAIN = "kvpush"
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 ZAP_REFUSED = 400  # the status our handler answers for a key not in the allow-list
+_REFUSED = str(ZAP_REFUSED).encode()
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
 ZAP_VERSION = b"1.0"
 ZAP_DRAIN = 1000  # requests answered per wake-up; the rest wake the next poll
@@ -80,8 +81,7 @@ class AllowListAuthenticator:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]],
                  allowed: Mapping[bytes, str]) -> None:
         self.allow_list = _AllowList(allowed)
-        self._ctx = context
-        self.answered: dict[bytes, int] = {b"200": 0, b"400": 0, b"500": 0}
+        self.answered: dict[bytes, int] = {b"200": 0, _REFUSED: 0, b"500": 0}  # by status
         self._zap = context.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
@@ -135,7 +135,7 @@ class AllowListAuthenticator:
         in the allow-list on our domain, 400 for anything else (a REP socket must answer
         every request, even one it cannot read, or it never receives again)."""
         request_id = request[1] if len(request) > 1 else b""
-        status, text, user = b"400", b"refused", b""
+        status, text, user = _REFUSED, b"refused", b""
         if len(request) < 7 or request[0] != ZAP_VERSION:
             status, text = b"500", b"malformed ZAP request"
         else:
@@ -146,7 +146,7 @@ class AllowListAuthenticator:
                 self.allow_list.address = address.decode("utf-8", "replace")
                 if self.allow_list.callback(ZAP_DOMAIN, key):
                     status, text, user = b"200", b"OK", key
-        self.answered[status] = self.answered.get(status, 0) + 1
+        self.answered[status] += 1
         return [ZAP_VERSION, request_id, status, text, user, b""]
 
 

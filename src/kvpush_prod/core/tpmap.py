@@ -99,8 +99,20 @@ def fed(p_rank: int, p_tp: int, d_tp: int, total_heads: int,
 def idle(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) -> list[int]:
     """The P ranks that feed no D rank (replicated KV with more P ranks than D ranks): they
     hold a prompt's blocks all the same, and must be told that no REGISTER will come."""
+    if p_tp <= d_tp:
+        return []  # every P rank feeds at least one D rank
     feeding = {p.p_rank for p in pieces(p_tp, d_tp, total_heads, replicated)}
     return [r for r in range(p_tp) if r not in feeding]
+
+
+def unfed_told_by(d_rank: int, p_tp: int, d_tp: int, total_heads: int,
+                  replicated: bool = False, refused: bool = False) -> list[int]:
+    """The P ranks D rank ``d_rank`` tells that a transfer will not be received: those
+    that feed no D rank, or every P rank when D ``refused`` the transfer; each P rank is
+    told by exactly one D rank (P rank mod D's TP). ``p_tp`` 0: not told, same as D's."""
+    p_tp = p_tp or d_tp
+    unfed = range(p_tp) if refused else idle(p_tp, d_tp, total_heads, replicated)
+    return [r for r in unfed if r % d_tp == d_rank]
 
 
 def piece(p_rank: int, d_rank: int, p_tp: int, d_tp: int, total_heads: int,
