@@ -87,6 +87,40 @@ def test_the_refused_transfer_frees_its_blocks_at_once_not_after_the_send_lease(
     assert of(s.hold("t"), ReleaseSend)  # freed as soon as vLLM hands the blocks over
 
 
+def test_a_refusal_before_p_knows_the_transfer_frees_it_once_the_router_names_that_d(
+) -> None:
+    """Seen on real engines (block sizes 32 and 64): D's REGISTER reached P before P's
+    scheduler had the request; the refused D never registers again, so P held the prompt's
+    blocks for its whole send lease."""
+    from kvpush_prod.core.actions import ReleaseSend
+
+    s = sender_with_facts()
+    out = s.on_message(register(sender_info=with_facts(D, block_size="32")), 0.0,
+                       origin=D.control)
+    assert msgs(out, m.Failed)
+    s.expect_blocks("t", 0.1, owner=D.control)
+    s.blocks_ready("t", [1, 2, 3], 0.2, owner=D.control)
+    assert of(s.hold("t"), ReleaseSend)  # freed as soon as vLLM hands the blocks over
+    assert s.held_blocks() == 0
+
+
+def test_a_refusal_before_p_knows_the_transfer_never_ends_another_ds_transfer() -> None:
+    from kvpush_prod.core.actions import ReleaseSend
+
+    s = sender_with_facts()
+    intruder = msgspec.structs.replace(with_facts(D, block_size="32"), control="tcp://x:1")
+    s.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
+    s.blocks_ready("t", [1, 2, 3], 0.1, owner=D.control)  # the router named another D
+    assert of(s.hold("t"), ReleaseSend) == []
+    assert of(s.on_message(register(sender_info=with_facts(D)), 0.2, origin=D.control),
+              PostWrite)
+    s2 = sender_with_facts()  # and no decode named (sequential flow): held, never ended
+    s2.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
+    s2.blocks_ready("t", [1, 2, 3], 0.1)
+    assert of(s2.on_message(register(sender_info=with_facts(D)), 0.2, origin=D.control),
+              PostWrite)
+
+
 def test_an_incompatible_engine_cannot_end_a_transfer_it_does_not_own() -> None:
     """Found by the hostile e2e test: an authenticated engine with a foreign layout that
     registers a transfer whose owner is not known yet must not end it."""

@@ -161,6 +161,9 @@ class Sender:
         # transfer id -> (until, the origins that asked; "" for this engine): the blocks of
         # a cancelled or aborted transfer are freed unpushed when they come
         self._tombstones: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+        # transfer id -> (until, origin): a REGISTER P refused as incompatible before it knew
+        # the transfer; ends the transfer at once if the router names that origin its decode
+        self._refused: OrderedDict[str, tuple[float, str]] = OrderedDict()
         # The peer directory: D rank (origin, rank slot: identity.peer_slot) -> the info P
         # met it with, least recently
         # used first. The only source of write targets and layouts.
@@ -288,6 +291,13 @@ class Sender:
                 self._tombstone(reg.transfer_id, now, origin)
                 self._fire(o, E.CANCEL, now)
                 out += self._close(o, Outcome.FAILED)
+            elif o is None:
+                # Not known yet: remembered, and believed only for the decode engine the
+                # router names for it (_require); then its blocks go when they come.
+                self._refused[reg.transfer_id] = (now + self.s.tombstone_s, origin)
+                self._refused.move_to_end(reg.transfer_id)
+                while len(self._refused) > self.s.max_tombstones:
+                    self._refused.popitem(last=False)
             return out
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
@@ -341,6 +351,11 @@ class Sender:
         if not owner or o.required == owner:
             return []
         o.required = owner
+        refused = self._refused.pop(o.tid, None)
+        if refused is not None and refused[1] == owner and refused[0] > now:
+            # That engine already registered it with a layout P cannot write into: D has
+            # heard (Failed incompatible) and will not register again. Free, do not hold.
+            self._tombstone(o.tid, now, owner)
         out: list[Action] = []
         if o.reg is not None and o.owner != owner:
             if o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
@@ -607,6 +622,8 @@ class Sender:
         out = self.poll(now)
         for tid in [t for t, (at, _) in self._tombstones.items() if at <= now]:
             del self._tombstones[tid]
+        for tid in [t for t, (at, _) in self._refused.items() if at <= now]:
+            del self._refused[tid]
         for o in list(self._out.values()):
             if o.outcome:
                 continue
