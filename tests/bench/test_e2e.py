@@ -1,5 +1,7 @@
 """One tiny real run of ``kvpush bench`` (the kvpush side only): engines start, the cell is
-measured with vLLM's client, the KV transfer time comes from the traces, the report renders."""
+measured with vLLM's client, the KV transfer time comes from the traces, the report renders.
+Part of the full run (KVPUSH_E2E_EXTRA=1; every benchmark in a closing note runs it for
+real); CI checks the bench's planning, report and plots with the unit tests beside it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from kvpush_prod.bench.cli import main as bench_main
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
 def test_bench_smoke_on_the_kvpush_side(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Every chaos scenario in a short form, on real engines: the verdict must be PASS.
+"""Every chaos scenario in a short form, on real engines: the verdict must be PASS
+(restart_under_load and write_failures in the full run only, KVPUSH_E2E_EXTRA=1).
 
 Three clusters, one at a time: a plain pair (kills and restarts), a pair on the
 cpu-multichunk profile (many chunks per transfer) whose P fails 30% of its WRITEs, and a pair whose P fails every WRITE while a switch file exists (bad_peer;
@@ -29,11 +30,16 @@ GROUPS = {
     "write30": ("write_failures", "recompute"),
     "switch": ("bad_peer", "fail"),
 }
+FULL = pytest.mark.full  # the full run only (KVPUSH_E2E_EXTRA=1): see below
 CASES = [
     ("plain", "kill_prefill", {}),
     ("plain", "kill_decode", {}),
-    ("plain", "restart_under_load", {"events": "prefill:term,decode:kill,prefill:rolling"}),
-    ("write30", "write_failures", {}),
+    # Three restarts, ~4 min: kill_prefill and kill_decode restart their victims in CI.
+    pytest.param("plain", "restart_under_load",
+                 {"events": "prefill:term,decode:kill,prefill:rolling"}, marks=FULL),
+    # Its own cluster, ~2 min: tests/e2e/test_multichunk.py fails 30% of WRITEs on the
+    # same profile in CI and checks retries, caps and pulls only after retries.
+    pytest.param("write30", "write_failures", {}, marks=FULL),
     ("switch", "bad_peer", {"heal_timeout": 240.0}),
     ("switch", "stall_prefill", {"stall_s": 9.0}),
     ("switch", "client_cancel", {}),
@@ -41,7 +47,9 @@ CASES = [
 _REPORTS: list[dict[str, Any]] = []
 
 
-@pytest.mark.parametrize(("group", "name", "extra"), CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize(("group", "name", "extra"), CASES,
+                         ids=["kill_prefill", "kill_decode", "restart_under_load",
+                              "write_failures", "bad_peer", "stall_prefill", "client_cancel"])
 def test_chaos_scenario_verdict_is_pass(cluster_pool: Any, reports_dir: Path, group: str,
                                         name: str, extra: dict[str, Any]) -> None:
     definer, policy = GROUPS[group]

