@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from kvpush_prod.lab.cluster import SharedReference
 
 settings.register_profile(
     "ci",
@@ -30,3 +36,21 @@ def pytest_collection_modifyitems(config: object, items: list[pytest.Item]) -> N
     for item in items:
         if item.get_closest_marker("full") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedReference]:
+    """The session's single engine of the default tiny model, started at first use, that
+    clusters of that model compare with (``ClusterSpec.reference_url``; ``serves`` says
+    which may)."""
+    from kvpush_prod.lab.cluster import SharedReference
+
+    root = os.environ.get("KVPUSH_TEST_WORKDIR")
+    workdir = Path(root) / "reference" if root else tmp_path_factory.mktemp("reference")
+    workdir.mkdir(parents=True, exist_ok=True)
+    ref = SharedReference(workdir)
+    ref.start()
+    try:
+        yield ref
+    finally:
+        ref.stop()

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the top-level chaos/ scenarios
 
 from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch  # noqa: E402
-from kvpush_prod.lab.cluster import Cluster  # noqa: E402
+from kvpush_prod.lab.cluster import Cluster, SharedReference  # noqa: E402
 
 
 def _healthy(cluster: Cluster) -> bool:
@@ -35,8 +35,9 @@ def _healthy(cluster: Cluster) -> bool:
 class ClusterPool:
     """Hands out the cluster of a group, starting it (and stopping the previous one) on demand."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, reference: SharedReference) -> None:
         self.root = root
+        self.reference = reference
         self.current: tuple[str, Cluster] | None = None
         self.starts: list[tuple[str, float]] = []
 
@@ -49,7 +50,10 @@ class ClusterPool:
             self.close()
         workdir = self.root / f"{group}-{len(self.starts)}"
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = Cluster(cluster_spec(needs, workdir))
+        spec = cluster_spec(needs, workdir)
+        if SharedReference.serves(spec):  # one reference engine for the session, not each
+            spec.reference_url = self.reference.url
+        cluster = Cluster(spec)
         t0 = time.monotonic()
         cluster.start()
         self.starts.append((group, time.monotonic() - t0))
@@ -63,11 +67,12 @@ class ClusterPool:
 
 
 @pytest.fixture(scope="session")
-def cluster_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterPool]:
+def cluster_pool(tmp_path_factory: pytest.TempPathFactory,
+                 shared_reference: SharedReference) -> Iterator[ClusterPool]:
     root_env = os.environ.get("KVPUSH_TEST_WORKDIR")
     root = Path(root_env) / "chaos" if root_env else tmp_path_factory.mktemp("chaos")
     root.mkdir(parents=True, exist_ok=True)
-    pool = ClusterPool(root)
+    pool = ClusterPool(root, shared_reference)
     try:
         yield pool
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec, SharedReference
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +38,14 @@ def e2e_workdir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
 
 @pytest.fixture(scope="session", params=BLOCK_SIZES, ids=lambda b: f"B{b or 'default'}")
-def cluster(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            shared_reference: SharedReference) -> Iterator[Cluster]:
     """P (1 GiB KV) and D (2 GiB KV: the two engines differ in KV-cache size), router, reference."""
     block_size = request.param
     spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
                        block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
+    if SharedReference.serves(spec):
+        spec.reference_url = shared_reference.url
     with Cluster(spec) as c:
         SHARED.append(c)
         yield c

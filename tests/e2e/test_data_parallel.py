@@ -1,7 +1,8 @@
-"""A prefill API server with data parallelism (``--data-parallel-size 2``: two engine cores,
-each with its own control port) behind the router, in the concurrent flow: the router
-learns both DP ranks' identities and pins each P leg to one rank, D registers with that
-rank; every answer equals a single engine's, every transfer is pushed, both ranks serve.
+"""Prefill and decode API servers with data parallelism (``--data-parallel-size 2`` each:
+two engine cores per server, each with its own control port) behind the router, in the
+concurrent flow: the router learns P's DP ranks' identities and pins each P leg to one
+rank; D's API server hands each D leg to one of its cores, which registers with that P
+rank; every answer equals a single engine's, every transfer is pushed, all four cores serve.
 
 At stop 17 this stalled in two of three runs (a CurveZMQ handshake P -> D not done within
 HANDSHAKE_IVL, D's REGISTERs late by ~8 s) and was left out of CI. The stall went with
@@ -31,15 +32,18 @@ TOKEN = "d" * 64
 
 
 @pytest.fixture(scope="module")
-def dp_prefill(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+def dp_prefill(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
     workdir = e2e_workdir("e2e-dp2")
     token = workdir / "admin.token"
     token.write_text(TOKEN)
-    release_shared_clusters()  # P's two engine cores + D + reference: the shared pair must go
+    release_shared_clusters()  # two engine cores each on P and D + reference: the shared pair must go
     spec = ClusterSpec(workdir=workdir, prefill_kv_gib=1, decode_kv_gib=1,
                        prefill_args=["--data-parallel-size", "2"],
                        prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                       router_args=["--admin-token-file", str(token)])
+                       decode_args=["--data-parallel-size", "2"],
+                       decode_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                       router_args=["--admin-token-file", str(token)],
+                       reference_url=shared_reference.url)
     with Cluster(spec) as c:
         yield c
 
@@ -54,7 +58,7 @@ def _by_rank(cluster: Cluster, name: str, metric: str) -> dict[str, float]:
     return out
 
 
-async def test_every_dp_rank_of_p_is_reachable_in_the_concurrent_flow(
+async def test_every_dp_rank_of_p_and_d_is_reachable_in_the_concurrent_flow(
         dp_prefill: Cluster) -> None:
     c = dp_prefill
     async with httpx.AsyncClient(timeout=120) as client:
@@ -66,6 +70,7 @@ async def test_every_dp_rank_of_p_is_reachable_in_the_concurrent_flow(
         assert len(set(ports.values())) == 2, p  # each engine core has its own port
 
         before = _by_rank(c, "prefill", "vllm:request_success_total")
+        d_before = _by_rank(c, "decode", "vllm:request_success_total")
         pushed_before = metric_sum(c.metrics("decode"), "kvpush_transfers_total",
                                    role="consumer", outcome="pushed")
         prompts = [prompt_of_length(n, seed=next(_seeds)) for n in (60, 300, 700, 150) * 3]
@@ -84,4 +89,7 @@ async def test_every_dp_rank_of_p_is_reachable_in_the_concurrent_flow(
     after = _by_rank(c, "prefill", "vllm:request_success_total")
     grew = {rank: after[rank] - before.get(rank, 0.0) for rank in after}
     assert len(grew) == 2 and all(v > 0 for v in grew.values()), grew
+    d_after = _by_rank(c, "decode", "vllm:request_success_total")
+    d_grew = {rank: d_after[rank] - d_before.get(rank, 0.0) for rank in d_after}
+    assert len(d_grew) == 2 and all(v > 0 for v in d_grew.values()), d_grew
     assert c.wait_idle(timeout=60) == dict.fromkeys(c.engine_names, 0)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
-from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster, ClusterSpec, SharedReference
 from kvpush_prod.lab.tinymodel import prompt_of_length
 from kvpush_prod.transport.faults import FAULTS_ENV
 
@@ -35,13 +35,15 @@ _seeds = itertools.count(9100)
 
 
 @pytest.fixture(scope="module")
-def multichunk(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+def multichunk(e2e_workdir: Callable[[str], Path],
+               shared_reference: SharedReference) -> Iterator[Cluster]:
     workdir = e2e_workdir("e2e-multichunk")
     switch = workdir / "faults-active"
     switch.unlink(missing_ok=True)
     faults = {"complete_fail_rate": 0.3, "seed": 3, "active_file": str(switch)}
     spec = ClusterSpec(workdir=workdir, profile=PROFILE, prefill_kv_gib=1, decode_kv_gib=2,
-                       prefill_env={FAULTS_ENV: json.dumps(faults)})
+                       prefill_env={FAULTS_ENV: json.dumps(faults)},
+                       reference_url=shared_reference.url)
     with Cluster(spec) as c:
         yield c
 

@@ -28,14 +28,15 @@ TOKEN = "a" * 64
 
 
 @pytest.fixture(scope="module")
-def two_by_two(e2e_workdir) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+def two_by_two(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
     workdir = e2e_workdir("e2e-2x2")
     token = workdir / "admin.token"
     token.write_text(TOKEN)
     release_shared_clusters()  # five engines here: the session's shared pair must go
     spec = ClusterSpec(workdir=workdir, prefills=2, decodes=2,
                        prefill_kv_gib=1, decode_kv_gib=1, kv_load_failure_policy="recompute",
-                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)])
+                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)],
+                       reference_url=shared_reference.url)
     with Cluster(spec) as c:
         yield c
 

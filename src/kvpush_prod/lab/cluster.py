@@ -73,6 +73,9 @@ class ClusterSpec:
     # Tensor-parallel sizes (at most 4: the control ports reserved per engine).
     prefill_tp: int = 1
     decode_tp: int = 1
+    # A running single engine to compare answers with (``SharedReference``); the cluster
+    # then starts none of its own.
+    reference_url: str | None = None
 
 
 def tp_args(tp: int, core: str) -> tuple[list[str], str]:
@@ -114,6 +117,8 @@ class Cluster:
         self.procs: dict[str, Proc] = {}
         self.specs: dict[str, EngineSpec] = {}
         self.urls: dict[str, str] = {}
+        if spec.reference_url:
+            self.urls["reference"] = spec.reference_url
         self.prefill_names = role_names("prefill", spec.prefills)
         self.decode_names = role_names("decode", spec.decodes)
         # Four control ports per engine (TP ranks), one block for all of them.
@@ -185,7 +190,7 @@ class Cluster:
 
     def start(self, timeout: float = 600.0) -> Cluster:
         names = [*self.prefill_names, *self.decode_names] + (
-            ["reference"] if self.spec.reference else [])
+            ["reference"] if self.spec.reference and not self.spec.reference_url else [])
         for name in names:
             self.start_engine(name, wait=False)
         try:
@@ -266,3 +271,33 @@ class Cluster:
                 return last
             time.sleep(0.5)
         return last
+
+
+class SharedReference:
+    """One plain single engine of the lab's default tiny model (no connector) that many
+    clusters compare with (``ClusterSpec.reference_url``): each engine start costs a 2-core
+    box ~40 s of CPU. Only for clusters whose reference would be the same engine: the same
+    model and block size (the attention kernel's block size could change float sums) and
+    no engine arguments or batch limit of their own (``serves``)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.model = str(write_tiny_model(workdir / "tiny-llama", None))
+        self.spec = EngineSpec("reference", model=self.model, port=free_port(), cpu_bind="0")
+        self.log_dir = workdir / "logs"
+        self.url = f"http://127.0.0.1:{self.spec.port}"
+        self.proc: Proc | None = None
+
+    def start(self, timeout: float = 600.0) -> str:
+        if self.proc is None or not self.proc.alive():
+            self.proc = start_engine(self.spec, self.log_dir)
+            wait_healthy(self.url, self.proc, timeout)
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    @staticmethod
+    def serves(spec: ClusterSpec) -> bool:
+        return (spec.reference and spec.model is None and spec.block_size is None
+                and spec.max_num_seqs is None and not spec.engine_args)
