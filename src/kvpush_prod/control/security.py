@@ -166,7 +166,13 @@ def handshake_reason(event: int, value: int, outbound: bool) -> tuple[RejectReas
             return (RejectReason.PEER_HANDSHAKE_FAILED,
                     "the peer and this engine disagree on using keys (one runs without "
                     "control.key_file): configure keys on both")
-        if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return (RejectReason.PEER_HANDSHAKE_FAILED,
+                    "the handshake did not complete: it ran past its 5 s limit (seen on a "
+                    "host with more engine processes than cores), the peer dropped it, or "
+                    "the peer's key is not the one this engine holds for it (refresh the "
+                    "allow-list); ZMQ reconnects by itself")
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             return (RejectReason.PEER_HANDSHAKE_FAILED,
                     "the handshake failed; most often the peer's key is not the one this "
                     "engine holds for it (it was regenerated): refresh the allow-list")
