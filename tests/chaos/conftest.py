@@ -50,10 +50,8 @@ class ClusterPool:
             self.close()
         workdir = self.root / f"{group}-{len(self.starts)}"
         workdir.mkdir(parents=True, exist_ok=True)
-        spec = cluster_spec(needs, workdir)
-        if SharedReference.serves(spec):  # one reference engine for the session, not each
-            spec.reference_url = self.reference.url
-        cluster = Cluster(spec)
+        # One reference engine for the session, not one per cluster.
+        cluster = Cluster(self.reference.attach(cluster_spec(needs, workdir)))
         t0 = time.monotonic()
         cluster.start()
         self.starts.append((group, time.monotonic() - t0))

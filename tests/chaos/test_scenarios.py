@@ -30,26 +30,29 @@ GROUPS = {
     "write30": ("write_failures", "recompute"),
     "switch": ("bad_peer", "fail"),
 }
-FULL = pytest.mark.full  # the full run only (KVPUSH_E2E_EXTRA=1): see below
+def case(group: str, name: str, extra: dict[str, Any], full: bool = False) -> Any:
+    """One scenario on its group's cluster; ``full``: in the full run only
+    (KVPUSH_E2E_EXTRA=1)."""
+    return pytest.param(group, name, extra, id=name, marks=pytest.mark.full if full else ())
+
+
 CASES = [
-    ("plain", "kill_prefill", {}),
-    ("plain", "kill_decode", {}),
+    case("plain", "kill_prefill", {}),
+    case("plain", "kill_decode", {}),
     # Three restarts, ~4 min: kill_prefill and kill_decode restart their victims in CI.
-    pytest.param("plain", "restart_under_load",
-                 {"events": "prefill:term,decode:kill,prefill:rolling"}, marks=FULL),
+    case("plain", "restart_under_load",
+         {"events": "prefill:term,decode:kill,prefill:rolling"}, full=True),
     # Its own cluster, ~2 min: tests/e2e/test_multichunk.py fails 30% of WRITEs on the
     # same profile in CI and checks retries, caps and pulls only after retries.
-    pytest.param("write30", "write_failures", {}, marks=FULL),
-    ("switch", "bad_peer", {"heal_timeout": 240.0}),
-    ("switch", "stall_prefill", {"stall_s": 9.0}),
-    ("switch", "client_cancel", {}),
+    case("write30", "write_failures", {}, full=True),
+    case("switch", "bad_peer", {"heal_timeout": 240.0}),
+    case("switch", "stall_prefill", {"stall_s": 9.0}),
+    case("switch", "client_cancel", {}),
 ]
 _REPORTS: list[dict[str, Any]] = []
 
 
-@pytest.mark.parametrize(("group", "name", "extra"), CASES,
-                         ids=["kill_prefill", "kill_decode", "restart_under_load",
-                              "write_failures", "bad_peer", "stall_prefill", "client_cancel"])
+@pytest.mark.parametrize(("group", "name", "extra"), CASES)
 def test_chaos_scenario_verdict_is_pass(cluster_pool: Any, reports_dir: Path, group: str,
                                         name: str, extra: dict[str, Any]) -> None:
     definer, policy = GROUPS[group]

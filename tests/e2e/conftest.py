@@ -44,9 +44,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     block_size = request.param
     spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
                        block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
-    if SharedReference.serves(spec):
-        spec.reference_url = shared_reference.url
-    with Cluster(spec) as c:
+    with Cluster(shared_reference.attach(spec)) as c:
         SHARED.append(c)
         yield c
         SHARED.remove(c)

@@ -42,9 +42,8 @@ def dp_prefill(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ign
                        prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                        decode_args=["--data-parallel-size", "2"],
                        decode_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                       router_args=["--admin-token-file", str(token)],
-                       reference_url=shared_reference.url)
-    with Cluster(spec) as c:
+                       router_args=["--admin-token-file", str(token)])
+    with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
 

@@ -43,10 +43,9 @@ JUNK_LAYOUT = m.Layout("not-this-model", "DRAM", [m.Region(4096, 4096, 4096, 8)]
 @pytest.fixture(scope="module")
 def cluster(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
     spec = ClusterSpec(workdir=e2e_workdir("e2e-hostile"), extra_keys=("intruder",),
-                       reference_url=shared_reference.url,
                        kv_load_failure_policy="recompute",
                        extra={"control": {"max_peers": MAX_PEERS}})
-    with Cluster(spec) as c:
+    with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
 

@@ -42,9 +42,8 @@ def multichunk(e2e_workdir: Callable[[str], Path],
     switch.unlink(missing_ok=True)
     faults = {"complete_fail_rate": 0.3, "seed": 3, "active_file": str(switch)}
     spec = ClusterSpec(workdir=workdir, profile=PROFILE, prefill_kv_gib=1, decode_kv_gib=2,
-                       prefill_env={FAULTS_ENV: json.dumps(faults)},
-                       reference_url=shared_reference.url)
-    with Cluster(spec) as c:
+                       prefill_env={FAULTS_ENV: json.dumps(faults)})
+    with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
 

@@ -35,9 +35,8 @@ def two_by_two(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ign
     release_shared_clusters()  # five engines here: the session's shared pair must go
     spec = ClusterSpec(workdir=workdir, prefills=2, decodes=2,
                        prefill_kv_gib=1, decode_kv_gib=1, kv_load_failure_policy="recompute",
-                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)],
-                       reference_url=shared_reference.url)
-    with Cluster(spec) as c:
+                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)])
+    with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
 

@@ -162,7 +162,7 @@ class Sender:
         # a cancelled or aborted transfer are freed unpushed when they come
         self._tombstones: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
         # transfer id -> (until, origin): a REGISTER P refused as incompatible before it knew
-        # the transfer; ends the transfer at once if the router names that origin its decode
+        # the transfer's owner; ends it at once if the router names that origin its decode
         self._refused: OrderedDict[str, tuple[float, str]] = OrderedDict()
         # The peer directory: D rank (origin, rank slot: identity.peer_slot) -> the info P
         # met it with, least recently
@@ -291,9 +291,9 @@ class Sender:
                 self._tombstone(reg.transfer_id, now, origin)
                 self._fire(o, E.CANCEL, now)
                 out += self._close(o, Outcome.FAILED)
-            elif o is None:
-                # Not known yet: remembered, and believed only for the decode engine the
-                # router names for it (_require); then its blocks go when they come.
+            else:
+                # Not known yet, or its owner not: remembered, and believed only for the
+                # decode engine the router names for it (_require); then its blocks go.
                 self._refused[reg.transfer_id] = (now + self.s.tombstone_s, origin)
                 self._refused.move_to_end(reg.transfer_id)
                 while len(self._refused) > self.s.max_tombstones:

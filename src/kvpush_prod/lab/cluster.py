@@ -301,3 +301,9 @@ class SharedReference:
     def serves(spec: ClusterSpec) -> bool:
         return (spec.reference and spec.model is None and spec.block_size is None
                 and spec.max_num_seqs is None and not spec.engine_args)
+
+    def attach(self, spec: ClusterSpec) -> ClusterSpec:
+        """``spec``, comparing with this engine when it ``serves`` it (else unchanged)."""
+        if self.serves(spec):
+            spec.reference_url = self.url
+        return spec
