@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.worker import MIN_WAIT_S, TransferPump, WorkerSide
+from kvpush_prod.connector.metadata import PushMetadata
+from kvpush_prod.connector.worker import MIN_WAIT_S, STEADY_STEP_S, TransferPump, WorkerSide
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.core.commands import RegisterBlocks
 from kvpush_prod.core.vocabulary import Side
@@ -70,6 +71,40 @@ def test_the_pump_never_waits_less_than_1_ms_while_its_chunks_are_in_flight() ->
     assert pair.tx.posts  # posted, none completed (the last waits for the others)
     assert min(waits.timeouts) >= MIN_WAIT_S
     assert waits.timeouts[-1] == pytest.approx(1e-3)  # active_poll_ms: 1, the floor
+
+
+def test_d_backs_off_while_forwards_come_and_polls_fast_once_they_stop() -> None:
+    """While D's engine runs forwards (each step polls the transport), D's pump waits
+    until STEADY_STEP_S after the last one instead of every 1 ms; steps without a forward
+    (D only waiting for KV) and the time after the last forward keep the 1 ms floor."""
+    pair = Pair()
+    pair.d.request_of["t"] = "d-t"
+    pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
+    pair.d._pass(False)
+    assert pair.d._busy()
+    active, idle = 1e-3, 0.05
+    assert pair.d._period(active, idle) == pytest.approx(active)  # no forward yet
+    worker = WorkerSide(pair.d.cfg, Side.CONSUMER, "D", 0, 1, 0, "sig", 100)
+    worker._rx = pair.d
+    worker.on_metadata(PushMetadata())  # a step without a forward
+    assert pair.d._period(active, idle) == pytest.approx(active)
+    worker.on_metadata(PushMetadata(forward=True))
+    steady = pair.d._period(active, idle)
+    assert STEADY_STEP_S - 1e-3 < steady <= STEADY_STEP_S
+    pair.d._last_forward -= STEADY_STEP_S  # no forward since
+    assert pair.d._period(active, idle) == pytest.approx(active)
+
+
+def test_p_keeps_its_1_ms_polls_while_its_engine_runs_forwards() -> None:
+    """P's pump never backs off: P's steps do not watch its pushes' completions."""
+    pair = Pair()
+    pair.tx.fates = ["PROC"] * 3
+    pair.push()
+    worker = WorkerSide(pair.p.cfg, Side.PRODUCER, "P", 0, 1, 0, "sig", 100)
+    worker._tx = pair.p
+    worker.on_metadata(PushMetadata(forward=True))
+    assert pair.p._busy()
+    assert pair.p._period(1e-3, 0.05) == pytest.approx(1e-3)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux /proc only")

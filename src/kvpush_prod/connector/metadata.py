@@ -70,6 +70,9 @@ class PushMetadata(KVConnectorMetadata):
     send: list[SendSpec] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)  # transfer ids whose request finished
     abort_send: list[str] = field(default_factory=list)  # transfer ids
+    # This step runs a forward (tokens scheduled), not only the connector's own look: D's
+    # pump backs off while forwards come (``worker.STEADY_STEP_S``). Not work by itself.
+    forward: bool = False
 
     def empty(self) -> bool:
         return not (self.wait_admission or self.admission_over or self.recv or self.not_needed

@@ -157,7 +157,9 @@ class SchedulerSide:
         return None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
-        return self.take_meta()
+        meta = self.take_meta()
+        meta.forward = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+        return meta
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
