@@ -30,11 +30,12 @@ def sender_with_facts() -> Sender:
 
 def test_differences_name_both_values_and_skip_what_one_side_does_not_name() -> None:
     mine = {**FACTS}
-    theirs = {**FACTS, "dtype": "torch.float16", "block_size": "32"}
+    theirs = {**FACTS, "dtype": "torch.float16", "kv_cache_dtype": "fp8"}
+    mine["kv_cache_dtype"] = "auto"
     theirs.pop("revision")
     assert compat.differences(mine, theirs) == [
         "dtype: 'torch.bfloat16' here, 'torch.float16' on the peer",
-        "block_size: '16' here, '32' on the peer"]
+        "kv_cache_dtype: 'auto' here, 'fp8' on the peer"]
     assert compat.differences(mine, {}) == []  # an older peer names no facts
 
 
@@ -81,7 +82,7 @@ def test_the_refused_transfer_frees_its_blocks_at_once_not_after_the_send_lease(
 
     s = sender_with_facts()
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=D.control)
-    out = s.on_message(register(sender_info=with_facts(D, block_size="32")), 0.0,
+    out = s.on_message(register(sender_info=with_facts(D, dtype="torch.float16")), 0.0,
                        origin=D.control)
     assert msgs(out, m.Failed)
     assert of(s.hold("t"), ReleaseSend)  # freed as soon as vLLM hands the blocks over
@@ -95,7 +96,7 @@ def test_a_refusal_before_p_knows_the_transfer_frees_it_once_the_router_names_th
     from kvpush_prod.core.actions import ReleaseSend
 
     s = sender_with_facts()
-    out = s.on_message(register(sender_info=with_facts(D, block_size="32")), 0.0,
+    out = s.on_message(register(sender_info=with_facts(D, dtype="torch.float16")), 0.0,
                        origin=D.control)
     assert msgs(out, m.Failed)
     s.expect_blocks("t", 0.1, owner=D.control)
@@ -108,7 +109,7 @@ def test_a_refusal_before_p_knows_the_transfer_never_ends_another_ds_transfer() 
     from kvpush_prod.core.actions import ReleaseSend
 
     s = sender_with_facts()
-    intruder = msgspec.structs.replace(with_facts(D, block_size="32"), control="tcp://x:1")
+    intruder = msgspec.structs.replace(with_facts(D, dtype="torch.float16"), control="tcp://x:1")
     s.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
     s.blocks_ready("t", [1, 2, 3], 0.1, owner=D.control)  # the router named another D
     assert of(s.hold("t"), ReleaseSend) == []
@@ -126,7 +127,7 @@ def test_an_incompatible_engine_cannot_end_a_transfer_it_does_not_own() -> None:
     registers a transfer whose owner is not known yet must not end it."""
     s = sender_with_facts()
     s.blocks_ready("t", [1, 2, 3], 0.0)  # no decode named by the router
-    intruder = msgspec.structs.replace(with_facts(D, block_size="32"), control="tcp://x:1")
+    intruder = msgspec.structs.replace(with_facts(D, dtype="torch.float16"), control="tcp://x:1")
     s.on_message(register(sender_info=intruder), 0.0, origin="key-of-intruder")
     assert of(s.on_message(register(sender_info=with_facts(D)), 0.1, origin=D.control),
               PostWrite)

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush_prod.config import config_from_extra
 from kvpush_prod.connector.compat import layout_facts, total_kv_heads
+from kvpush_prod.connector.cpu_layout import cpu_token_pattern
 from kvpush_prod.connector.metadata import PushMetadata, PushWorkerMeta
 from kvpush_prod.connector.scheduler import SchedulerSide, scheduler_side
 from kvpush_prod.connector.stats import KvpushPromMetrics, KvpushStats
@@ -52,13 +53,17 @@ logger = logging.getLogger(__name__)
 
 
 def rank_heads(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> Heads:
-    """This rank's KV heads and tensor-parallel place, for the layout (``Layout.kv_heads``)."""
+    """This rank's KV heads and tensor-parallel place, for the layout (``Layout.kv_heads``),
+    and the block and head sizes that locate each token's bytes in a block."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+    block_size = int(getattr(spec, "block_size", 0) or 0)
+    head_size = int(getattr(spec, "head_size", 0) or 0)
     return Heads(local=1 if mla else int(getattr(spec, "num_kv_heads", 0) or 0),
                  total=total_kv_heads(vllm_config),
                  tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-                 tp_rank=tp_rank, replicated=mla)
+                 tp_rank=tp_rank, replicated=mla, block_size=block_size, head_size=head_size,
+                 token_pattern=cpu_token_pattern(vllm_config, block_size, head_size))
 
 
 def unsupported_topology(parallel: Any) -> None:

@@ -26,7 +26,7 @@ from kvpush_prod.config.core import core_settings
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
-from kvpush_prod.core import messages, tpmap
+from kvpush_prod.core import blocksize, messages, tpmap
 from kvpush_prod.core.actions import (
     Action,
     Note,
@@ -63,7 +63,7 @@ from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
-from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches
+from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches, unit_pieces
 from kvpush_prod.transport.nixl import NixlTransport, make_agent
 
 if TYPE_CHECKING:
@@ -705,7 +705,8 @@ class TransferPump(threading.Thread, Generic[E]):
         regions = peer.local.regions if peer.local is not None else None
         return self._post(action.chunk_id, action.transfer_id, "WRITE", peer,
                           action.src_blocks, action.dst_blocks,
-                          self._done_notif(action, regions))
+                          self._done_notif(action, regions,
+                                           peer.local_k if peer.unit_tokens else 0))
 
     def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
         return self._post(action.chunk_id, action.transfer_id, "READ", peer,
@@ -790,13 +791,15 @@ class TransferPump(threading.Thread, Generic[E]):
 
     # -- the data plane
     def _done_notif(self, action: PostWrite,
-                    regions: list[messages.Region] | None = None) -> bytes:
+                    regions: list[messages.Region] | None = None, units: int = 0) -> bytes:
+        """The DONE the last WRITE carries (``units``: ids are units, that many per block)."""
         if action.done is None:
             return b""
         done = action.done
         if self._verify:
             blocks = list(action.all_src or action.src_blocks)
-            done = msgspec.structs.replace(done, checksum=self._checksum(blocks, regions))
+            done = msgspec.structs.replace(done,
+                                           checksum=self._checksum(blocks, regions, units))
         return messages.encode_done(done)
 
     def _post(self, chunk_id: int, tid: str, op: Op, peer: RemotePeer,
@@ -807,7 +810,8 @@ class TransferPump(threading.Thread, Generic[E]):
             handle = self.transport.post(op, peer, list(local), list(remote), notif)
         except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
             return chunk_error(exc)
-        nbytes = len(local) * self._block_bytes
+        # Ids are units when block sizes differ: each is 1/local_k of one of our blocks.
+        nbytes = len(local) * self._block_bytes // (peer.local_k if peer.unit_tokens else 1)
         self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif),
                    post_ms=round(1000 * (time.monotonic() - t0), 3))
         self._handles[chunk_id] = (handle, t0, nbytes)
@@ -841,11 +845,20 @@ class TransferPump(threading.Thread, Generic[E]):
             logger.warning("kvpush: chunk %d failed: %s", cid, error)
         self.driver.completed(cid, error)
 
-    def _checksum(self, blocks: list[int], regions: list[messages.Region] | None = None) -> int:
-        """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout)."""
+    def _checksum(self, blocks: list[int], regions: list[messages.Region] | None = None,
+                  units: int = 0) -> int:
+        """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout).
+
+        ``units`` > 0: the ids are units, that many per block (P and D block sizes differ),
+        read piece by piece in the order region, unit, token group: the same bytes in the
+        same order on both sides whatever their block sizes."""
         crc = 0
         for region in regions if regions is not None else self.transport.layout.regions:
             for b in blocks:
+                if units:
+                    for addr, size in unit_pieces(region, b, units):
+                        crc = zlib.crc32(ctypes.string_at(addr, size), crc)
+                    continue
                 addr = region.base + b * region.block_stride
                 crc = zlib.crc32(ctypes.string_at(addr, region.block_len), crc)
         return crc
@@ -991,8 +1004,15 @@ class ReceiverPump(TransferPump[Receiver]):
         if done.checksum >= 0:
             blocks = rx.blocks_of(done.transfer_id)
             if blocks is not None:
-                verified = self._checksum(blocks, self.views.get(done.transfer_id)) \
-                    == done.checksum
+                units = 0
+                if done.unit_tokens:  # P's block size differs: the crc runs over units
+                    size = self.transport.layout.block_size
+                    units = size // done.unit_tokens if size % done.unit_tokens == 0 else 0
+                    blocks = blocksize.expand(blocks, units)[:done.num_blocks] if units \
+                        else []
+                verified = bool(blocks) or not done.unit_tokens
+                verified = verified and self._checksum(
+                    blocks, self.views.get(done.transfer_id), units) == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
         return rx.on_done(done, now, verified, agent)

@@ -6,7 +6,8 @@ prefill engine refuses a decode rank whose facts differ in any of ``MUST_MATCH``
 into such a cache would be garbage, or worse, plausible tokens of another model), naming
 each difference with both values. ``INFORMATIVE`` facts (the kvpush version) may differ
 during a rolling upgrade: they are shown, never refused. Protocol versions are refused
-earlier, when a message is decoded.
+earlier, when a message is decoded. Block sizes may differ where one divides the other and
+both layouts tell where each token's bytes are (``block_size_problem``, ``core.blocksize``).
 """
 
 from __future__ import annotations
@@ -14,21 +15,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from kvpush_prod.core import tpmap
-from kvpush_prod.core.messages import Layout
+from kvpush_prod.core import blocksize, tpmap
+from kvpush_prod.core.messages import Layout, Region
 
 # What both engines must share for a block's bytes to mean the same thing on both. The
 # tensor-parallel size may differ (``core.tpmap`` maps heads across ranks); ``num_kv_heads``
-# is the model's total.
-MUST_MATCH = ("model", "revision", "model_type", "dtype", "kv_cache_dtype", "block_size",
+# is the model's total. So may the block size (``block_size_problem``).
+MUST_MATCH = ("model", "revision", "model_type", "dtype", "kv_cache_dtype",
               "num_layers", "num_kv_heads", "head_size", "kv_cache_layout")
-INFORMATIVE = ("kvpush", "tp_size")
+INFORMATIVE = ("kvpush", "tp_size", "block_size")
 
 
 def signature_of(facts: Mapping[str, str]) -> str:
     """The layout hash of ``facts``: what must match for a KV head's bytes to mean the same
     on both sides (``MUST_MATCH`` and the attention kind; never the TP size: ranks are
-    mapped onto each other by heads). One list, so the hash and the named refusal agree."""
+    mapped onto each other by heads; nor the block size: blocks are converted through units,
+    ``block_size_problem``). One list, so the hash and the named refusal agree."""
     text = "|".join(f"{k}={facts.get(k, '')}" for k in (*MUST_MATCH, *ATTENTION_FACTS))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -56,8 +58,8 @@ def describe(mine: Mapping[str, str], theirs: Mapping[str, str]) -> str:
             if k in mine and k in theirs and mine[k] != theirs[k]]
     parts = diff or ["the KV layouts differ (no named fact explains it: region sizes)"]
     return ("; ".join(parts + info) + ". Prefill and decode must serve the same model "
-            "(same --served-model-name and --revision), with the same dtype, KV cache dtype "
-            "and block size")
+            "(same --served-model-name and --revision), with the same dtype and KV cache "
+            "dtype")
 
 
 def tp_problem(p: Layout, d: Layout) -> str:
@@ -92,10 +94,82 @@ def tp_problem(p: Layout, d: Layout) -> str:
     for a, b in zip(p.regions, d.regions, strict=False):
         pa = a.block_len if pc.whole_p else a.block_len // pc.p_local * pc.heads
         da = b.block_len if pc.whole_d else b.block_len // pc.d_local * pc.heads
-        if pa != da:
+        # Blocks of different sizes (block_size_problem): bytes per token must agree.
+        pb, db = (p.block_size, d.block_size) if blocksize.converts(p, d) else (1, 1)
+        if pa * db != da * pb:
             return (f"{sizes}: {pc.heads} KV heads are {pa} B per block on the prefill and "
                     f"{da} B on the decode; the models' KV shapes differ")
     return ""
+
+
+def block_size_problem(p: Layout, d: Layout) -> str:
+    """Why prefill rank ``p`` and decode rank ``d`` cannot exchange KV across their block
+    sizes ("" if they can, or if the sizes are equal): the larger must be a multiple of the
+    smaller, and every region on both sides must tell where each token's bytes are
+    (``Region.tok_groups``), with the same token groups per KV head, of the same bytes per
+    token."""
+    if p.block_size == d.block_size or not (p.block_size and d.block_size):
+        return ""
+    sizes = f"--block-size {p.block_size} on the prefill, {d.block_size} on the decode"
+    fix = ("; run both with the same --block-size, or sizes where one divides the other on "
+           "a KV layout that stores tokens in an order kvpush can tell inside a block "
+           "(vLLM's CPU backend, probed at start-up; NHD or HND on GPUs; MLA)")
+    small, large = sorted((p.block_size, d.block_size))
+    if large % small:
+        return f"KV block sizes differ ({sizes}): neither divides the other{fix}"
+    if len(p.regions) != len(d.regions):
+        return f"KV block sizes differ ({sizes}) and so do the region counts{fix}"
+    for side, lay in (("prefill", p), ("decode", d)):
+        count = unit_descriptor_count(lay, small)
+        if count > MAX_UNIT_DESCRIPTORS:
+            return (f"KV block sizes differ ({sizes}): moving {small}-token units of the "
+                    f"{side}'s KV cache takes {count} NIXL descriptors, over "
+                    f"{MAX_UNIT_DESCRIPTORS} (a KV cache this large, or one whose token "
+                    f"groups are this many, costs gigabytes of descriptors){fix}")
+    for i, (a, b) in enumerate(zip(p.regions, d.regions, strict=True)):
+        if not (a.tok_groups and b.tok_groups):
+            return (f"KV block sizes differ ({sizes}): the token layout inside a block of "
+                    f"KV region {i} is not known on the "
+                    f"{'prefill' if not a.tok_groups else 'decode'}{fix}")
+        ta, tb = _token_sizes(a, p), _token_sizes(b, d)
+        if ta != tb:
+            return (f"KV block sizes differ ({sizes}): a block of KV region {i} holds, per "
+                    f"KV head, token groups of {_sizes_text(ta)} B per token on the "
+                    f"prefill, {_sizes_text(tb)} B on the decode{fix}")
+    return ""
+
+
+# Descriptors one side prepares for units when block sizes differ (each is 24 B in the
+# list handed to NIXL, more inside it, per peer): past this the conversion is refused.
+MAX_UNIT_DESCRIPTORS = 1 << 23
+
+
+def unit_descriptor_count(lay: Layout, unit: int) -> int:
+    """How many unit pieces ``lay`` lists for ``unit``-token units: per region, its blocks
+    times units per block times token groups (an upper bound for a rank's head slab)."""
+    k = blocksize.per_block(lay, unit)
+    return sum(r.num_blocks * k * max(r.tok_groups, 1) for r in lay.regions)
+
+
+def _token_sizes(r: Region, lay: Layout) -> list[int]:
+    """Bytes per token of each token group of one KV head's slab of a block of ``r`` (the
+    whole block when the layout is not head-major)."""
+    if r.tok_pattern:
+        sizes = [b for n, b in r.tok_pattern for _ in range(n)] * (
+            r.tok_groups // sum(n for n, _ in r.tok_pattern))
+    else:
+        sizes = [r.block_len // (r.tok_groups * lay.block_size)] * r.tok_groups
+    return sizes[:len(sizes) // lay.kv_heads] if lay.kv_heads else sizes
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    runs: list[list[int]] = []
+    for x in sizes:
+        if runs and runs[-1][1] == x:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, x])
+    return " + ".join(f"{n} x {x}" if n > 1 else str(x) for n, x in runs)
 
 
 def layout_problem(p: Layout, d: Layout) -> str:
@@ -105,14 +179,18 @@ def layout_problem(p: Layout, d: Layout) -> str:
     diff = differences(p.facts, d.facts)
     if diff:
         return describe(p.facts, d.facts)
-    why = tp_problem(p, d)
+    why = block_size_problem(p, d) or tp_problem(p, d)
     if why:
         return why
     if p.compat != d.compat or len(p.regions) != len(d.regions):
         return describe(p.facts, d.facts)
+    if blocksize.converts(p, d):
+        return ""
     if p.tp_size == d.tp_size and not p.replicated and any(
             a.block_len != b.block_len for a, b in zip(p.regions, d.regions, strict=True)):
-        return "KV block sizes differ"
+        return (f"KV block sizes differ ({p.regions[0].block_len} B per block on the "
+                f"prefill, {d.regions[0].block_len} B on the decode): run both with the "
+                "same --block-size")
     return ""
 
 

@@ -40,7 +40,10 @@ NOTIF_PREFIX = b"KVP1"
 class Region(msgspec.Struct, frozen=True):
     """One registered KV memory region, seen as ``num_blocks`` equal block slots.
 
-    Block ``b`` of the region occupies ``[base + b * block_stride, + block_len)``.
+    Block ``b`` of the region occupies ``[base + b * block_stride, + block_len)``. Inside a
+    slot, ``tok_groups`` groups of the layout's ``block_size`` tokens, each token's bytes
+    together (``[groups][tokens][bytes]``); 0 when the tensor does not tell (then no
+    conversion between block sizes). ``tok_pattern`` sizes the groups when they differ.
     """
 
     base: U63
@@ -48,6 +51,14 @@ class Region(msgspec.Struct, frozen=True):
     block_len: Annotated[int, Meta(ge=1, le=1 << 40)]
     num_blocks: Annotated[int, Meta(ge=1, le=MAX_BLOCKS)]
     dev_id: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    tok_groups: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    # The groups' token sizes when they are not all alike: one repeat of (groups, bytes per
+    # token) runs, repeated through the block (vLLM's CPU "vec" kernel: per head, K as
+    # head_size groups of one element per token, then V as one group of head_size); empty:
+    # every group ``block_len / (tok_groups * block_size)`` bytes per token.
+    tok_pattern: Annotated[list[tuple[Annotated[int, Meta(ge=1, le=1 << 20)],
+                                      Annotated[int, Meta(ge=1, le=1 << 30)]]],
+                           Meta(max_length=4096)] = []
 
 
 MAX_FACTS = 32  # named facts of a layout (model, dtype, block size, versions, ...)
@@ -61,7 +72,7 @@ class Layout(msgspec.Struct, frozen=True):
     ``facts`` name what ``compat`` hashes (and the model, its revision and the versions),
     so a mismatch can be reported value by value (``core.compat``)."""
 
-    compat: Id  # hash of model shape, dtype, block size, region block lengths per KV head
+    compat: Id  # hash of model shape, dtype, per-token bytes of each region per KV head
     mem_type: Literal["DRAM", "VRAM"]
     regions: Annotated[list[Region], Meta(max_length=MAX_REGIONS)]
     facts: Annotated[dict[FactName, FactValue], Meta(max_length=MAX_FACTS)] = {}
@@ -74,6 +85,9 @@ class Layout(msgspec.Struct, frozen=True):
     kv_heads: Annotated[int, Meta(ge=0, le=65_536)] = 0
     total_kv_heads: Annotated[int, Meta(ge=0, le=65_536)] = 0
     replicated: bool = False
+    # Tokens per KV block (vLLM's --block-size), 0 when not told: the two sides may differ
+    # when every region's token geometry is known (``core.blocksize``).
+    block_size: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -189,6 +203,9 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     num_blocks: Count
     checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1  # crc32 of the blocks P wrote when verification is on, else -1
     attempt: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    # Tokens per unit when P and D block sizes differ (``num_blocks`` then counts units and
+    # the checksum runs over unit pieces, ``core.blocksize``); 0: whole blocks.
+    unit_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class DoneQuery(msgspec.Struct, tag="done_query", frozen=True):

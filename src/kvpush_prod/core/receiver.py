@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpush_prod.core import compat
+from kvpush_prod.core import blocksize, compat
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
@@ -108,6 +108,10 @@ class _Receive:
     # DONEs of last-chunk posts below this attempt are void: D told P (DoneState pending)
     # they had not arrived, so P posts the last chunk again.
     void_below: int = 0
+    # A pull: ``blocks`` as the ids the FALLBACK's pair with (units when P's block size
+    # differs, core.blocksize), and the bytes of one of them on this rank.
+    pull: list[int] = field(default_factory=list)
+    pull_bytes: int = 0
 
 
 @dataclass
@@ -427,15 +431,15 @@ class Receiver:
                                          now - age, self.s.stop_margin_s)
         out: list[Action] = [ConnectPeer(msg.sender), Note(NoteKind.FALLBACK, msg.reason.split(":")[0]
                                                            or "push_failed", msg.reason)]
-        self.reads.add(rx.tid, msg.sender.agent_name, self.s.block_bytes, len(rx.blocks),
+        self.reads.add(rx.tid, msg.sender.agent_name, rx.pull_bytes, len(rx.pull),
                        rx.read_permit.expires_at, now)
         return out + self.poll(now)
 
     def _fallback_problem(self, rx: _Receive, msg: Fallback) -> str:
         """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours, and
         the agent its own (not one D met for another prefill engine)."""
-        if len(msg.block_ids) != len(rx.blocks) or msg.permit_ttl_ms <= 0:
-            return f"{len(msg.block_ids)} blocks for {len(rx.blocks)}"
+        if msg.permit_ttl_ms <= 0:
+            return f"a read permit of {msg.permit_ttl_ms} ms"
         agent = msg.sender.agent_name
         if not owns_agent(rx.owner, agent):
             return f"agent {agent[:64]!r} is not named for the prefill's key"
@@ -447,9 +451,26 @@ class Receiver:
             if problem:
                 return (f"prefill KV layout {theirs.compat} is not this engine's "
                         f"{mine.compat}: {problem}")
-        limit = min((r.num_blocks for r in theirs.regions), default=0)
+        # P's block size differs: both sides' ids are units of the smaller block size.
+        u = blocksize.unit_tokens(theirs.block_size, mine.block_size) \
+            if mine is not None and blocksize.converts(theirs, mine) else 0
+        pull: list[int] | str
+        if u and mine is not None:
+            pull = blocksize.pull_units(mine, theirs, rx.blocks, len(msg.block_ids))
+        elif len(msg.block_ids) != len(rx.blocks):
+            pull = f"{len(msg.block_ids)} blocks for {len(rx.blocks)}"
+        else:
+            pull = list(rx.blocks)
+        if isinstance(pull, str):
+            return pull
+        limit = blocksize.unit_limit(theirs, u) if u else \
+            min((r.num_blocks for r in theirs.regions), default=0)
         if any(b >= limit for b in msg.block_ids):
-            return f"block ids outside the prefill KV cache of {limit} blocks"
+            what = f"units of {u} tokens" if u else "blocks"
+            return f"block ids outside the prefill KV cache of {limit} {what}"
+        rx.pull = pull
+        k = blocksize.per_block(mine, u) if u and mine is not None else 1
+        rx.pull_bytes = self.s.block_bytes // k
         return ""
 
     def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
@@ -496,7 +517,7 @@ class Receiver:
             self._chunks[chunk.id] = (chunk, rx.tid)
             rx.reads.add(chunk.id)
             out.append(PostRead(rx.tid, rx.generation, chunk.id, rx.fallback.sender.agent_name,
-                                tuple(rx.blocks[chunk.start:chunk.end]),
+                                tuple(rx.pull[chunk.start:chunk.end]),
                                 tuple(rx.fallback.block_ids[chunk.start:chunk.end]),
                                 chunk.nbytes))
         for tid in self.reads.take_expired():

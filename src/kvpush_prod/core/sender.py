@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvpush_prod.core import compat
+from kvpush_prod.core import blocksize, compat
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
@@ -143,6 +143,9 @@ class _Out:
     released: bool = False
     pushed_bytes: int = 0
     confirm: _Confirm | None = None  # the last chunk failed: waiting for D's DoneState
+    # What is pushed, in units when D's block size differs (core.blocksize); planned from
+    # ``blocks`` and ``reg`` as they are when the push starts, never from a plan before.
+    units: blocksize.Units | None = None
 
 
 class Sender:
@@ -579,11 +582,14 @@ class Sender:
                 self.sched.on_chunk_failed(chunk.id, now, give_up=True)
                 continue
             reg = o.reg
-            first = reg.first_block
+            units = o.units
+            if units is None:
+                self.sched.on_chunk_failed(chunk.id, now, give_up=True)
+                continue
             done = None
             if chunk.is_last:
-                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(reg.block_ids),
-                            attempt=chunk.attempt)
+                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(units.dst),
+                            attempt=chunk.attempt, unit_tokens=units.unit_tokens)
             self._chunks[chunk.id] = (chunk, o.tid)
             o.inflight.add(chunk.id)
             if o.machine.state is S.RETRYING:
@@ -594,10 +600,10 @@ class Sender:
                 o.ready_at = -1.0
             out.append(PostWrite(
                 o.tid, reg.generation, chunk.id, o.peer,
-                tuple(o.blocks[first + chunk.start:first + chunk.end]),
-                tuple(reg.block_ids[chunk.start:chunk.end]),
+                tuple(units.src[chunk.start:chunk.end]),
+                tuple(units.dst[chunk.start:chunk.end]),
                 chunk.nbytes, done,
-                tuple(o.blocks[first:]) if chunk.is_last else (),
+                tuple(units.src) if chunk.is_last else (),
             ))
         capped = self.sched.capped()
         if capped != self._capped:
@@ -842,26 +848,50 @@ class Sender:
         if self.s.fallback and not self.breakers.allow(o.peer, now):
             # Repeated failures to this D: straight to pull until a probe push succeeds.
             return [Note(NoteKind.FALLBACK, "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
-        self.sched.add(o.tid, o.peer, self.s.block_bytes, len(reg.block_ids),
+        assert o.units is not None
+        self.sched.add(o.tid, o.peer, self._unit_bytes(o.units), len(o.units.dst),
                        o.permit.expires_at, now)
         o.queued, o.ready_at = True, now
         return self.poll(now)
 
     def _check(self, o: _Out, reg: Register) -> str:
+        """Why ``reg`` cannot be pushed into ("" if it can; then ``o.units`` is the plan)."""
         blocks = o.blocks or []
+        o.units = None
         info = self._peers.get((o.owner, peer_slot(reg.sender.engine_id, reg.sender.rank)))
         if info is None or info.agent_name != o.peer or not o.peer:
             return (f"REGISTER of {reg.transfer_id}: no connected decode agent for "
                     f"{reg.sender.engine_id} rank {reg.sender.rank}")
         layout = info.layout  # what P connected to, not what the message says
-        limit = min((r.num_blocks for r in layout.regions), default=0) if layout else 0
-        if reg.first_block < 0 or reg.first_block + len(reg.block_ids) != len(blocks):
+        mine = self.me.layout
+        if reg.first_block < 0:
             return (f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
                     f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here")
-        bad = [b for b in reg.block_ids if b < 0 or b >= limit]
+        if layout is not None and mine is not None:
+            plan = blocksize.push_units(mine, layout, blocks, list(reg.block_ids),
+                                        reg.first_block, reg.num_tokens)
+        elif reg.first_block + len(reg.block_ids) != len(blocks):
+            plan = (f"{len(reg.block_ids)} blocks from block {reg.first_block}, but the "
+                    f"prompt fills {len(blocks)} blocks here")
+        else:
+            plan = blocksize.Units(blocks[reg.first_block:], list(reg.block_ids),
+                                   reg.first_block, 0)
+        if isinstance(plan, str):
+            return f"REGISTER of {reg.transfer_id} has {plan}"
+        what = f"units of {plan.unit_tokens} tokens" if plan.unit_tokens else "blocks"
+        limit = (blocksize.unit_limit(layout, plan.unit_tokens) if plan.unit_tokens
+                 else min((r.num_blocks for r in layout.regions), default=0)) if layout else 0
+        bad = [b for b in plan.dst if b < 0 or b >= limit]
         if bad:
-            return f"block ids {bad[:5]} outside the decode KV cache of {limit} blocks"
+            return f"block ids {bad[:5]} outside the decode KV cache of {limit} {what}"
+        o.units = plan
         return ""
+
+    def _unit_bytes(self, units: blocksize.Units) -> int:
+        """Bytes of one id of ``units`` on this rank (a block, or a unit of one)."""
+        if not units.unit_tokens or self.me.layout is None:
+            return self.s.block_bytes
+        return self.s.block_bytes // blocksize.per_block(self.me.layout, units.unit_tokens)
 
     def _after_drain(self, o: _Out, now: float) -> list[Action]:
         if o.inflight:
@@ -886,12 +916,13 @@ class Sender:
                 *self._close(o, Outcome.FAILED if failed else Outcome.EXPIRED)]
 
     def _fallback(self, o: _Out, now: float, reason: str) -> list[Action]:
-        assert o.reg is not None and o.blocks is not None
+        assert o.reg is not None and o.blocks is not None and o.units is not None
         self._fire(o, E.FALLBACK, now)
         o.pull_until = now + self.s.pull_permit_s
         reg = o.reg
+        # In units when the block sizes differ: D converts its own blocks alike.
         msg = Fallback(PROTOCOL_VERSION, o.tid, reg.generation, self.me,
-                       o.blocks[reg.first_block:], reg.first_block, reason,
+                       list(o.units.src), o.units.first, reason,
                        int(self.s.pull_permit_s * 1000))
         return [SendMessage(reg.sender.control, msg, o.owner)]
 

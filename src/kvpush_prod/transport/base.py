@@ -27,6 +27,12 @@ class RemotePeer:
     dlist: Any
     local: Layout | None = None  # this rank's bytes exchanged with it (None: the whole layout)
     local_dlist: Any = None
+    # Block sizes differ (core.blocksize): ids are units of ``unit_tokens`` tokens, this
+    # rank's blocks hold ``local_k`` of them and the peer's ``remote_k``; both dlists then
+    # list unit pieces (transport.layout.unit_descriptors). 0: whole blocks.
+    unit_tokens: int = 0
+    local_k: int = 1
+    remote_k: int = 1
 
 
 class ChunkFailed(TransportError):

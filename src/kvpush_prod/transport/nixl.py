@@ -9,11 +9,18 @@ import logging
 import types
 from typing import Any
 
+from kvpush_prod.core import blocksize
 from kvpush_prod.core.messages import Layout
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.errors import ConfigError, TransportError
 from kvpush_prod.transport.base import Completion, Op, RemotePeer
-from kvpush_prod.transport.layout import all_descriptors, descriptor_indices, pair_views
+from kvpush_prod.transport.layout import (
+    all_descriptors,
+    descriptor_indices,
+    pair_views,
+    unit_descriptors,
+    unit_indices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +112,7 @@ class NixlTransport:
             raise TransportError(
                 "incompatible",
                 f"peer KV layout {layout.compat} != local {self.layout.compat}: prefill and "
-                "decode must run the same model, dtype and block size",
+                "decode must run the same model, dtype and KV cache layout",
             )
         try:
             local_view, remote_view = pair_views(self.layout, layout, self.producer)
@@ -124,6 +131,9 @@ class NixlTransport:
                 f"the NIXL metadata announced for agent {expect_name[:64]} is agent {name[:64]}",
             )
         peer = self._peers.get(name)
+        if peer is None and blocksize.converts(self.layout, layout):
+            peer = self._connect_units(name, local_view, remote_view)
+            self._peers[name] = peer
         if peer is None:
             dlist = self.agent.prep_xfer_dlist(name, all_descriptors(remote_view),
                                                layout.mem_type)
@@ -135,6 +145,21 @@ class NixlTransport:
                     "NIXL_INIT_AGENT", all_descriptors(local_view), local_view.mem_type)
             self._peers[name] = peer
         return peer
+
+    def _connect_units(self, name: str, local_view: Layout, remote_view: Layout) -> RemotePeer:
+        """Block sizes differ: both sides' dlists list unit pieces (a unit is the smaller
+        block size's tokens; each token group of a block is split into its units)."""
+        u = blocksize.unit_tokens(self.layout.block_size, remote_view.block_size)
+        lk, rk = blocksize.per_block(local_view, u), blocksize.per_block(remote_view, u)
+        remote = unit_descriptors(remote_view, rk)
+        local = unit_descriptors(local_view, lk)
+        dlist = self.agent.prep_xfer_dlist(name, remote, remote_view.mem_type)
+        local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local,
+                                                 local_view.mem_type)
+        logger.info("kvpush: block size %d here, %d on %s: units of %d tokens, %d local and "
+                    "%d remote descriptors", self.layout.block_size, remote_view.block_size,
+                    name[:64], u, len(local), len(remote))
+        return RemotePeer(name, remote_view, dlist, local_view, local_dlist, u, lk, rk)
 
     def disconnect(self, agent_name: str) -> None:
         peer = self._peers.pop(agent_name, None)
@@ -154,19 +179,26 @@ class NixlTransport:
 
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
              notif: bytes = b"") -> Any:
-        """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks."""
+        """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks (of
+        units, ``RemotePeer.unit_tokens``, when the two block sizes differ)."""
         if len(local_blocks) != len(remote_blocks):
             raise TransportError(
                 "invalid_param",
                 f"{len(local_blocks)} local blocks vs {len(remote_blocks)} remote blocks",
             )
         local = peer.local or self.layout
+        if peer.unit_tokens:  # ids are units (block sizes differ)
+            local_idx = unit_indices(local_blocks, local, peer.local_k)
+            remote_idx = unit_indices(remote_blocks, peer.layout, peer.remote_k)
+        else:
+            local_idx = descriptor_indices(local_blocks, local)
+            remote_idx = descriptor_indices(remote_blocks, peer.layout)
         handle = self.agent.make_prepped_xfer(
             op,
             self._local if peer.local_dlist is None else peer.local_dlist,
-            descriptor_indices(local_blocks, local),
+            local_idx,
             peer.dlist,
-            descriptor_indices(remote_blocks, peer.layout),
+            remote_idx,
             notif,
         )
         state = self.agent.transfer(handle)
