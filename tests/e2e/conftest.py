@@ -67,3 +67,36 @@ def _shared_cluster_running(request: pytest.FixtureRequest) -> None:
         c = request.getfixturevalue("cluster")
         if isinstance(c, Cluster) and not all(p.alive() for p in c.procs.values()):
             c.start()
+
+
+async def answers_match_reference(cluster: Cluster, lengths: list[int],
+                                  seeds: Iterator[int], max_tokens: int,
+                                  ) -> Callable[..., float]:
+    """Send a prompt of each length to the reference engine and through the router
+    (streaming every other one): the answers must be equal, and every non-streamed one
+    pushed. Returns ``delta(metric, **labels)``: how much a metric of D moved meanwhile."""
+    import httpx
+
+    from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
+    from kvpush_prod.lab.tinymodel import prompt_of_length
+
+    before = scrape(cluster.urls["decode"])
+    async with httpx.AsyncClient(timeout=120) as client:
+        for i, n in enumerate(lengths):
+            prompt = prompt_of_length(n, seed=next(seeds))
+            stream = i % 2 == 1
+            ref = await request(client, cluster.urls["reference"],
+                                completion_body(prompt, max_tokens, False))
+            got = await request(client, cluster.urls["router"],
+                                completion_body(prompt, max_tokens, stream))
+            assert ref.ok and got.ok, (n, ref.error, got.error)
+            assert got.text == ref.text, (n, stream)
+            if not stream:
+                summary = (got.kv_transfer_params or {})["kvpush"]
+                assert summary["outcome"] == "pushed", (n, summary)
+    after = scrape(cluster.urls["decode"])
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    return delta

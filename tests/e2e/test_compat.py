@@ -13,12 +13,11 @@ import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
-from kvpush_prod.lab.tinymodel import prompt_of_length
+
+from .conftest import answers_match_reference
 
 pytestmark = pytest.mark.e2e
 
@@ -44,24 +43,7 @@ async def test_different_block_sizes_push_and_answer_like_a_single_engine(
     p_block, d_block = sizes.block_size("prefill"), sizes.block_size("decode")
     assert p_block != d_block and {p_block, d_block} == {32, 64}
     lengths = [5, 33, 71, 130, 250]  # inside one block, across blocks, never whole ones
-    before = scrape(sizes.urls["decode"])
-    async with httpx.AsyncClient(timeout=120) as client:
-        for i, n in enumerate(lengths):
-            prompt = prompt_of_length(n, seed=next(_seeds))
-            stream = i % 2 == 1
-            ref = await request(client, sizes.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, sizes.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, stream))
-            assert ref.ok and got.ok, (n, ref.error, got.error)
-            assert got.text == ref.text, (n, stream)
-            if not stream:
-                summary = (got.kv_transfer_params or {})["kvpush"]
-                assert summary["outcome"] == "pushed", (n, summary)
-    after = scrape(sizes.urls["decode"])
-
-    def delta(name: str, **labels: str) -> float:
-        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+    delta = await answers_match_reference(sizes, lengths, _seeds, MAX_TOKENS)
 
     local = delta("vllm:prompt_tokens_by_source_total", source="local_compute")
     assert local <= len(lengths), "D recomputed prompts instead of receiving their KV"

@@ -17,9 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
+from kvpush_prod.lab.client import completion_body, request
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymodel import prompt_of_length
+
+from .conftest import answers_match_reference
 
 pytestmark = pytest.mark.e2e
 
@@ -51,24 +53,7 @@ def hetero(request: pytest.FixtureRequest,
 async def test_answers_equal_a_single_engine_and_the_kv_was_pushed(hetero: Cluster) -> None:
     assert hetero.block_size() == BLOCK
     lengths = [5, BLOCK, BLOCK + 1, 3 * BLOCK + 7, 250]
-    before = scrape(hetero.urls["decode"])
-    async with httpx.AsyncClient(timeout=120) as client:
-        for i, n in enumerate(lengths):
-            prompt = prompt_of_length(n, seed=next(_seeds))
-            stream = i % 2 == 1
-            ref = await request(client, hetero.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, hetero.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, stream))
-            assert ref.ok and got.ok, (n, ref.error, got.error)
-            assert got.text == ref.text, (n, stream)
-            if not stream:
-                summary = (got.kv_transfer_params or {})["kvpush"]
-                assert summary["outcome"] == "pushed", (n, summary)
-    after = scrape(hetero.urls["decode"])
-
-    def delta(name: str, **labels: str) -> float:
-        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+    delta = await answers_match_reference(hetero, lengths, _seeds, MAX_TOKENS)
 
     local = delta("vllm:prompt_tokens_by_source_total", source="local_compute")
     external = delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")

@@ -8,6 +8,7 @@ case): run with ``KVPUSH_E2E_EXTRA=1``. Answers must equal a single TP 1 MLA eng
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymla import TinyMlaSpec
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
-from .conftest import release_shared_clusters
+from .conftest import answers_match_reference, release_shared_clusters
 
 pytestmark = [pytest.mark.e2e, pytest.mark.full]  # five engine processes
 
@@ -76,24 +77,12 @@ async def test_mla_p_tp2_to_d_tp1_pushes_the_latent_once(mla_p2_d1: Cluster) -> 
     other frees its blocks (P's bytes sent equal D's bytes received, not twice them), and
     the answers equal a single engine's."""
     block = mla_p2_d1.block_size()
-    before = {n: mla_p2_d1.metrics(n) for n in ("prefill", "decode")}
-    async with httpx.AsyncClient() as client:
-        for n in [1, block + 1, 5 * block + 3, 333]:
-            prompt = prompt_of_length(n, seed=9300 + n)
-            ref = await request(client, mla_p2_d1.urls["reference"],
-                                completion_body(prompt, 12, False))
-            got = await request(client, mla_p2_d1.urls["router"],
-                                completion_body(prompt, 12, False))
-            assert ref.ok and got.ok, (n, ref.error, got.error)
-            assert got.text == ref.text, n
-            assert (got.kv_transfer_params or {})["kvpush"]["outcome"] == "pushed"
+    before = mla_p2_d1.metrics("prefill")
+    delta = await answers_match_reference(mla_p2_d1, [1, block + 1, 5 * block + 3, 333],
+                                          itertools.count(9300), 12)
     assert mla_p2_d1.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
     sent = metric_sum(mla_p2_d1.metrics("prefill"), "kvpush_transfer_bytes_total",
-                      role="producer") - metric_sum(before["prefill"],
-                                                    "kvpush_transfer_bytes_total",
+                      role="producer") - metric_sum(before, "kvpush_transfer_bytes_total",
                                                     role="producer")
-    got_bytes = metric_sum(mla_p2_d1.metrics("decode"), "kvpush_transfer_bytes_total",
-                           role="consumer") - metric_sum(before["decode"],
-                                                         "kvpush_transfer_bytes_total",
-                                                         role="consumer")
-    assert got_bytes > 0 and sent == got_bytes
+    received = delta("kvpush_transfer_bytes_total", role="consumer")
+    assert received > 0 and sent == received

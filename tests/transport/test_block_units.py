@@ -106,6 +106,17 @@ def token_bytes(t: torch.Tensor, block: int, b: int, off: int) -> torch.Tensor:
     return per_head[:, owner == off]
 
 
+def assert_tokens_match(got_caches: dict[str, torch.Tensor], want_caches: dict[str, torch.Tensor],
+                        d_block: int, d_blocks: list[int], tokens: range) -> None:
+    """Each token of ``tokens`` (K and V) holds the same bytes in D's blocks as in a cache
+    an engine of D's block size filled itself."""
+    for got, exp in zip(got_caches.values(), want_caches.values(), strict=True):
+        for tok in tokens:
+            b, off = d_blocks[tok // d_block], tok % d_block
+            assert torch.equal(token_bytes(got, d_block, b, off),
+                               token_bytes(exp, d_block, b, off)), tok
+
+
 _OWNERS: dict[int, list[int]] = {}
 
 
@@ -166,12 +177,9 @@ def test_d_holds_what_an_engine_of_its_block_size_would(heads: int, p_block: int
     push(p, d, p_blocks, d_blocks, 0, tokens)
     want = caches(d_block, heads)
     fill(want, d_block, d_blocks, tokens)
-    for got, exp in zip(dc.values(), want.values(), strict=True):
-        for tok in range(tokens):
-            b, off = d_blocks[tok // d_block], tok % d_block
-            assert torch.equal(token_bytes(got, d_block, b, off),
-                               token_bytes(exp, d_block, b, off)), tok  # K and V
-        untouched = [b for b in range(NUM_BLOCKS) if b not in d_blocks]
+    assert_tokens_match(dc, want, d_block, d_blocks, range(tokens))
+    untouched = [b for b in range(NUM_BLOCKS) if b not in d_blocks]
+    for got in dc.values():
         assert torch.all(got[untouched] == EMPTY)
 
 
@@ -186,12 +194,9 @@ def test_a_d_prefix_hit_of_one_block_is_left_alone(p_block: int, d_block: int) -
     push(p, d, p_blocks, d_all[1:], 1, tokens)
     want = caches(d_block, heads)
     fill(want, d_block, d_all, tokens)
-    for got, exp in zip(dc.values(), want.values(), strict=True):
+    for got in dc.values():
         assert torch.all(got[d_all[0]] == EMPTY)  # D had it already: never written
-        for tok in range(d_block, tokens):
-            b, off = d_all[tok // d_block], tok % d_block
-            assert torch.equal(token_bytes(got, d_block, b, off),
-                               token_bytes(exp, d_block, b, off)), tok
+    assert_tokens_match(dc, want, d_block, d_all, range(d_block, tokens))
 
 
 def test_two_p_ranks_of_block_32_fill_one_d_rank_of_block_64() -> None:
@@ -207,11 +212,7 @@ def test_two_p_ranks_of_block_32_fill_one_d_rank_of_block_64() -> None:
         push(p, d, p_blocks, d_blocks, 0, tokens)
     want = caches(d_block, total)
     fill(want, d_block, d_blocks, tokens)
-    for got, exp in zip(dc.values(), want.values(), strict=True):
-        for tok in range(tokens):
-            b, off = d_blocks[tok // d_block], tok % d_block
-            assert torch.equal(token_bytes(got, d_block, b, off),
-                               token_bytes(exp, d_block, b, off)), tok
+    assert_tokens_match(dc, want, d_block, d_blocks, range(tokens))
 
 
 def test_equal_block_sizes_keep_whole_block_descriptors() -> None:
@@ -294,8 +295,4 @@ def test_a_pull_fallback_reads_the_same_units_into_ds_blocks(p_block: int,
     transport.agent.transfer(transport.post("READ", peer, local, plan.src))
     want = caches(d_block, heads)
     fill(want, d_block, d_blocks, tokens)
-    for got, exp in zip(dc.values(), want.values(), strict=True):
-        for tok in range(tokens):
-            b, off = d_blocks[tok // d_block], tok % d_block
-            assert torch.equal(token_bytes(got, d_block, b, off),
-                               token_bytes(exp, d_block, b, off)), tok
+    assert_tokens_match(dc, want, d_block, d_blocks, range(tokens))
