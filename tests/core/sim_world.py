@@ -842,7 +842,7 @@ class World:
         if w.attack:
             tomb = getattr(eng, "_tombstones", {}).get(getattr(msg, "transfer_id", ""))
             if (KNOWN_BUGS.get("tombstone_overwrite") and isinstance(msg, m.Cancel)
-                    and tomb is not None and w.origin not in tomb[1]):
+                    and tomb is not None and w.origin not in tomb):
                 self.count("attack:skipped:tombstone_overwrite")
                 return []
             return self._under_attack(node, w.origin, type(msg).__name__,
@@ -1295,7 +1295,7 @@ class World:
                       and v.agent_name in {o.peer for o in eng._out.values()}},
             "retired": {k: tuple(v) for k, v in eng._retired.items() if k[0] != origin
                         and k in eng._peers},
-            "tombstones": {t: who - {origin} for t, (_, who) in eng._tombstones.items()
+            "tombstones": {t: who - {origin} for t, who in eng._tombstones.items()
                            if who - {origin}},
             "chunks": {c: t for c, (_, t) in eng._chunks.items() if t in ts},
         }

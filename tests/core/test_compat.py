@@ -122,6 +122,22 @@ def test_a_refusal_before_p_knows_the_transfer_never_ends_another_ds_transfer() 
               PostWrite)
 
 
+def test_a_second_refused_engine_does_not_hide_the_first() -> None:
+    """Two engines' REGISTERs refused before P knew the transfer: each is remembered, so
+    when the router names the first its decode, P still frees the blocks at once."""
+    from kvpush_prod.core.actions import ReleaseSend
+
+    s = sender_with_facts()
+    other = msgspec.structs.replace(with_facts(D, dtype="torch.float16"), control="tcp://x:1")
+    s.on_message(register(sender_info=with_facts(D, dtype="torch.float16")), 0.0,
+                 origin=D.control)
+    s.on_message(register(sender_info=other), 0.05, origin="key-of-other")
+    s.expect_blocks("t", 0.1, owner=D.control)
+    s.blocks_ready("t", [1, 2, 3], 0.2, owner=D.control)
+    assert of(s.hold("t"), ReleaseSend)
+    assert s.held_blocks() == 0
+
+
 def test_an_incompatible_engine_cannot_end_a_transfer_it_does_not_own() -> None:
     """Found by the hostile e2e test: an authenticated engine with a foreign layout that
     registers a transfer whose owner is not known yet must not end it."""

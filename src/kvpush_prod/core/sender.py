@@ -148,6 +148,49 @@ class _Out:
     units: blocksize.Units | None = None
 
 
+class _Origins:
+    """Transfer id -> the origins that said something of it, each id until its newest
+    ``add`` plus the caller's time to live. Bounded both ways: at most ``limit`` ids (the
+    oldest dropped first) and ``per_id`` origins per id (one origin's word never replaces
+    another's; past the bound new origins are not kept)."""
+
+    def __init__(self, limit: int, per_id: int) -> None:
+        self._limit, self._per_id = limit, per_id
+        self._by_id: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
+
+    def add(self, tid: str, origin: str, until: float) -> None:
+        _, origins = self._by_id.get(tid, (0.0, frozenset()))
+        if origin not in origins and len(origins) < self._per_id:
+            origins = origins | {origin}
+        self._by_id[tid] = (until, origins)
+        self._by_id.move_to_end(tid)
+        while len(self._by_id) > self._limit:
+            self._by_id.popitem(last=False)
+
+    def get(self, tid: str) -> frozenset[str] | None:
+        """The origins of ``tid`` (None: none is remembered)."""
+        entry = self._by_id.get(tid)
+        return None if entry is None else entry[1]
+
+    def pop(self, tid: str, now: float) -> frozenset[str]:
+        """Forget ``tid``; its origins if they had not expired by ``now``."""
+        until, origins = self._by_id.pop(tid, (0.0, frozenset()))
+        return origins if until > now else frozenset()
+
+    def prune(self, now: float) -> None:
+        for tid in [t for t, (until, _) in self._by_id.items() if until <= now]:
+            del self._by_id[tid]
+
+    def items(self) -> list[tuple[str, frozenset[str]]]:
+        return [(tid, origins) for tid, (_, origins) in self._by_id.items()]
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
 class Sender:
     """P side of one rank."""
 
@@ -161,12 +204,12 @@ class Sender:
         self.breakers = PeerBreakers(settings.breaker)
         self._out: dict[str, _Out] = {}
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
-        # transfer id -> (until, the origins that asked; "" for this engine): the blocks of
-        # a cancelled or aborted transfer are freed unpushed when they come
-        self._tombstones: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()
-        # transfer id -> (until, origin): a REGISTER P refused as incompatible before it knew
-        # the transfer's owner; ends it at once if the router names that origin its decode
-        self._refused: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # transfer id -> the origins that asked ("" for this engine): the blocks of a
+        # cancelled or aborted transfer are freed unpushed when they come
+        self._tombstones = _Origins(settings.max_tombstones, settings.max_contenders)
+        # transfer id -> the origins whose REGISTER P refused as incompatible before it knew
+        # the transfer's owner; ends it at once if the router names one of them its decode
+        self._refused = _Origins(settings.max_tombstones, settings.max_contenders)
         # The peer directory: D rank (origin, rank slot: identity.peer_slot) -> the info P
         # met it with, least recently
         # used first. The only source of write targets and layouts.
@@ -297,10 +340,7 @@ class Sender:
             else:
                 # Not known yet, or its owner not: remembered, and believed only for the
                 # decode engine the router names for it (_require); then its blocks go.
-                self._refused[reg.transfer_id] = (now + self.s.tombstone_s, origin)
-                self._refused.move_to_end(reg.transfer_id)
-                while len(self._refused) > self.s.max_tombstones:
-                    self._refused.popitem(last=False)
+                self._refused.add(reg.transfer_id, origin, now + self.s.tombstone_s)
             return out
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
@@ -354,8 +394,7 @@ class Sender:
         if not owner or o.required == owner:
             return []
         o.required = owner
-        refused = self._refused.pop(o.tid, None)
-        if refused is not None and refused[1] == owner and refused[0] > now:
+        if owner in self._refused.pop(o.tid, now):
             # That engine already registered it with a layout P cannot write into: D has
             # heard (Failed incompatible) and will not register again. Free, do not hold.
             self._tombstone(o.tid, now, owner)
@@ -626,10 +665,8 @@ class Sender:
     def tick(self, now: float) -> list[Action]:
         """Leases, deadlines, heartbeats and tombstones (call every few tens of ms)."""
         out = self.poll(now)
-        for tid in [t for t, (at, _) in self._tombstones.items() if at <= now]:
-            del self._tombstones[tid]
-        for tid in [t for t, (at, _) in self._refused.items() if at <= now]:
-            del self._refused[tid]
+        self._tombstones.prune(now)
+        self._refused.prune(now)
         for o in list(self._out.values()):
             if o.outcome:
                 continue
@@ -811,19 +848,13 @@ class Sender:
     def _tombstone(self, tid: str, now: float, origin: str) -> None:
         """Remember that ``origin`` ("": this engine) cancelled ``tid``; one origin's cancel
         never replaces another's (at most a few origins are kept per id)."""
-        _, origins = self._tombstones.get(tid, (0.0, frozenset()))
-        if origin not in origins and len(origins) < self.s.max_contenders:
-            origins = origins | {origin}
-        self._tombstones[tid] = (now + self.s.tombstone_s, origins)
-        self._tombstones.move_to_end(tid)
-        while len(self._tombstones) > self.s.max_tombstones:
-            self._tombstones.popitem(last=False)
+        self._tombstones.add(tid, origin, now + self.s.tombstone_s)
 
     def _tombstoned(self, tid: str, origin: str) -> bool:
         """A cancel or abort stands for ``tid``: this engine's own, or that of ``origin``
         (or of anyone while the transfer has no owner yet)."""
         tomb = self._tombstones.get(tid)
-        return tomb is not None and ("" in tomb[1] or not origin or origin in tomb[1])
+        return tomb is not None and ("" in tomb or not origin or origin in tomb)
 
     @staticmethod
     def _retired_note(info: PeerInfo) -> Note:
