@@ -1004,14 +1004,12 @@ class ReceiverPump(TransferPump[Receiver]):
         if done.checksum >= 0:
             blocks = rx.blocks_of(done.transfer_id)
             if blocks is not None:
-                units = 0
-                if done.unit_tokens:  # P's block size differs: the crc runs over units
+                units = 0  # P's block size differs: the crc runs over units
+                if done.unit_tokens:
                     size = self.transport.layout.block_size
                     units = size // done.unit_tokens if size % done.unit_tokens == 0 else 0
-                    blocks = blocksize.expand(blocks, units)[:done.num_blocks] if units \
-                        else []
-                verified = bool(blocks) or not done.unit_tokens
-                verified = verified and self._checksum(
+                    blocks = blocksize.expand(blocks, units)[:done.num_blocks]
+                verified = (units > 0 or not done.unit_tokens) and self._checksum(
                     blocks, self.views.get(done.transfer_id), units) == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpush_prod.core.messages import Layout
+from kvpush_prod.core.messages import Layout, Region
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,15 +20,39 @@ def unit_tokens(p: int, d: int) -> int:
     return min(p, d)
 
 
-def converts(p: Layout, d: Layout) -> bool:
-    """Whether the two layouts exchange units rather than whole blocks (block sizes known
-    and different)."""
-    return p.block_size > 0 and d.block_size > 0 and p.block_size != d.block_size
+def converts(p: Layout | None, d: Layout | None) -> bool:
+    """Whether the two layouts exchange units rather than whole blocks (both known, block
+    sizes known and different)."""
+    return (p is not None and d is not None and p.block_size > 0 and d.block_size > 0
+            and p.block_size != d.block_size)
 
 
-def per_block(layout: Layout, u: int) -> int:
-    """Units per block of ``layout`` (``u`` divides its block size: ``compat`` checked)."""
-    return layout.block_size // u if u > 0 and layout.block_size > 0 else 1
+def unit_of(a: Layout | None, b: Layout | None) -> int:
+    """Tokens per unit between two layouts; 0 when they exchange whole blocks."""
+    if a is None or b is None or not converts(a, b):
+        return 0
+    return unit_tokens(a.block_size, b.block_size)
+
+
+def per_block(layout: Layout | None, u: int) -> int:
+    """Ids per block of ``layout`` for ``u``-token units (1: whole blocks, ``u`` 0; ``u``
+    divides its block size: ``compat`` checked)."""
+    return layout.block_size // u if layout is not None and u > 0 and layout.block_size > 0 \
+        else 1
+
+
+def group_lens(region: Region) -> list[int]:
+    """Bytes of each token group of a block slot of ``region``, in memory order (one group
+    of the whole slot when the token geometry is unknown)."""
+    g = region.tok_groups
+    if g < 1:
+        return [region.block_len]
+    if not region.tok_pattern:
+        return [region.block_len // g] * g
+    sizes = [b for n, b in region.tok_pattern for _ in range(n)]
+    sizes = sizes * (g // len(sizes))
+    total = sum(sizes)
+    return [region.block_len * b // total for b in sizes]
 
 
 def expand(ids: list[int], k: int) -> list[int]:
@@ -49,12 +73,13 @@ class Units:
     unit_tokens: int  # 0: whole blocks (equal block sizes)
 
 
-def push_units(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int],
+def push_units(p: Layout | None, d: Layout | None, p_blocks: list[int], d_blocks: list[int],
                first_block: int, num_tokens: int) -> Units | str:
     """P's prompt blocks and D's REGISTER (``d_blocks`` from D block ``first_block``) as
     units, each side trimmed to the prompt's ``cdiv(num_tokens, u)`` units; or why the
-    blocks do not fit the prompt. Called on the raw REGISTER every time: never expands twice."""
-    if not converts(p, d):
+    blocks do not fit the prompt. Called on the raw REGISTER every time: never expands twice.
+    Layouts not known (an older peer): whole blocks."""
+    if p is None or d is None or not converts(p, d):
         if first_block + len(d_blocks) != len(p_blocks):
             return (f"{len(d_blocks)} blocks from block {first_block}, but the prompt "
                     f"fills {len(p_blocks)} blocks here")
@@ -73,10 +98,11 @@ def push_units(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int],
     return Units(src, dst, first, u)
 
 
-def pull_units(d: Layout, p: Layout, d_blocks: list[int], count: int) -> list[int] | str:
+def pull_units(d: Layout | None, p: Layout | None, d_blocks: list[int],
+               count: int) -> list[int] | str:
     """D's reserved blocks as the ``count`` units a FALLBACK from ``p`` offers; or why
-    they do not match."""
-    if not converts(p, d):
+    they do not match (whole blocks when the sizes are equal or a layout is not known)."""
+    if p is None or d is None or not converts(p, d):
         if count != len(d_blocks):
             return f"{count} blocks for {len(d_blocks)}"
         return list(d_blocks)

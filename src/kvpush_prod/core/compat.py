@@ -154,11 +154,7 @@ def unit_descriptor_count(lay: Layout, unit: int) -> int:
 def _token_sizes(r: Region, lay: Layout) -> list[int]:
     """Bytes per token of each token group of one KV head's slab of a block of ``r`` (the
     whole block when the layout is not head-major)."""
-    if r.tok_pattern:
-        sizes = [b for n, b in r.tok_pattern for _ in range(n)] * (
-            r.tok_groups // sum(n for n, _ in r.tok_pattern))
-    else:
-        sizes = [r.block_len // (r.tok_groups * lay.block_size)] * r.tok_groups
+    sizes = [g // lay.block_size for g in blocksize.group_lens(r)]
     return sizes[:len(sizes) // lay.kv_heads] if lay.kv_heads else sizes
 
 

@@ -452,25 +452,16 @@ class Receiver:
                 return (f"prefill KV layout {theirs.compat} is not this engine's "
                         f"{mine.compat}: {problem}")
         # P's block size differs: both sides' ids are units of the smaller block size.
-        u = blocksize.unit_tokens(theirs.block_size, mine.block_size) \
-            if mine is not None and blocksize.converts(theirs, mine) else 0
-        pull: list[int] | str
-        if u and mine is not None:
-            pull = blocksize.pull_units(mine, theirs, rx.blocks, len(msg.block_ids))
-        elif len(msg.block_ids) != len(rx.blocks):
-            pull = f"{len(msg.block_ids)} blocks for {len(rx.blocks)}"
-        else:
-            pull = list(rx.blocks)
+        pull = blocksize.pull_units(mine, theirs, rx.blocks, len(msg.block_ids))
         if isinstance(pull, str):
             return pull
-        limit = blocksize.unit_limit(theirs, u) if u else \
-            min((r.num_blocks for r in theirs.regions), default=0)
+        u = blocksize.unit_of(theirs, mine)
+        limit = blocksize.unit_limit(theirs, u)
         if any(b >= limit for b in msg.block_ids):
             what = f"units of {u} tokens" if u else "blocks"
             return f"block ids outside the prefill KV cache of {limit} {what}"
         rx.pull = pull
-        k = blocksize.per_block(mine, u) if u and mine is not None else 1
-        rx.pull_bytes = self.s.block_bytes // k
+        rx.pull_bytes = self.s.block_bytes // blocksize.per_block(mine, u)
         return ""
 
     def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,

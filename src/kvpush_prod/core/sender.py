@@ -898,20 +898,12 @@ class Sender:
         if reg.first_block < 0:
             return (f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
                     f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here")
-        if layout is not None and mine is not None:
-            plan = blocksize.push_units(mine, layout, blocks, list(reg.block_ids),
-                                        reg.first_block, reg.num_tokens)
-        elif reg.first_block + len(reg.block_ids) != len(blocks):
-            plan = (f"{len(reg.block_ids)} blocks from block {reg.first_block}, but the "
-                    f"prompt fills {len(blocks)} blocks here")
-        else:
-            plan = blocksize.Units(blocks[reg.first_block:], list(reg.block_ids),
-                                   reg.first_block, 0)
+        plan = blocksize.push_units(mine, layout, blocks, list(reg.block_ids),
+                                    reg.first_block, reg.num_tokens)
         if isinstance(plan, str):
             return f"REGISTER of {reg.transfer_id} has {plan}"
         what = f"units of {plan.unit_tokens} tokens" if plan.unit_tokens else "blocks"
-        limit = (blocksize.unit_limit(layout, plan.unit_tokens) if plan.unit_tokens
-                 else min((r.num_blocks for r in layout.regions), default=0)) if layout else 0
+        limit = blocksize.unit_limit(layout, plan.unit_tokens) if layout else 0
         bad = [b for b in plan.dst if b < 0 or b >= limit]
         if bad:
             return f"block ids {bad[:5]} outside the decode KV cache of {limit} {what}"
@@ -920,8 +912,6 @@ class Sender:
 
     def _unit_bytes(self, units: blocksize.Units) -> int:
         """Bytes of one id of ``units`` on this rank (a block, or a unit of one)."""
-        if not units.unit_tokens or self.me.layout is None:
-            return self.s.block_bytes
         return self.s.block_bytes // blocksize.per_block(self.me.layout, units.unit_tokens)
 
     def _after_drain(self, o: _Out, now: float) -> list[Action]:

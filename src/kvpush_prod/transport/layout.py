@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from kvpush_prod.core import tpmap
+from kvpush_prod.core.blocksize import group_lens
 from kvpush_prod.core.messages import Layout, Region
 from kvpush_prod.errors import ConfigError
 
@@ -212,7 +213,7 @@ def layout_from_kv_caches(
     return Layout(compat=compat, mem_type=mem_type, regions=regions,
                   facts=dict(facts or {}), tp_size=heads.tp_size, tp_rank=heads.tp_rank,
                   kv_heads=kv_heads, total_kv_heads=heads.total,
-                  replicated=heads.replicated, block_size=max(heads.block_size, 0))
+                  replicated=heads.replicated, block_size=heads.block_size)
 
 
 def _slabs_whole(r: Region, kv_heads: int) -> bool:
@@ -296,20 +297,6 @@ def all_descriptors(layout: Layout) -> list[tuple[int, int, int]]:
         for r in layout.regions
         for b in range(r.num_blocks)
     ]
-
-
-def group_lens(region: Region) -> list[int]:
-    """Bytes of each token group of a block slot of ``region``, in memory order (one group
-    of the whole slot when the geometry is unknown)."""
-    g = region.tok_groups
-    if g < 1:
-        return [region.block_len]
-    if not region.tok_pattern:
-        return [region.block_len // g] * g
-    sizes = [b for n, b in region.tok_pattern for _ in range(n)]
-    sizes = sizes * (g // len(sizes))
-    total = sum(sizes)
-    return [region.block_len * b // total for b in sizes]
 
 
 def unit_pieces(region: Region, unit: int, k: int) -> list[tuple[int, int]]:
