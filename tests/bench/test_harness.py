@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import threading
 import types
 
 import pytest
@@ -20,10 +22,17 @@ from kvpush_prod.bench.runner import (
     estimate_wall_s,
     plan,
     prompts_for,
+    raw_values,
     run_open_loop,
     run_requests,
 )
-from kvpush_prod.bench.sides import SIDES, SPINFIX_DIR, SideSettings
+from kvpush_prod.bench.sides import (
+    SIDES,
+    SPINFIX_DIR,
+    SideSettings,
+    parse_cores,
+    rebind_threads,
+)
 from kvpush_prod.bench.stats import Sample
 
 
@@ -268,3 +277,88 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 30
+
+
+def _round(ttfts, tpots):
+    samples = [Sample(True, a, a + b * 63, (b,) * 63, 64) for a, b in zip(ttfts, tpots, strict=True)]
+    from kvpush_prod.bench.stats import summarise
+
+    return {**summarise(samples, 1.0), "raw": raw_values(samples), "length": 1024,
+            "concurrency": 1, "rate": 0.0, "d_cpu_ms_per_token": sum(tpots)}
+
+
+def test_rounds_pool_every_rounds_requests_and_keep_each_rounds_p50(tmp_path):
+    store = ResultStore(tmp_path / "results.json")
+    store.add_round("kvpush", "1024x1", _round([0.010, 0.012], [0.001, 0.001]))
+    assert store.data["cells"]["kvpush"]["1024x1"]["rounds"] == 1
+    store.add_round("kvpush", "1024x1", _round([0.030, 0.032], [0.002, 0.002]))
+    store.add_round("kvpush", "1024x1", _round([0.020, 0.022], [0.003, 0.003]))
+    cell = ResultStore(tmp_path / "results.json").data["cells"]["kvpush"]["1024x1"]
+    assert cell["rounds"] == 3 and cell["requests"] == 6 and "raw" not in cell
+    assert cell["ttft_ms"]["p50"] == pytest.approx(21.0)  # pooled: six requests
+    assert cell["tpot_ms"]["p50"] == pytest.approx(2.0)
+    assert cell["d_cpu_ms_per_token"] == pytest.approx(0.004)  # median of the rounds
+    assert [r["ttft_p50_ms"] for r in cell["per_round"]] == pytest.approx([11.0, 31.0, 21.0])
+
+
+def test_rounds_are_planned_per_round_and_resume(tmp_path):
+    s = _settings(tmp_path, ["kvpush", "vllm-push"], lengths=[1024], concurrency=[1], rounds=3)
+    store = ResultStore(tmp_path / "results.json")
+    store.add_round("kvpush", "1024x1", _round([0.01], [0.001]))
+    assert plan(store, s, 0) == {"vllm-push": [(1024, 1, 0.0)]}
+    assert set(plan(store, s, 1)) == {"kvpush", "vllm-push"}
+    assert set(plan(store, s)) == {"kvpush", "vllm-push"}  # neither has all three rounds
+    one = _settings(tmp_path, ["kvpush"], lengths=[1024], concurrency=[1])
+    assert estimate_wall_s(plan(store, s), s.workload) == pytest.approx(
+        3 * estimate_wall_s(plan(store, s), one.workload))
+
+
+def test_round_by_round_ratios_pair_round_i_of_each_side(tmp_path):
+    store = ResultStore(tmp_path / "results.json")
+    for ours, base in ((0.010, 0.020), (0.015, 0.010)):
+        store.add_round("kvpush", "1024x1", _round([ours], [0.001]))
+        store.add_round("vllm-push", "1024x1", _round([base], [0.001]))
+    data = store.data
+    assert report.round_ratios(data, "1024x1", "ttft") == pytest.approx([0.5, 1.5])
+    assert report.round_ratios(data, "1024x1", "tpot") == pytest.approx([1.0, 1.0])
+    md = report.markdown(data)
+    assert "## Round by round" in md and "| 1024x1 | 2 | 0.50x 1.50x | 1.00x 1.00x |" in md
+    assert "## Round by round" not in report.markdown(RESULTS)
+
+
+def test_cli_rejects_zero_rounds(tmp_path, capsys):
+    assert bench_main(["--out", str(tmp_path), "--rounds", "0"]) == 2
+    assert "--rounds 0" in capsys.readouterr().err
+
+
+def test_parse_cores_reads_vllms_binding_syntax():
+    assert parse_cores("1") == {1}
+    assert parse_cores("0,2-4") == {0, 2, 3, 4}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move a thread")
+def test_threads_outside_the_engines_cores_are_bound_back():
+    cores = sorted(os.sched_getaffinity(0))
+    ready, done = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def worker():
+        os.sched_setaffinity(0, {cores[-1]})  # as vLLM's NIXL connector does to its thread
+        ready.set()
+        done.wait(5)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cores[0], cores[-1]})
+        t.start()
+        ready.wait(5)
+        assert rebind_threads(os.getpid(), {cores[0], cores[-1]}) == 0  # all inside
+        assert rebind_threads(os.getpid(), {cores[0]}) >= 2  # this thread and the worker
+        done.set()
+        t.join(5)
+        assert seen["after"] == {cores[0]}
+    finally:
+        done.set()
+        os.sched_setaffinity(0, mine)

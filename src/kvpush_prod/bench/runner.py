@@ -32,6 +32,10 @@ class Workload:
     # Open loop: requests per second, sent on a fixed schedule whatever the replies (the
     # same arrival times for every side), so D decodes at the same offered load.
     rates: list[float] = field(default_factory=list)
+    # Each side started this many times, sides interleaved (A B, then B A, ...): one start's
+    # OS placement of the unpinned frontends moves a 2-core box's TPOT by up to ~30%, so a
+    # cell's numbers pool every round's requests (see ``merge_rounds``).
+    rounds: int = 1
 
     def cells(self) -> list[Cell]:
         closed = [(n, c, 0.0) for n in self.lengths for c in self.concurrency]
@@ -53,7 +57,10 @@ def cell_key(length: int, concurrency: int, rate: float = 0.0) -> str:
 
 # ---------------------------------------------------------------------------------- store
 class ResultStore:
-    """``results.json``: machine facts, settings, and cells[side][LxC]; saved after each cell."""
+    """``results.json``: machine facts, settings, and cells[side][LxC]; saved after each cell.
+
+    With several rounds, rounds[side][LxC] keeps each round's cell and cells[side][LxC] is
+    their merge."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -66,15 +73,78 @@ class ResultStore:
     def has(self, side: str, key: str) -> bool:
         return key in self.data["cells"].get(side, {})
 
+    def rounds_of(self, side: str, key: str) -> list[dict[str, Any]]:
+        """Every round's cell so far (a single-round file: its one cell)."""
+        rounds = self.data.get("rounds", {}).get(side, {}).get(key)
+        if rounds is not None:
+            return list(rounds)
+        cell = self.data["cells"].get(side, {}).get(key)
+        return [cell] if cell is not None else []
+
     def put(self, side: str, key: str, cell: dict[str, Any]) -> None:
         self.data["cells"].setdefault(side, {})[key] = cell
         self.save()
+
+    def add_round(self, side: str, key: str, cell: dict[str, Any]) -> None:
+        rounds = [*self.rounds_of(side, key), cell]
+        self.data.setdefault("rounds", {}).setdefault(side, {})[key] = rounds
+        self.put(side, key, merge_rounds(rounds))
+
+    def forget(self, side: str) -> None:
+        """Drop ``side``'s cells (a forced rerun starts its rounds afresh)."""
+        self.data["cells"].pop(side, None)
+        self.data.get("rounds", {}).pop(side, None)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
         tmp.replace(self.path)
+
+
+RAW = ("ttft", "tpot", "e2e")  # per-request values (s) a cell keeps so rounds can be pooled
+
+
+def raw_values(samples: list[Sample]) -> dict[str, list[float]]:
+    good = [x for x in samples if x.ok and x.ttft is not None]
+    return {
+        "ttft": [round(x.ttft, 6) for x in good if x.ttft is not None],
+        "tpot": [round(t, 6) for x in good if (t := x.tpot) is not None],
+        "e2e": [round(x.latency, 6) for x in good],
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from several rounds of it: TTFT, TPOT and e2e percentiles over every round's
+    requests pooled; ITL percentiles, throughput, D's CPU and batch the median of the rounds;
+    request and error counts summed. Each round's p50s stay in ``per_round``."""
+    if len(rounds) == 1:
+        return {**rounds[0], "rounds": 1}
+    out = dict(rounds[-1])
+    for name in RAW:
+        pooled = [v for r in rounds for v in (r.get("raw") or {}).get(name, [])]
+        out[f"{name}_ms"] = summary_ms(pooled)
+    out.pop("raw", None)
+    for name in ("throughput_tok_s", "throughput_req_s", "wall_s", "d_cpu_ms_per_token",
+                 "d_tokens_per_step"):
+        vals = [r[name] for r in rounds if r.get(name) is not None]
+        out[name] = _median(vals)
+    itl = [r.get("itl_ms") or {} for r in rounds]
+    out["itl_ms"] = {q: _median([x[q] for x in itl if x.get(q) is not None])
+                     for q in ("p50", "p90", "p99", "mean")}
+    for name in ("requests", "ok", "errors"):
+        out[name] = sum(int(r.get(name) or 0) for r in rounds)
+    out["first_error"] = next((r["first_error"] for r in rounds if r.get("first_error")), "")
+    out["rounds"] = len(rounds)
+    out["per_round"] = [{"ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
+                         "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50")} for r in rounds]
+    return out
 
 
 # ---------------------------------------------------------------------------------- client
@@ -273,11 +343,14 @@ class BenchSettings:
     command: str = ""
 
 
-def plan(store: ResultStore, s: BenchSettings) -> dict[str, list[Cell]]:
-    """The cells still to run, per side (all of them with ``force``)."""
+def plan(store: ResultStore, s: BenchSettings, round_no: int | None = None) -> dict[str, list[Cell]]:
+    """The cells still to run, per side (all of them with ``force``): with ``round_no``,
+    those with fewer than ``round_no + 1`` rounds; without, those missing any round."""
+    want = s.workload.rounds if round_no is None else round_no + 1
     todo: dict[str, list[Cell]] = {}
     for name in s.sides:
-        cells = [c for c in s.workload.cells() if s.force or not store.has(name, cell_key(*c))]
+        cells = [c for c in s.workload.cells()
+                 if s.force or len(store.rounds_of(name, cell_key(*c))) < want]
         if cells:
             todo[name] = cells
     return todo
@@ -293,11 +366,13 @@ def estimate_wall_s(
     """A rough wall-time estimate for the plan (AVX2 box figures; a guide, not a promise)."""
     total = 0.0
     for _side, cells in todo.items():
-        total += start_s + len(w.lengths) * w.warmup * 1.0
+        # Every round starts the side again (cells already in some rounds count fully).
+        side = start_s + len(w.lengths) * w.warmup * 1.0
         for length, conc, rate in cells:
             n = w.requests_in(length, conc, rate)
             per_req = length * per_token_s + w.max_tokens * per_output_token_s
-            total += n / rate + per_req if rate else n * per_req / max(1.0, conc**0.5)
+            side += n / rate + per_req if rate else n * per_req / max(1.0, conc**0.5)
+        total += side * w.rounds
     return total
 
 
@@ -322,16 +397,23 @@ def run(s: BenchSettings) -> ResultStore:
         }
     )
     store.data["meta"] = meta
+    if s.force:
+        for name in s.sides:
+            store.forget(name)
+        s.force = False
     store.save()
-    todo = plan(store, s)
-    total = sum(s.workload.requests_in(*c) for cells in todo.values() for c in cells)
+    rounds = s.workload.rounds
+    todo = {r: plan(store, s, r) for r in range(rounds)}
+    total = sum(s.workload.requests_in(*c) for t in todo.values()
+                for cells in t.values() for c in cells)
     print(
         f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
-        f" {sum(len(c) for c in todo.values())} cells on {len(todo)} sides, {total} requests;"
-        f" about {estimate_wall_s(todo, s.workload) / 60:.0f} min",
+        f" {sum(len(c) for c in plan(store, s).values())} cells on {len(plan(store, s))} sides"
+        + (f" x {rounds} rounds (sides interleaved)" if rounds > 1 else "")
+        + f", {total} requests; about {estimate_wall_s(plan(store, s), s.workload) / 60:.0f} min",
         flush=True,
     )
-    if not todo:
+    if not total:
         return store
     pbar = None
     if s.progress:
@@ -339,8 +421,15 @@ def run(s: BenchSettings) -> ResultStore:
 
         pbar = tqdm(total=total, unit="req", dynamic_ncols=True)
     try:
-        for name, cells in todo.items():
-            _run_side(store, s, SIDES[name], cells, pbar)
+        for r in range(rounds):
+            # Alternate the order so a drifting box (heat, other load) favours no side.
+            order = s.sides if r % 2 == 0 else list(reversed(s.sides))
+            for name in order:
+                cells = plan(store, s, r).get(name)
+                if cells:
+                    if pbar is not None and rounds > 1:
+                        pbar.set_description(f"round {r + 1}/{rounds}")
+                    _run_side(store, s, SIDES[name], cells, pbar)
     finally:
         if pbar is not None:
             pbar.close()
@@ -419,6 +508,9 @@ async def _run_cells(
                 prompts = prompts_for(length, 0, w.warmup, salt=99)
                 got, _ = await run_requests(send_quiet, running.entry, prompts, length, 2, 8)
                 warm_errors += sum(1 for g in got if not g.ok)
+            # Threads the warm-up started (handshakes) inherit their creator's cores: check
+            # the placement once more before measuring.
+            late = running.rebind_workers()
             idle = running.idle_cpu()
             info = {
                 "label": side.label,
@@ -428,6 +520,9 @@ async def _run_cells(
                 "idle_cpu_pct": idle,
                 "start_s": round(started_s, 1),
                 "warmup_errors": warm_errors,
+                # Worker threads found outside their engine's cores and bound back, at start
+                # and after the warm-up (vLLM's NIXL connectors move the forward's thread).
+                "rebound_threads": {k: v + late.get(k, 0) for k, v in running.rebound.items()},
             }
             store.data["sides"][side.name] = info
             store.save()
@@ -455,6 +550,7 @@ async def _run_cells(
                 await asyncio.sleep(0.3)  # let the last reports and traces land
                 after = _scrape_all(running)
                 cell = summarise(samples, wall)
+                cell["raw"] = raw_values(samples)
                 out_tokens = sum(x.output_tokens for x in samples if x.ok)
                 cell.update(
                     {
@@ -473,4 +569,4 @@ async def _run_cells(
                         "transfer": transfer_section(running, before, after, since, until),
                     }
                 )
-                store.put(side.name, cell_key(length, conc, rate), cell)
+                store.add_round(side.name, cell_key(length, conc, rate), cell)

@@ -4,6 +4,12 @@ as shipped or with NIXL's busy-spinning progress thread neutralised, and kvpush.
 
 Every P/D side binds P to core 0 and D to core 1, runs the same tiny model in float32 with
 the same ``--max-num-seqs``, and is fronted by our router (``--mode pull`` for pull).
+
+vLLM's NIXL connectors on CPU move the worker's main thread (which runs the forward) to the
+last core of each NUMA node, "reserved for KV transfer" (``nixl/base_worker.py``,
+``os.sched_setaffinity``): on a two-core box that puts vLLM's P on D's core. After a side
+starts, every thread of each engine's worker is bound back to the engine's cores, and how
+many were moved is recorded, so every side runs with the same placement.
 """
 
 from __future__ import annotations
@@ -30,6 +36,30 @@ FATAL_MARKERS = (
     "Engine core initialization failed",
     "Address already in use",
 )
+
+
+def parse_cores(text: str) -> set[int]:
+    """``VLLM_CPU_OMP_THREADS_BIND``'s syntax for one rank: ``0``, ``0,2``, ``0-3``."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def rebind_threads(pid: int, cores: set[int]) -> int:
+    """Bind every thread of process ``pid`` that may run outside ``cores`` to ``cores``;
+    returns how many were moved (threads that end meanwhile are skipped)."""
+    moved = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getaffinity(int(tid)) <= cores:
+                continue
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        moved += 1
+    return moved
 
 
 def wait_started(url: str, proc: Proc, timeout: float) -> None:
@@ -129,6 +159,8 @@ class RunningSide:
         self._cluster: Any = None
         self._identity: dict[str, Any] = {}
         self._params_key: Path | None = None  # the router signs kv_transfer_params with it
+        self.binding: dict[str, str] = {}  # engine -> VLLM_CPU_OMP_THREADS_BIND it was given
+        self.rebound: dict[str, int] = {}  # engine -> worker threads bound back after start
 
     # -- start
     def start(self, timeout: float = 900.0) -> RunningSide:
@@ -147,10 +179,29 @@ class RunningSide:
                 self._start_kvpush(timeout)
             else:
                 self._start_vllm(timeout)
+            self.rebound = self.rebind_workers()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def rebind_workers(self) -> dict[str, int]:
+        """Bind every thread of each engine's worker process(es) back to the cores the engine
+        was given; returns the number of threads moved per engine (see the module doc)."""
+        import psutil
+
+        out: dict[str, int] = {}
+        for name, bind in self.binding.items():
+            if "|" in bind or name not in self.procs:
+                continue  # one binding per TP rank: the bench runs TP 1
+            cores = parse_cores(bind)
+            moved = 0
+            for p in self.procs[name].tree():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if p.name().startswith("VLLM::Worker"):
+                        moved += rebind_threads(p.pid, cores)
+            out[name] = moved
+        return out
 
     def _model(self) -> str:
         from kvpush_prod.lab.tinymodel import write_tiny_model
@@ -171,6 +222,7 @@ class RunningSide:
         spec = EngineSpec(
             "single", port=free_port(), cpu_bind=self.settings.single_cores, **self._common()
         )
+        self.binding["single"] = self.settings.single_cores
         self.procs["single"] = start_engine(spec, self.log_dir)
         self.engine_urls["single"] = f"http://127.0.0.1:{spec.port}"
         wait_started(self.engine_urls["single"], self.procs["single"], timeout)
@@ -207,6 +259,7 @@ class RunningSide:
                     "control_port": side_port,
                     "tp_size": 1,
                 }
+            self.binding[name] = core
             spec = EngineSpec(
                 name,
                 port=free_port(),
@@ -250,6 +303,8 @@ class RunningSide:
         self._cluster = cluster
         cluster.start(timeout)
         self.procs.update(cluster.procs)
+        for name in ("prefill", "decode"):
+            self.binding[name] = cluster.specs[name].cpu_bind or ""
         self.engine_urls.update({n: cluster.urls[n] for n in ("prefill", "decode")})
         # The router's "pull" mode is the sequential flow: P first, D with P's answer.
         self._start_router("pull" if self.side.name == "kvpush-sequential" else "push")
