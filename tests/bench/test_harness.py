@@ -362,3 +362,50 @@ def test_threads_outside_the_engines_cores_are_bound_back():
     finally:
         done.set()
         os.sched_setaffinity(0, mine)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to place processes")
+def test_a_side_binds_its_workers_to_the_engines_cores_and_frontends_to_theirs(tmp_path):
+    import subprocess
+    import sys
+
+    import psutil
+
+    from kvpush_prod.bench.sides import RunningSide
+
+    cores = sorted(os.sched_getaffinity(0))
+    named = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
+             " print('up', flush=True); time.sleep(60)")
+    children = [subprocess.Popen([sys.executable, "-c", named, n], stdout=subprocess.PIPE)
+                for n in ("VLLM::Worker", "VLLM::EngineC")]
+    try:
+        for c in children:
+            c.stdout.readline()
+
+        class Tree:
+            def tree(self):
+                return [psutil.Process(c.pid) for c in children]
+
+        side = RunningSide(SIDES["kvpush"], SideSettings(
+            workdir=tmp_path, frontend_cores={"prefill": str(cores[-1])}))
+        side.procs["prefill"] = Tree()
+        side.binding["prefill"] = str(cores[0])
+        assert side.rebind_workers() == {"prefill": 1}  # the worker's one thread
+        assert os.sched_getaffinity(children[0].pid) == {cores[0]}
+        assert os.sched_getaffinity(children[1].pid) == {cores[-1]}
+        assert side.rebind_workers() == {"prefill": 0}  # already in place
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+
+
+def test_each_engine_keeps_its_frontends_on_its_own_core_unless_told_otherwise(tmp_path):
+    from kvpush_prod.bench.sides import FRONTENDS
+
+    a = build_parser().parse_args([])
+    assert a.frontends == "own" and FRONTENDS["own"] == {"prefill": "0", "decode": "1",
+                                                          "single": "0"}
+    assert FRONTENDS["os"] == {}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--frontends", "anywhere"])

@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from kvpush_prod.bench.sides import DEFAULT_SIDES, SIDES
+from kvpush_prod.bench.sides import DEFAULT_SIDES, FRONTENDS, SIDES
 
 USAGE = """usage: kvpush bench [run options]        run the side-by-side benchmark (see --help)
        kvpush bench report --out DIR      rewrite DIR/results.md and DIR/plots/ from DIR/results.json
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="start each side this many times, sides interleaved, and pool the requests of "
         "every round per cell: on a small box where the OS puts the engines' unpinned "
         "frontends moves TPOT by up to ~30%% from one start to the next (default 1)",
+    )
+    p.add_argument(
+        "--frontends",
+        choices=sorted(FRONTENDS),
+        default="own",
+        help="where each engine's API server and EngineCore run (its worker always runs on "
+        "the engine's core): own = beside its worker, as if each engine had its own host; "
+        "crossed = on the other engine's core (P's on 1, D's on 0); os = wherever the OS "
+        "puts them (default %(default)s)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per prompt length")
@@ -176,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=a.max_num_seqs,
             block_size=a.block_size,
             pthr_delay_us=a.pthr_delay_us,
+            frontend_cores=dict(FRONTENDS[a.frontends]),
         ),
         force=a.force,
         client=a.client,

@@ -223,7 +223,10 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         + (f", and open loop at {w.get('rates')} req/s" if w.get("rates") else "") + "; "
         f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
         f"on core(s) {meta.get('binding', {}).get('single', '0')} (each engine's worker threads "
-        "held there: vLLM's NIXL connectors move them, see the sides table)",
+        "held there: vLLM's NIXL connectors move them, see the sides table); API servers and "
+        "EngineCores: " + (", ".join(f"{k} on core {v}" for k, v in
+                                     meta["frontend_cores"].items())
+                           if meta.get("frontend_cores") else "placed by the OS"),
         f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.lab.client'}"
         f"; load average at start {load}",
         "- command(s) that produced this file (a resumed run adds one): "

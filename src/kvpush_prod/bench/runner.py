@@ -394,6 +394,7 @@ def run(s: BenchSettings) -> ResultStore:
             "command": s.command,
             "client": s.client,
             "binding": {"prefill": "0", "decode": "1", "single": s.side.single_cores},
+            "frontend_cores": s.side.frontend_cores,
         }
     )
     store.data["meta"] = meta
