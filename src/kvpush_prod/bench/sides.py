@@ -154,7 +154,7 @@ class SideSettings:
     kv_cache_gib: int = 2
     # engine -> cores for its API server and EngineCore (its worker keeps the engine's own);
     # empty: the OS places them.
-    frontend_cores: dict[str, str] = field(default_factory=dict)
+    frontend_cores: dict[str, str] = field(default_factory=lambda: dict(FRONTENDS["own"]))
     engine_args: list[str] = field(default_factory=list)
     kvpush_extra: dict[str, Any] = field(default_factory=lambda: {"verify": {"checksums": False}})
 
