@@ -409,3 +409,13 @@ def test_each_engine_keeps_its_frontends_on_its_own_core_unless_told_otherwise(t
     assert FRONTENDS["os"] == {}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--frontends", "anywhere"])
+
+
+def test_a_round_from_before_rounds_is_merged_by_its_percentiles(tmp_path):
+    store = ResultStore(tmp_path / "results.json")
+    old = _round([0.010], [0.001])
+    old.pop("raw")  # a results.json written before rounds kept no requests
+    store.put("kvpush", "1024x1", old)
+    store.add_round("kvpush", "1024x1", _round([0.030], [0.003]))
+    cell = store.data["cells"]["kvpush"]["1024x1"]
+    assert cell["rounds"] == 2 and cell["ttft_ms"]["p50"] == pytest.approx(20.0)

@@ -70,9 +70,6 @@ class ResultStore:
             for key in ("meta", "sides", "cells"):
                 self.data.setdefault(key, {})
 
-    def has(self, side: str, key: str) -> bool:
-        return key in self.data["cells"].get(side, {})
-
     def rounds_of(self, side: str, key: str) -> list[dict[str, Any]]:
         """Every round's cell so far (a single-round file: its one cell)."""
         rounds = self.data.get("rounds", {}).get(side, {}).get(key)
@@ -120,24 +117,31 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {q: _median([x[q] for x in summaries if x.get(q) is not None])
+            for q in ("p50", "p90", "p99", "mean")}
+
+
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One cell from several rounds of it: TTFT, TPOT and e2e percentiles over every round's
-    requests pooled; ITL percentiles, throughput, D's CPU and batch the median of the rounds;
-    request and error counts summed. Each round's p50s stay in ``per_round``."""
+    requests pooled (the median of the rounds' percentiles where a round kept no requests:
+    a file from before rounds); ITL percentiles, throughput, D's CPU and batch the median of
+    the rounds; request and error counts summed; the transfer section and the load the last
+    round's. Each round's p50s stay in ``per_round``."""
     if len(rounds) == 1:
         return {**rounds[0], "rounds": 1}
     out = dict(rounds[-1])
     for name in RAW:
-        pooled = [v for r in rounds for v in (r.get("raw") or {}).get(name, [])]
-        out[f"{name}_ms"] = summary_ms(pooled)
+        if all("raw" in r for r in rounds):
+            out[f"{name}_ms"] = summary_ms([v for r in rounds for v in r["raw"][name]])
+        else:
+            out[f"{name}_ms"] = _median_summary([r.get(f"{name}_ms") or {} for r in rounds])
     out.pop("raw", None)
     for name in ("throughput_tok_s", "throughput_req_s", "wall_s", "d_cpu_ms_per_token",
                  "d_tokens_per_step"):
         vals = [r[name] for r in rounds if r.get(name) is not None]
         out[name] = _median(vals)
-    itl = [r.get("itl_ms") or {} for r in rounds]
-    out["itl_ms"] = {q: _median([x[q] for x in itl if x.get(q) is not None])
-                     for q in ("p50", "p90", "p99", "mean")}
+    out["itl_ms"] = _median_summary([r.get("itl_ms") or {} for r in rounds])
     for name in ("requests", "ok", "errors"):
         out[name] = sum(int(r.get(name) or 0) for r in rounds)
     out["first_error"] = next((r["first_error"] for r in rounds if r.get("first_error")), "")
