@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
@@ -41,7 +42,7 @@ async def _send(url: str, prompts: list[str], concurrency: int = 1,
     return out
 
 
-async def _client(client: object, url: str, queue: list[str], out: list[tuple[float, float, str]],
+async def _client(client: Any, url: str, queue: list[str], out: list[tuple[float, float, str]],
                   pause: bool, max_tokens: int) -> None:
     while queue:
         prompt = queue.pop()
@@ -50,7 +51,7 @@ async def _client(client: object, url: str, queue: list[str], out: list[tuple[fl
         t0 = time.time()
         first = None
         rid = ""
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:  # type: ignore[attr-defined]
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
             rid = r.headers.get("x-request-id", "")
             async for line in r.aiter_lines():
                 if line.startswith("data:") and first is None and '"text"' in line:

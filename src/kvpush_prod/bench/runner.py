@@ -408,14 +408,14 @@ def run(s: BenchSettings) -> ResultStore:
         s.force = False
     store.save()
     rounds = s.workload.rounds
-    todo = {r: plan(store, s, r) for r in range(rounds)}
-    total = sum(s.workload.requests_in(*c) for t in todo.values()
-                for cells in t.values() for c in cells)
+    left = plan(store, s)
+    total = sum(s.workload.requests_in(*c) for r in range(rounds)
+                for cells in plan(store, s, r).values() for c in cells)
     print(
         f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
-        f" {sum(len(c) for c in plan(store, s).values())} cells on {len(plan(store, s))} sides"
+        f" {sum(len(c) for c in left.values())} cells on {len(left)} sides"
         + (f" x {rounds} rounds (sides interleaved)" if rounds > 1 else "")
-        + f", {total} requests; about {estimate_wall_s(plan(store, s), s.workload) / 60:.0f} min",
+        + f", {total} requests; about {estimate_wall_s(left, s.workload) / 60:.0f} min",
         flush=True,
     )
     if not total:

@@ -213,13 +213,14 @@ class RunningSide:
                 continue  # one binding per TP rank: the bench runs TP 1
             cores = parse_cores(bind)
             front = self.settings.frontend_cores.get(name)
+            front_cores = parse_cores(front) if front else None
             moved = 0
             for p in self.procs[name].tree():
                 with contextlib.suppress(psutil.NoSuchProcess):
                     if p.name().startswith("VLLM::Worker"):
                         moved += rebind_threads(p.pid, cores)
-                    elif front:
-                        rebind_threads(p.pid, parse_cores(front))
+                    elif front_cores:
+                        rebind_threads(p.pid, front_cores)
             out[name] = moved
         return out
 
@@ -324,7 +325,8 @@ class RunningSide:
         cluster.start(timeout)
         self.procs.update(cluster.procs)
         for name in ("prefill", "decode"):
-            self.binding[name] = cluster.specs[name].cpu_bind or ""
+            if bind := cluster.specs[name].cpu_bind:
+                self.binding[name] = bind
         self.engine_urls.update({n: cluster.urls[n] for n in ("prefill", "decode")})
         # The router's "pull" mode is the sequential flow: P first, D with P's answer.
         self._start_router("pull" if self.side.name == "kvpush-sequential" else "push")
