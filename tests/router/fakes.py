@@ -31,6 +31,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    scheme: str = "http"  # "https" when it arrived over TLS
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -50,7 +51,8 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.config.get("ssl_certfile") else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> None:
         # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
@@ -108,8 +110,12 @@ class FakeVLLM:
         models: tuple[str, ...] = (MODEL,),
         engine_id: str | None = None,
         control_port: int = 5600,
+        tls: dict[str, Any] | None = None,
     ) -> None:
         self.role = role
+        # uvicorn's TLS arguments (ssl_certfile, ssl_keyfile, ssl_ca_certs, ssl_cert_reqs),
+        # as vLLM's --ssl-* flags pass them: served over https://; read again by restart().
+        self.tls = dict(tls or {})
         self.models = models
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.control_host = "10.0.0.7"
@@ -132,6 +138,7 @@ class FakeVLLM:
         # Behaviour knobs.
         self.health_status = 200
         self.status = 200  # for completions/chat (not probes)
+        self.probe_status = 200  # for probes
         self.tokens = ["w4", " w5", " w6", " w7"]
         self.hook: Hook | None = None  # awaited first; a Response it returns is sent as is
         self.hang = False  # never answer: wait for the client to go away
@@ -141,7 +148,7 @@ class FakeVLLM:
         self.gate: asyncio.Event | None = None  # streamed: wait on it before the last token
         # What /metrics reports (vLLM's series the engine_load policy reads).
         self.running, self.waiting, self.kv_usage = 0, 0, 0.0
-        self.server = Server(self._build())
+        self.server = Server(self._build(), **self.tls)
 
     @property
     def url(self) -> str:
@@ -159,7 +166,7 @@ class FakeVLLM:
         await self.stop()
         if engine_id is not None:
             self.engine_id = engine_id
-        self.server = Server(self._build())
+        self.server = Server(self._build(), **self.tls)
         await self.server.start(port)
 
     # -- vLLM-shaped bodies --------------------------------------------------------------
@@ -312,7 +319,7 @@ class FakeVLLM:
 
     async def _generate(self, request: Request, path: str) -> Response:
         body = await request.json()
-        seen = Seen(path, dict(request.headers), body)
+        seen = Seen(path, dict(request.headers), body, request.url.scheme)
         rid = request.headers.get("x-request-id", uuid.uuid4().hex)
         if self.dp_size > 1:
             pinned = request.headers.get("x-data-parallel-rank")
@@ -328,6 +335,9 @@ class FakeVLLM:
                 self._next_rank += 1
         if (body.get("kv_transfer_params") or {}).get("kvpush_probe"):
             self.probes.append(seen)
+            if self.probe_status != 200:
+                return JSONResponse({"error": {"message": "fake probe failure"}},
+                                    status_code=self.probe_status)
             return JSONResponse(self.probe_answer(path, body, rid))
         self.requests.append(seen)
         self.arrived.set()

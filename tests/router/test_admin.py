@@ -4,11 +4,12 @@ back by itself after a restart, and requests can wait for it instead of failing.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from kvpush_prod.router.drain import busy, drain
+from kvpush_prod.router.drain import EXIT_UNREADABLE, MetricsUnreadable, busy, drain, main
 from tests.router.test_proxy import COMPLETION
 
 TOKEN = "t" * 32
@@ -99,7 +100,8 @@ def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
         if request.url.path == "/admin/drain":
             return httpx.Response(200, json={"inflight": 1})
         v = next(values)
-        return httpx.Response(200, text=f'kvpush_connector_blocks{{role="producer"}} {v}\n')
+        return httpx.Response(200, text=f'vllm:num_requests_running{{engine="0"}} 0\n'
+                                        f'kvpush_connector_blocks{{role="producer"}} {v}\n')
 
     said: list[str] = []
     client = httpx.Client(transport=httpx.MockTransport(handler))
@@ -117,3 +119,56 @@ def test_drain_gives_up_at_the_deadline():
     client = httpx.Client(transport=httpx.MockTransport(handler))
     assert not drain("http://d:8000", ["http://r:9000"], TOKEN, 0.0, lambda s: None, 0.0,
                      client)
+
+
+IDLE = 'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
+
+
+def engine_answering(metrics: Callable[[], httpx.Response]) -> httpx.MockTransport:
+    """A router that drains anything and an engine whose /metrics answer ``metrics()``."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/admin/"):
+            return httpx.Response(200, json={"inflight": 0})
+        return metrics()
+    return httpx.MockTransport(handler)
+
+
+def refused() -> httpx.Response:
+    raise httpx.ConnectError("[Errno 111] Connection refused")
+
+
+@pytest.mark.parametrize(
+    ("metrics", "needle"),
+    [
+        (refused, "ConnectError: [Errno 111] Connection refused"),
+        (lambda: httpx.Response(404, text="Not Found"), "answered HTTP 404"),
+        # The router's own /metrics, say: nothing there is an engine's.
+        (lambda: httpx.Response(200, text="kvpush_router_inflight 0\n"),
+         "has no vllm:num_requests_running"),
+    ],
+)
+def test_drain_never_says_drained_about_an_engine_whose_metrics_it_cannot_read(
+        tmp_path, capsys, metrics, needle):
+    token = tmp_path / "admin.token"
+    token.write_text(TOKEN)
+    said: list[str] = []
+    with pytest.raises(MetricsUnreadable) as e:
+        drain("http://d:8000", ["http://r:9000"], TOKEN, 60, said.append, 0.0,
+              httpx.Client(transport=engine_answering(metrics)))
+    assert needle in str(e.value) and "cannot tell whether http://d:8000 is drained" in str(e.value)
+    assert len([s for s in said if needle in s]) == 3  # tried again before giving up
+
+    rc = main(["http://d:8000", "--router", "http://r:9000", "--admin-token-file", str(token),
+               "--deadline", "60"], transport=engine_answering(metrics))
+
+    out, err = capsys.readouterr()
+    assert rc == EXIT_UNREADABLE != 0
+    assert "DRAINED:" not in out and "NOT DRAINED: cannot tell whether" in err and needle in err
+
+
+def test_one_failed_reading_is_tried_again():
+    answers = iter([refused, lambda: httpx.Response(200, text=IDLE)])
+    said: list[str] = []
+    assert drain("http://d:8000", ["http://r:9000"], TOKEN, 60, said.append, 0.0,
+                 httpx.Client(transport=engine_answering(lambda: next(answers)())))
+    assert said[-1].endswith("idle") and "(1 of 3)" in said[-2]

@@ -165,26 +165,41 @@ def test_main_runs_uvicorn_with_the_settings_and_the_limited_protocol(monkeypatc
     assert server.admission is config.app.state.admission
 
 
-SECRET = "s3cret-s3cret-s3cret-s3cret"
+# 32 random bytes written in hex, as `openssl rand -hex 32` writes them.
+SECRET = "5f0c9a4be1d27386ac4f19e0b7d35a62c8e14f7a093bd6e2518c7fa40be96d13"
 BACKENDS = ["--prefill", "http://a:1", "--decode", "http://b:2"]
+
+
+def secret_file(path: Path, text: str = SECRET + "\n", mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
 
 
 def test_limits_have_their_defaults_and_flags():
     s = settings_from_args(BACKENDS)
     assert (s.max_body_bytes, s.max_concurrent_requests, s.max_json_depth) == (16 << 20, 1024, 128)
     assert (s.header_timeout_s, s.body_timeout_s, s.client_write_timeout_s) == (10, 30, 30)
-    assert (s.drain_timeout_s, s.params_ttl_s, s.params_key, s.probe_decode) == (
-        25, 120, None, False)  # fmt: skip
+    assert (s.drain_timeout_s, s.params_ttl_s, s.params_key) == (25, 120, None)
     s = settings_from_args([*BACKENDS, "--max-body-bytes", "2048", "--max-concurrent-requests",
-                            "8", "--body-timeout", "5", "--probe-decode", "--params-ttl", "30"])
+                            "8", "--body-timeout", "5", "--params-ttl", "30"])
     assert (s.max_body_bytes, s.max_concurrent_requests, s.body_timeout_s) == (2048, 8, 5)
-    assert (s.probe_decode, s.params_ttl_s) == (True, 30)
+    assert s.params_ttl_s == 30
+
+
+def test_decode_backends_are_probed_for_their_key_unless_turned_off():
+    on = settings_from_args(BACKENDS)
+    assert on.probe_decode is True and on.probes_decode is True
+    assert settings_from_args([*BACKENDS, "--probe-decode"]).probes_decode is True
+    assert settings_from_args([*BACKENDS, "--no-probe-decode"]).probes_decode is False
+    # Pull mode names no D to P; vLLM's own connectors have no key to probe.
+    assert settings_from_args([*BACKENDS, "--mode", "pull"]).probes_decode is False
+    assert settings_from_args([*BACKENDS, "--vllm-push-compat"]).probes_decode is False
 
 
 def test_the_params_key_comes_from_its_file_and_stays_out_of_repr(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPUSH_PARAMS_KEY", "from-the-environment-but-the-file-wins")
-    key = tmp_path / "params.key"
-    key.write_text(SECRET + "\n")
+    key = secret_file(tmp_path / "params.key")
     s = settings_from_args([*BACKENDS, "--params-key-file", str(key)])
     assert s.params_key == SECRET.encode()
     assert SECRET not in repr(s) and SECRET not in str(s.model_dump())
@@ -197,6 +212,16 @@ def test_the_params_key_comes_from_the_environment_without_a_file(monkeypatch):
     assert settings_from_args(BACKENDS).params_key is None
 
 
+@pytest.mark.parametrize("weak", ["a" * 16, "hunter2hunter2hunter2hunter2hunter2", "ab" * 40])
+def test_a_weak_params_key_in_the_environment_is_refused_and_named(monkeypatch, weak):
+    monkeypatch.setenv("KVPUSH_PARAMS_KEY", weak)
+    with pytest.raises(ConfigError) as e:
+        settings_from_args(BACKENDS)
+    msg = str(e.value)
+    assert "$KVPUSH_PARAMS_KEY" in msg and "openssl rand -hex 32" in msg
+    assert weak not in msg  # a key, even a weak one, is never echoed
+
+
 def test_a_params_key_on_the_command_line_is_refused_without_echoing_it(capsys):
     for argv in (["--params-key", SECRET], [f"--params-key={SECRET}"]):
         assert main([*BACKENDS, *argv]) == 2
@@ -206,13 +231,84 @@ def test_a_params_key_on_the_command_line_is_refused_without_echoing_it(capsys):
 
 
 @pytest.mark.parametrize(
-    ("content", "needle"),
-    [(None, "cannot read the params key file"), ("\n", "is empty"), ("short", "too weak")],
+    ("content", "mode", "needles"),
+    [
+        (None, 0o600, ["cannot read the params key file", "--params-key-file"]),
+        ("\n", 0o600, ["holds 0 bytes", "at least 32 random bytes", "openssl rand -hex 32"]),
+        ("short", 0o600, ["holds 5 bytes", "openssl rand -hex 32"]),
+        ("a" * 64 + "\n", 0o600, ["not random", "openssl rand -hex 32"]),
+        ("0123456789abcdef" * 2, 0o600, ["holds 16 bytes", "at least 32"]),
+        (SECRET + "\n", 0o644, ["mode 0644", "chmod 600"]),
+        (SECRET + "\n", 0o666, ["mode 0666", "chmod 600"]),
+    ],
 )
-def test_a_bad_params_key_file_is_named(tmp_path, content, needle):
+def test_a_bad_params_key_file_is_named_with_the_fix(tmp_path, content, mode, needles):
     key = tmp_path / "params.key"
     if content is not None:
-        key.write_text(content)
-    with pytest.raises(ConfigError, match=needle) as e:
+        secret_file(key, content, mode)
+    with pytest.raises(ConfigError) as e:
         settings_from_args([*BACKENDS, "--params-key-file", str(key)])
-    assert str(key) in str(e.value)
+    msg = str(e.value)
+    assert str(key) in msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_the_admin_token_is_read_apart_from_the_params_key(tmp_path):
+    # Not a params key: readable by the operators' group, 16 bytes are enough.
+    token = secret_file(tmp_path / "admin.token", "t" * 16 + "\n", 0o640)
+    s = settings_from_args([*BACKENDS, "--admin-token-file", str(token)])
+    assert s.admin_token == b"t" * 16 and s.params_key is None
+    short = secret_file(tmp_path / "short.token", "t" * 8, 0o600)
+    with pytest.raises(ConfigError, match="admin token in .*short.token.* is 8 bytes"):
+        settings_from_args([*BACKENDS, "--admin-token-file", str(short)])
+
+
+def test_vllm_push_compat_with_a_params_key_is_refused(tmp_path):
+    key = secret_file(tmp_path / "params.key")
+    with pytest.raises(ConfigError, match="vllm_push_compat .* with a params key"):
+        settings_from_args([*BACKENDS, "--vllm-push-compat", "--params-key-file", str(key)])
+
+
+# -- TLS to the engines ----------------------------------------------------------------------
+
+
+def test_tls_flags_load_and_a_plain_http_backend_beside_a_ca_is_refused(tmp_path):
+    from tests.router.tls import make_pki
+
+    pki = make_pki(tmp_path)
+    s = settings_from_args(["--prefill", "https://127.0.0.1:1", "--decode", "https://localhost:2",
+                            "--backend-ca-file", str(pki.ca), "--backend-client-cert-file",
+                            str(pki.client_cert), "--backend-client-key-file",
+                            str(pki.client_key)])
+    assert (s.backend_ca_file, s.backend_client_cert_file) == (str(pki.ca), str(pki.client_cert))
+    with pytest.raises(ConfigError) as e:
+        settings_from_args([*BACKENDS, "--backend-ca-file", str(pki.ca)])
+    assert "prefill[0].url = 'http://a:1'" in str(e.value) and "use https://" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--backend-ca-file", "{missing}"], ["backend_ca_file", "missing.pem",
+                                               "No such file", "--backend-ca-file"]),
+        (["--backend-ca-file", "{not_pem}"], ["backend_ca_file", "not.pem", "PEM certificate"]),
+        (["--backend-client-cert-file", "{cert}"], ["backend_client_key_file is not",
+                                                    "set both"]),
+        (["--backend-client-cert-file", "{cert}", "--backend-client-key-file", "{ca_key}"],
+         ["backend_client_cert_file", "cannot be used", "its unencrypted PEM key"]),
+    ],
+)
+def test_unusable_tls_files_are_named_at_start(tmp_path, flags, needles):
+    from tests.router.tls import make_pki
+
+    pki = make_pki(tmp_path)
+    (tmp_path / "not.pem").write_text("not a certificate\n")
+    paths = {"missing": tmp_path / "missing.pem", "not_pem": tmp_path / "not.pem",
+             "cert": pki.client_cert, "ca_key": pki.ca_key}
+    argv = ["--prefill", "https://a:1", "--decode", "https://b:2",
+            *(f.format(**paths) for f in flags)]
+    with pytest.raises(ConfigError) as e:
+        settings_from_args(argv)
+    for needle in needles:
+        assert needle in str(e.value), str(e.value)

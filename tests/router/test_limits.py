@@ -202,9 +202,20 @@ async def test_body_nested_too_deep_is_400(fakes, router, depth):
         ({"n": 10**400}, "n_gt_1", "`n` = 1000"),  # too big for a float: still a 400
         ({"best_of": 3}, "n_gt_1", "`best_of` = 3"),
         ({"use_beam_search": True}, "beam_search", "use_beam_search"),
+        # vLLM's request models are lax: each of these would become n = 2 (or 1 by luck).
+        ({"n": "2"}, "n_gt_1", '`n` = "2" (a string)'),
+        ({"n": "1"}, "n_gt_1", '`n` = "1" (a string)'),
+        ({"n": 1.0}, "n_gt_1", "`n` = 1.0 (a fraction)"),
+        ({"n": True}, "n_gt_1", "`n` = true (a boolean)"),
+        ({"n": 0}, "n_gt_1", "`n` = 0 (a number)"),
+        ({"n": [2]}, "n_gt_1", "`n` = [2] (an array)"),
+        ({"best_of": "3"}, "n_gt_1", '`best_of` = "3" (a string)'),
+        ({"use_beam_search": "true"}, "beam_search", '`use_beam_search` = "true" (a string)'),
+        ({"use_beam_search": 1}, "beam_search", "`use_beam_search` = 1 (a number)"),
+        ({"n": "x" * 100}, "n_gt_1", '`n` = "' + "x" * 36 + "..."),  # never echoed whole
     ],
 )
-async def test_more_than_one_sequence_is_400_before_any_engine_sees_it(
+async def test_anything_but_one_sequence_is_400_before_any_engine_sees_it(
     fakes, router, extra, reason, needle
 ):
     p, d = await fakes("prefill"), await fakes("decode")
@@ -215,11 +226,26 @@ async def test_more_than_one_sequence_is_400_before_any_engine_sees_it(
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert needle in err["message"] and "not supported through the P/D router" in err["message"]
-    assert err["param"] == next(iter(extra))
+    key = next(iter(extra))
+    want = "false" if key == "use_beam_search" else "the JSON number 1"
+    assert f"`{key}` must be absent or {want}" in err["message"]  # and how to fix it
+    assert err["param"] == key and err["type"] == "invalid_request_error"
     assert not p.requests and not d.requests
     assert rejected(r, reason) == 1
-    ok = await r.post("/v1/completions", {**COMPLETION, "n": 1, "best_of": 1})
-    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"n": 1, "best_of": 1, "use_beam_search": False}, {"n": None, "best_of": None}, {}],
+)
+async def test_one_sequence_asked_for_exactly_is_served(fakes, router, extra):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d])
+
+    resp = await r.post("/v1/completions", {**COMPLETION, **extra})
+
+    assert resp.status_code == 200, resp.text
+    assert {k: d.requests[0].body.get(k) for k in extra} == extra  # passed on unchanged
 
 
 # -- concurrency ------------------------------------------------------------------------------
@@ -249,6 +275,41 @@ async def test_requests_past_the_concurrency_limit_get_503_with_retry_after(fake
     assert len(d.requests) == 1 and rejected(r, "concurrency") == 1
     await wait_until(lambda: r.app.state.admission.inflight == 0, what="the stream to end")
     assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
+
+
+async def test_clients_still_sending_their_body_hold_no_slot_and_others_are_served(
+        fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], max_concurrent_requests=2, body_timeout_s=5.0)
+    parts = urlsplit(r.url)
+
+    # Six connections each declare a 100-byte body and send one byte of it: three times
+    # the limit, all reading at once.
+    async def slow_sender() -> bytes:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            writer.write(head(content_length="100", content_type="application/json") + b"{")
+            await writer.drain()
+            return await asyncio.wait_for(reader.read(), 20)
+        finally:
+            writer.close()
+
+    slow = [asyncio.create_task(slow_sender()) for _ in range(6)]
+    uvicorn_state = r.server._server.server_state  # test-only look at uvicorn's requests
+    await wait_until(lambda: len(uvicorn_state.tasks) >= 6, what="six bodies being read")
+
+    assert r.app.state.admission.inflight == 0
+    for _ in range(3):  # everyone else is served meanwhile
+        resp = await r.post("/v1/completions", COMPLETION)
+        assert resp.status_code == 200, resp.text
+    assert not any(t.done() for t in slow)
+    # Each slow sender gets its own 408 at its own deadline; none was refused for load.
+    for answer in await asyncio.gather(*slow):
+        status, body = status_and_body(answer)
+        assert status == 408 and "body_timeout_s" in body["error"]["message"]
+    assert rejected(r, "body_timeout") == 6 and rejected(r, "concurrency") == 0
+    assert r.app.state.admission.inflight == 0
+    assert len(d.requests) == 3
 
 
 # -- a client that stops reading --------------------------------------------------------------

@@ -395,7 +395,8 @@ async def test_probe_body_and_yaml_overrides_win(fakes, router):
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "kvpush_probe": True},
     }
-    assert not d.probes
+    # D gets the same probe, for its control-channel key (probe_decode, on by default).
+    assert [s.body for s in d.probes] == [probe.body]
     await r.post("/v1/completions", COMPLETION)
     params = d.requests[0].body["kv_transfer_params"]
     assert (params["remote_host"], params["remote_port"]) == ("p.internal", 7777)

@@ -10,7 +10,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -215,14 +217,17 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> Proc:
     return Proc(spec.name, spec.command(), engine_env(spec), log_dir / f"{spec.name}.log")
 
 
-def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0) -> None:
-    """Wait for ``url``/health to answer 200; raise with the log tail if the process died."""
+def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0,
+                 ca_file: Path | None = None) -> None:
+    """Wait for ``url``/health to answer 200; raise with the log tail if the process died.
+    An https:// ``url`` is verified against ``ca_file`` (the lab's CA) when given."""
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
             raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.tail()}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(url + "/health", timeout=2, context=context) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -261,3 +266,90 @@ def push_kv_config(role: str, profile: str | None, control_port: int,
 
 def ensure_model(root: Path) -> str:
     return str(write_tiny_model(root / "tiny-llama"))
+
+
+# -- TLS for the legs (the lab's own CA; never for production) -----------------------------
+
+_CA_EXTENSIONS = """[ca]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+"""
+_LEAF_EXTENSIONS = """[leaf]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = {usage}
+subjectAltName = {names}
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid:always
+"""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA and one certificate it signed, as PEM files."""
+
+    ca: Path  # the CA's certificate: the router's --backend-ca-file
+    ca_key: Path
+    cert: Path  # an engine's --ssl-certfile (or a client certificate)
+    key: Path  # its --ssl-keyfile (unencrypted)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise RuntimeError("the openssl command is not installed; the lab makes its TLS "
+                           "certificates with it: install openssl (apt-get install openssl)")
+    done = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args[:2])} failed ({done.returncode}): "
+                           f"{done.stderr.strip()[-500:]}")
+
+
+def make_ca(directory: Path, name: str = "kvpush-lab") -> tuple[Path, Path]:
+    """A fresh self-signed CA (P-256, 30 days) in ``directory``: (certificate, key)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ext = directory / f"{name}-ca.cnf"
+    ext.write_text("[req]\ndistinguished_name = dn\n[dn]\n" + _CA_EXTENSIONS)
+    cert, key = directory / f"{name}-ca.pem", directory / f"{name}-ca.key"
+    _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-keyout", key.name, "-out", cert.name, "-days", "30",
+             "-subj", f"/CN={name} CA", "-config", ext.name, "-extensions", "ca", cwd=directory)
+    key.chmod(0o600)
+    return cert, key
+
+
+def issue_cert(ca: tuple[Path, Path], directory: Path, name: str,
+               hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+               client: bool = False) -> TlsFiles:
+    """A certificate ``ca`` signs for ``hosts`` (IP addresses and DNS names; a server's, or
+    with ``client`` a client's for mutual TLS), with its key, in ``directory``."""
+    ca_cert, ca_key = ca
+    directory.mkdir(parents=True, exist_ok=True)
+    names = ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in hosts)
+    ext = directory / f"{name}.cnf"
+    ext.write_text("[req]\ndistinguished_name = dn\n[dn]\n" + _LEAF_EXTENSIONS.format(
+        usage="clientAuth" if client else "serverAuth", names=names))
+    cert, key, csr = (directory / f"{name}{s}" for s in (".pem", ".key", ".csr"))
+    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", key.name, "-out", csr.name, "-subj", f"/CN={hosts[0]}",
+             "-config", ext.name, cwd=directory)
+    _openssl("x509", "-req", "-in", csr.name, "-CA", str(ca_cert), "-CAkey", str(ca_key),
+             "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", "30",
+             "-out", cert.name, "-extfile", ext.name, "-extensions", "leaf", cwd=directory)
+    key.chmod(0o600)
+    return TlsFiles(ca_cert, ca_key, cert, key)
+
+
+def make_tls(directory: Path, name: str = "kvpush-lab") -> TlsFiles:
+    """A fresh CA and a server certificate it signed for 127.0.0.1 and localhost."""
+    ca = make_ca(directory, name)
+    return issue_cert(ca, directory, f"{name}-server")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True

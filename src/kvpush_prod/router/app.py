@@ -6,6 +6,7 @@ clients: one for the legs, one for health checks and probes.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvpush_prod.router.admin import add_admin_routes
 from kvpush_prod.router.backends import BackendPool
-from kvpush_prod.router.config import RouterSettings, with_params_key
+from kvpush_prod.router.config import RouterSettings, backend_ssl_context, with_params_key
 from kvpush_prod.router.health import HealthMonitor
 from kvpush_prod.router.legs import CHAT_PATH, COMPLETIONS_PATH
 from kvpush_prod.router.limits import Admission, LimitsMiddleware
@@ -104,9 +105,13 @@ def _lifespan(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # One TLS context for both clients: health checks and probes verify the engines'
+        # certificates exactly as the legs do, so an engine the legs would refuse is down.
+        verify = backend_ssl_context(settings)
         legs_client = _client(
             settings,
             transport,
+            verify,
             max_connections=settings.max_connections,
             timeout=httpx.Timeout(
                 None, connect=settings.connect_timeout_s, pool=settings.pool_timeout_s
@@ -116,6 +121,7 @@ def _lifespan(
         health_client = _client(
             settings,
             transport,
+            verify,
             max_connections=2 * len(pool.all) + 2,
             timeout=httpx.Timeout(settings.health_timeout_s, connect=settings.connect_timeout_s),
         )
@@ -160,13 +166,16 @@ async def _list_models(pool: BackendPool, client: httpx.AsyncClient, timeout: fl
 def _client(
     settings: RouterSettings,
     transport: httpx.AsyncBaseTransport | None,
+    verify: ssl.SSLContext | None,
     *,
     max_connections: int,
     timeout: httpx.Timeout,
 ) -> httpx.AsyncClient:
-    """An HTTP client to the backends with its own pool of ``max_connections``."""
+    """An HTTP client to the backends with its own pool of ``max_connections``; https://
+    backends are verified with ``verify`` (None: httpx's default CAs)."""
     return httpx.AsyncClient(
         timeout=timeout,
+        verify=verify if verify is not None else True,
         limits=httpx.Limits(
             max_connections=max_connections,
             max_keepalive_connections=max_connections,

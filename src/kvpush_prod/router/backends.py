@@ -103,7 +103,8 @@ class BackendPool:
             Backend(Role.PREFILL, b.url, overrides=b, needs_identity=settings.mode == "push")
             for b in settings.prefill
         ]
-        self.decode = [Backend(Role.DECODE, b.url) for b in settings.decode]
+        self.decode = [Backend(Role.DECODE, b.url, needs_key=settings.probes_decode)
+                       for b in settings.decode]
         self._policy: dict[Role, Policy] = {
             Role.PREFILL: make_policy(settings.policy),
             Role.DECODE: make_policy(settings.policy),
@@ -161,8 +162,9 @@ class BackendPool:
         b.healthy = True
         if b.up:
             b.last_error = None
-        elif b.role is Role.PREFILL and b.last_error is None:
-            b.last_error = "identity not probed yet"
+        elif b.last_error is None:
+            b.last_error = ("identity not probed yet" if b.role is Role.PREFILL
+                            else "control-channel key not probed yet")
         self._publish(b, was_up)
 
     def set_identity(self, b: Backend, identity: PrefillIdentity | None, error: str | None,
@@ -183,8 +185,20 @@ class BackendPool:
         """Record what D answered the key probe with (None: D runs without keys)."""
         if key != b.remote_key or not b.key_probed:
             log.info("decode backend %s control key: %s", b.url, key or "none (no keys)")
+        was_up = b.up
         b.remote_key = key
         b.key_probed = True
+        if b.healthy:
+            b.last_error = None
+        self._publish(b, was_up)
+
+    def set_decode_key_failure(self, b: Backend, error: str) -> None:
+        """D's key probe failed: D stays out of rotation until a probe answers."""
+        was_up = b.up
+        b.remote_key = None
+        b.key_probed = False
+        b.last_error = error
+        self._publish(b, was_up)
 
     def set_models(self, b: Backend, models: Iterable[str]) -> None:
         b.models = tuple(models)

@@ -143,7 +143,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_key_flags(p: argparse.ArgumentParser) -> None:
-    """Router-signed kv_transfer_params and the engines' control-channel keys."""
+    """Router-signed kv_transfer_params, the engines' control-channel keys, TLS to the engines."""
     p.add_argument(
         "--params-key-file",
         dest="params_key_file",
@@ -163,10 +163,30 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--probe-decode",
         dest="probe_decode",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="probe decode backends for their control-channel key and name it to P "
-        "(decode_key), so P accepts the transfer only from that D",
+        "(decode_key), so P accepts the transfer only from that D (default: on, in push mode "
+        "with kvpush engines); --no-probe-decode turns it off",
+    )
+    p.add_argument(
+        "--backend-ca-file",
+        dest="backend_ca_file",
+        metavar="PATH",
+        help="TLS to the engines: the CA certificate (PEM) their certificates (vLLM "
+        "--ssl-certfile) must chain to; every backend URL is then https://",
+    )
+    p.add_argument(
+        "--backend-client-cert-file",
+        dest="backend_client_cert_file",
+        metavar="PATH",
+        help="mutual TLS: the router's client certificate (PEM) for engines that require one",
+    )
+    p.add_argument(
+        "--backend-client-key-file",
+        dest="backend_client_key_file",
+        metavar="PATH",
+        help="mutual TLS: the key (PEM, unencrypted) of --backend-client-cert-file",
     )
     p.add_argument(
         "--admin-token-file",

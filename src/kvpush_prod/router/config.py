@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import difflib
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import certifi
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvpush_prod.errors import ConfigError
-from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key
+from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key, read_key_file
 
 PolicyName = Literal["round_robin", "least_loaded", "engine_load"]
 # push: both legs at once (push connectors); pull: P first, then D with P's
@@ -152,8 +154,18 @@ class RouterSettings(_Strict):
     # The engines refuse signatures valid for more than an hour (verify_params' max_ttl_s).
     params_ttl_s: float = Field(default=120.0, gt=0, le=3600)
     # Probe decode backends for their control-channel key, so P accepts the transfer only
-    # from the D chosen for it (prefill leg's ``decode_key``).
-    probe_decode: bool = False
+    # from the D chosen for it (prefill leg's ``decode_key``); without it the first engine
+    # holding a valid key to register for a transfer gets its KV. With it a D is routed to
+    # only once its probe answered. Push mode with kvpush engines only (``probes_decode``).
+    probe_decode: bool = True
+    # -- TLS to the engines (vLLM's --ssl-keyfile/--ssl-certfile) --
+    # The CA file (PEM) the engines' certificates must chain to; the backends' URLs are then
+    # https://. Without it https:// backends are checked against certifi's CAs (httpx's).
+    backend_ca_file: str | None = None
+    # A client certificate and its key (PEM) for engines that require one (vLLM's
+    # --ssl-ca-certs with --ssl-cert-reqs 2): mutual TLS. Both or neither.
+    backend_client_cert_file: str | None = None
+    backend_client_key_file: str | None = None
     # -- operations --
     # A request that finds no routable (P, D) pair waits up to this long for one (an engine
     # restarting after a drain) before the router answers 503; 0: answer at once.
@@ -196,6 +208,36 @@ class RouterSettings(_Strict):
                 "or lower max_concurrent_requests"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tls_is_whole(self) -> RouterSettings:
+        if (self.backend_client_cert_file is None) != (self.backend_client_key_file is None):
+            given, missing = (
+                ("backend_client_cert_file", "backend_client_key_file")
+                if self.backend_client_key_file is None
+                else ("backend_client_key_file", "backend_client_cert_file"))
+            raise ValueError(
+                f"{given} is set but {missing} is not: mutual TLS needs the client "
+                "certificate and its key; set both (or neither)")
+        if self.backend_ca_file is not None:
+            # The operator asked for TLS to the engines: a plain http:// leg would carry the
+            # signed kv_transfer_params in clear text beside the encrypted ones.
+            plain = [f"{role}[{i}].url = {b.url!r}"
+                     for role, lst in (("prefill", self.prefill), ("decode", self.decode))
+                     for i, b in enumerate(lst) if b.url.startswith("http://")]
+            if plain:
+                raise ValueError(
+                    f"backend_ca_file is set (TLS to the engines) but {', '.join(plain)} "
+                    f"{'is' if len(plain) == 1 else 'are'} plain http://: use https:// for "
+                    "every backend, or drop backend_ca_file")
+        return self
+
+    @property
+    def probes_decode(self) -> bool:
+        """Whether decode backends are probed for their key: ``probe_decode`` in push mode
+        with kvpush engines. Pull mode names no D to P, and vLLM's own connectors
+        (``vllm_push_compat``) have no key while a vLLM D would hold a block for the probe."""
+        return self.probe_decode and self.mode == "push" and not self.vllm_push_compat
 
     @model_validator(mode="after")
     def _key_is_strong(self) -> RouterSettings:
@@ -264,56 +306,119 @@ def settings_from_mapping(data: Mapping[str, Any], source: str = "settings") -> 
 
 
 def read_params_key(path: str | Path) -> bytes:
-    """The params key in ``path``: its text without surrounding whitespace, as UTF-8."""
+    """The params key in ``path``, through ``signing.read_key_file``: refused (ConfigError
+    naming the file and the fix) when group or others may read the file, or when the key
+    holds fewer than 32 random bytes."""
+    try:
+        return read_key_file(path, "params key file")
+    except SignatureError as e:
+        # read_key_file names the fix for a weak key or a loose file mode, not for a file
+        # that cannot be read: point at the setting that named it.
+        unreadable = e.reason == "key_file" and "chmod" not in str(e)
+        fix = "; check params_key_file (--params-key-file)" if unreadable else ""
+        raise ConfigError(f"{e}{fix}") from None
+
+
+def read_admin_token(path: str | Path) -> bytes:
+    """The admin API's bearer token in ``path``: its text without surrounding whitespace.
+
+    Not a params key (it signs nothing, and ``kvpush drain`` reads the same file as an
+    operator), so neither the params key's file-mode rule nor its strength test applies:
+    only a minimum length.
+    """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
         raise ConfigError(
-            f"cannot read the params key file {str(path)!r}: {why}; check params_key_file "
-            "(--params-key-file)"
+            f"cannot read the admin token file {str(path)!r}: {why}; check admin_token_file "
+            "(--admin-token-file)"
         ) from None
-    key = text.strip().encode()
-    if not key:
+    token = text.strip().encode()
+    if len(token) < 16:
         raise ConfigError(
-            f"the params key file {str(path)!r} is empty; write the key the engines share "
-            "into it (e.g. `openssl rand -hex 32`)"
+            f"the admin token in {str(path)!r} is {len(token)} bytes; use at least 16 random "
+            "bytes (e.g. `openssl rand -hex 32 > FILE`)"
         )
-    return key
+    return token
 
 
 def _with_admin_token(settings: RouterSettings) -> RouterSettings:
     """``settings`` with ``admin_token`` read from ``admin_token_file`` (if given)."""
     if settings.admin_token is not None or settings.admin_token_file is None:
         return settings
-    token = read_params_key(settings.admin_token_file)
-    if len(token) < 16:
-        raise ConfigError(
-            f"the admin token in {settings.admin_token_file!r} is {len(token)} bytes; use at "
-            "least 16 random bytes (e.g. `openssl rand -hex 32`)"
-        )
-    return settings.model_copy(update={"admin_token": token})
+    return settings.model_copy(
+        update={"admin_token": read_admin_token(settings.admin_token_file)})
 
 
 def with_params_key(
     settings: RouterSettings, environ: Mapping[str, str] | None = None
 ) -> RouterSettings:
     """``settings`` with ``params_key`` loaded from ``params_key_file``, else from
-    ``$KVPUSH_PARAMS_KEY`` in ``environ`` (not consulted when None); unchanged if neither."""
+    ``$KVPUSH_PARAMS_KEY`` in ``environ`` (not consulted when None); unchanged if neither.
+    Also reads the admin token and checks the TLS files (ConfigError naming any problem)."""
     settings = _with_admin_token(settings)
+    check_tls_files(settings)
     if settings.params_key is not None:
         return settings
     if settings.params_key_file is not None:
-        key, where = read_params_key(settings.params_key_file), repr(settings.params_key_file)
+        key = read_params_key(settings.params_key_file)
     elif environ is not None and environ.get(PARAMS_KEY_ENV, "").strip():
-        key, where = environ[PARAMS_KEY_ENV].strip().encode(), f"${PARAMS_KEY_ENV}"
+        try:
+            key = check_key(environ[PARAMS_KEY_ENV].strip().encode(), f"${PARAMS_KEY_ENV}")
+        except SignatureError as e:
+            raise ConfigError(str(e)) from None
     else:
         return settings
-    try:
-        check_key(key)
-    except SignatureError as e:
-        raise ConfigError(f"the params key from {where} is too weak: {e}") from None
+    if settings.vllm_push_compat:
+        # vLLM's push connector verifies no signature, and kvpush engines refuse the
+        # remote_request_id that vllm_push_compat adds to D's signed leg.
+        raise ConfigError(
+            "vllm_push_compat (--vllm-push-compat) with a params key: vLLM's "
+            "NixlPushConnector checks no signature and kvpush engines refuse D's signed "
+            "remote_request_id; drop the params key for vLLM's connectors, or "
+            "vllm_push_compat for kvpush engines")
     return settings.model_copy(update={"params_key": key})
+
+
+def backend_ssl_context(settings: RouterSettings) -> ssl.SSLContext | None:
+    """The TLS context the router's clients verify the engines with: ``backend_ca_file``
+    as the only trusted CA (plus the client certificate, for mutual TLS); None without any
+    TLS file (https:// backends are then checked against certifi's CAs, httpx's default).
+    Raises ConfigError naming the file that cannot be used."""
+    s = settings
+    if s.backend_ca_file is None and s.backend_client_cert_file is None:
+        return None
+    # PROTOCOL_TLS_CLIENT checks the certificate chain and that it names the URL's host.
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # Only the operator's CA when given: an engine certificate that some public CA
+        # signed is not one of the deployment's engines.
+        ctx.load_verify_locations(cafile=s.backend_ca_file or certifi.where())
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(
+            f"backend_ca_file {s.backend_ca_file!r} cannot be used as a CA: "
+            f"{getattr(e, 'strerror', None) or e}; point it at the PEM certificate of the CA "
+            "that signed the engines' certificates (--backend-ca-file)"
+        ) from None
+    if s.backend_client_cert_file is not None:
+        try:
+            ctx.load_cert_chain(s.backend_client_cert_file, s.backend_client_key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(
+                f"backend_client_cert_file {s.backend_client_cert_file!r} with "
+                f"backend_client_key_file {s.backend_client_key_file!r} cannot be used: "
+                f"{getattr(e, 'strerror', None) or e}; point them at a PEM certificate and "
+                "its unencrypted PEM key"
+            ) from None
+    return ctx
+
+
+def check_tls_files(settings: RouterSettings) -> None:
+    """ConfigError now, at start, if a TLS file cannot be loaded (rather than at the first
+    leg)."""
+    backend_ssl_context(settings)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

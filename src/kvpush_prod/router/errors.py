@@ -59,7 +59,8 @@ class RequestRejected(RouterError):
 
     ``reason`` names the router limit that refused it (None: a plain bad request, such as
     a body that is not JSON); ``param`` the offending request field, if one; ``close``
-    asks to close the connection after the answer (the rest of the request was not read).
+    asks to close the connection after the answer (the rest of the request was not read);
+    ``retry_after`` (seconds) is sent as Retry-After for a refusal that passes.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class RequestRejected(RouterError):
         *,
         param: str | None = None,
         close: bool = False,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
@@ -77,3 +79,4 @@ class RequestRejected(RouterError):
         self.message = message
         self.param = param
         self.close = close
+        self.retry_after = retry_after

@@ -18,14 +18,20 @@ import httpx
 
 from kvpush_prod.router.backends import BackendPool, check_remote_key, resolve_identity
 from kvpush_prod.router.config import RouterSettings
-from kvpush_prod.router.legs import COMPLETIONS_PATH, DP_RANK_HEADER, dumps, probe_body, signed
+from kvpush_prod.router.legs import (
+    COMPLETIONS_PATH,
+    DP_RANK_HEADER,
+    describe_error,
+    dumps,
+    probe_body,
+)
 from kvpush_prod.router.types import Backend, EngineLoad, PrefillIdentity, Role
 
 log = logging.getLogger(__name__)
 
 
 def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return describe_error(e)
 
 
 _LOAD_SERIES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -56,7 +62,7 @@ OUT_OF_RANGE = "data-parallel rank out of range"
 
 class HealthMonitor:
     """Keeps each backend's ``healthy``, ``models``, (for P) ``identity`` and (for D, with
-    probe_decode) control-channel key current.
+    probe_decode, the default) control-channel key current.
 
     ``client`` is its own, never the legs' one: a pool full of streams (or of clients that
     stopped reading) must not make healthy backends look down.
@@ -117,7 +123,7 @@ class HealthMonitor:
                 return
         if b.role is Role.PREFILL and not b.identity_complete and b.needs_identity:
             await self.probe(b, epoch)
-        if b.role is Role.DECODE and self.settings.probe_decode and not b.key_probed:
+        if b.role is Role.DECODE and b.needs_key and not b.key_probed:
             await self.probe_decode_key(b, epoch)
         if self.settings.policy == "engine_load":
             await self.read_load(b)
@@ -211,12 +217,10 @@ class HealthMonitor:
             return None, f"identity probe{at}: {e}"
 
     async def _post_probe(self, b: Backend, rank: int | None = None) -> httpx.Response:
-        body = signed(
-            probe_body(b.models[0]),
-            self.settings.params_key,
-            time.time(),
-            self.settings.params_ttl_s,
-        )
+        # Not signed: a probe authorizes nothing (an engine answers it with its public
+        # identity and holds nothing), so engines answer it without a signature, and a
+        # signed leg names a transfer a probe does not have.
+        body = probe_body(b.models[0])
         headers = {
             "Content-Type": "application/json",
             "X-Request-Id": f"kvpush-probe-{uuid.uuid4().hex}",
@@ -231,8 +235,10 @@ class HealthMonitor:
         )
 
     async def probe_decode_key(self, b: Backend, epoch: int) -> None:
-        """Learn D's control-channel key from the same probe; on failure D stays usable
-        (its legs go without ``decode_key``) and the next poll asks again."""
+        """Learn D's control-channel key from the same probe. On failure D stays out of
+        rotation (why: in /health) and the next poll asks again: a leg to a D whose key is
+        unknown would go to P without ``decode_key``, and P would take a registration for
+        it from any engine holding a valid key."""
         failure = None
         try:
             r = await self._post_probe(b) if b.models else None
@@ -254,9 +260,11 @@ class HealthMonitor:
                 self.pool.set_decode_key(b, key)
                 self._key_failures.pop(b.url, None)
                 return
+        self.pool.set_decode_key_failure(b, failure)
         if self._key_failures.get(b.url) != failure:  # one failing every poll is logged once
             self._key_failures[b.url] = failure
-            log.warning("decode backend %s: %s; its legs go without decode_key", b.url, failure)
+            log.warning("decode backend %s: %s; not routed to until its key is known "
+                        "(--no-probe-decode routes without it)", b.url, failure)
 
     def note_prefill_response(self, b: Backend, body: bytes) -> None:
         """Pick up a changed identity (P restarted between polls) from a P leg's answer."""

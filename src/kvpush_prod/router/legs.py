@@ -12,7 +12,7 @@ import httpx
 
 from kvpush_prod.router.errors import BackendClientError, LegFailure
 from kvpush_prod.router.types import Backend, PrefillIdentity
-from kvpush_prod.signing import sign_params
+from kvpush_prod.signing import DECODE, LEG_FIELDS, sign_params
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -75,20 +75,28 @@ def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> d
     return out
 
 
-def signed(body: dict[str, Any], key: bytes | None, now: float, ttl_s: float) -> dict[str, Any]:
-    """``body`` with its ``kv_transfer_params`` signed by the params key, valid ``ttl_s``
-    from ``now`` (wall-clock: the engines check it against theirs); unchanged without a key."""
+def signed(body: dict[str, Any], key: bytes | None, now: float, ttl_s: float,
+           leg: str) -> dict[str, Any]:
+    """``body`` with its ``kv_transfer_params`` signed by the params key for ``leg``
+    (``signing.PREFILL``/``DECODE``), valid ``ttl_s`` from ``now`` (wall-clock: the engines
+    check it against theirs) and once (a fresh nonce); unchanged without a key."""
     if key is None:
         return body
-    return {**body, "kv_transfer_params": sign_params(body["kv_transfer_params"], key, now, ttl_s)}
+    return {**body, "kv_transfer_params": sign_params(body["kv_transfer_params"], key, now, leg,
+                                                      ttl_s)}
 
 
-def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict[str, Any]:
+def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str,
+                      for_signing: bool = False) -> dict[str, Any]:
     """Pull mode, P's leg: one token, non-streaming; P keeps the KV for D to READ.
 
-    The kv_transfer_params are those of vLLM's own disaggregation proxies for NixlConnector.
+    The kv_transfer_params are those of vLLM's own disaggregation proxies for NixlConnector;
+    ``for_signing``: those a kvpush engine verifies under a signature instead (only kvpush
+    engines check signatures, and they refuse any field the prefill leg does not carry).
     """
     out = prefill_body(body, path, transfer_id)
+    if for_signing:
+        return out
     out["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -100,11 +108,23 @@ def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str) -> dict
     return out
 
 
-def pull_decode_body(body: dict[str, Any], p_params: dict[str, Any]) -> dict[str, Any]:
+def pull_decode_body(body: dict[str, Any], p_params: dict[str, Any],
+                     transfer_id: str | None = None) -> dict[str, Any]:
     """Pull mode, D's leg: the client's request with P's answered kv_transfer_params
-    (P's block ids, engine id and side channel), so D READs the KV from P."""
+    (P's block ids, engine id and side channel), so D READs the KV from P.
+
+    With ``transfer_id`` (the legs are signed): only the fields a kvpush decode engine
+    verifies under a signature (``signing.LEG_FIELDS``), bound to that transfer id when P
+    named none; the rest of P's answer (block ids, vLLM's request id) is vLLM's connectors'
+    business, and those verify no signature.
+    """
     out = dict(body)
-    out["kv_transfer_params"] = dict(p_params)
+    if transfer_id is None:
+        out["kv_transfer_params"] = dict(p_params)
+        return out
+    params = {k: v for k, v in p_params.items() if k in LEG_FIELDS[DECODE]}
+    params.setdefault("transfer_id", transfer_id)
+    out["kv_transfer_params"] = params
     return out
 
 
@@ -142,9 +162,45 @@ def probe_body(model: str) -> dict[str, Any]:
     }
 
 
+def tls_hint(text: str) -> str:
+    """What to check when ``text`` (an error's description) is a TLS failure of an
+    https:// backend ("" otherwise)."""
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return ("; the engine's TLS certificate does not chain to the router's CA or does "
+                "not name the host of its URL: check --backend-ca-file against the engine's "
+                "--ssl-certfile")
+    if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
+        return ("; the backend does not speak TLS: start the engine with --ssl-keyfile/"
+                "--ssl-certfile, or list it as http://")
+    if "CERTIFICATE_REQUIRED" in text or "alert certificate required" in text:
+        return ("; the engine requires a client certificate: give the router "
+                "--backend-client-cert-file and --backend-client-key-file")
+    return ""
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = {id(e)}
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        e = nxt
+    return e
+
+
+def describe_error(e: BaseException) -> str:
+    """``e`` for a message: its type and text, its root cause when that says more (httpx's
+    ReadError of a reset connection has no text of its own) and, for a TLS failure, what
+    to check."""
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    root = _root_cause(e)
+    if root is not e and str(root) and str(root) not in text:
+        text += f" ({type(root).__name__}: {root})"
+    return text + tls_hint(text)
+
+
 def failure_from_exception(b: Backend, e: BaseException) -> LegFailure:
-    """Name an httpx (or timeout) error as a LegFailure kind."""
-    detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    """Name an httpx (or timeout) error as a LegFailure kind; a TLS handshake that fails
+    (a certificate the CA did not sign) is a connect failure."""
+    detail = describe_error(e)
     if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
         return LegFailure(b, "connect", detail)
     if isinstance(e, httpx.PoolTimeout):

@@ -31,7 +31,9 @@ _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 class Admission:
     """Which completion requests may start now: the concurrency limit and the drain switch.
 
-    ``inflight`` counts requests from their first byte read to their last byte sent.
+    ``inflight`` counts requests from the moment their whole body has arrived to their last
+    byte sent: a client still sending its body holds no slot, so slow senders cannot keep
+    everyone else out (their own deadline is ``body_timeout_s``).
     """
 
     def __init__(self, max_inflight: int) -> None:
@@ -57,9 +59,46 @@ def _refusal_message(reason: RejectReason, admission: Admission) -> str:
     )
 
 
+# The ASGI scope key under which LimitsMiddleware hands a request its Ticket.
+TICKET_SCOPE_KEY = "kvpush.ticket"
+
+
+class Ticket:
+    """One completion request's place in Admission: taken by the endpoint once the body
+    has arrived (``take``), given back by LimitsMiddleware when the answer is sent."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.held = False
+
+    def take(self) -> None:
+        """Count the request in flight, or RequestRejected 503 (with Retry-After) if the
+        router is at its limit or draining."""
+        if self.held:
+            return
+        reason = self.admission.refusal()
+        if reason is not None:
+            raise RequestRejected(reason, 503, _refusal_message(reason, self.admission),
+                                  retry_after=RETRY_AFTER_S)
+        self.admission.inflight += 1
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.admission.inflight -= 1
+
+
+def ticket_of(scope: Scope) -> Ticket | None:
+    """The request's Ticket (None when the app runs without LimitsMiddleware)."""
+    ticket = scope.get(TICKET_SCOPE_KEY)
+    return ticket if isinstance(ticket, Ticket) else None
+
+
 class LimitsMiddleware:
-    """ASGI middleware in front of the completion endpoints: refuses what Admission refuses
-    (503 with Retry-After) and counts the rest in flight while they run, streaming included.
+    """ASGI middleware in front of the completion endpoints: refuses at once while draining
+    (503 with Retry-After), gives every other request a Ticket that the endpoint takes once
+    the body has arrived, and holds it while the answer is sent, streaming included.
 
     While draining, every answer (health included) carries ``Connection: close``, so
     clients and load balancers reconnect elsewhere.
@@ -83,19 +122,20 @@ class LimitsMiddleware:
         if path not in self.paths:
             await self.app(scope, receive, send)
             return
-        reason = self.admission.refusal()
-        if reason is not None:
+        if self.admission.draining:
+            # Refused before its body: no request started now would be served anyway.
+            reason = RejectReason.DRAINING
             self.metrics.count_rejected(reason)
             self.metrics.observe_request(path, Outcome.REJECTED, 0.0)
             body = error_body(_refusal_message(reason, self.admission), 503, "server_error",
                               reason.value)  # fmt: skip
             await send_json(send, 503, body, [(b"retry-after", str(RETRY_AFTER_S).encode())])
             return
-        self.admission.inflight += 1
+        ticket = Ticket(self.admission)
         try:
-            await self.app(scope, receive, send)
+            await self.app({**scope, TICKET_SCOPE_KEY: ticket}, receive, send)
         finally:
-            self.admission.inflight -= 1
+            ticket.release()
 
 
 def _closing(send: Send) -> Send:
@@ -215,32 +255,62 @@ def parse_body(raw: bytes, max_depth: int) -> dict[str, Any]:
     return body
 
 
-def _more_than_one(v: Any) -> bool:
-    # Compared as given: float() of a huge JSON integer (10**400) would overflow.
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1
+# The one value each field may have besides absent (or null: OpenAI's "default"): vLLM's
+# own request models are lax (pydantic coerces "2", 2.0 and true to integers), so anything
+# but this exact JSON value could still turn into more than one sequence on an engine.
+_ONE_SEQUENCE: dict[str, tuple[Any, str, RejectReason]] = {
+    "n": (1, "the JSON number 1", RejectReason.N_GT_1),
+    "best_of": (1, "the JSON number 1", RejectReason.N_GT_1),
+    "use_beam_search": (False, "false", RejectReason.BEAM_SEARCH),
+}
+
+
+def _json_of(v: Any) -> str:
+    """``v`` as the client wrote it (JSON), cut short: a 16 MiB string is not echoed."""
+    try:
+        text = json.dumps(v, ensure_ascii=True)
+    except (TypeError, ValueError):  # nothing json.loads gave; but never fail the answer
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_exactly(v: Any, want: Any) -> bool:
+    # type() rather than isinstance(): True is an int and 1.0 == 1 in Python, yet neither
+    # is the JSON the router passes on unchanged without vLLM coercing it.
+    return type(v) is type(want) and v == want
+
+
+_JSON_TYPE = {str: "a string", bool: "a boolean", int: "a number", float: "a fraction",
+              list: "an array", dict: "an object"}
 
 
 def check_one_sequence(body: dict[str, Any]) -> None:
-    """RequestRejected 400 for a request that asks for more than one sequence.
+    """RequestRejected 400 unless ``n`` and ``best_of`` are absent, null or exactly 1 and
+    ``use_beam_search`` absent, null or exactly false.
 
-    P pushes the KV cache of one sequence to D, so n > 1, best_of > 1 and beam search
-    cannot go through a P/D pair.
+    P pushes the KV cache of one sequence to D, so parallel sampling and beam search
+    cannot go through a P/D pair (and both legs carry one transfer id: two sequences of one
+    request would share it).
     """
-    for key in ("n", "best_of"):
-        if _more_than_one(body.get(key)):
-            raise RequestRejected(
-                RejectReason.N_GT_1,
-                400,
-                f"`{key}` = {body[key]!r}: n > 1 (and best_of > 1) is not supported through "
-                "the P/D router, which moves one KV cache for one sequence; send "
-                f"{body[key]!r} separate requests with n = 1 instead",
-                param=key,
-            )
-    if body.get("use_beam_search") is True:
+    for key, (want, want_text, reason) in _ONE_SEQUENCE.items():
+        v = body.get(key)
+        if v is None or _is_exactly(v, want):
+            continue
+        shown = _json_of(v)
+        if key == "use_beam_search":
+            fix = "send the request without it (or with false)"
+        elif type(v) is int and v > 1 and key == "n":
+            fix = f"send {shown} separate requests with n = 1 instead"
+        elif type(v) is int and v > 1:
+            fix = ("leave it out or send 1 (for the best of several, send several requests "
+                   "and compare them)")
+        else:
+            fix = f"send {want_text} (not a string, boolean or fraction) or leave it out"
         raise RequestRejected(
-            RejectReason.BEAM_SEARCH,
+            reason,
             400,
-            "`use_beam_search` is not supported through the P/D router, which moves one KV "
-            "cache for one sequence; send the request without it",
-            param="use_beam_search",
+            f"`{key}` = {shown} ({_JSON_TYPE.get(type(v), type(v).__name__)}) is not supported "
+            f"through the P/D router, which moves one KV cache for one sequence: `{key}` must "
+            f"be absent or {want_text}; {fix}",
+            param=key,
         )

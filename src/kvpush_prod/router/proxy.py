@@ -54,9 +54,10 @@ from kvpush_prod.router.legs import (
     strip_null_kv_params,
     vllm_request_id,
 )
-from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body
+from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body, ticket_of
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
 from kvpush_prod.router.types import Backend
+from kvpush_prod.signing import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,11 @@ class Dispatcher:
         start = time.perf_counter()
         try:
             body = await self._read_request(request)
+            # Only now does the request count against max_concurrent_requests: a client
+            # still sending its body must not hold a slot others could use.
+            ticket = ticket_of(request.scope)
+            if ticket is not None:
+                ticket.take()
         except RequestRejected as e:
             return self._refuse(path, start, e)
         except ClientGone:
@@ -261,15 +267,20 @@ class Dispatcher:
             self.metrics.count_rejected(e.reason)
             outcome, code = Outcome.REJECTED, e.reason.value
         self.metrics.observe_request(path, outcome, time.perf_counter() - start)
+        headers: dict[str, str] = {}
+        if e.close:
+            # The rest of the body was not read: a new request on this connection would
+            # start in the middle of it.
+            headers["Connection"] = "close"
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(e.retry_after)
         return error_response(
             e.status,
             e.message,
-            "invalid_request_error",
+            "server_error" if e.status >= 500 else "invalid_request_error",
             code,
             param=e.param,
-            # The rest of the body was not read: a new request on this connection would
-            # start in the middle of it.
-            headers={"Connection": "close"} if e.close else None,
+            headers=headers or None,
         )
 
     def _reject(
@@ -278,10 +289,11 @@ class Dispatcher:
         self.metrics.observe_request(path, Outcome.CLIENT_ERROR, time.perf_counter() - start)
         return error_response(status, message, "invalid_request_error", code)
 
-    def _seal(self, body: dict[str, Any]) -> bytes:
-        """A leg's body as sent: its kv_transfer_params signed when a params key is set."""
+    def _seal(self, body: dict[str, Any], leg: str) -> bytes:
+        """A leg's body as sent: its kv_transfer_params signed for ``leg`` when a params key
+        is set."""
         s = self.settings
-        return dumps(signed(body, s.params_key, time.time(), s.params_ttl_s))
+        return dumps(signed(body, s.params_key, time.time(), s.params_ttl_s, leg))
 
     def _finish(self, req: _Request, outcome: Outcome) -> None:
         self.metrics.observe_request(req.path, outcome, time.perf_counter() - req.start)
@@ -354,11 +366,11 @@ class Dispatcher:
         p_ident = p.pick_rank()
         p_headers = headers if p_ident.dp_rank is None else {
             **headers, DP_RANK_HEADER: str(p_ident.dp_rank)}
-        p_content = self._seal(prefill_body(req.body, req.path, tid, d.remote_key))
+        p_content = self._seal(prefill_body(req.body, req.path, tid, d.remote_key), PREFILL)
         d_body = decode_body(req.body, p_ident, tid)
         if self.settings.vllm_push_compat:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
-        d_content = self._seal(d_body)
+        d_content = self._seal(d_body, DECODE)
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, p_headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
@@ -405,14 +417,24 @@ class Dispatcher:
         p, d = self.pool.choose_pair(req.model, req.exclude)
         tid = uuid.uuid4().hex
         headers = _leg_headers(req, tid)
-        p_content = self._seal(pull_prefill_body(req.body, req.path, tid))
+        signing = self.settings.params_key is not None
+        p_content = self._seal(pull_prefill_body(req.body, req.path, tid, signing), PREFILL)
         p_task = asyncio.create_task(self._pull_prefill_leg(p, req.path, p_content, headers))
         try:
             await asyncio.wait({p_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if req.disconnect.done() and not p_task.done():
                 raise ClientGone()
             params = p_task.result()
-            d_content = self._seal(pull_decode_body(req.body, params))
+            if signing and params.get("transfer_mode", "push") != "push":
+                # Signed, D's leg carries only the fields a kvpush D verifies: a pull
+                # connector's answer would lose what makes D refuse it as unusable.
+                raise LegFailure(p, "status", (
+                    f"prefill answered transfer_mode {str(params['transfer_mode'])[:20]!r} "
+                    "(a pull connector such as vLLM's NixlConnector) while the router signs "
+                    "legs for kvpush engines: run kvpush's connector on both engines, or "
+                    "the router without a params key for vLLM's connectors"))
+            d_content = self._seal(
+                pull_decode_body(req.body, params, tid if signing else None), DECODE)
             d_task = asyncio.create_task(
                 self._decode_leg(d, req.path, d_content, headers, req.stream)
             )

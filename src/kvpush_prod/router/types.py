@@ -64,9 +64,11 @@ class Backend:
     # Push mode needs P's identity for D's leg; pull mode takes it from P's answer.
     needs_identity: bool = True
     # Decode only (probe_decode): D's control-channel key, and whether D answered the probe
-    # (with a key or without: an engine without keys has none to give).
+    # (with a key or without: an engine without keys has none to give). With ``needs_key``
+    # a D is routable only once probed, so P's legs always name the D when it has a key.
     remote_key: str | None = None
     key_probed: bool = False
+    needs_key: bool = False
     # Drained by an operator: no new legs; cleared when the engine comes back after a
     # restart (it went down and up again) or by an undrain.
     draining: bool = False
@@ -85,10 +87,11 @@ class Backend:
 
     @property
     def up(self) -> bool:
-        """Routable: healthy, and for a prefill backend in push mode its identity is known."""
-        return self.healthy and (
-            self.role is Role.DECODE or not self.needs_identity or self.identity_complete
-        )
+        """Routable: healthy, and for a prefill backend in push mode its identity is known,
+        for a decode backend probed for its key (probe_decode) its probe answered."""
+        if self.role is Role.DECODE:
+            return self.healthy and (not self.needs_key or self.key_probed)
+        return self.healthy and (not self.needs_identity or self.identity_complete)
 
     def pick_rank(self) -> PrefillIdentity:
         """The identity a new P leg goes to: the backend's own, or with data parallelism
