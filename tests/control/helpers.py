@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -31,7 +32,7 @@ def two_keys() -> tuple[tuple[KeyPair, KeyPair], dict[bytes, str]]:
     return (a, b), {a.public: a.name, b.public: b.name}
 
 
-def secure_endpoint(pair: KeyPair, allowed: dict[bytes, str], **kw: int) -> ControlEndpoint:
+def secure_endpoint(pair: KeyPair, allowed: dict[bytes, str], **kw: Any) -> ControlEndpoint:
     return ControlEndpoint(ControlCodec(4096), "127.0.0.1", free_port(),
                            EndpointSecurity(pair, allowed), **kw)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity
+from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity, KeyQuotas
 from kvpush_prod.control import endpoint as endpoint_mod
 from kvpush_prod.core import messages as m
 from kvpush_prod.errors import ConfigError
@@ -283,7 +283,9 @@ def fd_count() -> int:
 
 def test_many_reply_addresses_keep_open_sockets_within_max_peers() -> None:
     (ka, kb), allowed = two_keys()
-    a = secure_endpoint(ka, allowed, max_peers=32)
+    # One key's addresses are bounded too (test_key_quotas); lifted here to reach max_peers.
+    a = secure_endpoint(ka, allowed, max_peers=32, quotas=KeyQuotas(addresses=10_000,
+                                                        new_addresses_burst=10_000))
     to = kb.public.decode()
     try:
         before = fd_count()

@@ -151,3 +151,15 @@ def test_fingerprint_is_short_stable_and_differs_per_key() -> None:
     assert len(keys.fingerprint(a)) == 16
     int(keys.fingerprint(a), 16)
     assert keys.fingerprint(a) != keys.fingerprint(b)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_secret_key_file_others_may_read_is_refused_naming_the_fix(tmp_path: Path,
+                                                                     mode: int) -> None:
+    _, secret = keys.generate("decode-0", tmp_path)
+    secret.chmod(mode)
+    with pytest.raises(ConfigError, match=f"mode {mode:04o}.*chmod 600") as info:
+        keys.load_keypair(secret)
+    assert str(secret) in str(info.value)
+    secret.chmod(0o400)
+    assert keys.load_keypair(secret).name == "decode-0"

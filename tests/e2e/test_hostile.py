@@ -2,10 +2,11 @@
 
 An intruder forges every control message, both without keys and with a key of its own (an
 engine of the deployment that owns none of the transfers), replays a recorded CURVE session,
-floods (10k messages, 1 MB fields, 2k reply addresses), and clients send kv_transfer_params
-naming malformed, dead and foreign peers. Every normal request must still answer the single
-engine's tokens, the engines stay up, nothing is held afterwards, and every rejection is
-counted in a metric.
+floods (10k messages, 1 MB fields, 2k reply addresses; as an insider, 720 KB heartbeats,
+65,536 REGISTERs of transfers that do not exist, a fresh reply address per message), and
+clients send kv_transfer_params naming malformed, dead and foreign peers. Every normal
+request must still answer the single engine's tokens, the engines stay up, nothing is held
+afterwards, and every rejection is counted in a metric.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvpush_prod.lab.client import Result, completion_body, metric_sum, request,
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.launch import free_port
 from kvpush_prod.lab.tinymodel import prompt_of_length
+from kvpush_prod.signing import DECODE, PREFILL
 
 pytestmark = pytest.mark.e2e
 
@@ -157,11 +159,11 @@ async def routed_by_hand(client: httpx.AsyncClient, cluster: Cluster, prompt: st
                          keys: dict[str, bytes]) -> Result:
     """Both legs sent as the router sends them, with a transfer id the intruder knows."""
     p_params = cluster.sign({"do_remote_decode": True, "do_remote_prefill": False,
-                             "transfer_id": tid, "decode_key": keys["decode"].decode()})
+                             "transfer_id": tid, "decode_key": keys["decode"].decode()}, PREFILL)
     d_params = cluster.sign({"do_remote_prefill": True, "do_remote_decode": False,
                              "remote_engine_id": "prefill", "remote_host": "127.0.0.1",
                              "remote_port": cluster.p_control, "tp_size": 1,
-                             "transfer_id": tid, "remote_key": keys["prefill"].decode()})
+                             "transfer_id": tid, "remote_key": keys["prefill"].decode()}, DECODE)
     p_leg = request(client, cluster.urls["prefill"],
                     completion_body(prompt, 1, False, kv_transfer_params=p_params))
     d_leg = request(client, cluster.urls["decode"],
@@ -242,6 +244,28 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
         for _ in range(1_000):
             junk.send(b"\xc1" * 512)
 
+        # 2b. The floods of an engine that holds a valid key (issue 22), beside normal
+        #     traffic: 64 heartbeats of ~720 KB at each engine, 65,536 REGISTERs for
+        #     transfers that do not exist, and notices each naming a fresh reply address.
+        #     Each is refused and counted by the insider's quotas; the engines' decode gaps
+        #     under them are measured by benchmarks/keyed_flood.py.
+        slim = insider.claim("decode", cluster.d_control, None, b"")
+        huge = m.encode(m.Heartbeat(V, slim, 0, [(str(i % 97), i) for i in range(m.MAX_LIVE)],
+                                    60_000))
+        for sock in (flood, flood_d):
+            for _ in range(64):
+                sock.send(huge)
+        ghosts = [m.encode(m.Register(V, f"ghost-{i}", slim, [0, 1, 2], 0, 300, 1 + i, 5000))
+                  for i in range(65_536)]
+        for body in ghosts:
+            flood.send(body)
+        for i in range(5_000):
+            fresh = insider.claim("decode", 30_000 + i, None, b"")
+            flood.send(m.encode(m.Cancel(V, f"gone-{i}", 0, fresh, "aborted")))
+            flood_d.send(m.encode(m.DoneQuery(V, f"gone-{i}", 1, fresh, 0)))
+        await asyncio.gather(*(normal(n, how) for n in (350, 650)
+                               for how in ("router", "targeted")))
+
         # 3. A recorded CURVE session of the insider, replayed byte for byte.
         relay = Recorder(cluster.p_control)
         recorded = insider.connect(relay.port, keys["prefill"])
@@ -257,13 +281,15 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
                          "remote_port": cluster.p_control,
                          "remote_key": keys["prefill"].decode()},
             "malformed": cluster.sign({"do_remote_prefill": True, "remote_host": "a b",
-                                       "remote_port": cluster.p_control}),
+                                       "remote_port": cluster.p_control,
+                                       "transfer_id": "hostile-malformed"}, DECODE),
             "dead": cluster.sign({"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                                  "remote_port": free_port(),
-                                  "remote_key": keys["prefill"].decode()}),
+                                  "remote_port": free_port(), "transfer_id": "hostile-dead",
+                                  "remote_key": keys["prefill"].decode()}, DECODE),
             "foreign": cluster.sign({"do_remote_prefill": True, "remote_host": "127.0.0.1",
                                      "remote_port": cluster.p_control,
-                                     "remote_key": zmq.curve_keypair()[0].decode()}),
+                                     "transfer_id": "hostile-foreign",
+                                     "remote_key": zmq.curve_keypair()[0].decode()}, DECODE),
         }
 
         async def hostile(kind: str, params: dict) -> None:
@@ -306,6 +332,10 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
     assert {"not_owner", "incompatible", "malformed"} <= p_grew.keys(), p_grew
     assert any(r.startswith("handshake_") for r in p_grew), p_grew  # no key, replay, junk
     assert {"not_owner"} <= d_grew.keys(), d_grew
+    # The insider over its own quotas (2b): a REGISTER flood, fresh reply addresses, and
+    # heartbeats bigger than any real one (refused before they are decoded).
+    assert {"quota_registrations", "quota_addresses", "oversize"} <= p_grew.keys(), p_grew
+    assert {"quota_addresses", "oversize"} <= d_grew.keys(), d_grew
     assert any(r.startswith("handshake_") for r in d_grew), d_grew
     params_grew = {r: v - params_rejected(before["decode"]).get(r, 0.0)
                    for r, v in params_rejected(after["decode"]).items()}

@@ -4,7 +4,7 @@ Each engine holds its own key pair and accepts only the keys of the deployment's
 """
 
 from kvpush_prod.control.codec import ControlCodec, RejectReason
-from kvpush_prod.control.endpoint import ControlEndpoint
+from kvpush_prod.control.endpoint import ControlEndpoint, KeyQuotas
 from kvpush_prod.control.keys import KeyPair, fingerprint, load_allowed, load_keypair
 from kvpush_prod.control.security import EndpointSecurity
 
@@ -13,6 +13,7 @@ __all__ = [
     "ControlEndpoint",
     "EndpointSecurity",
     "KeyPair",
+    "KeyQuotas",
     "RejectReason",
     "fingerprint",
     "load_allowed",

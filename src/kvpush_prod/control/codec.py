@@ -1,7 +1,9 @@
 """Sealing and opening control messages: one msgpack frame, size limit, protocol version.
 
 Never pickle: a message is a typed msgspec Struct, so a malformed frame is a decode error.
-Who sent it is not the codec's business: CurveZMQ authenticates the connection.
+Who sent it is not the codec's business: CurveZMQ authenticates the connection. Only REGISTER
+and FALLBACK may be as large as ``max_message_bytes``; every other kind is refused over
+``SMALL_MESSAGE_BYTES`` before it is decoded (its kind read from the first bytes).
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from collections.abc import Sequence
 import msgspec
 
 from kvpush_prod.core import messages
+from kvpush_prod.core.quotas import SMALL_MESSAGE_BYTES
 from kvpush_prod.errors import ProtocolError
+
+# The kinds that carry an agent's metadata, a layout and block ids: up to max_message_bytes.
+LARGE_KINDS = frozenset({b"register", b"fallback"})
+_TYPE_KEY = b"\xa4type"  # msgpack fixstr "type": the tag our encoder writes first
 
 
 class RejectReason(str, enum.Enum):
@@ -28,6 +35,13 @@ class RejectReason(str, enum.Enum):
     STALE_GENERATION = "stale_generation"
     BAD_BLOCKS = "bad_blocks"
     INCOMPATIBLE = "incompatible"
+    # One engine key over a quota of its own (what an engine holding a valid key can make
+    # this one keep or do): messages waiting beyond its backlog, a control address beyond
+    # those its messages and the replies to it may use, REGISTERs P keeps for transfers its
+    # engine does not know (decided by the core).
+    QUOTA_BACKLOG = "quota_backlog"
+    QUOTA_ADDRESSES = "quota_addresses"
+    QUOTA_REGISTRATIONS = "quota_registrations"
     # A connection to this engine's control port whose handshake failed (per attempt).
     HANDSHAKE_UNKNOWN_KEY = "handshake_unknown_key"  # client key not in the allow-list
     HANDSHAKE_CRYPTO = "handshake_crypto"  # client expects another key for us, or tampering
@@ -44,23 +58,52 @@ class RejectReason(str, enum.Enum):
     PEER_HANDSHAKE_FAILED = "peer_handshake_failed"  # usually: its key is not the `to` we hold
 
 
-class ControlCodec:
-    """Turns messages into ZMQ frames ``[body]`` and back, enforcing the limits."""
+def kind_of(body: bytes) -> bytes | None:
+    """The tag of ``body`` as our encoder writes it (a map whose first key is "type"), without
+    decoding it; None when it does not start that way (then the smallest limit applies)."""
+    if len(body) < 8:
+        return None
+    head = body[0]
+    at = 1 if head & 0xF0 == 0x80 else 3 if head == 0xDE else -1  # fixmap, map16
+    if at < 0 or body[at:at + 5] != _TYPE_KEY:
+        return None
+    tag = body[at + 5]
+    if tag & 0xE0 != 0xA0:  # a fixstr: every tag is under 32 bytes
+        return None
+    start = at + 6
+    return bytes(body[start:start + (tag & 0x1F)])
 
-    def __init__(self, max_message_bytes: int) -> None:
+
+class ControlCodec:
+    """Turns messages into ZMQ frames ``[body]`` and back, enforcing the limits: at most
+    ``max_message_bytes``, and ``small_message_bytes`` for every kind but REGISTER and
+    FALLBACK (a heartbeat, a notice, an answer)."""
+
+    def __init__(self, max_message_bytes: int,
+                 small_message_bytes: int = SMALL_MESSAGE_BYTES) -> None:
         self._max = max_message_bytes
+        self._small = min(small_message_bytes, max_message_bytes)
 
     @property
     def max_message_bytes(self) -> int:
         return self._max
 
+    def limit_of(self, body: bytes) -> tuple[int, str]:
+        """The most bytes a message like ``body`` may have, and what it is (for the error)."""
+        kind = kind_of(body)
+        if kind is not None and kind in LARGE_KINDS:
+            return self._max, kind.decode()
+        return self._small, kind.decode("ascii", "replace") if kind else "unrecognised"
+
     def seal(self, msg: messages.ControlMessage) -> list[bytes]:
         body = messages.encode(msg)
-        if len(body) > self._max:
+        limit, kind = self.limit_of(body)
+        if len(body) > limit:
             raise ProtocolError(
                 RejectReason.OVERSIZE_OUTBOUND.value,
-                f"outbound {type(msg).__name__} is {len(body)} bytes, over "
-                f"control.max_message_bytes={self._max}",
+                f"outbound {type(msg).__name__} is {len(body)} bytes, over {limit} "
+                f"(control.max_message_bytes={self._max}; a {kind} message at most "
+                f"{self._small} unless a REGISTER or FALLBACK)",
             )
         return [body]
 
@@ -71,10 +114,12 @@ class ControlCodec:
                 RejectReason.MALFORMED.value, f"expected 1 frame [body], got {len(frames)}"
             )
         (body,) = frames
-        if len(body) > self._max:
+        limit, kind = self.limit_of(body)
+        if len(body) > limit:
             raise ProtocolError(
                 RejectReason.OVERSIZE.value,
-                f"{len(body)} byte message over control.max_message_bytes={self._max}",
+                f"{len(body)} byte {kind} message over {limit} bytes (control.max_message_bytes"
+                f"={self._max}; only REGISTER and FALLBACK may be over {self._small})",
             )
         try:
             msg = messages.decode_control(body)

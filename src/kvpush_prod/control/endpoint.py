@@ -1,7 +1,9 @@
 """A ZMQ control endpoint: a ROUTER that receives, a bounded set of DEALERs that send.
 
 With keys, every connection is CurveZMQ: encrypted, and both ends proven by the allow-list.
-Single-threaded by design: only the transfer pump thread touches the sockets.
+Single-threaded by design: only the transfer pump thread touches the sockets (sends come from
+whichever thread holds the pump's lock). Each sender key gets its own backlog and a fair share
+of every receive, and may name only so many control addresses (``KeyQuotas``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import itertools
 import logging
 import math
 import os
-from collections import Counter, OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
 
 import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
@@ -41,8 +45,110 @@ LOG_EVERY_S = 10.0  # at most one log line per rejection reason this often (all 
 MONITOR_DRAIN = 1000  # events read per monitor per wait; the rest wake the next wait
 MIN_WAIT_MS = 1  # the shortest blocking wait: a caller looping on wait() never spins a core
 SNDHWM = 10_000
+# Peer sockets (a DEALER and its monitor) made ahead by the pump thread outside its lock, as
+# many as a key may name new addresses at once (KeyQuotas.new_addresses_burst): creating a
+# socket was measured to take 21 ms-1 s of wall time (0.1 ms of CPU) on a loaded engine
+# during a flood, which under the lock the engine thread would wait out. At most this many.
+MAX_SPARE_PEERS = 16
 
 Socket = zmq.Socket[bytes]
+
+
+@dataclass(frozen=True)
+class KeyQuotas:
+    """What one sender key may take of an endpoint (with keys; plaintext: all senders share
+    one key, "", and addresses are not bounded: a claimed address is no identity).
+
+    An engine of the deployment holds a valid key: what it sends is authenticated, not
+    benign. Its messages wait in a backlog of its own, each ``receive`` takes a fair share
+    of every key's, and its messages and the replies to it use only a few control addresses.
+    """
+
+    # Of one key, per receive: the rest waits for the next (at least one message each time).
+    messages_per_receive: int = 64
+    bytes_per_receive: int = 1 << 20
+    # Of one key, read from the socket and not yet received; what comes beyond is dropped
+    # before it is decoded (reason quota_backlog).
+    backlog_messages: int = 4096
+    backlog_bytes: int = 16 << 20
+    # Control addresses one key's messages may name and replies to it may go to (its ranks'
+    # and data-parallel engines'); another is refused (quota_addresses) while these are in
+    # use, and takes the place of one unused for ``address_idle_s`` (a restarted engine on
+    # a new address). A new address also takes a token of the key's bucket (``burst``,
+    # refilled at ``new_addresses_per_s``): each may cost a socket, and on a loaded engine
+    # one socket's creation was measured to hold the interpreter for 228-357 ms.
+    addresses: int = 64
+    address_idle_s: float = 60.0
+    new_addresses_burst: int = 16
+    new_addresses_per_s: float = 1.0
+    # Read from the socket per fill, and for at most this long; the rest waits in ZMQ.
+    intake_frames: int = 1024
+    intake_s: float = 0.005
+
+    def __post_init__(self) -> None:
+        for name in ("messages_per_receive", "bytes_per_receive", "backlog_messages",
+                     "backlog_bytes", "addresses", "new_addresses_burst", "intake_frames"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"KeyQuotas.{name}={getattr(self, name)}: must be at least 1")
+
+
+class _Lazy:
+    """A log detail made only if the line is written (floods are counted, rarely logged)."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[], str]) -> None:
+        self._make = make
+
+    def __str__(self) -> str:
+        return self._make()
+
+
+@dataclass
+class _Backlog:
+    """One key's messages read and decoded, not yet received: (message, its bytes)."""
+
+    items: deque[tuple[messages.ControlMessage, int]] = field(default_factory=deque)
+    nbytes: int = 0
+
+
+class _AddressBook:
+    """Key -> the control addresses it uses, least recently used first, at most ``limit``
+    each; a new one takes the place of one unused for ``idle_s``, else it is refused. New
+    addresses of a key also come at most ``burst`` at once, then ``per_s`` a second."""
+
+    def __init__(self, limit: int, idle_s: float, burst: int = 16, per_s: float = 1.0) -> None:
+        self._limit, self._idle_s = limit, idle_s
+        self._burst, self._per_s = burst, per_s
+        self._by_key: dict[str, OrderedDict[str, float]] = {}
+        self._tokens: dict[str, tuple[float, float]] = {}  # key -> (tokens, as of)
+
+    def admit(self, key: str, address: str, now: float) -> tuple[bool, str]:
+        """Whether ``key`` may use ``address`` now, and the address it replaces ("": none)."""
+        book = self._by_key.setdefault(key, OrderedDict())
+        if address in book:
+            book[address] = now
+            book.move_to_end(address)
+            return True, ""
+        tokens, at = self._tokens.get(key, (float(self._burst), now))
+        tokens = min(float(self._burst), tokens + max(0.0, now - at) * self._per_s)
+        if tokens < 1.0:
+            self._tokens[key] = (tokens, now)
+            return False, ""
+        replaced = ""
+        if len(book) >= self._limit:
+            oldest, last = next(iter(book.items()))
+            if now - last < self._idle_s:
+                self._tokens[key] = (tokens, now)
+                return False, ""
+            del book[oldest]
+            replaced = oldest
+        book[address] = now
+        self._tokens[key] = (tokens - 1.0, now)
+        return True, replaced
+
+    def addresses(self, key: str) -> list[str]:
+        return list(self._by_key.get(key, ()))
 
 
 def ephemeral_range() -> tuple[int, int] | None:
@@ -90,13 +196,26 @@ class ControlEndpoint:
     """
 
     def __init__(self, codec: ControlCodec, host: str, port: int,
-                 security: EndpointSecurity | None = None, max_peers: int = 1024) -> None:
+                 security: EndpointSecurity | None = None, max_peers: int = 1024,
+                 quotas: KeyQuotas | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_peers < 1:
             raise ConfigError(f"max_peers={max_peers}: must be at least 1")
         self._codec = codec
         self._security = security
         self._max_peers = max_peers
+        self._clock = clock
+        self.quotas = quotas or KeyQuotas()
         self.rejected: Counter[str] = Counter()
+        # Guards ``rejected`` and the address book: sends come from the thread that holds
+        # the pump's lock while the pump thread reads and decodes (``fill``) without it.
+        self._books = threading.Lock()
+        q = self.quotas
+        self._addresses = _AddressBook(q.addresses, q.address_idle_s, q.new_addresses_burst,
+                                       q.new_addresses_per_s)
+        self._stale: list[tuple[str, str]] = []  # (address, key) replaced: sockets to close
+        self._backlog: OrderedDict[str, _Backlog] = OrderedDict()  # key -> its messages
+        self._filled = False  # a fill ran since the last receive
         self.evictions = 0  # peer sockets closed to stay within max_peers
         self._log = LogLimiter(logger, LOG_EVERY_S)
         self._pending = False
@@ -108,6 +227,7 @@ class ControlEndpoint:
         self._ctx.set(zmq.MAX_SOCKETS, 4 * max_peers + 4096)
         self._auth: AllowListAuthenticator | None = None
         self._peers: OrderedDict[tuple[str, str], tuple[Socket, Socket]] = OrderedDict()
+        self._spares: deque[tuple[Socket, Socket]] = deque()  # made ahead (``prepare``)
         self._monitors: dict[Socket, _Watch] = {}
         self._monitor_ids = itertools.count()
         self._poller = zmq.Poller()
@@ -219,22 +339,40 @@ class ControlEndpoint:
             watch = self._monitors.get(sock)
             if watch is not None:
                 self._drain_monitor(sock, watch)
+        self.prepare()
         return self._pending or self._router in events
 
-    def receive(self, limit: int = 256) -> Iterator[tuple[messages.ControlMessage, str]]:
-        """Up to ``limit`` waiting messages (never blocks) as ``(message, origin)``.
+    def prepare(self) -> None:
+        """Make peer sockets ahead (as many as a key may name new addresses at once, at most
+        ``MAX_SPARE_PEERS``), so that a send to a new peer only connects one (called by
+        ``wait``: the pump thread, outside its lock)."""
+        spares = min(self.quotas.new_addresses_burst, MAX_SPARE_PEERS, self._max_peers)
+        while len(self._spares) < spares and not self._closed:
+            try:
+                spare = self._new_dealer()
+            except zmq.ZMQError:
+                return  # out of sockets: ``send`` counts it when it needs one
+            self._spares.append(spare)
 
-        ``origin`` is the sender's Z85 public key as proven by its CurveZMQ handshake (in the
-        allow-list), or "" in plaintext mode. Invalid messages are counted in ``rejected``
-        and count towards ``limit``; ``pending`` says whether more are waiting.
+    def fill(self) -> bool:
+        """Read what waits on the socket into each sender key's backlog, decoded, without
+        handing anything out (never blocks): the pump calls this outside its lock, so
+        decoding never holds the engine thread. At most ``quotas.intake_frames`` frames and
+        ``quotas.intake_s`` of reading; the rest waits in ZMQ for the next fill, and True
+        says some does (a burst, or a sender flooding).
+
+        Dropped and counted in ``rejected``: a message without an allow-listed key, one
+        over its key's backlog (before it is decoded), one that does not open (oversize,
+        malformed, version), and one naming a control address its key may not use.
         """
-        self._pending = True  # until the queue is seen empty (also if the caller stops early)
-        for _ in range(limit):
+        self._filled = True
+        q = self.quotas
+        deadline = self._clock() + q.intake_s
+        for _ in range(q.intake_frames):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._pending = False
-                return
+                return False
             origin = ""
             if self._security is not None:
                 origin = self._origin(frames[-1])
@@ -242,15 +380,97 @@ class ControlEndpoint:
                     self._reject(RejectReason.UNAUTHENTICATED,
                                  "dropped a control message without an allow-listed sender key")
                     continue
-            try:
-                # frame 0 is the ROUTER's peer identity
-                msg = self._codec.open([f.bytes for f in frames[1:]])
-            except ProtocolError as exc:
-                self._reject(exc.reason, f"dropped a control message from {self._who(origin)}: "
-                             f"{exc}")
-                continue
-            yield msg, origin
-        self._pending = bool(int(self._router.get(zmq.EVENTS)) & zmq.POLLIN)
+            self._intake(frames, origin)
+            if self._clock() >= deadline:
+                break
+        return self._readable()
+
+    def _readable(self) -> bool:
+        return bool(int(self._router.get(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _intake(self, frames: list[zmq.Frame], origin: str) -> None:
+        q = self.quotas
+        size = sum(len(f) for f in frames[1:])  # frame 0 is the ROUTER's peer identity
+        backlog = self._backlog.get(origin)
+        if backlog is not None and (len(backlog.items) >= q.backlog_messages
+                                    or backlog.nbytes + size > q.backlog_bytes):
+            n, nbytes = len(backlog.items), backlog.nbytes
+            self._reject(RejectReason.QUOTA_BACKLOG, _Lazy(
+                lambda: f"dropped a control message from {self._who(origin)}: {n} messages "
+                        f"({nbytes} bytes) of it wait already, the most one key may have "
+                        "waiting"))
+            return
+        try:
+            msg = self._codec.open([f.bytes for f in frames[1:]])
+        except ProtocolError as exc:
+            self._reject(exc.reason, f"dropped a control message from {self._who(origin)}: "
+                         f"{exc}")
+            return
+        if self._security is not None:
+            address = msg.sender.control
+            ok, _ = self._admit(origin, address)
+            if not ok:
+                self._reject(RejectReason.QUOTA_ADDRESSES, _Lazy(
+                    lambda: f"dropped {type(msg).__name__} from {self._who(origin)}: it names "
+                            f"the control address {address!r:.80}, beyond what this key's "
+                            f"messages and replies may use ({self.quotas.addresses} addresses, "
+                            f"{self.quotas.new_addresses_per_s:g} new a second)"))
+                return
+        if backlog is None:
+            backlog = self._backlog[origin] = _Backlog()
+        backlog.items.append((msg, size))
+        backlog.nbytes += size
+
+    def receive(self, limit: int = 256
+                ) -> Generator[tuple[messages.ControlMessage, str], None, None]:
+        """Up to ``limit`` waiting messages (never blocks) as ``(message, origin)``.
+
+        ``origin`` is the sender's Z85 public key as proven by its CurveZMQ handshake (in the
+        allow-list), or "" in plaintext mode. Each key's messages come in the order sent;
+        keys take turns, each at most ``quotas.messages_per_receive`` messages and
+        ``quotas.bytes_per_receive`` bytes (at least one message) per call: the rest waits
+        for the next. Reads the socket first (``fill``) unless a fill ran since the last
+        call. Invalid messages are counted in ``rejected``; ``pending`` says whether more
+        are waiting. A caller may stop early: what it did not take stays for the next call.
+        """
+        self._pending = True  # until nothing is seen waiting (also if the caller stops early)
+        if not self._filled:
+            self.fill()
+        self._filled = False
+        q = self.quotas
+        taken = 0
+        share: dict[str, tuple[int, int]] = {}  # key -> (messages, bytes) taken this call
+        while taken < limit:
+            progressed = False
+            for key in list(self._backlog):
+                backlog = self._backlog.get(key)
+                if backlog is None:
+                    continue
+                count, nbytes = share.get(key, (0, 0))
+                msg, size = backlog.items[0]
+                if count >= q.messages_per_receive or (count and nbytes + size >
+                                                       q.bytes_per_receive):
+                    continue
+                backlog.items.popleft()
+                backlog.nbytes -= size
+                if backlog.items:
+                    self._backlog.move_to_end(key)  # the others' turn first
+                else:
+                    del self._backlog[key]
+                share[key] = (count + 1, nbytes + size)
+                taken += 1
+                progressed = True
+                yield msg, key
+                if taken >= limit:
+                    break
+            if not progressed:
+                break
+        self._pending = bool(self._backlog) or self._readable()
+
+    @property
+    def backlog(self) -> int:
+        """Messages read and decoded, not yet received (all keys)."""
+        return sum(len(b.items) for b in self._backlog.values())
 
     def poll(self, timeout_s: float,
              limit: int = 256) -> Iterator[tuple[messages.ControlMessage, str]]:
@@ -288,6 +508,7 @@ class ControlEndpoint:
             return
         if not isinstance(to, str):  # the type says str; a caller's bug must not raise here
             to = ""
+        self._close_stale()
         peer_key = (address, to if self._security is not None else "")
         entry = self._peers.get(peer_key) if isinstance(address, str) else None
         if entry is None:
@@ -303,6 +524,13 @@ class ControlEndpoint:
                              "peer key given, and with keys every message names the key "
                              "its receiver must prove")
                 return
+        if self._security is not None and not self._admit(to, address)[0]:
+            self._reject(RejectReason.QUOTA_ADDRESSES, _Lazy(
+                lambda: f"not sending {type(msg).__name__} to {address!r:.80}: beyond the "
+                        f"control addresses replies to {self._who(to)} may go to "
+                        f"({self.quotas.addresses}, {self.quotas.new_addresses_per_s:g} new a "
+                        "second)"))
+            return
         try:
             frames = self._codec.seal(msg)
         except ProtocolError as exc:
@@ -327,6 +555,30 @@ class ControlEndpoint:
         assert self._security is not None
         return bool(to) and to.encode("ascii", "replace") in self._security.allowed
 
+    def _admit(self, key: str, address: str) -> tuple[bool, str]:
+        """Whether ``key`` may use the control address ``address`` (``_AddressBook``); a
+        replaced address's socket is closed by the next send (the sending thread's)."""
+        with self._books:
+            ok, replaced = self._addresses.admit(key, address, self._clock())
+            if replaced:
+                self._stale.append((replaced, key))
+        return ok, replaced
+
+    def addresses_of(self, key: str) -> list[str]:
+        """The control addresses ``key`` uses now, least recently used first."""
+        with self._books:
+            return self._addresses.addresses(key)
+
+    def _close_stale(self) -> None:
+        if not self._stale:
+            return
+        with self._books:
+            stale, self._stale = self._stale, []
+        for peer_key in stale:
+            entry = self._peers.pop(peer_key, None)
+            if entry is not None:
+                self._close_peer(entry)
+
     def _open_peer(self, address: str, to: str) -> tuple[Socket, Socket] | None:
         while len(self._peers) >= self._max_peers:
             (old_address, _), old = self._peers.popitem(last=False)
@@ -334,15 +586,18 @@ class ControlEndpoint:
             self.evictions += 1
             logger.debug("kvpush: closed the least recently used peer socket (%s)", old_address)
         try:
-            sock = self._ctx.socket(zmq.DEALER)
+            sock, monitor = self._spares.popleft() if self._spares else self._new_dealer()
         except zmq.ZMQError as exc:
             self._no_socket(address, exc)
             return None
         try:
-            self._configure_dealer(sock, address, to)
-            monitor = self._watch(sock, _Watch(address, outbound=True))
+            if is_ipv6(address):
+                sock.ipv6 = True
+            if self._security is not None:
+                sock.curve_serverkey = to.encode("ascii")
+            self._monitors[monitor] = _Watch(address, outbound=True)
         except zmq.ZMQError as exc:
-            sock.close(0)
+            self._close_peer((sock, monitor))
             self._no_socket(address, exc)
             return None
         try:
@@ -355,20 +610,25 @@ class ControlEndpoint:
         self._peers[(address, to)] = entry
         return entry
 
-    def _configure_dealer(self, sock: Socket, address: str, to: str) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        sock.setsockopt(zmq.IMMEDIATE, 0)
-        # While the peer is down, retry its port at 100 ms doubling up to 1 s instead of
-        # every 100 ms for as long as it stays down.
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-        if is_ipv6(address):
-            sock.ipv6 = True
-        if self._security is not None:
-            sock.curve_secretkey = self._security.keypair.secret
-            sock.curve_publickey = self._security.keypair.public
-            sock.curve_serverkey = to.encode("ascii")
+    def _new_dealer(self) -> tuple[Socket, Socket]:
+        """A DEALER with everything but its peer set (the peer's key and address come at
+        ``_open_peer``), and the monitor of its handshakes."""
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, SNDHWM)
+            sock.setsockopt(zmq.IMMEDIATE, 0)
+            # While the peer is down, retry its port at 100 ms doubling up to 1 s instead of
+            # every 100 ms for as long as it stays down.
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            if self._security is not None:
+                sock.curve_secretkey = self._security.keypair.secret
+                sock.curve_publickey = self._security.keypair.public
+            return sock, self._watch(sock, _Watch("", outbound=True))
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
 
     def _no_socket(self, address: str, exc: zmq.ZMQError) -> None:
         self._reject(RejectReason.NO_SOCKET, f"cannot open a socket to {address}: {exc}; raise "
@@ -423,9 +683,10 @@ class ControlEndpoint:
             self._reject(reason, f"refused a connection to the control port {watch.address}: "
                          f"{why}{refused}")
 
-    def _reject(self, reason: str, detail: str) -> None:
+    def _reject(self, reason: str, detail: str | _Lazy) -> None:
         reason = reason.value if isinstance(reason, RejectReason) else reason
-        self.rejected[reason] += 1
+        with self._books:
+            self.rejected[reason] += 1
         self._log.log(logging.WARNING, reason, "kvpush: %s [%s]", detail, reason)
 
     # ------------------------------------------------------------------ closing
@@ -437,9 +698,11 @@ class ControlEndpoint:
         self._teardown()
 
     def _teardown(self) -> None:
-        for entry in self._peers.values():
+        spares = getattr(self, "_spares", deque())
+        for entry in [*self._peers.values(), *spares]:
             self._close_peer(entry)
         self._peers.clear()
+        spares.clear()
         router = getattr(self, "_router", None)
         if router is not None and self._monitors:
             router.disable_monitor()  # before its reader closes, as in _close_peer

@@ -215,10 +215,14 @@ def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
             f"{path}: holds only a public key, but an engine's key file needs its secret "
             f"key: {hint} (the {PUBLIC_SUFFIX} file belongs in the allow-list)"
         )
-    if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        # Not refused: mounted secrets (e.g. Kubernetes) are often 0644 inside a private mount.
-        logger.warning("kvpush: %s is readable by group or others; anyone who can read it can "
-                       "act as engine %s. chmod 600 it", path, cert.name)
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        # Anyone who can read it can act as this engine (register for its transfers, take
+        # their KV): refused, not warned about.
+        raise ConfigError(
+            f"{path}: mode {stat.S_IMODE(mode):04o} lets group or others read engine "
+            f"{cert.name!r}'s secret key; make it readable by its owner only: chmod 600 "
+            f"{path} (a Kubernetes secret volume: defaultMode: 0400)")
     return KeyPair(cert.name, cert.public, cert.secret)
 
 
