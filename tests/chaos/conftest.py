@@ -7,7 +7,6 @@ scenario is replaced before the next one.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the top-level chaos/ scenarios
-
-from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch  # noqa: E402
-from kvpush_prod.lab.cluster import Cluster, SharedReference  # noqa: E402
+from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch
+from kvpush_prod.lab.cluster import Cluster, SharedReference
 
 
 def _healthy(cluster: Cluster) -> bool:

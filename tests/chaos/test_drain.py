@@ -6,12 +6,12 @@ decode engines under load in CI)."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpush_prod.chaos.cli import scenario
 from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
 
 pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
 
 def test_a_rolling_restart_by_drain_loses_no_request(cluster_pool: Any,
                                                      reports_dir: Path) -> None:
-    module = importlib.import_module("chaos.drain")
+    module = scenario("drain")
     opts = Options(requests=32, concurrency=6, timeout=180.0, quiesce_timeout=90.0,
                    progress_every=8, policy="recompute")
     needs = module.needs(opts)

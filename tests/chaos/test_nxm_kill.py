@@ -5,12 +5,12 @@ router policy engine_load), closed at the end: the verdict must be PASS. ~7 min 
 from __future__ import annotations
 
 import asyncio
-import importlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpush_prod.chaos.cli import scenario
 from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
 
 pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
 
 def test_killing_one_of_two_engines_per_role_costs_at_most_its_requests(
         cluster_pool: Any, reports_dir: Path) -> None:
-    module = importlib.import_module("chaos.nxm_kill")
+    module = scenario("nxm_kill")
     opts = Options(requests=32, concurrency=4, timeout=180.0, quiesce_timeout=90.0,
                    progress_every=8, policy="recompute", max_prompt=1200,
                    extra={"outage_rate": 0.5})

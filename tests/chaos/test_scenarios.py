@@ -9,13 +9,13 @@ stall_prefill and client_cancel run there with the switch off, policy ``fail``).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpush_prod.chaos.cli import scenario
 from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
 from kvpush_prod.chaos.verdict import table_markdown
 
@@ -57,9 +57,9 @@ def test_chaos_scenario_verdict_is_pass(cluster_pool: Any, reports_dir: Path, gr
                                         name: str, extra: dict[str, Any]) -> None:
     definer, policy = GROUPS[group]
     opts = Options(**SHORT, policy=policy, extra=extra)
-    needs = importlib.import_module(f"chaos.{definer}").needs(opts)
+    needs = scenario(definer).needs(opts)
     cluster = cluster_pool.get(group, needs)
-    module = importlib.import_module(f"chaos.{name}")
+    module = scenario(name)
     report = asyncio.run(run_on_cluster(module, cluster, opts, log=print, needs=needs))
     print_report(report)
     write_report(report, reports_dir / f"{name}.json")

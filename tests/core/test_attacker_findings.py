@@ -1,17 +1,24 @@
 """What the attacker in the simulated world found in the trust rules, each as the smallest
-event sequence that shows it: regression tests of the fixes (the one weakness left open is
-an xfail, strict, with its reason).
+event sequence that shows it: regression tests of the fixes, every one of them fixed.
+
+A finding still open (of this attacker or of one that holds a key of its own) is a flag set in
+sim_world.KNOWN_BUGS, which keeps the world's attacker off that one move, and a strict xfail
+in a ``test_*findings.py`` module of this package whose reason names the flag; the last test
+holds that rule.
 
 The attacker holds no engine's key: its messages come with an identity of its own
 (``origin``), but it may claim anything in them (engine id, rank, address, incarnation,
-NIXL agent name). sim_world.KNOWN_BUGS would keep the world's attacker off a move still open."""
+NIXL agent name)."""
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend, ReportFailed
@@ -19,6 +26,7 @@ from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
 
+from .sim_world import KNOWN_BUGS
 from .test_push_engines import RS, SS, D, P, msgs, of, register, sender
 
 KD, KP, KA = D.control, P.control, "key-of-attacker"
@@ -118,3 +126,26 @@ def test_registers_of_other_keys_before_the_request_do_not_lock_out_the_named_de
     writes = of(s.blocks_ready("t", [1, 2, 3], 0.3, owner=KD), PostWrite)
     assert writes and {w.peer for w in writes} == {D.agent_name}
 
+
+# ------------------------------------------------------------------ what is still open
+
+
+def _xfails() -> list[tuple[str, pytest.Mark]]:
+    """(module.test, mark) for every xfail of the findings modules of this package."""
+    out = []
+    for path in sorted(Path(__file__).parent.glob("test_*findings.py")):
+        module = importlib.import_module(f"{__package__}.{path.stem}")
+        for name, fn in sorted(vars(module).items()):
+            if name.startswith("test_"):
+                out += [(f"{path.stem}.{name}", mark) for mark in getattr(fn, "pytestmark", [])
+                        if mark.name == "xfail"]
+    return out
+
+
+def test_every_open_finding_is_a_strict_xfail_naming_its_flag() -> None:
+    xfails = _xfails()
+    assert [name for name, mark in xfails if mark.kwargs.get("strict") is not True] == []
+    reasons = " ".join(str(mark.kwargs.get("reason", "")) for _, mark in xfails)
+    open_flags = [flag for flag, is_open in KNOWN_BUGS.items() if is_open]
+    assert [flag for flag in open_flags if flag not in reasons] == [], (
+        "a KNOWN_BUGS flag is set with no strict xfail naming it in a test_*findings.py module")

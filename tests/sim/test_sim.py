@@ -1,17 +1,25 @@
-"""The simulator: its clock and links, that it drives the real core, and that it keeps
+"""The simulator: its clock and links, that it drives the real core on the settings of a
+kvpush profile (the P5en preset on the shipped efa-p5en profile), and that it keeps
 reproducing the direction of the article's result on the P5en preset."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import yaml
+
+from kvpush_prod.config import load_config
+from kvpush_prod.config.core import core_settings, credit_settings
+from kvpush_prod.config.profiles import locate
 from kvpush_prod.core.credits import CreditLedger
-from kvpush_prod.core.receiver import Receiver
+from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.scheduler import ChunkScheduler
-from kvpush_prod.core.sender import Sender
+from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.sim.cli import main as sim_main
 from kvpush_prod.sim.events import Link, Loop
-from kvpush_prod.sim.model import MODES, Sim, Workload, simulate
+from kvpush_prod.sim.model import MODES, ClusterModel, Sim, Workload, simulate
 from kvpush_prod.sim.presets import CPU_LOOPBACK, P5EN, calibrate
 
 SMALL = P5EN.with_(decode_kv_blocks=20_000)
@@ -49,6 +57,69 @@ def test_kvpush_mode_drives_the_core_objects_themselves():
     assert all(type(c) is CreditLedger for c in sim.ledgers)
 
 
+def block_bytes(m: ClusterModel) -> int:
+    return int(m.kv_bytes_per_token * m.block_tokens)
+
+
+def settings_of(m: ClusterModel) -> tuple[object, ...]:
+    """What the kvpush mode's core objects run on, read off the objects themselves."""
+    sim = Sim(m, "kvpush", Workload(requests=2))
+    return ({s.s for s in sim.senders}, {r.s for r in sim.receivers},
+            {ledger.settings for ledger in sim.ledgers})
+
+
+def test_the_p5en_preset_runs_kvpush_on_the_shipped_efa_p5en_profile():
+    assert P5EN.profile == "efa-p5en"
+    cfg = load_config("efa-p5en", env={})
+    core = core_settings(cfg, block_bytes(SMALL))
+    assert settings_of(SMALL) == ({core.sender}, {core.receiver},
+                                  {credit_settings(cfg, SMALL.decode_kv_blocks)})
+    # The numbers operators read in the profile file are the ones simulated.
+    text = yaml.safe_load(locate("efa-p5en").read_text())
+    sched = core.sender.scheduler
+    assert sched.chunk_bytes == text["push"]["chunk_bytes"] == 4 * 1024 * 1024
+    assert sched.target_latency_s * 1000 == text["push"]["target_latency_ms"] == 2.0
+    assert core.receiver.permit_ttl_s == text["leases"]["permit_ttl_s"]
+    assert core.sender.stop_margin_s == text["leases"]["stop_margin_s"]
+
+
+def test_changing_the_profile_changes_the_simulators_settings(tmp_path: Path):
+    text = yaml.safe_load(locate("efa-p5en").read_text())
+    text["push"].update(chunk_bytes=1 << 20, target_latency_ms=7.0)
+    text["leases"].update(permit_ttl_s=7, stop_margin_s=0.25)
+    text["credits"].update(budget_fraction=0.2)
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(text))
+    (tx,), (rx,), (credits,) = settings_of(SMALL.with_(profile=str(path)))
+    assert (tx.scheduler.chunk_bytes, tx.scheduler.target_latency_s) == (1 << 20, 0.007)
+    assert rx.scheduler == tx.scheduler
+    assert (rx.permit_ttl_s, rx.stop_margin_s, tx.stop_margin_s) == (7, 0.25, 0.25)
+    assert credits.budget_blocks == int(0.2 * SMALL.decode_kv_blocks)
+    assert settings_of(SMALL.with_(profile=str(path))) != settings_of(SMALL)
+
+
+def test_no_kvpush_setting_is_the_simulators_own():
+    # On the default profile the core objects run on the core's defaults (which equal the
+    # configuration's): no stop margin, permit or send lease of the simulator's choosing.
+    m = SMALL.with_(profile="default")
+    (tx,), (rx,), _ = settings_of(m)
+    assert tx == SenderSettings(block_bytes=block_bytes(m))
+    assert rx == ReceiverSettings(block_bytes=block_bytes(m))
+
+
+def test_set_takes_keys_of_the_profile_as_well_as_model_fields(tmp_path: Path):
+    out = tmp_path / "sim.json"
+    assert sim_main(["--requests", "4", "--concurrency", "2", "--lengths", "1024",
+                     "--output-tokens", "4", "--modes", "kvpush", "--set", "pull_coord_s=0",
+                     "--set", "leases.permit_ttl_s=7", "--json", str(out)]) == 0
+    model = json.loads(out.read_text())["model"]
+    assert model["pull_coord_s"] == 0 and model["overrides"] == ["leases.permit_ttl_s=7"]
+    m = P5EN.with_(overrides=tuple(model["overrides"]))
+    assert {r.permit_ttl_s for r in settings_of(m)[1]} == {7}
+    with pytest.raises(SystemExit, match="unknown key of leases"):
+        sim_main(["--set", "leases.permit_ttl=7"])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_request_finishes_with_all_its_tokens(mode):
     w = Workload(requests=12, lengths=(1024, 4096), output_tokens=16, concurrency=4)
@@ -62,7 +133,7 @@ def test_every_request_finishes_with_all_its_tokens(mode):
 
 
 def test_a_tight_credit_budget_never_overcommits_and_never_deadlocks():
-    m = SMALL.with_(credit_budget_fraction=0.03)  # room for 1 transfer of 8192 tokens
+    m = SMALL.with_(overrides=("credits.budget_fraction=0.03",))  # 1 transfer of 8192 tokens
     sim = Sim(
         m,
         "kvpush",
@@ -86,7 +157,7 @@ def test_a_tight_credit_budget_never_overcommits_and_never_deadlocks():
 
 
 def test_a_transfer_larger_than_the_budget_is_computed_on_d_not_stuck():
-    m = SMALL.with_(credit_budget_fraction=0.01)
+    m = SMALL.with_(overrides=("credits.budget_fraction=0.01",))
     r = simulate(m, "kvpush", Workload(requests=3, lengths=(8192,), output_tokens=4))
     assert r["ok"] == 3 and r["counters"]["refused"] == 3
 

@@ -1,4 +1,4 @@
 """The chaos harness: load generator, fault triggers, quiescence checks and the verdict.
 
-Scenario scripts (``chaos/<name>.py``, ``kvpush chaos <name>``) are built on these parts.
+The scenarios (``scenarios/<name>.py``, ``kvpush chaos <name>``) are built on these parts.
 """

@@ -1,6 +1,5 @@
-"""``kvpush chaos <scenario> [args]``: run one scenario of the source checkout's ``chaos/``.
-
-The scenarios live next to ``src/`` (like ``configs/``); ``kvpush chaos all`` runs each in turn.
+"""``kvpush chaos <scenario> [args]``, ``kvpush chaos all`` and ``kvpush chaos --list``: the
+scenarios shipped in ``kvpush_prod.chaos.scenarios``, run on the harness of this package.
 """
 
 from __future__ import annotations
@@ -9,47 +8,47 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[3]
+from kvpush_prod.chaos.scenarios import SCENARIOS
 
-
-def _scenarios() -> tuple[str, ...]:
-    if (ROOT / "chaos" / "__init__.py").is_file() and str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from chaos import SCENARIOS
-    except ImportError:
-        return ()
-    return tuple(SCENARIOS)
+PACKAGE = "kvpush_prod.chaos.scenarios"
 
 
-def usage(names: tuple[str, ...]) -> str:
+def scenario(name: str) -> ModuleType:
+    """The module of the scenario ``name`` (one of ``SCENARIOS``)."""
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def listing(names: tuple[str, ...] = SCENARIOS) -> list[str]:
+    """One line per scenario: its name and what it does."""
+    return [f"{name:20s} {scenario(name).DESCRIPTION}" for name in names]
+
+
+def usage(names: tuple[str, ...] = SCENARIOS) -> str:
     lines = ["usage: kvpush chaos <scenario> [--requests N --concurrency C --seed S "
-             "--report out.json ...]", "       kvpush chaos all [--report-dir DIR] [args]", "",
-             "scenarios:"]
-    for name in names:
-        mod = importlib.import_module(f"chaos.{name}")
-        lines.append(f"  {name:20s} {mod.DESCRIPTION}")
-    if not names:
-        lines.append(f"  (none found: {ROOT / 'chaos'} is missing; run from a source checkout)")
+             "--report out.json ...]", "       kvpush chaos all [--report-dir DIR] [args]",
+             "       kvpush chaos --list", "", "scenarios:"]
+    lines += [f"  {line}" for line in listing(names)]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    names = _scenarios()
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage(names))
+        print(usage())
         return 0 if argv else 2
+    if argv[0] == "--list":
+        print("\n".join(listing()))
+        return 0
     name, rest = argv[0], argv[1:]
     if name == "all":
-        return _all(names, rest)
-    if name not in names:
-        print(f"kvpush chaos: unknown scenario {name!r}\n\n{usage(names)}", file=sys.stderr)
+        return _all(SCENARIOS, rest)
+    if name not in SCENARIOS:
+        print(f"kvpush chaos: unknown scenario {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    mod = importlib.import_module(f"chaos.{name}")
     from kvpush_prod.chaos.harness import main as run
 
-    return run(mod, rest)
+    return run(scenario(name), rest)
 
 
 def _all(names: tuple[str, ...], rest: list[str]) -> int:
@@ -67,8 +66,7 @@ def _all(names: tuple[str, ...], rest: list[str]) -> int:
     worst = 0
     for name in names:
         path = out_dir / f"{name}.json"
-        worst = max(worst, run(importlib.import_module(f"chaos.{name}"),
-                               [*rest, "--report", str(path)]))
+        worst = max(worst, run(scenario(name), [*rest, "--report", str(path)]))
         if path.is_file():
             reports.append(json.loads(path.read_text()))
     table = table_markdown(reports)

@@ -2,7 +2,7 @@
 references, report and the verdict line. A scenario only supplies its fault plan.
 
 A scenario is a module with ``NAME``, ``DESCRIPTION``, ``needs(opts)`` (the cluster it
-requires) and ``async run(ctx)`` (load + faults); see ``chaos/kill_prefill.py``.
+requires) and ``async run(ctx)`` (load + faults); see ``scenarios/kill_prefill.py``.
 """
 
 from __future__ import annotations
@@ -724,7 +724,7 @@ def write_report(report: Report, path: Path | None) -> None:
 
 def parse_options(module: ModuleType, argv: list[str] | None) -> Options:
     base = Options(**getattr(module, "DEFAULTS", {}))
-    ap = argparse.ArgumentParser(prog=f"python -m chaos.{module.NAME}",
+    ap = argparse.ArgumentParser(prog=f"kvpush chaos {module.NAME}",
                                  description=module.DESCRIPTION)
     ap.add_argument("--requests", type=int, default=base.requests, help="requests to send")
     ap.add_argument("--concurrency", type=int, default=base.concurrency)
@@ -760,7 +760,7 @@ def parse_options(module: ModuleType, argv: list[str] | None) -> Options:
 
 
 def main(module: ModuleType, argv: list[str] | None = None) -> int:
-    """``python -m chaos.<name>``: start a cluster, run the scenario, print the verdict."""
+    """``kvpush chaos <name>``: start a cluster, run the scenario, print the verdict."""
     opts = parse_options(module, argv)
     needs: Needs = module.needs(opts)
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix=f"kvpush-chaos-{module.NAME}-"))

@@ -1,7 +1,9 @@
-"""Leases with generations: D's write permits and P's send leases (grantor table, holder permit).
+"""Leases with generations: D's write permits (``LeaseTable``, grantor) and ``Permit`` (holder).
 
 The holder stops before expiry; the grantor reuses only after expiry plus a clock-skew margin
 or the holder's ack (Gray & Cheriton). A stale generation never renews, acks or extends.
+P's send lease and its pull permit are plain deadlines of the Sender (``lease_until``,
+``pull_until`` in ``core/sender.py``), not entries of a table here.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ class _Entry(Generic[K]):
 class LeaseTable(Generic[K]):
     """Grantor side: every lease this side handed out, by key (a transfer id, usually).
 
-    Used by D for the write permits on its reserved blocks and by P for the send leases on
-    its finished blocks. Generations are unique and increasing over the whole table.
+    Used by D alone (``Receiver.leases``): the write permits on its reserved blocks. P keeps
+    no table: its send lease on finished blocks is a deadline per transfer in the Sender.
+    Generations are unique and increasing over the whole table.
     """
 
     def __init__(self, settings: LeaseSettings | None = None,
@@ -316,7 +319,8 @@ ROUNDING_S = 1e-9  # holders stop this much early: float rounding never favours 
 
 @dataclass(frozen=True, slots=True)
 class Permit:
-    """Holder side of a lease (P's permit to write D's blocks, or D's view of a send lease).
+    """Holder side of a lease: P's permit to write D's blocks (``Sender``), or D's permit to
+    READ P's blocks after a FALLBACK (``Receiver``: ``read_permit``).
 
     The holder stops ``stop_margin`` before ``expires_at``: its clock and the grantor's
     differ, and a chunk posted just before expiry still needs time to land.

@@ -1,5 +1,6 @@
 """``kvpush sim``: compare pull, plain push and kvpush on a simulated cluster (P5en preset by
-default), or predict a CPU bench run from its own calibration (``--calibrate results.json``)."""
+default), or predict a CPU bench run from its own calibration (``--calibrate results.json``).
+kvpush runs on the settings of a kvpush profile (the preset's, or ``--profile``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvpush_prod.errors import ConfigError
 from kvpush_prod.sim.model import MODES, ClusterModel, Workload, simulate
 from kvpush_prod.sim.presets import PRESETS, SIDE_OF_MODE, calibrate, load_results
 
@@ -151,6 +153,8 @@ def predict(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpush sim", description=__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="p5en")
+    p.add_argument("--profile", help="kvpush profile the kvpush mode runs on (a shipped "
+                   "profile's name or a path; default: the preset's, e.g. efa-p5en)")
     p.add_argument("--modes", default=",".join(MODES), help="comma list of pull,push,kvpush")
     p.add_argument("--prefill", type=int, help="prefill engines (N)")
     p.add_argument("--decode", type=int, help="decode engines (M)")
@@ -165,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0",
+        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0, or "
+        "a key of the kvpush profile, e.g. --set credits.budget_fraction=0.1",
     )
     p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, mixed")
     p.add_argument("--output-tokens", type=int, default=128)
@@ -209,14 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         f"Gbit/s effective, RTT {2 * m.one_way_s * 1e6:.0f} us, prompts {lengths}, "
         f"{a.output_tokens} output tokens\n"
     )
+    print(kvpush_settings(m) + "\n")
     print(table)
     if a.json:
         a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))
     return 0
 
 
+def kvpush_settings(m: ClusterModel) -> str:
+    """One line: the profile kvpush runs on and the settings of it that shape a transfer."""
+    core, credits = m.core()
+    sched, rx = core.sender.scheduler, core.receiver
+    sets = f" + {', '.join(m.overrides)}" if m.overrides else ""
+    return (f"kvpush: profile {m.profile}{sets}: chunks of {sched.chunk_bytes / 2**20:g} MiB, "
+            f"{sched.target_latency_s * 1e3:g} ms of data in flight per link (at most "
+            f"{sched.max_inflight_chunks} chunks), permit {rx.permit_ttl_s:g} s, stop margin "
+            f"{rx.stop_margin_s:g} s, credit budget {credits.budget_blocks} of "
+            f"{m.decode_kv_blocks} blocks")
+
+
 def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
     kw: dict[str, Any] = {}
+    if a.profile:
+        kw["profile"] = a.profile
     if a.prefill:
         kw["n_prefill"] = a.prefill
     if a.decode:
@@ -234,12 +254,25 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
     if a.decode_step_ms:
         kw["decode_step_s"] = a.decode_step_ms / 1000
     fields = ClusterModel.__dataclass_fields__
+    numeric = [k for k in fields if isinstance(getattr(m, k), int | float)]
+    overrides = list(m.overrides)
     for item in a.set:
         key, sep, value = item.partition("=")
-        if not sep or key not in fields or key in ("name", "notes"):
+        if sep and "." in key:
+            overrides.append(item)  # a key of the kvpush profile: checked below
+            continue
+        if not sep or key not in numeric:
             raise SystemExit(
-                f"kvpush sim: --set {item!r}: use FIELD=VALUE with a numeric field "
-                f"of ClusterModel ({', '.join(k for k in fields if k not in ('name', 'notes'))})"
+                f"kvpush sim: --set {item!r}: use FIELD=VALUE with a numeric field of "
+                f"ClusterModel ({', '.join(numeric)}), or SECTION.KEY=VALUE with a key of the "
+                "kvpush profile (docs/configuration.md)"
             )
         kw[key] = int(value) if isinstance(getattr(m, key), int) else float(value)
-    return m.with_(**kw) if kw else m
+    if overrides != list(m.overrides):
+        kw["overrides"] = tuple(overrides)
+    out = m.with_(**kw) if kw else m
+    try:
+        out.config()
+    except ConfigError as exc:
+        raise SystemExit(f"kvpush sim: {exc}") from None
+    return out

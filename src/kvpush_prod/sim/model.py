@@ -4,8 +4,9 @@ proxy), ``push`` (vLLM NixlPushConnector, both legs at once, one WRITE per reque
 credits, coordination on the engine step) and ``kvpush`` (our connector: the real Sender,
 Receiver and ChunkScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
 
-Only the protocol decisions come from the core; compute and wires are simple models whose
-parameters live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
+Only the protocol decisions come from the core, on the settings a kvpush profile gives them
+(``config.core``, as in the connector); compute and wires are simple models whose parameters
+live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import yaml
+
+from kvpush_prod.config import KvpushConfig, load_config
+from kvpush_prod.config.core import CoreSettings, core_settings, credit_settings
 from kvpush_prod.core.actions import (
     Note,
     PostRead,
@@ -29,10 +34,9 @@ from kvpush_prod.core.commands import BlocksReady, Hold, RegisterBlocks
 from kvpush_prod.core.credits import CreditLedger, CreditSettings
 from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.messages import ControlMessage, Layout, PeerInfo, Region
-from kvpush_prod.core.receiver import Receiver, ReceiverSettings
+from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import ChunkError
-from kvpush_prod.core.scheduler import SchedulerSettings
-from kvpush_prod.core.sender import Sender, SenderSettings
+from kvpush_prod.core.sender import Sender
 from kvpush_prod.driver import Driver, Stage
 from kvpush_prod.sim.events import Link, Loop
 
@@ -71,14 +75,32 @@ class ClusterModel:
     push_post_coord_s: float = 0.5e-3  # P engine-thread time per vLLM push post
     kvpush_chunk_overhead_s: float = 20e-6  # per posted chunk, beyond bytes / bandwidth
     kvpush_pump_s: float = 50e-6  # our pump thread's reaction time to an event
-    chunk_bytes: int = 16 * 1024 * 1024
-    target_latency_s: float = 0.005
-    credit_budget_fraction: float = 0.5
-    credit_per_peer_fraction: float = 1.0
+    # kvpush's own settings (chunks, pacing, leases, credits, retries): a profile, as the
+    # connector takes it (a shipped profile's name or a path), then "section.key=value"
+    # overrides (as kv_connector_extra_config would give them).
+    profile: str = "default"
+    overrides: tuple[str, ...] = ()
     notes: str = ""
 
     def with_(self, **kw: Any) -> ClusterModel:
         return replace(self, **kw)
+
+    def config(self) -> KvpushConfig:
+        """The kvpush configuration the ``kvpush`` mode runs on: ``profile``, then
+        ``overrides`` (ConfigError names a bad one); the environment is not read."""
+        extra: dict[str, dict[str, Any]] = {}
+        for item in self.overrides:
+            key, _, value = item.partition("=")
+            section, _, name = key.partition(".")
+            extra.setdefault(section, {})[name] = yaml.safe_load(value)
+        return load_config(self.profile, extra, env={})
+
+    def core(self) -> tuple[CoreSettings, CreditSettings]:
+        """The core's settings for this cluster's blocks and D's credit budget over its KV
+        cache: ``config.core``'s mapping of :meth:`config`, the connector's own."""
+        cfg = self.config()
+        block_bytes = int(self.kv_bytes_per_token * self.block_tokens)
+        return core_settings(cfg, block_bytes), credit_settings(cfg, self.decode_kv_blocks)
 
     def kv_bytes(self, tokens: int) -> float:
         return self.kv_bytes_per_token * tokens
@@ -306,12 +328,7 @@ class Sim:
     def _setup_core(self) -> None:
         m = self.m
         block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
-        sched = SchedulerSettings(
-            chunk_bytes=m.chunk_bytes,
-            target_latency_s=m.target_latency_s,
-            stop_margin_s=0.5,
-            initial_bandwidth_bytes_per_s=m.nic_bandwidth,
-        )
+        self.settings, credits = m.core()
         self.senders: list[Sender] = []
         self.receivers: list[Receiver] = []
         self.tx: list[Driver[Sender, str]] = []
@@ -319,28 +336,17 @@ class Sim:
         self.admissions: list[Admissions[None]] = []
         self.endpoint: dict[str, Driver[Sender, str] | Driver[Receiver, str]] = {}
         for i in range(m.n_prefill):
-            s = Sender(
-                self._peer_info(f"p{i}", 1_000_000, block_bytes),
-                SenderSettings(
-                    block_bytes=block_bytes, scheduler=sched, send_lease_s=60.0, stop_margin_s=0.5
-                ),
-                random.Random(i),
-            )
+            s = Sender(self._peer_info(f"p{i}", 1_000_000, block_bytes), self.settings.sender,
+                       random.Random(i))
             self.senders.append(s)
             self.tx.append(Driver(s, _SimEffects(self)))
             self.endpoint[s.me.control] = self.tx[-1]
         for j in range(m.n_decode):
-            r = Receiver(
-                self._peer_info(f"d{j}", m.decode_kv_blocks, block_bytes),
-                ReceiverSettings(block_bytes=block_bytes, permit_ttl_s=30.0, scheduler=sched),
-                random.Random(100 + j),
-            )
+            r = Receiver(self._peer_info(f"d{j}", m.decode_kv_blocks, block_bytes),
+                         self.settings.receiver, random.Random(100 + j))
             self.receivers.append(r)
             self.rx.append(Driver(r, _SimEffects(self)))
             self.endpoint[r.me.control] = self.rx[-1]
-            credits = CreditSettings.from_fractions(
-                m.decode_kv_blocks, m.credit_budget_fraction, m.credit_per_peer_fraction
-            )
             self.admissions.append(Admissions(CreditLedger(credits), m.block_tokens))
         self.ledgers = [a.ledger for a in self.admissions]
         self._tick_core()

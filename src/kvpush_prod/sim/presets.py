@@ -42,9 +42,9 @@ P5EN = ClusterModel(
     push_post_coord_s=1e-3,
     kvpush_chunk_overhead_s=20e-6,
     kvpush_pump_s=50e-6,
-    chunk_bytes=16 * 1024 * 1024,
-    target_latency_s=0.005,
-    credit_budget_fraction=0.5,
+    # kvpush's own settings: the shipped profile for this cluster (4 MiB chunks, 2 ms of data
+    # in flight per link, at most 32 chunks, 10 s permits, 1 s stop margin, LIBFABRIC).
+    profile="efa-p5en",
     notes="AWS P5en, 16 x 200 Gbps EFA per node, H200-class compute, Llama-3.1-70B TP8, 2 P nodes : 1 D node",
 )
 
@@ -71,8 +71,7 @@ CPU_LOOPBACK = ClusterModel(
     push_post_coord_s=1e-3,
     kvpush_chunk_overhead_s=50e-6,
     kvpush_pump_s=0.5e-3,
-    chunk_bytes=4 * 1024 * 1024,
-    credit_budget_fraction=0.5,
+    profile="cpu-loopback",  # what kvpush bench's engines run on
     notes="2-core CPU box, tiny model, float32, UCX loopback",
 )
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from chaos import kill_prefill
 from kvpush_prod.chaos.harness import Context, Needs, Options, main
+from kvpush_prod.chaos.scenarios import kill_prefill
 
 NAME = "kill_decode"
 DESCRIPTION = "kill -9 D mid-transfer, restart it (same engine id), traffic resumes"
