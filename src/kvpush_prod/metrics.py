@@ -60,6 +60,11 @@ CONTROL_REJECT_REASONS = (
     # what the protocol core refused
     "unknown_transfer", "stale_generation", "bad_blocks", "incompatible", "duplicate",
     "unexpected", "not_owner", "overloaded", "bad_permit",
+    # one engine key over a quota of its own: messages waiting beyond its backlog, a control
+    # address beyond those it may use, REGISTERs kept for transfers P does not know yet
+    "quota_backlog", "quota_addresses", "quota_registrations",
+    # KV that D refused on arrival: computed for another prompt, or bytes that differ
+    "prompt_mismatch", "checksum_mismatch",
     # handshakes on this engine's port (CurveZMQ)
     "handshake_unknown_key", "handshake_crypto", "handshake_mechanism", "handshake_protocol",
     "handshake_failed",
@@ -68,7 +73,8 @@ CONTROL_REJECT_REASONS = (
     "peer_refused_key", "peer_handshake_failed",
 )
 PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
-                         "foreign_peer", "unusable")
+                         "foreign_peer", "unusable", "wrong_leg", "unknown_field", "replayed",
+                         "replay_memory_full", "duplicate_transfer")
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")
 # vLLM's connector hooks that contain what raises in them (connector/connector.py).
 HOOKS = (
@@ -183,15 +189,18 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        values={"reason": ("bytes", "chunks")}, healthy=False),
     _s("kvpush_inflight_bytes", "gauge", _R, "Bytes posted and not yet completed."),
     _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
-       "Control messages and notifications dropped (never acted on), by reason.",
+       "Control messages and notifications dropped (never acted on), by reason; "
+       "prompt_mismatch / checksum_mismatch: KV that arrived and was refused (recomputed).",
        values={"reason": CONTROL_REJECT_REASONS}, healthy=False),
     _s("kvpush_kv_params_rejected", "counter", ("role", "reason"),
        "Requests whose kv_transfer_params were refused: malformed, unsigned / bad_signature "
        "/ expired (not signed by the router's params key), unknown_key (a peer key outside "
        "the allow-list), foreign_peer (an address outside control.allowed_peers), unusable "
-       "(a prefill engine's fields without do_remote_prefill, or a pull connector's answer). "
-       "D computes "
-       "such a prompt locally; P does not push it.",
+       "(a prefill engine's fields without do_remote_prefill, or a pull connector's answer), "
+       "wrong_leg / unknown_field / replayed (signed for the other leg, with a field the "
+       "router does not sign, or already used by another request), replay_memory_full, "
+       "duplicate_transfer (another live request has its transfer id). D computes such a "
+       "prompt locally; P does not push it.",
        values={"reason": PARAMS_REJECT_REASONS}, healthy=False),
     _s("kvpush_control_insecure", "gauge", _R,
        "1 while the control channel runs without keys on a non-loopback address "

@@ -33,7 +33,8 @@ def boom(*_: Any, **__: Any) -> Any:
 
 def request(rid: str, prompt: int, params: dict[str, Any] | None, computed: int = 0) -> Any:
     return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           kv_transfer_params=params)
+                           kv_transfer_params=params,
+                           prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)])
 
 
 def blocks(ids: list[int]) -> Any:

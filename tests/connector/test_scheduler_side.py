@@ -26,7 +26,8 @@ PREFILL = {"do_remote_prefill": True, "remote_engine_id": "prefill-0",
 
 def request(rid: str, prompt: int, params: dict[str, Any] | None, computed: int = 0) -> Any:
     return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           kv_transfer_params=params)
+                           kv_transfer_params=params,
+                           prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)])
 
 
 def d_side(budget: float = 0.5, cfg: KvpushConfig | None = None, blocks: int = 100,
@@ -344,3 +345,89 @@ def test_p_behind_a_data_parallel_api_server_names_its_rank_and_its_own_port() -
     assert (moe.identity()["dp_rank"], moe.identity()["dp_size"]) == (1, 2)
     plain = scheduler_side(cfg, Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100).identity()
     assert "dp_rank" not in plain and "dp_size" not in plain
+
+
+# ------------------------------------------------------------------------------ one id, one request
+
+
+def test_d_refuses_a_second_live_request_with_the_same_transfer_id_and_leaves_the_first() -> None:
+    d = d_side()
+    first, second = request("r1", 100, {**PREFILL, "transfer_id": "t"}), \
+        request("r2", 100, {**PREFILL, "transfer_id": "t"})
+    assert d.get_num_new_matched_tokens(first, 0) == (100, True)
+    # The second computes its prompt here; P hears nothing of it (the transfer is r1's).
+    assert d.get_num_new_matched_tokens(second, 0) == (0, False)
+    assert d.get_num_new_matched_tokens(second, 0) == (0, False)  # asked again: same answer
+    allocate(d, first, list(range(7)), 100)
+    meta = d.build_connector_meta(None)  # type: ignore[arg-type]
+    assert [s.request_id for s in meta.recv] == ["r1"] and meta.not_needed == []
+    assert d.request_finished(second, []) == (False, None)
+    assert d.build_connector_meta(None).empty()  # type: ignore[arg-type]
+    assert counters(d)[("kvpush_kv_params_rejected", "consumer", "duplicate_transfer")] == 1
+    # Once r1's receive ended, the id may be used again (a new request, after the first).
+    d.update_connector_output(output(finished_recving={"r1"}))
+    third = request("r3", 100, {**PREFILL, "transfer_id": "t"})
+    assert d.get_num_new_matched_tokens(third, 0) == (100, True)
+
+
+def test_d_states_the_digest_of_its_own_prompt_with_the_blocks_it_registers() -> None:
+    from kvpush_prod.core.digest import prompt_digest
+
+    d = d_side()
+    req = request("r", 100, {**PREFILL, "transfer_id": "t"})
+    d.get_num_new_matched_tokens(req, 0)
+    allocate(d, req, list(range(7)), 100)
+    (spec,) = d.build_connector_meta(None).recv  # type: ignore[arg-type]
+    assert spec.prompt == prompt_digest(req.prompt_token_ids) and len(spec.prompt) == 16
+
+
+def test_p_refuses_a_second_live_request_with_the_same_transfer_id_and_never_aborts_the_first(
+) -> None:
+    from kvpush_prod.core.digest import prompt_digest
+
+    p = p_side()
+    p.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9],)))
+    first, second = request("r1", 40, DECODE), request("r2", 40, DECODE)
+    p.on_new_request(first)
+    p.on_new_request(second)
+    meta = p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 40, "r2": 40}))
+    assert meta.expect_send == [("t1", "")] and meta.abort_send == []
+    (spec,) = meta.send
+    assert spec.request_id == "r1" and spec.prompt == prompt_digest(first.prompt_token_ids)
+    # The refused one ends: nothing is said of t1 (it is r1's), its blocks are not held.
+    assert p.request_finished(second, [7, 8, 9]) == (False, None)
+    assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).empty()
+    assert counters(p)[("kvpush_kv_params_rejected", "producer", "duplicate_transfer")] == 1
+    delay, _ = p.request_finished(first, [7, 8, 9])
+    assert delay
+    p.update_connector_output(output(finished_sending={"r1"}))
+    p.on_new_request(request("r3", 40, DECODE))  # the id is free again once r1's push ended
+    assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).expect_send == [
+        ("t1", "")]
+
+
+def test_p_never_acts_on_a_transfer_id_from_params_that_failed_the_signature() -> None:
+    import secrets
+
+    from kvpush_prod.connector.trust import Trust
+    from kvpush_prod.signing import PREFILL as P_LEG
+    from kvpush_prod.signing import sign_params
+
+    key = secrets.token_hex(32).encode()
+    p = scheduler_side(KvpushConfig(), Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100,
+                       trust=Trust(params_key=key))
+    import time
+
+    leg = sign_params(DECODE, key, time.time(), P_LEG)
+    p.on_new_request(request("victim", 40, leg))
+    # An unsigned request naming the victim's transfer, then the victim's own leg replayed
+    # by another request: both refused, and neither aborts the victim's push.
+    for rid, params in (("forged", DECODE), ("replayed", leg)):
+        req = request(rid, 40, params)
+        p.on_new_request(req)
+        assert p.request_finished(req, []) == (False, None)
+    meta = p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.expect_send == [("t1", "")] and meta.abort_send == []
+    c = counters(p)
+    assert c[("kvpush_kv_params_rejected", "producer", "unsigned")] == 1
+    assert c[("kvpush_kv_params_rejected", "producer", "replayed")] == 1

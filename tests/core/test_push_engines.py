@@ -16,6 +16,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
     SendMessage,
 )
+from kvpush_prod.core.digest import prompt_digest
 from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.receiver import Receiver, ReceiverSettings
 from kvpush_prod.core.retry import BreakerSettings, RetrySettings
@@ -533,6 +534,36 @@ def test_done_with_unknown_id_or_stale_generation_is_rejected() -> None:
     assert r.active == 1
 
 
+def test_kv_stated_for_another_prompt_is_refused_pushed_or_pulled() -> None:
+    mine, theirs = prompt_digest([1, 2, 3]), prompt_digest([1, 2, 4])
+    # P states the digest of the prompt it computed on the DONE and on a FALLBACK.
+    s = sender()
+    s.blocks_ready("t", [1], 0.0, prompt=theirs)
+    (w,) = of(s.on_message(register(blocks=[10]), 0.0), PostWrite)
+    assert w.done is not None and w.done.prompt == theirs
+    # D takes a DONE only for its own prompt: another prompt's KV never becomes usable.
+    for stated, ok in ((mine, True), (theirs, False), (b"", False)):
+        r = receiver()
+        (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0, prompt=mine), m.Register)
+        out = r.on_done(m.Done(1, "t", reg.generation, 1, prompt=stated), 0.1)
+        if ok:
+            assert out == [ReportFinished("t", "pushed")]
+            continue
+        assert of(out, ReportFailed) == [ReportFailed("t", "prompt_mismatch",
+                                                      "the KV pushed is another prompt's")]
+        assert [n.reason for n in of(out, Note)] == ["prompt_mismatch"]
+        assert r.active == 0
+    # A FALLBACK offering another prompt's KV is not read: D tells P and fails the receive.
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0, prompt=mine), m.Register)
+    fb = m.Fallback(1, "t", reg.generation, P, [1], 0, "push_failed", 30_000, prompt=theirs)
+    out = r.on_message(fb, 0.1)
+    assert of(out, PostRead) == [] and [d.ok for d in msgs(out, m.PullDone)] == [False]
+    assert [n.reason for n in of(out, Note)] == ["prompt_mismatch"]
+    (failed,) = of(out, ReportFailed)
+    assert failed.detail == "prompt_mismatch"
+
+
 def test_checksum_mismatch_fails_the_receive() -> None:
     r = receiver()
     (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
@@ -594,7 +625,7 @@ def test_fallback_pulls_every_block_then_tells_prefill() -> None:
     out = r.on_chunk(last.chunk_id, True, "", 0.3)
     (pull_done,) = msgs(out, m.PullDone)
     assert pull_done.ok
-    assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1)]
+    assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1, (10, 11, 12))]
 
 
 def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:

@@ -14,6 +14,7 @@ import pytest
 from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster
 from kvpush_prod.lab.tinymodel import prompt_of_length
+from kvpush_prod.signing import DECODE
 
 pytestmark = pytest.mark.e2e
 
@@ -183,7 +184,7 @@ async def test_missing_prefill_leg_fails_fast_with_a_clear_error(cluster: Cluste
     t0 = time.monotonic()
     async with httpx.AsyncClient() as client:
         got = await request(client, cluster.urls["decode"], completion_body(
-            prompt, MAX_TOKENS, False, kv_transfer_params=cluster.sign(params)))
+            prompt, MAX_TOKENS, False, kv_transfer_params=cluster.sign(params, DECODE)))
     waited = time.monotonic() - t0
     assert not got.ok and got.status >= 400, (got.status, got.text)
     # Bounded by the register grace, the permit term and margins (10 + 5 + 1 s here), never

@@ -27,6 +27,7 @@ class RecvSpec:
     p_key: str = ""  # the prefill engine's public key ("" without keys)
     trace_headers: dict[str, str] | None = None  # the request's W3C trace context (spans)
     p_tp: int = 0  # the prefill engine's tensor-parallel size (0: not told, same as ours)
+    prompt: bytes = b""  # digest of the request's prompt token ids (core.digest)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SendSpec:
     block_ids: list[int]
     owner: str = ""  # the decode engine's public key the router named ("" if none)
     trace_headers: dict[str, str] | None = None  # the request's W3C trace context (spans)
+    prompt: bytes = b""  # digest of the request's prompt token ids (core.digest)
 
 
 @dataclass(frozen=True)

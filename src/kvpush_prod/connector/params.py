@@ -108,7 +108,7 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
         raise KVTransferParamsError(
             f"kv_transfer_params.transfer_mode={str(mode)[:20]!r}: the prefill engine runs a "
             "pull connector (vLLM's NixlConnector); a kvpush decode engine needs a kvpush "
-            "prefill engine (kv_connector: KvpushConnector on both)", reason="unusable")
+            "prefill engine (kv_connector: PushConnector on both)", reason="unusable")
     missing = [k for k in ("remote_host", "remote_port") if params.get(k) in (None, "")]
     if missing:
         raise KVTransferParamsError(

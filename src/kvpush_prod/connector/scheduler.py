@@ -23,9 +23,11 @@ from kvpush_prod.connector.params import (
 from kvpush_prod.connector.trust import Trust
 from kvpush_prod.core.admission import Admissions, Answer, Inbound, Verdict
 from kvpush_prod.core.credits import CreditLedger, Decision
+from kvpush_prod.core.digest import prompt_digest
 from kvpush_prod.core.vocabulary import Outcome, Side
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.signing import SIGNATURE_REASONS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -212,8 +214,12 @@ class ConsumerSide(SchedulerSide):
                 return 0, False
             if remote is None:
                 return 0, False
-            rx = self.admissions.track(rid, remote.transfer_id, f"{remote.host}:{remote.port}",
-                                       remote)
+            tracked = self.admissions.track(rid, remote.transfer_id,
+                                            f"{remote.host}:{remote.port}", remote)
+            if tracked is None:
+                self._refuse_duplicate(rid, remote.transfer_id)
+                return 0, False
+            rx = tracked
         answer = self.admissions.ask(rid, request.num_prompt_tokens, num_computed_tokens,
                                      time.monotonic(), self.free_blocks())
         self._tell(rx, answer)
@@ -222,6 +228,16 @@ class ConsumerSide(SchedulerSide):
         if answer.verdict is Verdict.LATER:
             return None, False
         return 0, False
+
+    def _refuse_duplicate(self, rid: str, tid: str) -> None:
+        """``rid`` names the transfer id of another live request: it computes its prompt
+        here, and nothing is said to P (the transfer is the other request's)."""
+        logger.warning("kvpush: request %s computes its prompt locally: its transfer_id %.60r "
+                       "is already received by request %s (a replayed leg, or a client that "
+                       "reuses X-Request-Id; the router gives each request its own)",
+                       rid, tid, self.admissions.holder(tid))
+        self.stats.inc("kvpush_kv_params_rejected", (self.role, "duplicate_transfer"))
+        self.admissions.skip(rid)
 
     def free_blocks(self) -> int | None:
         """Blocks free in D's KV cache now (vLLM's block pool; evictable cached blocks
@@ -276,7 +292,8 @@ class ConsumerSide(SchedulerSide):
         remote = rx.remote
         spec = RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
                         rx.first_block, request.num_prompt_tokens, remote.key,
-                        trace_headers_of(request), remote.tp_size)
+                        trace_headers_of(request), remote.tp_size,
+                        prompt_digest(request.prompt_token_ids))
         # Last, and together: allocated means its REGISTER is in this step's metadata.
         self.admissions.allocated(rid, len(d_blocks))
         self._meta.recv.append(spec)
@@ -404,6 +421,11 @@ class ProducerSide(SchedulerSide):
         self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)
         self._held: dict[str, int] = {}  # request id -> blocks held until finished_sending
+        # A transfer id is one request's KV: transfer id -> the live request pushing it, and
+        # back. A second live request naming it is refused and never touches the first's.
+        self._live: dict[str, str] = {}
+        self._tid_of: dict[str, str] = {}
+        self._refused: set[str] = set()  # requests refused at arrival, until they finish
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
@@ -412,19 +434,44 @@ class ProducerSide(SchedulerSide):
         assert params is not None
         rid = request.request_id
         try:
-            owner = self.trust.decode_owner(params)
+            owner = self.trust.decode_owner(rid, params)
+            tid = transfer_id_of(rid, params)
         except KVTransferParamsError as exc:
-            # Not pushed: a decode engine that registers it hears at once (and recomputes).
-            logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-            self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
-            with contextlib.suppress(KVTransferParamsError):
-                self._meta.abort_send.append(transfer_id_of(rid, params))
+            self._refuse(rid, params, exc)
             return
+        holder = self._live.get(tid)
+        if holder is not None and holder != rid:
+            logger.warning("kvpush: request %s will not be pushed: its transfer_id %.60r is "
+                           "already pushed by request %s (a replayed leg, or a client that "
+                           "reuses X-Request-Id)", rid, tid, holder)
+            self.stats.inc("kvpush_kv_params_rejected", (self.role, "duplicate_transfer"))
+            self._refused.add(rid)
+            return
+        self._live[tid], self._tid_of[rid] = rid, tid
         self._requests[rid] = request
         self._owners[rid] = owner
-        # A malformed transfer_id is reported when the prompt completes.
+        self._meta.expect_send.append((tid, owner))
+
+    def _refuse(self, rid: str, params: dict[str, Any], exc: KVTransferParamsError) -> None:
+        """``rid``'s params were refused: it is not pushed. A decode engine that registers
+        its transfer hears at once (and recomputes), but only where the transfer id can be
+        believed: never for params that failed the router's signature (their transfer id
+        is anyone's word, and may name another request's transfer) nor for a transfer id a
+        live request holds."""
+        logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
+        self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
+        self._refused.add(rid)
+        if self.trust.params_key is not None and exc.reason in SIGNATURE_REASONS:
+            return
         with contextlib.suppress(KVTransferParamsError):
-            self._meta.expect_send.append((transfer_id_of(rid, params), owner))
+            tid = transfer_id_of(rid, params)
+            if tid not in self._live:
+                self._meta.abort_send.append(tid)
+
+    def _forget(self, rid: str) -> None:
+        tid = self._tid_of.pop(rid, None)
+        if tid is not None and self._live.get(tid) == rid:
+            del self._live[tid]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
         if self._requests:
@@ -446,15 +493,11 @@ class ProducerSide(SchedulerSide):
             return
         if req.num_computed_tokens + n < req.num_prompt_tokens:
             return  # chunked prefill: the prompt completes in a later step
-        try:
-            tid = transfer_id_of(rid, req.kv_transfer_params or {})
-        except KVTransferParamsError as exc:
-            logger.warning("kvpush: request %s will not be pushed: %s", rid, exc)
-            self.stats.inc("kvpush_kv_params_rejected", (self.role, exc.reason))
-            return
+        tid = self._tid_of[rid]
         nblocks = cdiv(req.num_prompt_tokens, self.block_size)
         blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
-        spec = SendSpec(rid, tid, blocks, self._owners.get(rid, ""), trace_headers_of(req))
+        spec = SendSpec(rid, tid, blocks, self._owners.get(rid, ""), trace_headers_of(req),
+                        prompt_digest(req.prompt_token_ids))
         # Together: a request in _sent has its push in this step's metadata, so its blocks
         # must be held until the push is over (request_finished answers True).
         self._sent[rid] = (tid, len(blocks))
@@ -464,6 +507,9 @@ class ProducerSide(SchedulerSide):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._owners.pop(rid, None)
+        if rid in self._refused:
+            self._refused.discard(rid)
+            return False, None
         sent = self._sent.pop(rid, None)
         if sent is not None:
             # Its push was handed to the worker: the blocks stay until finished_sending.
@@ -474,8 +520,10 @@ class ProducerSide(SchedulerSide):
         if rid in self._held:
             return True, None  # held already (the hold is queued)
         # Never pushed: free now, and D must not wait for it.
-        with contextlib.suppress(Exception):
-            self._meta.abort_send.append(transfer_id_of(rid, request.kv_transfer_params or {}))
+        tid = self._tid_of.get(rid)
+        self._forget(rid)
+        if tid is not None:
+            self._meta.abort_send.append(tid)
         return False, None
 
     def request_finished(self, request: Request,
@@ -488,12 +536,15 @@ class ProducerSide(SchedulerSide):
             return False, None
         if is_probe(params):
             return False, self.identity()
+        if rid in self._refused:
+            self._refused.discard(rid)
+            return False, None
         sent = self._sent.pop(rid, None)
         if sent is None:
             # Ended before its prompt was computed: D must not wait for it.
-            try:
-                tid = transfer_id_of(rid, params or {})
-            except KVTransferParamsError:
+            tid = self._tid_of.get(rid)
+            self._forget(rid)
+            if tid is None:
                 return False, None
             self._meta.abort_send.append(tid)
             self.stats.inc("kvpush_transfers", (self.role, Outcome.ABORTED.value))
@@ -530,6 +581,7 @@ class ProducerSide(SchedulerSide):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
             self._held.pop(rid, None)
+            self._forget(rid)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held) or super().has_pending_push_work()

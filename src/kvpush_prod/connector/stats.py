@@ -5,6 +5,7 @@ vLLM carries a KVConnectorStats from worker and scheduler processes to its API s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -12,7 +13,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvpush_prod.loglimit import LogLimiter
 from kvpush_prod.metrics import MetricsSink, merge_stats
+
+logger = logging.getLogger(__name__)
+# vLLM calls these in its own loops (engine core output, API server logging): what raises
+# here is logged, at most once per interval per kind, and never reaches vLLM.
+_log = LogLimiter(logger, 60.0)
 
 
 class KvpushStats(KVConnectorStats):
@@ -22,7 +29,14 @@ class KvpushStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        return KvpushStats(data=merge_stats(self.data, other.data or {}))
+        """This snapshot merged with ``other``; one that cannot be merged is dropped
+        (logged), never raised into vLLM's step."""
+        try:
+            return KvpushStats(data=merge_stats(self.data, other.data or {}))
+        except Exception:  # noqa: BLE001 - metrics must never stop the engine
+            _log.log(logging.ERROR, "aggregate", "kvpush: a stats snapshot could not be "
+                     "merged and is dropped: %r", type(other).__name__)
+            return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -48,4 +62,10 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         self._sink = MetricsSink(classes.__getitem__, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        self._sink.observe(transfer_stats_data, engine_idx)
+        """Record a snapshot; one that cannot be recorded is dropped (logged), never raised
+        into vLLM's metrics loop."""
+        try:
+            self._sink.observe(transfer_stats_data, engine_idx)
+        except Exception:  # noqa: BLE001 - metrics must never stop the API server
+            _log.log(logging.ERROR, "observe", "kvpush: a stats snapshot of engine %s could "
+                     "not be recorded and is dropped", engine_idx)

@@ -19,33 +19,34 @@ from typing import Any
 from kvpush_prod.config import KvpushConfig
 from kvpush_prod.connector.params import RemotePrefill, decode_key_of, parse_remote_prefill
 from kvpush_prod.errors import ConfigError, KVTransferParamsError
-from kvpush_prod.signing import SignatureError, check_key, verify_params
+from kvpush_prod.signing import (
+    DECODE,
+    PREFILL,
+    NonceMemory,
+    SignatureError,
+    check_key,
+    read_key_file,
+    verify_params,
+)
 
 logger = logging.getLogger(__name__)
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _RESOLVED_KEEP = 1024  # host names resolved for the allowed_peers check
+_RESOLVED_TTL_S = 60.0  # a prefill engine that moves is found again within this long
 
 
 def read_params_key(cfg: KvpushConfig) -> bytes | None:
     """The router's params key (from the environment, or the file ``params_key_file``)."""
     c = cfg.control
-    if c.params_key:
-        key = c.params_key.encode()
-    elif c.params_key_file:
-        path = Path(c.params_key_file)
-        try:
-            key = path.read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"control.params_key_file={str(path)!r} cannot be read ({exc.strerror}): point "
-                "it at the file holding the router's params key") from None
-    else:
-        return None
     try:
-        return check_key(key)
+        if c.params_key:
+            return check_key(c.params_key.encode(), "control.params_key")
+        if c.params_key_file:
+            return read_key_file(Path(c.params_key_file), "control.params_key_file")
     except SignatureError as exc:
-        raise ConfigError(f"control.params_key: {exc}") from None
+        raise ConfigError(str(exc)) from None
+    return None
 
 
 @dataclass
@@ -56,7 +57,9 @@ class Trust:
     allowed: Mapping[str, str] = field(default_factory=dict)  # Z85 key -> name
     params_key: bytes | None = None
     networks: tuple[IpNetwork, ...] = ()
-    _resolved: OrderedDict[str, tuple[str, ...]] = field(default_factory=OrderedDict)
+    _resolved: OrderedDict[str, tuple[float, tuple[str, ...]]] = field(
+        default_factory=OrderedDict)
+    nonces: NonceMemory = field(default_factory=NonceMemory)
 
     @classmethod
     def from_config(cls, cfg: KvpushConfig) -> Trust:
@@ -83,12 +86,14 @@ class Trust:
         if remote is None:
             return None
         assert params is not None
-        self._check_signature(params)
-        self._check_network(remote.host)
-        if not self.keyed:
-            return remote
-        return RemotePrefill(remote.transfer_id, remote.host, remote.port, remote.engine_id,
-                             remote.tp_size, self._prefill_key(remote))
+        self._check_signature(request_id, params, DECODE)
+        # The address checked is the address used: a host name is resolved once, here, and
+        # its checked address is what the control channel connects to (no second lookup
+        # that DNS could answer differently).
+        host = self._check_network(remote.host)
+        key = self._prefill_key(remote) if self.keyed else remote.key
+        return RemotePrefill(remote.transfer_id, host, remote.port, remote.engine_id,
+                             remote.tp_size, key)
 
     def _prefill_key(self, remote: RemotePrefill) -> str:
         if remote.key:
@@ -109,10 +114,10 @@ class Trust:
             "key after its engine_id", reason="unknown_key")
 
     # ----------------------------------------------------------------- P: the decode
-    def decode_owner(self, params: dict[str, Any]) -> str:
+    def decode_owner(self, request_id: str, params: dict[str, Any]) -> str:
         """The decode engine a prefill request was routed to ("" if the router named none).
         Raises KVTransferParamsError(reason)."""
-        self._check_signature(params)
+        self._check_signature(request_id, params, PREFILL)
         key = decode_key_of(params)
         if key and self.keyed and key not in self.allowed:
             raise KVTransferParamsError(
@@ -121,24 +126,33 @@ class Trust:
         return key if self.keyed else ""
 
     # ----------------------------------------------------------------- checks
-    def _check_signature(self, params: dict[str, Any]) -> None:
+    def _check_signature(self, request_id: str, params: dict[str, Any], leg: str) -> None:
+        """The router signed these params for ``leg`` and no other request used them."""
         if self.params_key is None:
             return
+        now = time.time()
         try:
-            verify_params(params, self.params_key, time.time())
+            signed = verify_params(params, self.params_key, now, leg)
+            self.nonces.take(signed, request_id, now)
         except SignatureError as exc:
             raise KVTransferParamsError(str(exc), reason=exc.reason) from None
 
-    def _check_network(self, host: str) -> None:
+    def _check_network(self, host: str) -> str:
+        """``host`` as the control channel must reach it: unchanged without
+        control.allowed_peers; else the address it resolved to, once every address it
+        resolves to is inside them."""
         if not self.networks:
-            return
-        for addr in self._addresses(host):
+            return host
+        addrs = self._addresses(host)
+        for addr in addrs:
             ip = ipaddress.ip_address(addr)
             if not any(ip in net for net in self.networks):
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_host {host!r} ({addr}) is outside "
                     "control.allowed_peers; add its network there if it is a prefill engine",
                     reason="foreign_peer")
+        ip = ipaddress.ip_address(addrs[0])
+        return f"[{ip}]" if ip.version == 6 else str(ip)
 
     def _addresses(self, host: str) -> tuple[str, ...]:
         bare = host.strip("[]")
@@ -146,7 +160,9 @@ class Trust:
             return (str(ipaddress.ip_address(bare)),)
         except ValueError:
             pass
-        cached = self._resolved.get(host)
+        now = time.monotonic()
+        entry = self._resolved.get(host)
+        cached = entry[1] if entry is not None and entry[0] > now else None
         if cached is None:
             try:
                 infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
@@ -155,7 +171,7 @@ class Trust:
                     f"kv_transfer_params.remote_host {host!r} does not resolve ({exc})",
                     reason="foreign_peer") from None
             cached = tuple(sorted({str(i[4][0]) for i in infos}))
-            self._resolved[host] = cached
+            self._resolved[host] = (now + _RESOLVED_TTL_S, cached)
             while len(self._resolved) > _RESOLVED_KEEP:
                 self._resolved.popitem(last=False)
         self._resolved.move_to_end(host)

@@ -8,6 +8,7 @@ Receiver on D).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import queue
@@ -74,6 +75,17 @@ logger = logging.getLogger(__name__)
 _BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 LOG_EVERY_S = 10.0  # at most one line per kind of rejection, fence or restart this often
 MESSAGES_PER_PASS = 256  # a flood of control messages cannot hold the pump (and its lock)
+# A pass handles control messages for at most this long under the lock (each key its fair
+# share: ControlEndpoint.receive); the rest waits for the next pass. Reading and decoding
+# happen before, without the lock (ControlEndpoint.fill).
+PASS_BUDGET_S = 0.004
+# After a pass cut at its budget, or a read that left messages on the socket (a burst, or a
+# key flooding), the pump sleeps before the next, at least this long and as long as that
+# read and pass took: the engine thread, if it waits for the lock, takes it (a released lock
+# is not handed to a waiter: the pump would take it back first), and a flood costs the
+# engine's core at most about half of it (measured on real engines: with a fixed 2 ms pause,
+# 128 KiB heartbeats kept P's pump busy ~80% and a decode's largest gap at 48-64 ms).
+PASS_GAP_S = 0.002
 TICK_S = 0.05  # leases, deadlines and heartbeats are looked at this often
 # The shortest wait of the pump between two transport polls. NIXL 1.5.1's Python API has no
 # completion or notification fd (check_xfer_state and get_new_notifs are polls), so a
@@ -312,6 +324,8 @@ class WorkerSide:
             if not links:
                 self._refuse_receive(pump, spec)
                 continue
+            if self._taken(pump, spec, [link.core_id for link in links]):
+                continue
             with pump.lock:
                 if len(links) > 1:
                     pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
@@ -325,7 +339,7 @@ class WorkerSide:
                 pump.submit(RegisterBlocks(link.core_id,
                                            self._address(spec.p_host, spec.p_port, link.p_rank),
                                            tuple(spec.block_ids), spec.first_block,
-                                           spec.num_tokens, spec.p_key))
+                                           spec.num_tokens, spec.p_key, spec.prompt))
             self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key,
                              spec.p_tp)
         for ref in meta.not_needed:
@@ -339,6 +353,22 @@ class WorkerSide:
         for tid in meta.abort_recv:
             for part in pump.joins_parts(tid):
                 pump.submit(AbortReceive(part))
+
+    def _taken(self, pump: ReceiverPump, spec: RecvSpec, ids: list[str]) -> bool:
+        """Another live request receives ``spec``'s transfer id already (the scheduler side
+        refuses that first; this is the worker's own guard): this receive fails here, and
+        nothing of the other's changes (no REGISTER, no notice to P)."""
+        holders = {pump.request_of.get(i) for i in ids} - {None, spec.request_id}
+        if not holders:
+            return False
+        logger.error("kvpush: request %s names transfer %.60r, which request %s receives; "
+                     "its receive fails", spec.request_id, spec.transfer_id, holders.pop())
+        self.stats.inc("kvpush_kv_params_rejected", (self.role.value, "duplicate_transfer"))
+        with self.results.lock:
+            self.results.recving.add(spec.request_id)
+            self.results.failed.add(spec.request_id)
+            self.results.outcomes[spec.request_id] = Outcome.FAILED.value
+        return True
 
     def _links(self, pump: ReceiverPump, tid: str, p_tp: int) -> list[Link]:
         """The sub-transfers of ``tid`` on this D rank (one, the transfer itself, when P
@@ -410,21 +440,49 @@ class WorkerSide:
         if not self._pending_sends or pump is None:
             return
         sends, self._pending_sends = self._pending_sends, []
+        handed: set[str] = set()
+        try:
+            self._hand_over(pump, sends, forward_failed, handed)
+        except BaseException:
+            # Whatever raised, no push of these may be left without an end: the core hears
+            # that their forward failed (D recomputes), and releases their blocks once held.
+            for spec in sends:
+                if spec.transfer_id not in handed:
+                    with contextlib.suppress(Exception):
+                        pump.submit(ForwardFailed(spec.transfer_id, tuple(spec.block_ids)))
+            raise
+
+    def _hand_over(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool,
+                   handed: set[str]) -> None:
+        """``after_forward``'s work; ``handed`` collects the transfers the core has."""
         parts: dict[str, list[str]] = {}
         with pump.lock:
-            for spec in sends:
+            for spec in list(sends):
+                holder = pump.request_of.get(spec.transfer_id)
+                if holder is not None and holder != spec.request_id:
+                    # The scheduler side refuses a repeated transfer id first; never let one
+                    # request's push take another's place: this one is not pushed.
+                    logger.error("kvpush: request %s names transfer %.60r, which request %s "
+                                 "pushes; it is not pushed", spec.request_id,
+                                 spec.transfer_id, holder)
+                    sends.remove(spec)
+                    handed.add(spec.transfer_id)
+                    with self.results.lock:
+                        self.results.sending.add(spec.request_id)
+                    continue
                 pump.request_of[spec.transfer_id] = spec.request_id
                 known = pump.splits.note(spec.transfer_id)
                 known.expected, known.owner = True, spec.owner or known.owner
                 if forward_failed:
                     known.failed = True
-                known.blocks = tuple(spec.block_ids)
+                known.blocks, known.prompt = tuple(spec.block_ids), spec.prompt
                 parts[spec.transfer_id] = pump.splits.parts(spec.transfer_id)
         if forward_failed:
             logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
                            "pushed and their decode engines are told", len(sends))
             for spec in sends:
                 self.trace("forward_failed", spec.transfer_id)
+                handed.add(spec.transfer_id)
                 for part in parts[spec.transfer_id]:
                     pump.run_now(ForwardFailed(part, tuple(spec.block_ids)))
             return
@@ -435,8 +493,9 @@ class WorkerSide:
         for spec in sends:
             self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids),
                        trace_headers=spec.trace_headers)
+            handed.add(spec.transfer_id)
             for part in parts[spec.transfer_id]:
-                pump.run_now(BlocksReady(part, tuple(spec.block_ids), spec.owner))
+                pump.run_now(BlocksReady(part, tuple(spec.block_ids), spec.owner, spec.prompt))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Completions since the last step. Looks at the transport first (one cheap poll), so
@@ -589,12 +648,21 @@ class TransferPump(threading.Thread, Generic[E]):
         name_os_thread(PUMP_THREAD_NAME)
         active_poll = max(MIN_WAIT_S, self.cfg.transport.active_poll_ms / 1e3)
         idle_poll = max(active_poll, self.cfg.transport.idle_poll_ms / 1e3)
+        # Reads and decodes waiting messages without the lock (a test's endpoint may not).
+        fill = getattr(self.endpoint, "fill", None)
+        pause = 0.0
         while not self._halt.is_set():
             try:
+                if pause:
+                    self._halt.wait(pause)  # the engine thread's turn (see PASS_GAP_S)
                 readable = self.endpoint.wait(self._period(active_poll, idle_poll))
+                began = self.now()
+                more = bool(fill()) if readable and fill is not None else False
                 with self.lock:
-                    self._pass(readable)
+                    cut = self._pass(readable)
+                pause = max(PASS_GAP_S, self.now() - began) if more or cut else 0.0
             except Exception:  # noqa: BLE001 - the pump must survive to keep leases honest
+                pause = 0.0
                 self.contained(Stage.TIMER, "the pass")
                 time.sleep(0.01)
 
@@ -626,19 +694,33 @@ class TransferPump(threading.Thread, Generic[E]):
         """Something only a transport poll can tell (beyond our own chunks) is awaited."""
         return False
 
-    def _pass(self, readable: bool) -> None:
-        """One round of the loop: messages, commands, completions, scheduling, timers."""
-        for msg, origin in self.endpoint.receive(MESSAGES_PER_PASS) if readable else ():
-            # Each message on its own: one that raises never drops or delays another.
+    def _pass(self, readable: bool) -> bool:
+        """One round of the loop: messages, commands, completions, scheduling, timers.
+
+        Messages for at most ``PASS_BUDGET_S`` (by ``now``); True when the budget cut them
+        short with messages left: the caller gives the engine thread its turn first.
+        """
+        cut = False
+        if readable:
+            deadline = self.now() + PASS_BUDGET_S
+            inbox = self.endpoint.receive(MESSAGES_PER_PASS)
             try:
-                if self.trace.on:
-                    self.trace("msg_in", getattr(msg, "transfer_id", ""),
-                               kind=type(msg).__name__)
-                msg = self._inbound(msg)
-            except Exception:  # noqa: BLE001 - contained, counted, logged
-                self.contained(Stage.MESSAGE, type(msg).__name__)
-                continue
-            self.driver.message(msg, origin)
+                for msg, origin in inbox:
+                    # Each message on its own: one that raises never drops or delays another.
+                    try:
+                        if self.trace.on:
+                            self.trace("msg_in", getattr(msg, "transfer_id", ""),
+                                       kind=type(msg).__name__)
+                        msg = self._inbound(msg)
+                    except Exception:  # noqa: BLE001 - contained, counted, logged
+                        self.contained(Stage.MESSAGE, type(msg).__name__)
+                    else:
+                        self.driver.message(msg, origin)
+                    if self.now() >= deadline:
+                        cut = bool(getattr(self.endpoint, "pending", True))
+                        break
+            finally:
+                inbox.close()  # what was not taken stays with the endpoint for the next pass
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -648,7 +730,7 @@ class TransferPump(threading.Thread, Generic[E]):
         if self._handles:
             self._check_chunks()
         self._progress()
-        now = time.monotonic()
+        now = self.now()
         if self.engine.busy:
             self.driver.run(self.engine.poll(now))
         if now - self._last_tick >= TICK_S:
@@ -658,6 +740,7 @@ class TransferPump(threading.Thread, Generic[E]):
             if not self.cfg.transport.progress_thread:
                 # A light pass for connection wire-up and keep-alives while nothing is active.
                 self._light_pass()
+        return cut
 
     def _progress(self) -> None:
         """Progress the transport for what the engine has in flight."""
@@ -736,11 +819,14 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def report_finished(self, action: ReportFinished) -> None:
         ok = True
-        blocks = self.recv_blocks.get(action.transfer_id)
-        if action.checksum >= 0 and blocks is not None:
-            ok = self._checksum(blocks, self.views.get(action.transfer_id)) == action.checksum
+        if action.checksum >= 0 and action.blocks:
+            # Pulled: the ids read (units when block sizes differ), in P's order.
+            ok = self._checksum(list(action.blocks), self.views.get(action.transfer_id),
+                                action.units) == action.checksum
             if not ok:
                 logger.error("kvpush: checksum mismatch on pulled %s", action.transfer_id)
+                self.stats.inc("kvpush_control_messages_rejected",
+                               (self.role, "checksum_mismatch"))
         self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else Outcome.FAILED)
 
     def report_failed(self, action: ReportFailed) -> None:
@@ -907,6 +993,23 @@ class SenderPump(TransferPump[Sender]):
 
     side = Side.PRODUCER
 
+    def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
+        if isinstance(message, messages.Fallback) and self._verify:
+            message = self._stamp_fallback(message)
+        super().send(peer, to, message)
+
+    def _stamp_fallback(self, msg: messages.Fallback) -> messages.Fallback:
+        """``msg`` with the crc32 of the blocks D will read, as the DONE of a push carries
+        it (over the part of each block that D reads, in units when block sizes differ):
+        pulled KV is verified like pushed KV."""
+        remote = self.driver.peers.get(self.engine.agent_of(msg.transfer_id))
+        if remote is None:
+            return msg  # not connected: D's READs fail and the receive fails anyway
+        regions = remote.local.regions if remote.local is not None else None
+        units = remote.local_k if remote.unit_tokens else 0
+        return msgspec.structs.replace(
+            msg, checksum=self._checksum(list(msg.block_ids), regions, units))
+
     def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
         """A REGISTER of a decode engine with more ranks than ours splits its transfer into
         one part per D rank this rank feeds; what the engine said of it is replayed to the
@@ -933,7 +1036,7 @@ class SenderPump(TransferPump[Sender]):
         if known.expected:
             self.driver.command(ExpectBlocks(part, known.owner))
         if known.blocks is not None:
-            self.driver.command(BlocksReady(part, known.blocks, known.owner))
+            self.driver.command(BlocksReady(part, known.blocks, known.owner, known.prompt))
         if known.held:
             self.driver.command(Hold(part))
 

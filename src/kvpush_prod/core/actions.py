@@ -90,6 +90,10 @@ class ReportFinished:
     transfer_id: str
     outcome: Outcome  # pushed | retried | pull_fallback | aborted
     checksum: int = -1  # pulled blocks: crc32 P computed, for the shell to check (-1: none)
+    # Pulled: the ids read into (units when block sizes differ: ``units`` per block of ours),
+    # what the shell checks ``checksum`` over, in the order P computed it.
+    blocks: tuple[int, ...] = ()
+    units: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,9 @@ class Admissions(Generic[T]):
         self.block_size = block_size
         self._rx: dict[str, Inbound[T]] = {}
         self._over: set[str] = set()  # requests whose transfer is over (or that had none)
+        # transfer id -> the one request receiving it: a transfer id is one request's KV,
+        # so a second live request naming it is refused (it would get the first's KV).
+        self._by_tid: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._rx)
@@ -122,11 +125,27 @@ class Admissions(Generic[T]):
         """The request will not receive (e.g. its transfer parameters were refused)."""
         self._over.add(key)
 
-    def track(self, key: str, transfer_id: str, peer: str, remote: T) -> Inbound[T]:
-        """The inbound transfer of ``key`` (made on first sight)."""
+    def holder(self, transfer_id: str) -> str | None:
+        """The request receiving ``transfer_id`` now (None: no live request does)."""
+        return self._by_tid.get(transfer_id)
+
+    def track(self, key: str, transfer_id: str, peer: str, remote: T) -> Inbound[T] | None:
+        """The inbound transfer of ``key`` (made on first sight); None when another live
+        request receives ``transfer_id`` already (``key`` is then not tracked: the shell
+        refuses it, and nothing of the other request's transfer changes)."""
         rx = self._rx.get(key)
         if rx is None:
+            holder = self._by_tid.get(transfer_id)
+            if holder is not None and holder != key:
+                return None
             rx = self._rx[key] = Inbound(key, transfer_id, peer, remote)
+            self._by_tid[transfer_id] = key
+        return rx
+
+    def _untrack(self, key: str) -> Inbound[T] | None:
+        rx = self._rx.pop(key, None)
+        if rx is not None and self._by_tid.get(rx.transfer_id) == key:
+            del self._by_tid[rx.transfer_id]
         return rx
 
     def ask(self, key: str, num_prompt_tokens: int, num_computed_tokens: int,
@@ -193,7 +212,7 @@ class Admissions(Generic[T]):
     def drop(self, key: str) -> Inbound[T] | None:
         """Forget ``key``'s transfer before any REGISTER left (a shell could not carry it
         out): its credit comes back, it is not asked about again. The entry, or None."""
-        rx = self._rx.pop(key, None)
+        rx = self._untrack(key)
         self._over.add(key)
         if rx is not None:
             self.ledger.release(rx.transfer_id)
@@ -214,13 +233,13 @@ class Admissions(Generic[T]):
     def ended(self, key: str) -> tuple[Inbound[T] | None, bool]:
         """The receive of ``key`` ended (reported finished or failed): its credit is returned.
         The entry (None if unknown) and whether credit was held for it."""
-        rx = self._rx.pop(key, None)
+        rx = self._untrack(key)
         if rx is None:
             return None, False
         return rx, self.ledger.release(rx.transfer_id)
 
     def _give_up(self, rx: Inbound[T], outcome: Outcome) -> Answer:
-        self._rx.pop(rx.key, None)
+        self._untrack(rx.key)
         self._over.add(rx.key)
         self.ledger.release(rx.transfer_id)
         return Answer(Verdict.LOCAL, not_needed=outcome)

@@ -48,9 +48,11 @@ class BlocksReady:
     transfer_id: str
     blocks: tuple[int, ...]
     owner: str = ""
+    prompt: bytes = b""  # digest of the prompt's token ids (core.digest)
 
     def apply(self, engine: Sender, now: float, /) -> list[Action]:
-        return engine.blocks_ready(self.transfer_id, list(self.blocks), now, self.owner)
+        return engine.blocks_ready(self.transfer_id, list(self.blocks), now, self.owner,
+                                   self.prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +124,12 @@ class RegisterBlocks:
     first_block: int
     num_tokens: int
     owner: str = ""
+    prompt: bytes = b""  # digest of D's prompt token ids: the KV must be for this prompt
 
     def apply(self, engine: Receiver, now: float, /) -> list[Action]:
         return engine.register(self.transfer_id, self.address, list(self.blocks),
-                               self.first_block, self.num_tokens, now, self.owner)
+                               self.first_block, self.num_tokens, now, self.owner,
+                               self.prompt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -205,6 +205,7 @@ class _Known:
     blocks: tuple[int, ...] | None = None
     held: bool = False
     failed: bool = False
+    prompt: bytes = b""  # digest of the prompt's token ids (core.digest)
 
 
 @dataclass

@@ -32,6 +32,8 @@ BlockIds = Annotated[list[Annotated[int, Meta(ge=0, le=1 << 40)]], Meta(max_leng
 TtlMs = Annotated[int, Meta(ge=0, le=86_400_000)]
 Rank = Annotated[int, Meta(ge=0, le=65_535)]
 WallTime = Annotated[float, Meta(ge=0.0, le=1e11)]  # seconds since the epoch, 0: unknown
+# The digest of the prompt's token ids the KV was computed for (``core.digest``); b"": none.
+PromptDigest = Annotated[bytes, Meta(max_length=32)]
 
 # Prefix of a NIXL notification that carries a Done message (lets a receiver skip foreign notifs).
 NOTIF_PREFIX = b"KVP1"
@@ -178,6 +180,7 @@ class Fallback(msgspec.Struct, tag="fallback", frozen=True):
     permit_ttl_ms: TtlMs = 30_000  # D may READ P's blocks for this long
     checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1
     sent_at: WallTime = 0.0
+    prompt: PromptDigest = b""  # what P's blocks hold the KV of (D checks it is its prompt)
 
 
 class PullDone(msgspec.Struct, tag="pull_done", frozen=True):
@@ -206,6 +209,9 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     # Tokens per unit when P and D block sizes differ (``num_blocks`` then counts units and
     # the checksum runs over unit pieces, ``core.blocksize``); 0: whole blocks.
     unit_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    # The digest of the prompt P computed this KV for: D takes it only for a request whose
+    # own prompt has the same digest (a replayed or re-bound leg cannot swap prompts).
+    prompt: PromptDigest = b""
 
 
 class DoneQuery(msgspec.Struct, tag="done_query", frozen=True):

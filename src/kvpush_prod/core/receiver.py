@@ -29,7 +29,6 @@ from kvpush_prod.core.identity import owns_agent, peer_slot
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit, RandomBits
 from kvpush_prod.core.messages import (
-    MAX_LIVE,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
@@ -45,6 +44,7 @@ from kvpush_prod.core.messages import (
     PullDone,
     Register,
 )
+from kvpush_prod.core.quotas import live_batches
 from kvpush_prod.core.retry import (
     BudgetSettings,
     ChunkError,
@@ -112,6 +112,8 @@ class _Receive:
     # differs, core.blocksize), and the bytes of one of them on this rank.
     pull: list[int] = field(default_factory=list)
     pull_bytes: int = 0
+    pull_per_block: int = 0  # units per block of ours in ``pull`` (0: whole blocks)
+    prompt: bytes = b""  # digest of this request's prompt token ids (core.digest)
 
 
 @dataclass
@@ -180,9 +182,12 @@ class Receiver:
         return []
 
     def register(self, tid: str, address: str, blocks: list[int], first_block: int,
-                 num_tokens: int, now: float, owner: str = "") -> list[Action]:
+                 num_tokens: int, now: float, owner: str = "",
+                 prompt: bytes = b"") -> list[Action]:
         """D reserved ``blocks`` for ``tid``: grant the prefill engine ``owner`` at ``address``
-        a write permit on them (``owner`` "": the address stands in for it, no keys)."""
+        a write permit on them (``owner`` "": the address stands in for it, no keys).
+        ``prompt``: the digest of the request's token ids; KV stated for another prompt is
+        refused."""
         self._waiting.pop(tid, None)
         if tid in self._in:
             return [Note(NoteKind.REJECTED, "duplicate", f"transfer {tid} is already being received")]
@@ -190,7 +195,7 @@ class Receiver:
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
         rx = _Receive(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                      lease.generation, now, now, None, owner or address)
+                      lease.generation, now, now, None, owner or address, prompt=prompt)
         rx.machine.fire(E.REGISTER, now)
         rx.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = rx
@@ -249,6 +254,12 @@ class Receiver:
         if not verified:
             return self._end(rx, now, ReportFailed(rx.tid, "checksum_mismatch",
                                                    "the pushed blocks differ from P's"))
+        if self._other_prompt(rx, done.prompt):
+            # The KV is another prompt's (a replayed or re-bound leg): never usable here.
+            return [Note(NoteKind.REJECTED, "prompt_mismatch",
+                         f"DONE {rx.tid}: the prefill computed its KV for another prompt"),
+                    *self._end(rx, now, ReportFailed(rx.tid, "prompt_mismatch",
+                                                     "the KV pushed is another prompt's"))]
         rx.machine.fire(E.DONE, now)
         self._log_done(rx)
         return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
@@ -419,6 +430,12 @@ class Receiver:
             ack = PullDone(PROTOCOL_VERSION, rx.tid, rx.generation, self.slim, False)
             return [SendMessage(rx.address, ack, rx.owner),
                     *self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))]
+        if self._other_prompt(rx, msg.prompt):
+            rx.fallback = msg
+            rx.read_failed = "prompt_mismatch"
+            return [Note(NoteKind.REJECTED, "prompt_mismatch",
+                         f"FALLBACK {rx.tid}: the prefill holds the KV of another prompt"),
+                    *self._finish_pull(rx, now)]
         problem = self._fallback_problem(rx, msg)
         if problem:
             rx.fallback = msg
@@ -434,6 +451,12 @@ class Receiver:
         self.reads.add(rx.tid, msg.sender.agent_name, rx.pull_bytes, len(rx.pull),
                        rx.read_permit.expires_at, now)
         return out + self.poll(now)
+
+    @staticmethod
+    def _other_prompt(rx: _Receive, stated: bytes) -> bool:
+        """P states KV for a prompt other than this request's (a P that states none, when
+        this request has a digest, is not believed either)."""
+        return bool(rx.prompt) and stated != rx.prompt
 
     def _fallback_problem(self, rx: _Receive, msg: Fallback) -> str:
         """Why D cannot READ what ``msg`` offers ("" if it can): P's layout must be ours, and
@@ -462,6 +485,7 @@ class Receiver:
             return f"block ids outside the prefill KV cache of {limit} {what}"
         rx.pull = pull
         rx.pull_bytes = self.s.block_bytes // blocksize.per_block(mine, u)
+        rx.pull_per_block = blocksize.per_block(mine, u) if u else 0
         return ""
 
     def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
@@ -573,9 +597,10 @@ class Receiver:
         out: list[Action] = []
         for (address, owner), live in per_peer.items():
             peer = self._peers.get((owner, slot_of.get((address, owner), self.me.rank)))
-            for i in range(0, len(live), MAX_LIVE):
+            # Small enough for P's codec (core.quotas): a long list goes as several.
+            for batch in live_batches(live):
                 hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
-                               peer.incarnation is not None else 0, live[i:i + MAX_LIVE],
+                               peer.incarnation is not None else 0, batch,
                                int(self.s.permit_ttl_s * 1000))
                 out.append(SendMessage(address, hb, owner))
         return out
@@ -593,8 +618,8 @@ class Receiver:
             return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if ok:
             rx.machine.fire(E.PULL_DONE, now)
-            return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.PULL_FALLBACK,
-                                                           rx.checksum))
+            return out + self._end(rx, now, ReportFinished(
+                rx.tid, Outcome.PULL_FALLBACK, rx.checksum, tuple(rx.pull), rx.pull_per_block))
         rx.machine.fire(E.FAIL, now)
         return out + self._end(rx, now, ReportFailed(rx.tid, "pull_failed", rx.read_failed))
 

@@ -30,7 +30,6 @@ from kvpush_prod.core.identity import owns_agent, peer_slot
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import Permit
 from kvpush_prod.core.messages import (
-    MAX_LIVE,
     MAX_TEXT_LEN,
     PROTOCOL_VERSION,
     Cancel,
@@ -46,6 +45,7 @@ from kvpush_prod.core.messages import (
     PullDone,
     Register,
 )
+from kvpush_prod.core.quotas import OriginBook, live_batches
 from kvpush_prod.core.retry import BreakerSettings as CoreBreakerSettings
 from kvpush_prod.core.retry import (
     BreakerState,
@@ -95,6 +95,9 @@ class SenderSettings:
     max_tombstones: int = 65_536
     max_peers: int = 1024
     max_contenders: int = 4  # other origins' REGISTERs kept while the owner is unknown
+    # REGISTERs of one origin kept for transfers this engine does not know yet (its own
+    # scheduler makes a transfer known): one key cannot fill the engine with them.
+    max_unknown_per_origin: int = 1024
     # A decode layout may have at most this many times our blocks (its KV cache may be
     # bigger than ours, not absurdly so: describing 1M blocks costs seconds).
     max_peer_blocks_ratio: int = 16
@@ -146,6 +149,10 @@ class _Out:
     # What is pushed, in units when D's block size differs (core.blocksize); planned from
     # ``blocks`` and ``reg`` as they are when the push starts, never from a plan before.
     units: blocksize.Units | None = None
+    # The origin whose REGISTER made P keep this transfer before its own engine named it
+    # (counted against that origin's quota until then); "": none.
+    unknown_of: str = ""
+    prompt: bytes = b""  # digest of the prompt's token ids (core.digest), stated to D
 
 
 class _Origins:
@@ -203,6 +210,8 @@ class Sender:
         self.budget = RetryBudget(settings.budget)
         self.breakers = PeerBreakers(settings.breaker)
         self._out: dict[str, _Out] = {}
+        # origin -> the transfers its REGISTERs made P keep that P's engine has not named
+        self._unknown = OriginBook(settings.max_unknown_per_origin)
         self._chunks: dict[int, tuple[Chunk, str]] = {}  # chunk id -> (chunk, transfer id)
         # transfer id -> the origins that asked ("" for this engine): the blocks of a
         # cancelled or aborted transfer are freed unpushed when they come
@@ -239,6 +248,11 @@ class Sender:
     def held_blocks(self) -> int:
         return sum(len(o.blocks or ()) for o in self._out.values() if o.held and not o.released)
 
+    def agent_of(self, tid: str) -> str:
+        """The NIXL agent of the decode engine that registered ``tid`` ("" if none did)."""
+        o = self._out.get(tid)
+        return o.peer if o is not None else ""
+
     def breaker_states(self, now: float) -> dict[str, BreakerState]:
         return {str(k): v for k, v in self.breakers.states(now).items()}
 
@@ -250,14 +264,17 @@ class Sender:
         that origin's REGISTER is taken."""
         o = self._get(tid, now)
         o.expected = True
+        self._uncount(o)
         return self._require(o, owner, now)
 
     def blocks_ready(self, tid: str, blocks: list[int], now: float,
-                     owner: str = "") -> list[Action]:
-        """The prompt's KV is in ``blocks`` (this step's forward has finished)."""
+                     owner: str = "", prompt: bytes = b"") -> list[Action]:
+        """The prompt's KV is in ``blocks`` (this step's forward has finished); ``prompt``:
+        the digest of its token ids, stated to D with the KV."""
         o = self._get(tid, now)
-        o.blocks, o.expected = list(blocks), True
+        o.blocks, o.expected, o.prompt = list(blocks), True, prompt
         o.lease_until = now + self.s.send_lease_s
+        self._uncount(o)
         out = self._require(o, owner, now)
         if self._tombstoned(tid, o.owner or o.required):
             # D does not want it (or P aborted it): free once the scheduler hands it over.
@@ -273,6 +290,7 @@ class Sender:
         self._tombstone(tid, now, "")
         o = self._get(tid, now)
         o.blocks, o.expected = list(blocks), True
+        self._uncount(o)
         self._fire(o, E.FAIL, now)
         out: list[Action] = []
         if o.reg is not None:
@@ -292,6 +310,8 @@ class Sender:
         """P's request ended before its KV was computed: the transfer can never happen."""
         self._tombstone(tid, now, "")
         o = self._out.pop(tid, None)
+        if o is not None:
+            self._uncount(o)
         if o is not None and o.reg is not None:
             return [self._failed(o, "prefill_aborted", "the prefill request ended early")]
         return []
@@ -319,6 +339,14 @@ class Sender:
         if o is not None and o.required and origin != o.required:
             # Before anything of the message is believed (its agent, its layout).
             return [self._not_owner(reg, origin, "the router named another decode engine")]
+        if o is None and self._unknown.full(origin):
+            # Before anything of the message is believed: a key may have P keep only so
+            # many transfers P's own engine has not named (D's permit runs out, and D
+            # computes the prompt itself).
+            return [Note(NoteKind.REJECTED, "quota_registrations",
+                         f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
+                         f"{self._unknown.count(origin)} registrations of transfers this "
+                         "engine does not know, the most one key may have")]
         met = self._learn_peer(reg.sender, origin, now)
         if met is None:
             return [self._retired_note(reg.sender)]
@@ -373,7 +401,11 @@ class Sender:
                                f"the most this engine keeps")]
         if reg.permit_ttl_ms <= 0:
             return [*out, Note(NoteKind.REJECTED, "bad_permit", f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
-        return out + self._bind(self._get(reg.transfer_id, now), reg, origin, now, age)
+        if o is None:
+            o = self._get(reg.transfer_id, now)
+            o.unknown_of = origin
+            self._unknown.add(origin, o.tid)
+        return out + self._bind(o, reg, origin, now, age)
 
     def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
         """``reg`` (from ``origin``) becomes the registration of ``o``."""
@@ -628,7 +660,8 @@ class Sender:
             done = None
             if chunk.is_last:
                 done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(units.dst),
-                            attempt=chunk.attempt, unit_tokens=units.unit_tokens)
+                            attempt=chunk.attempt, unit_tokens=units.unit_tokens,
+                            prompt=o.prompt)
             self._chunks[chunk.id] = (chunk, o.tid)
             o.inflight.add(chunk.id)
             if o.machine.state is S.RETRYING:
@@ -725,6 +758,13 @@ class Sender:
         if o is None:
             o = self._out[tid] = _Out(tid, TransferMachine(tid, now, self.s.timeouts))
         return o
+
+    def _uncount(self, o: _Out) -> None:
+        """``o`` no longer counts against the quota of the origin that registered it first
+        (P's engine named it, or P forgets it)."""
+        if o.unknown_of:
+            self._unknown.discard(o.unknown_of, o.tid)
+            o.unknown_of = ""
 
     def _fire(self, o: _Out, event: E, now: float) -> bool:
         if not o.machine.can_fire(event):
@@ -944,7 +984,7 @@ class Sender:
         # In units when the block sizes differ: D converts its own blocks alike.
         msg = Fallback(PROTOCOL_VERSION, o.tid, reg.generation, self.me,
                        list(o.units.src), o.units.first, reason,
-                       int(self.s.pull_permit_s * 1000))
+                       int(self.s.pull_permit_s * 1000), prompt=o.prompt)
         return [SendMessage(reg.sender.control, msg, o.owner)]
 
     def _close(self, o: _Out, outcome: Outcome) -> list[Action]:
@@ -958,11 +998,13 @@ class Sender:
         if not o.outcome or o.inflight:
             return []
         if o.blocks is None:
+            self._uncount(o)
             self._out.pop(o.tid, None)  # a registration only: nothing to free
             return []
         if not o.held or o.released:
             return []
         o.released = True
+        self._uncount(o)
         self._out.pop(o.tid, None)
         nbytes = o.pushed_bytes if o.outcome in (Outcome.PUSHED, Outcome.RETRIED) else 0
         return [ReleaseSend(o.tid, o.outcome, nbytes)]
@@ -988,7 +1030,8 @@ class Sender:
             live.append((o.tid, o.reg.generation))
         out: list[Action] = []
         for (addr, owner), (inc, live) in per_peer.items():
-            for i in range(0, len(live), MAX_LIVE):
+            # Small enough for D's codec (core.quotas): a long list goes as several.
+            for batch in live_batches(live):
                 out.append(SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc,
-                                                       live[i:i + MAX_LIVE]), owner))
+                                                       batch), owner))
         return out

@@ -18,8 +18,10 @@ from kvpush_prod.lab.client import metric_sum, scrape
 from kvpush_prod.lab.launch import (
     EngineSpec,
     Proc,
+    TlsFiles,
     free_port,
     free_port_block,
+    make_tls,
     push_kv_config,
     start_engine,
     wait_healthy,
@@ -76,6 +78,12 @@ class ClusterSpec:
     # A running single engine to compare answers with (``SharedReference``); the cluster
     # then starts none of its own.
     reference_url: str | None = None
+    # TLS on the legs: the prefill and decode engines serve https:// (vLLM's --ssl-keyfile
+    # and --ssl-certfile) with a certificate from the cluster's own CA (``Cluster.tls``), and
+    # the router verifies them against it (--backend-ca-file). The reference engine stays
+    # plain http. Other clients of the engines must trust ``Cluster.tls.ca`` (httpx's
+    # default clients, such as lab.client.scrape, do with SSL_CERT_FILE set to it).
+    tls: bool = False
 
 
 def tp_args(tp: int, core: str) -> tuple[list[str], str]:
@@ -135,6 +143,8 @@ class Cluster:
         if spec.signed_params:
             self.params_key_file.write_text(secrets.token_hex(32) + "\n")
             self.params_key_file.chmod(0o600)
+        # A fresh CA per cluster: nothing outside this cluster's workdir is trusted by it.
+        self.tls: TlsFiles | None = make_tls(spec.workdir / "tls") if spec.tls else None
 
     def _make_keys(self, names: tuple[str, ...]) -> None:
         """A fresh key pair per engine name and an allow-list directory holding them all."""
@@ -144,11 +154,13 @@ class Cluster:
             public, _ = generate(name, self.keys_dir, force=True)
             shutil.copy(public, self.allowed_dir / public.name)
 
-    def sign(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` as the cluster's router would send them (signed when it signs)."""
+    def sign(self, params: dict[str, Any], leg: str) -> dict[str, Any]:
+        """``params`` as the cluster's router would send them on ``leg`` (signed when it
+        signs)."""
         if not self.spec.signed_params:
             return params
-        return sign_params(params, self.params_key_file.read_text().strip().encode(), time.time())
+        return sign_params(params, self.params_key_file.read_text().strip().encode(), time.time(),
+                           leg)
 
     def key_file(self, name: str) -> Path:
         return self.keys_dir / f"{name}.key_secret"
@@ -168,6 +180,9 @@ class Cluster:
         common: dict[str, Any] = {"model": self.model, "block_size": s.block_size,
                                   "max_num_seqs": s.max_num_seqs,
                                   "extra_args": list(s.engine_args)}
+        if self.tls is not None and name in self.engine_names:
+            common["extra_args"] += ["--ssl-keyfile", str(self.tls.key),
+                                     "--ssl-certfile", str(self.tls.cert)]
         if name in self.prefill_names:
             kv = push_kv_config("kv_producer", profile, self.control_ports[name],
                                 {**s.extra, **s.prefill_extra},
@@ -195,7 +210,7 @@ class Cluster:
             self.start_engine(name, wait=False)
         try:
             for name in names:
-                wait_healthy(self.urls[name], self.procs[name], timeout)
+                wait_healthy(self.urls[name], self.procs[name], timeout, self._ca)
             if self.spec.router:
                 self.start_router()
         except BaseException:
@@ -207,10 +222,15 @@ class Cluster:
         """(Re)start one engine; a restart keeps its port and engine id."""
         spec = self.specs.get(name) or self._engine_spec(name)
         self.specs[name] = spec
-        self.urls[name] = f"http://127.0.0.1:{spec.port}"
+        scheme = "https" if self.tls is not None and name in self.engine_names else "http"
+        self.urls[name] = f"{scheme}://127.0.0.1:{spec.port}"
         self.procs[name] = start_engine(spec, self.log_dir)
         if wait:
-            wait_healthy(self.urls[name], self.procs[name], timeout)
+            wait_healthy(self.urls[name], self.procs[name], timeout, self._ca)
+
+    @property
+    def _ca(self) -> Path | None:
+        return self.tls.ca if self.tls is not None else None
 
     def start_router(self) -> None:
         cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
@@ -224,6 +244,8 @@ class Cluster:
             cmd += ["--params-key-file", str(self.params_key_file)]
         if self.spec.secure:
             cmd.append("--probe-decode")  # D's key goes to P: only that D may register
+        if self.tls is not None:
+            cmd += ["--backend-ca-file", str(self.tls.ca)]
         import os
 
         self.procs["router"] = Proc("router", cmd, dict(os.environ),
