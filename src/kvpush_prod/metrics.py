@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpush_prod.vocabulary import ParamsRejectReason, RejectReason
+
 logger = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -54,27 +56,9 @@ OUTCOMES = ("pushed", "retried", "pull_fallback", "recompute", "failed", "expire
 CHUNK_RESULTS = ("ok", "error", "post_failed")
 DECISIONS = ("admit", "later", "refuse")
 LEASE_KINDS = ("permit", "send")
-CONTROL_REJECT_REASONS = (
-    # inbound messages
-    "oversize", "malformed", "unauthenticated", "version",
-    # what the protocol core refused
-    "unknown_transfer", "stale_generation", "bad_blocks", "incompatible", "duplicate",
-    "unexpected", "not_owner", "overloaded", "bad_permit",
-    # one engine key over a quota of its own: messages waiting beyond its backlog, a control
-    # address beyond those it may use, REGISTERs kept for transfers P does not know yet
-    "quota_backlog", "quota_addresses", "quota_registrations",
-    # KV that D refused on arrival: computed for another prompt, or bytes that differ
-    "prompt_mismatch", "checksum_mismatch",
-    # handshakes on this engine's port (CurveZMQ)
-    "handshake_unknown_key", "handshake_crypto", "handshake_mechanism", "handshake_protocol",
-    "handshake_failed",
-    # outbound
-    "bad_address", "unknown_peer_key", "oversize_outbound", "queue_full", "no_socket",
-    "peer_refused_key", "peer_handshake_failed",
-)
-PARAMS_REJECT_REASONS = ("malformed", "unsigned", "bad_signature", "expired", "unknown_key",
-                         "foreign_peer", "unusable", "wrong_leg", "unknown_field", "replayed",
-                         "replay_memory_full", "duplicate_transfer")
+# The label values of the two rejection counters: every word of their enums, nothing else.
+CONTROL_REJECT_REASONS = tuple(r.value for r in RejectReason)
+PARAMS_REJECT_REASONS = tuple(r.value for r in ParamsRejectReason)
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")
 # vLLM's connector hooks that contain what raises in them (connector/connector.py).
 HOOKS = (

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpush_prod.vocabulary import KeyProblem, ParamsRejectReason
+
 SIG_FIELD = "kvpush_sig"
 PARAMS_KEY_ENV = "KVPUSH_PARAMS_KEY"
 _DOMAIN = b"kvpush-params-v2\n"
@@ -42,11 +44,6 @@ LEG_FIELDS: dict[str, frozenset[str]] = {
     DECODE: frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id",
                        "remote_host", "remote_port", "tp_size", "transfer_id", "remote_key"}),
 }
-
-
-# What verify_params and NonceMemory refuse with: params that are no one's word.
-SIGNATURE_REASONS = frozenset({"unsigned", "malformed", "bad_signature", "expired", "wrong_leg",
-                               "unknown_field", "replayed", "replay_memory_full"})
 
 
 class SignatureError(ValueError):
@@ -93,11 +90,13 @@ def check_key(key: bytes, where: str = "the params key") -> bytes:
     size = n if n is not None else len(key)
     if size < MIN_KEY_BYTES:
         raise SignatureError(
-            "weak_key", f"{where} holds {size} bytes; it must hold at least {MIN_KEY_BYTES} "
+            KeyProblem.WEAK_KEY,
+            f"{where} holds {size} bytes; it must hold at least {MIN_KEY_BYTES} "
             f"random bytes: {fix}")
     if len(set(key)) < _MIN_DISTINCT:
         raise SignatureError(
-            "weak_key", f"{where} uses {len(set(key))} distinct characters: it is not random; "
+            KeyProblem.WEAK_KEY,
+            f"{where} uses {len(set(key))} distinct characters: it is not random; "
             f"{fix}")
     return key
 
@@ -110,11 +109,13 @@ def read_key_file(path: str | Path, what: str = "params key file") -> bytes:
         mode = p.stat().st_mode
         key = p.read_bytes().strip()
     except OSError as exc:
-        raise SignatureError("key_file", f"cannot read the {what} {str(p)!r} "
-                             f"({exc.strerror})") from None
+        raise SignatureError(
+            KeyProblem.KEY_FILE,
+            f"cannot read the {what} {str(p)!r} ({exc.strerror})") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SignatureError(
-            "key_file", f"the {what} {str(p)!r} has mode {stat.S_IMODE(mode):04o}: group and "
+            KeyProblem.KEY_FILE,
+            f"the {what} {str(p)!r} has mode {stat.S_IMODE(mode):04o}: group and "
             f"others may read it; make it readable by its owner only: chmod 600 {p}")
     return check_key(key, f"the {what} {str(p)!r}")
 
@@ -145,7 +146,7 @@ def verify_params(params: dict[str, Any], key: bytes, now: float, leg: str,
     sig = params.get(SIG_FIELD)
     if sig is None:
         raise SignatureError(
-            "unsigned",
+            ParamsRejectReason.UNSIGNED,
             f"kv_transfer_params carry no {SIG_FIELD} while this engine requires router-signed "
             "params (control.params_key is set): send requests through a router that holds "
             "the same params key",
@@ -155,39 +156,50 @@ def verify_params(params: dict[str, Any], key: bytes, now: float, leg: str,
             or isinstance(sig.get("expires_at"), bool) \
             or not isinstance(sig.get("expires_at"), (int, float)):
         raise SignatureError(
-            "malformed", f"kv_transfer_params.{SIG_FIELD} is malformed (a router of another "
+            ParamsRejectReason.MALFORMED,
+            f"kv_transfer_params.{SIG_FIELD} is malformed (a router of another "
             "kvpush version?): run the router and the engines from the same release")
     if sig["v"] != SIG_VERSION or not _NONCE.match(sig["nonce"]):
-        raise SignatureError("malformed", f"kv_transfer_params.{SIG_FIELD} has version "
-                             f"{str(sig['v'])[:8]!r}; this engine takes {SIG_VERSION}")
+        raise SignatureError(
+            ParamsRejectReason.MALFORMED,
+            f"kv_transfer_params.{SIG_FIELD} has version {str(sig['v'])[:8]!r}; this "
+            f"engine takes {SIG_VERSION}")
     if sig["leg"] != leg:
         raise SignatureError(
-            "wrong_leg", f"kv_transfer_params were signed for the {str(sig['leg'])[:10]} leg "
+            ParamsRejectReason.WRONG_LEG,
+            f"kv_transfer_params were signed for the {str(sig['leg'])[:10]} leg "
             f"and sent to a {leg} engine")
     unknown = sorted(k for k in params if k != SIG_FIELD and k not in LEG_FIELDS[leg])
     if unknown:
         raise SignatureError(
-            "unknown_field", f"kv_transfer_params carry {', '.join(u[:40] for u in unknown[:5])}"
+            ParamsRejectReason.UNKNOWN_FIELD,
+            f"kv_transfer_params carry {', '.join(u[:40] for u in unknown[:5])}"
             f", which a router does not sign on the {leg} leg")
     tid = params.get("transfer_id")
     if not isinstance(tid, str) or not tid:
         raise SignatureError(
-            "malformed", "signed kv_transfer_params name no transfer_id: a signing router "
+            ParamsRejectReason.MALFORMED,
+            "signed kv_transfer_params name no transfer_id: a signing router "
             "binds each leg to its transfer id (kvpush router does)")
     expires_at = float(sig["expires_at"])
     if not math.isfinite(expires_at) or expires_at < now:
-        raise SignatureError("expired", "the router's signature on kv_transfer_params expired")
+        raise SignatureError(
+            ParamsRejectReason.EXPIRED,
+            "the router's signature on kv_transfer_params expired")
     if expires_at > now + max_ttl_s:
         raise SignatureError(
-            "expired", "the router's signature on kv_transfer_params expires too far ahead")
+            ParamsRejectReason.EXPIRED,
+            "the router's signature on kv_transfer_params expires too far ahead")
     try:
         want = hmac.new(key, _canonical(params, leg, sig["nonce"], sig["expires_at"]),
                         hashlib.sha256).hexdigest()
     except (TypeError, ValueError) as exc:
-        raise SignatureError("malformed", f"kv_transfer_params cannot be signed: {exc}") from None
+        raise SignatureError(
+            ParamsRejectReason.MALFORMED,
+            f"kv_transfer_params cannot be signed: {exc}") from None
     if not hmac.compare_digest(want, sig["mac"]):
         raise SignatureError(
-            "bad_signature",
+            ParamsRejectReason.BAD_SIGNATURE,
             "kv_transfer_params do not match the router's signature (changed, or signed with "
             "another params key)",
         )
@@ -218,11 +230,13 @@ class NonceMemory:
             if held[1] == request_id:
                 return
             raise SignatureError(
-                "replayed", "kv_transfer_params were already used by another request (a "
+                ParamsRejectReason.REPLAYED,
+                "kv_transfer_params were already used by another request (a "
                 "replayed leg); the router signs each leg once")
         if len(self._by_nonce) >= self.capacity:
             raise SignatureError(
-                "replay_memory_full", f"{self.capacity} signed requests are remembered within "
+                ParamsRejectReason.REPLAY_MEMORY_FULL,
+                f"{self.capacity} signed requests are remembered within "
                 "their signatures' lifetime; lower the router's params_ttl_s")
         self._by_nonce[signed.nonce] = (signed.expires_at, request_id)
         self._expiry[signed.nonce] = signed.expires_at

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush_prod.core.vocabulary import ParamsRejectReason
 from kvpush_prod.errors import KVTransferParamsError
 
 # vLLM appends "-<8 hex>" to the request id it got in X-Request-Id.
@@ -99,7 +100,7 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
                 f"kv_transfer_params carry a prefill engine's {', '.join(named)} but no "
                 "do_remote_prefill: the router did not pass the prefill engine's answer as it "
                 "is (or stripped do_remote_prefill); send it unchanged (do_remote_prefill: true)",
-                reason="unusable")
+                reason=ParamsRejectReason.UNUSABLE)
         return None
     if not params.get("do_remote_prefill"):
         return None
@@ -108,7 +109,7 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
         raise KVTransferParamsError(
             f"kv_transfer_params.transfer_mode={str(mode)[:20]!r}: the prefill engine runs a "
             "pull connector (vLLM's NixlConnector); a kvpush decode engine needs a kvpush "
-            "prefill engine (kv_connector: PushConnector on both)", reason="unusable")
+            "prefill engine (kv_connector: PushConnector on both)", reason=ParamsRejectReason.UNUSABLE)
     missing = [k for k in ("remote_host", "remote_port") if params.get(k) in (None, "")]
     if missing:
         raise KVTransferParamsError(

@@ -24,10 +24,9 @@ from kvpush_prod.connector.trust import Trust
 from kvpush_prod.core.admission import Admissions, Answer, Inbound, Verdict
 from kvpush_prod.core.credits import CreditLedger, Decision
 from kvpush_prod.core.digest import prompt_digest
-from kvpush_prod.core.vocabulary import Outcome, Side
+from kvpush_prod.core.vocabulary import SIGNATURE_REASONS, Outcome, ParamsRejectReason, Side
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
-from kvpush_prod.signing import SIGNATURE_REASONS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -236,7 +235,7 @@ class ConsumerSide(SchedulerSide):
                        "is already received by request %s (a replayed leg, or a client that "
                        "reuses X-Request-Id; the router gives each request its own)",
                        rid, tid, self.admissions.holder(tid))
-        self.stats.inc("kvpush_kv_params_rejected", (self.role, "duplicate_transfer"))
+        self.stats.inc("kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER))
         self.admissions.skip(rid)
 
     def free_blocks(self) -> int | None:
@@ -444,7 +443,7 @@ class ProducerSide(SchedulerSide):
             logger.warning("kvpush: request %s will not be pushed: its transfer_id %.60r is "
                            "already pushed by request %s (a replayed leg, or a client that "
                            "reuses X-Request-Id)", rid, tid, holder)
-            self.stats.inc("kvpush_kv_params_rejected", (self.role, "duplicate_transfer"))
+            self.stats.inc("kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER))
             self._refused.add(rid)
             return
         self._live[tid], self._tid_of[rid] = rid, tid

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpush_prod.config import KvpushConfig
 from kvpush_prod.connector.params import RemotePrefill, decode_key_of, parse_remote_prefill
+from kvpush_prod.core.vocabulary import ParamsRejectReason
 from kvpush_prod.errors import ConfigError, KVTransferParamsError
 from kvpush_prod.signing import (
     DECODE,
@@ -101,7 +102,7 @@ class Trust:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_key {remote.key[:8]}... is not in this engine's "
                     "allow-list (control.allowed_keys): add the prefill engine's .key file "
-                    "there", reason="unknown_key")
+                    "there", reason=ParamsRejectReason.UNKNOWN_KEY)
             return remote.key
         # A router that does not pass keys: the engine id may name a key in the allow-list.
         by_name = [k for k, name in self.allowed.items() if name == remote.engine_id]
@@ -111,7 +112,7 @@ class Trust:
             "kv_transfer_params name no remote_key, and remote_engine_id "
             f"{remote.engine_id[:60]!r} is not the name of a key in control.allowed_keys: "
             "send the prefill engine's remote_key (kvpush router does), or name each engine's "
-            "key after its engine_id", reason="unknown_key")
+            "key after its engine_id", reason=ParamsRejectReason.UNKNOWN_KEY)
 
     # ----------------------------------------------------------------- P: the decode
     def decode_owner(self, request_id: str, params: dict[str, Any]) -> str:
@@ -122,7 +123,7 @@ class Trust:
         if key and self.keyed and key not in self.allowed:
             raise KVTransferParamsError(
                 f"kv_transfer_params.decode_key {key[:8]}... is not in this engine's allow-list "
-                "(control.allowed_keys)", reason="unknown_key")
+                "(control.allowed_keys)", reason=ParamsRejectReason.UNKNOWN_KEY)
         return key if self.keyed else ""
 
     # ----------------------------------------------------------------- checks
@@ -150,7 +151,7 @@ class Trust:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_host {host!r} ({addr}) is outside "
                     "control.allowed_peers; add its network there if it is a prefill engine",
-                    reason="foreign_peer")
+                    reason=ParamsRejectReason.FOREIGN_PEER)
         ip = ipaddress.ip_address(addrs[0])
         return f"[{ip}]" if ip.version == 6 else str(ip)
 
@@ -169,7 +170,7 @@ class Trust:
             except OSError as exc:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_host {host!r} does not resolve ({exc})",
-                    reason="foreign_peer") from None
+                    reason=ParamsRejectReason.FOREIGN_PEER) from None
             cached = tuple(sorted({str(i[4][0]) for i in infos}))
             self._resolved[host] = (now + _RESOLVED_TTL_S, cached)
             while len(self._resolved) > _RESOLVED_KEEP:

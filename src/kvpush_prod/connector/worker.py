@@ -55,7 +55,13 @@ from kvpush_prod.core.links import Joins, Link, Links, Splits, d_links
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import BreakerState, ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
-from kvpush_prod.core.vocabulary import NoteKind, Outcome, Side
+from kvpush_prod.core.vocabulary import (
+    NoteKind,
+    Outcome,
+    ParamsRejectReason,
+    RejectReason,
+    Side,
+)
 from kvpush_prod.driver import Driver, Engine, Stage
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.loglimit import LogLimiter
@@ -363,7 +369,7 @@ class WorkerSide:
             return False
         logger.error("kvpush: request %s names transfer %.60r, which request %s receives; "
                      "its receive fails", spec.request_id, spec.transfer_id, holders.pop())
-        self.stats.inc("kvpush_kv_params_rejected", (self.role.value, "duplicate_transfer"))
+        self.stats.inc("kvpush_kv_params_rejected", (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER))
         with self.results.lock:
             self.results.recving.add(spec.request_id)
             self.results.failed.add(spec.request_id)
@@ -422,7 +428,7 @@ class WorkerSide:
             self._refused_tp.add(p_tp)
             logger.error("kvpush: cannot receive KV from a prefill engine of tensor-parallel "
                          "size %d on this decode engine of size %d: %s", p_tp, self.tp_size, why)
-        self.stats.inc("kvpush_control_messages_rejected", (self.role.value, "incompatible"))
+        self.stats.inc("kvpush_control_messages_rejected", (self.role.value, RejectReason.INCOMPATIBLE))
         with self.results.lock:
             self.results.recving.add(rid)
             self.results.failed.add(rid)
@@ -825,8 +831,7 @@ class TransferPump(threading.Thread, Generic[E]):
                                 action.units) == action.checksum
             if not ok:
                 logger.error("kvpush: checksum mismatch on pulled %s", action.transfer_id)
-                self.stats.inc("kvpush_control_messages_rejected",
-                               (self.role, "checksum_mismatch"))
+                self.stats.inc("kvpush_control_messages_rejected", (self.role, RejectReason.CHECKSUM_MISMATCH))
         self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else Outcome.FAILED)
 
     def report_failed(self, action: ReportFailed) -> None:
@@ -1098,7 +1103,7 @@ class ReceiverPump(TransferPump[Receiver]):
         try:
             done = messages.decode_done(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return [Note(NoteKind.REJECTED, "malformed", f"bad DONE notification: {exc}")]
+            return [Note(NoteKind.REJECTED, RejectReason.MALFORMED, f"bad DONE notification: {exc}")]
         if done is None:
             return []
         done = self.links.done(done)

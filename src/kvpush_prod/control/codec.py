@@ -8,54 +8,18 @@ and FALLBACK may be as large as ``max_message_bytes``; every other kind is refus
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import msgspec
 
 from kvpush_prod.core import messages
 from kvpush_prod.core.quotas import SMALL_MESSAGE_BYTES
+from kvpush_prod.core.vocabulary import RejectReason
 from kvpush_prod.errors import ProtocolError
 
 # The kinds that carry an agent's metadata, a layout and block ids: up to max_message_bytes.
 LARGE_KINDS = frozenset({b"register", b"fallback"})
 _TYPE_KEY = b"\xa4type"  # msgpack fixstr "type": the tag our encoder writes first
-
-
-class RejectReason(str, enum.Enum):
-    """Why a control message or connection was dropped (the label of the rejection counter)."""
-
-    # An inbound message, dropped before anything acted on it.
-    OVERSIZE = "oversize"
-    MALFORMED = "malformed"
-    VERSION = "version"
-    UNAUTHENTICATED = "unauthenticated"  # no allow-listed sender key on it (defence in depth)
-    # Decided by the protocol core on a well-formed message.
-    UNKNOWN_TRANSFER = "unknown_transfer"
-    STALE_GENERATION = "stale_generation"
-    BAD_BLOCKS = "bad_blocks"
-    INCOMPATIBLE = "incompatible"
-    # One engine key over a quota of its own (what an engine holding a valid key can make
-    # this one keep or do): messages waiting beyond its backlog, a control address beyond
-    # those its messages and the replies to it may use, REGISTERs P keeps for transfers its
-    # engine does not know (decided by the core).
-    QUOTA_BACKLOG = "quota_backlog"
-    QUOTA_ADDRESSES = "quota_addresses"
-    QUOTA_REGISTRATIONS = "quota_registrations"
-    # A connection to this engine's control port whose handshake failed (per attempt).
-    HANDSHAKE_UNKNOWN_KEY = "handshake_unknown_key"  # client key not in the allow-list
-    HANDSHAKE_CRYPTO = "handshake_crypto"  # client expects another key for us, or tampering
-    HANDSHAKE_MECHANISM = "handshake_mechanism"  # plaintext client to CURVE, or the reverse
-    HANDSHAKE_PROTOCOL = "handshake_protocol"  # any other ZMTP/CURVE protocol error
-    HANDSHAKE_FAILED = "handshake_failed"  # dropped or timed out (HANDSHAKE_IVL) mid-way
-    # An outbound message this engine did not send, or a connection of ours that failed.
-    BAD_ADDRESS = "bad_address"  # not tcp://HOST:PORT with a sane host and port
-    UNKNOWN_PEER_KEY = "unknown_peer_key"  # `to` empty or not in the allow-list
-    OVERSIZE_OUTBOUND = "oversize_outbound"  # over control.max_message_bytes
-    QUEUE_FULL = "queue_full"  # the peer's send queue is full (it is down or slow)
-    NO_SOCKET = "no_socket"  # no socket could be opened (out of file descriptors)
-    PEER_REFUSED_KEY = "peer_refused_key"  # the peer's allow-list lacks this engine's key
-    PEER_HANDSHAKE_FAILED = "peer_handshake_failed"  # usually: its key is not the `to` we hold
 
 
 def kind_of(body: bytes) -> bytes | None:

@@ -58,7 +58,7 @@ from kvpush_prod.core.retry import (
 from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
 from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
-from kvpush_prod.core.vocabulary import NoteKind, Outcome
+from kvpush_prod.core.vocabulary import NoteKind, Outcome, RejectReason
 
 S = TransferState
 
@@ -190,7 +190,7 @@ class Receiver:
         refused."""
         self._waiting.pop(tid, None)
         if tid in self._in:
-            return [Note(NoteKind.REJECTED, "duplicate", f"transfer {tid} is already being received")]
+            return [Note(NoteKind.REJECTED, RejectReason.DUPLICATE, f"transfer {tid} is already being received")]
         lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
@@ -233,10 +233,10 @@ class Receiver:
                 # whose first post landed after all) changes nothing.
                 return [Note(NoteKind.FENCED, "duplicate_done",
                              f"DONE {done.transfer_id} gen {done.generation} again")]
-            return [Note(NoteKind.REJECTED, "unknown_transfer", f"DONE for {done.transfer_id}")]
+            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"DONE for {done.transfer_id}")]
         expected = self._owner_agent(rx)
         if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
-            return [Note(NoteKind.REJECTED, "not_owner",
+            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                          f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's")]
         if done.generation != rx.generation or rx.fallback is not None:
             return [Note(NoteKind.FENCED, "stale_generation",
@@ -256,7 +256,7 @@ class Receiver:
                                                    "the pushed blocks differ from P's"))
         if self._other_prompt(rx, done.prompt):
             # The KV is another prompt's (a replayed or re-bound leg): never usable here.
-            return [Note(NoteKind.REJECTED, "prompt_mismatch",
+            return [Note(NoteKind.REJECTED, RejectReason.PROMPT_MISMATCH,
                          f"DONE {rx.tid}: the prefill computed its KV for another prompt"),
                     *self._end(rx, now, ReportFailed(rx.tid, "prompt_mismatch",
                                                      "the KV pushed is another prompt's"))]
@@ -278,7 +278,7 @@ class Receiver:
         if isinstance(msg, Heartbeat):
             return self._on_heartbeat(msg, now, origin)
         if not isinstance(msg, (Failed, CancelAck, Fallback, DoneQuery)):
-            return [Note(NoteKind.REJECTED, "unexpected",
+            return [Note(NoteKind.REJECTED, RejectReason.UNEXPECTED,
                          f"{type(msg).__name__} is not for a decode engine")]
         out = self._note_peer(msg.sender, origin, now)
         if out is None:
@@ -287,10 +287,10 @@ class Receiver:
         if rx is None and isinstance(msg, DoneQuery):
             return out + self._on_done_query_ended(msg, origin)
         if rx is None:
-            return [*out, Note(NoteKind.REJECTED, "unknown_transfer",
+            return [*out, Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER,
                                f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
         if rx.owner != origin:
-            return [*out, Note(NoteKind.REJECTED, "not_owner",
+            return [*out, Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                                f"{type(msg).__name__} {msg.transfer_id} from an engine that "
                                "does not own it")]
         if msg.generation != rx.generation:
@@ -306,7 +306,7 @@ class Receiver:
         if isinstance(msg, Fallback):
             return out + self._on_fallback(rx, msg, now, age)
         if rx.fallback is not None:
-            return [*out, Note(NoteKind.REJECTED, "unexpected", f"{type(msg).__name__} while pulling")]
+            return [*out, Note(NoteKind.REJECTED, RejectReason.UNEXPECTED, f"{type(msg).__name__} while pulling")]
         # Failed and CancelAck both promise that no WRITE is or will be in flight.
         self.leases.ack(rx.tid, rx.generation)
         if rx.cancelling:
@@ -321,7 +321,7 @@ class Receiver:
         says so, for that generation and owner) or the receive ended otherwise."""
         logged = self._done_log.get(q.transfer_id)
         if logged is not None and logged[1] != origin:
-            return [Note(NoteKind.REJECTED, "not_owner",
+            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                          f"DoneQuery {q.transfer_id} from an engine that does not own it")]
         if logged is not None and logged[0] == q.generation:
             return [self._done_state(q.sender.control, q, origin, "done")]
@@ -433,14 +433,14 @@ class Receiver:
         if self._other_prompt(rx, msg.prompt):
             rx.fallback = msg
             rx.read_failed = "prompt_mismatch"
-            return [Note(NoteKind.REJECTED, "prompt_mismatch",
+            return [Note(NoteKind.REJECTED, RejectReason.PROMPT_MISMATCH,
                          f"FALLBACK {rx.tid}: the prefill holds the KV of another prompt"),
                     *self._finish_pull(rx, now)]
         problem = self._fallback_problem(rx, msg)
         if problem:
             rx.fallback = msg
             rx.read_failed = "bad_fallback"
-            return [Note(NoteKind.REJECTED, "bad_blocks", f"FALLBACK {rx.tid}: {problem}"),
+            return [Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, f"FALLBACK {rx.tid}: {problem}"),
                     *self._finish_pull(rx, now)]
         rx.machine.fire(E.FALLBACK, now)
         rx.fallback, rx.renew, rx.checksum = msg, False, msg.checksum

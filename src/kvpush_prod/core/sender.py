@@ -63,7 +63,7 @@ from kvpush_prod.core.retry import (
 from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
 from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
-from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome
+from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome, RejectReason
 
 S = TransferState
 
@@ -130,8 +130,9 @@ class _Out:
     reg_at: float = 0.0
     owner: str = ""  # origin of ``reg``: the decode engine this transfer belongs to
     required: str = ""  # the decode origin the router named for it ("" if none)
-    # REGISTERs of other origins while the owner is not known yet: origin -> (reg, at, age)
-    contenders: dict[str, tuple[Register, float, float]] = field(default_factory=dict)
+    # REGISTERs of other origins while the owner is not known yet: origin -> (reg, permit,
+    # when it came); the permit as its decode engine renews it, so the one bound is current
+    contenders: dict[str, tuple[Register, Permit, float]] = field(default_factory=dict)
     peer: str = ""  # D's agent name
     permit: Permit | None = None
     lease_until: float = 0.0  # send lease: blocks held without a registration
@@ -332,7 +333,7 @@ class Sender:
             return self._on_pull_done(msg, now, origin)
         if isinstance(msg, DoneState):
             return self._on_done_state(msg, now, origin)
-        return [Note(NoteKind.REJECTED, "unexpected", f"{type(msg).__name__} is not for a prefill engine")]
+        return [Note(NoteKind.REJECTED, RejectReason.UNEXPECTED, f"{type(msg).__name__} is not for a prefill engine")]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
         o = self._out.get(reg.transfer_id)
@@ -343,7 +344,7 @@ class Sender:
             # Before anything of the message is believed: a key may have P keep only so
             # many transfers P's own engine has not named (D's permit runs out, and D
             # computes the prompt itself).
-            return [Note(NoteKind.REJECTED, "quota_registrations",
+            return [Note(NoteKind.REJECTED, RejectReason.QUOTA_REGISTRATIONS,
                          f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
                          f"{self._unknown.count(origin)} registrations of transfers this "
                          "engine does not know, the most one key may have")]
@@ -357,7 +358,9 @@ class Sender:
             out = [*out, SendMessage(reg.sender.control, Failed(
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
                 refused.detail), origin)]
-            if o is not None and (o.owner or o.required) == origin and not o.inflight:
+            if o is not None and o.owner == origin and self._drop_registrant(o, now):
+                pass
+            elif o is not None and (o.owner or o.required) == origin and not o.inflight:
                 # The transfer's own decode engine (the one the router named, or its
                 # registrant) can never take this KV: end it now rather than hold the
                 # prompt's blocks for the whole send lease. Never for a transfer whose
@@ -378,7 +381,9 @@ class Sender:
             # The owner is not known yet: keep it, the prefill leg may name this origin. The
             # latest few are kept: the decode the router picked registers once, early.
             o.contenders.pop(origin, None)
-            o.contenders[origin] = (reg, now, age)
+            o.contenders[origin] = (reg, Permit.from_ttl(
+                reg.transfer_id, reg.generation, reg.permit_ttl_ms / 1000.0, now - age,
+                self.s.stop_margin_s), now)
             if len(o.contenders) > self.s.max_contenders:
                 first = next(iter(o.contenders))
                 dropped, _, _ = o.contenders.pop(first)
@@ -396,34 +401,45 @@ class Sender:
                 PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "prefill_aborted",
                 "the prefill request is gone"), origin)]
         if o is None and len(self._out) >= self.s.max_transfers:
-            return [*out, Note(NoteKind.REJECTED, "overloaded",
+            return [*out, Note(NoteKind.REJECTED, RejectReason.OVERLOADED,
                                f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
                                f"the most this engine keeps")]
         if reg.permit_ttl_ms <= 0:
-            return [*out, Note(NoteKind.REJECTED, "bad_permit", f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
+            return [*out, Note(NoteKind.REJECTED, RejectReason.BAD_PERMIT, f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
         if o is None:
             o = self._get(reg.transfer_id, now)
             o.unknown_of = origin
             self._unknown.add(origin, o.tid)
         return out + self._bind(o, reg, origin, now, age)
 
-    def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
-        """``reg`` (from ``origin``) becomes the registration of ``o``."""
+    def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float,
+              permit: Permit | None = None) -> list[Action]:
+        """``reg`` (from ``origin``) becomes the registration of ``o`` (``permit``: its
+        permit as renewed while it was a contender)."""
         info = self._peers.get((origin, peer_slot(reg.sender.engine_id, reg.sender.rank)))
         o.reg, o.reg_at, o.owner = reg, now, origin
         # The write target is the agent P met for that authenticated D rank, never a name the
         # message carries.
         o.peer = info.agent_name if info is not None else ""
         # The term counts from when D granted it: subtract how long the message travelled.
-        o.permit = Permit.from_ttl(reg.transfer_id, reg.generation, reg.permit_ttl_ms / 1000.0,
-                                   now - age, self.s.stop_margin_s)
+        o.permit = permit or Permit.from_ttl(reg.transfer_id, reg.generation,
+                                             reg.permit_ttl_ms / 1000.0, now - age,
+                                             self.s.stop_margin_s)
         if o.machine.state in (S.NEW, S.WAITING_REGISTER):
             self._fire(o, E.REGISTER, now)
         return self._maybe_start(o, now)
 
     def _require(self, o: _Out, owner: str, now: float) -> list[Action]:
-        """The router named ``owner`` as this transfer's decode engine: keep only its REGISTER."""
-        if not owner or o.required == owner:
+        """The router named ``owner`` as this transfer's decode engine: keep only its REGISTER.
+        Named none: a registration is taken as it came (the earliest contender left, when
+        the first registrant withdrew)."""
+        if not owner:
+            if o.reg is None and o.contenders:
+                first = next(iter(o.contenders))
+                reg, permit, _ = o.contenders.pop(first)
+                return self._bind(o, reg, first, now, 0.0, permit)
+            return []
+        if o.required == owner:
             return []
         o.required = owner
         if owner in self._refused.pop(o.tid, now):
@@ -441,12 +457,32 @@ class Sender:
             out.append(self._not_owner(reg, origin, "the router named another decode engine"))
         o.contenders.clear()
         if contender is not None and o.reg is None:
-            reg, at, age = contender
-            out += self._bind(o, reg, owner, now, age + (now - at))
+            reg, permit, _ = contender
+            out += self._bind(o, reg, owner, now, 0.0, permit)
         return out
 
+    def _unclaimed(self, o: _Out) -> bool:
+        """P's engine has not named ``o`` yet (no request, no owner): its registrant is one
+        candidate among its contenders, and may end only its own registration."""
+        return not o.expected and not o.required and o.blocks is None
+
+    def _drop_registrant(self, o: _Out, now: float) -> bool:
+        """The registrant of unclaimed ``o`` ended its registration (a CANCEL, a failed
+        PullDone, a layout P cannot write into, its process restarting, its permit running
+        out): only its registration ends, remembered for its key alone, and the contenders
+        are kept for the prefill leg to name. False (nothing done) when ``o`` is claimed or
+        has no contenders: the caller ends the transfer."""
+        if not (self._unclaimed(o) and o.contenders and not o.inflight):
+            return False
+        if o.owner:
+            self._tombstone(o.tid, now, o.owner)
+        self._uncount(o)
+        fresh = self._out[o.tid] = _Out(o.tid, TransferMachine(o.tid, now, self.s.timeouts))
+        fresh.contenders, fresh.lease_until = o.contenders, o.lease_until
+        return True
+
     def _not_owner(self, reg: Register, origin: str, why: str) -> Note:
-        return Note(NoteKind.REJECTED, "not_owner",
+        return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                     f"REGISTER {reg.transfer_id} from {origin[:16]} ({reg.sender.engine_id} rank "
                     f"{reg.sender.rank}): {why}")
 
@@ -464,6 +500,11 @@ class Sender:
                 # D still waits for credit to admit it: keep the blocks.
                 if not o.required or o.required == origin:
                     o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
+            elif origin in o.contenders:
+                # A contender's decode renews its permit too: the prefill leg may name it.
+                creg, cpermit, at = o.contenders[origin]
+                if gen == creg.generation and ttl > 0:
+                    o.contenders[origin] = (creg, cpermit.renewed(gen, now - age + ttl), at)
             elif o.owner != origin:
                 continue  # only the transfer's own decode engine speaks for it
             elif o.reg is not None and o.permit is not None and gen == o.reg.generation:
@@ -483,13 +524,19 @@ class Sender:
         o = self._out.get(msg.transfer_id)
         owner = (o.owner or o.required) if o is not None else ""
         if owner and origin != owner:
-            return [Note(NoteKind.REJECTED, "not_owner",
+            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                          f"CANCEL {msg.transfer_id} from an engine that does not own it")]
         if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
             # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
             return [Note(NoteKind.FENCED, "stale_generation",
                          f"CANCEL {msg.transfer_id} gen {msg.generation}, "
                          f"current {o.reg.generation}")]
+        if o is not None and origin in o.contenders:
+            o.contenders.pop(origin)  # a contender withdraws: only its registration ends
+            self._tombstone(msg.transfer_id, now, origin)
+            return [ack]
+        if o is not None and o.owner == origin and self._drop_registrant(o, now):
+            return [ack]
         self._tombstone(msg.transfer_id, now, origin)
         if o is None:
             return [ack]  # blocks that still come are freed unpushed (tombstone)
@@ -505,13 +552,15 @@ class Sender:
     def _on_pull_done(self, msg: PullDone, now: float, origin: str) -> list[Action]:
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None or msg.generation != o.reg.generation:
-            return [Note(NoteKind.REJECTED, "unknown_transfer", f"PullDone for {msg.transfer_id}")]
+            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"PullDone for {msg.transfer_id}")]
         if origin != o.owner:
-            return [Note(NoteKind.REJECTED, "not_owner",
+            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                          f"PullDone {msg.transfer_id} from an engine that does not own it")]
         if msg.ok:
             self._fire(o, E.PULL_DONE, now)
             return self._close(o, Outcome.PULL_FALLBACK)
+        if self._drop_registrant(o, now):
+            return []
         self._fire(o, E.FAIL, now)
         return self._close(o, Outcome.FAILED)
 
@@ -604,10 +653,10 @@ class Sender:
         """D's answer to a DoneQuery: only the transfer's owner speaks, for its generation."""
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None:
-            return [Note(NoteKind.REJECTED, "unknown_transfer",
+            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER,
                          f"DoneState for {msg.transfer_id}")]
         if origin != o.owner:
-            return [Note(NoteKind.REJECTED, "not_owner",
+            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                          f"DoneState {msg.transfer_id} from an engine that does not own it")]
         if msg.generation != o.reg.generation:
             return [Note(NoteKind.FENCED, "stale_generation",
@@ -723,10 +772,20 @@ class Sender:
                 out += self._close(o, Outcome.EXPIRED)
             elif st is S.WAITING_BLOCKS and o.permit is not None and not o.permit.usable(now):
                 # The permit ran out before our blocks did: D fails the receive itself, and
-                # blocks that still come are freed unpushed.
-                self._tombstone(o.tid, now, "")
+                # blocks that still come are freed unpushed. A registration P's engine never
+                # named says nothing of the request to come: only its own key's is over.
+                if self._drop_registrant(o, now):
+                    continue
+                self._tombstone(o.tid, now, o.owner if self._unclaimed(o) else "")
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, Outcome.EXPIRED)
+            elif o.reg is None and st is S.NEW and o.contenders and not o.expected:
+                # Only contenders, none bound: each lasts as long as its permit.
+                for origin, (_, cpermit, _) in list(o.contenders.items()):
+                    if not cpermit.usable(now):
+                        del o.contenders[origin]
+                if not o.contenders:
+                    self._out.pop(o.tid, None)
             elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
                 # D's read permit is over: D no longer reads our blocks.
                 out.append(Note(NoteKind.LEASE_EXPIRED, "pull", o.tid))
@@ -800,16 +859,16 @@ class Sender:
         """Why P will not meet ``info`` under ``origin`` (None: it will)."""
         problem = self._layout_problem(info)
         if problem:
-            return Note(NoteKind.REJECTED, "incompatible", problem)
+            return Note(NoteKind.REJECTED, RejectReason.INCOMPATIBLE, problem)
         if not owns_agent(origin, info.agent_name):
-            return Note(NoteKind.REJECTED, "not_owner",
+            return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                         f"{info.engine_id} rank {info.rank} announces agent "
                         f"{info.agent_name[:64]}, which is not named for its key")
         holder = self._agents.get(info.agent_name)
         if holder is not None and holder != key:
             # An agent name P already met for another engine rank: writing "to it" would
             # write into that engine's memory (and a restart of it would cut that engine off).
-            return Note(NoteKind.REJECTED, "not_owner",
+            return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
                         f"{info.engine_id} rank {info.rank} claims agent "
                         f"{info.agent_name[:64]}, which belongs to another engine")
         return None
@@ -830,7 +889,12 @@ class Sender:
             out.append(Note(NoteKind.PEER_RESTART, "decode", f"{info.engine_id} rank {info.rank} incarnation {info.incarnation}"))
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
+                kept = o.contenders.get(origin)
+                if kept is not None and kept[0].sender.agent_name == known.agent_name:
+                    del o.contenders[origin]  # its registration died with the old process
                 if o.owner == origin and o.peer == known.agent_name and not o.outcome:
+                    if self._drop_registrant(o, now):
+                        continue
                     self._fire(o, E.FAIL, now)
                     if o.queued:
                         self.sched.cancel(o.tid)
@@ -910,7 +974,7 @@ class Sender:
         problem = self._check(o, reg)
         if problem:
             self._fire(o, E.FAIL, now)
-            return [Note(NoteKind.REJECTED, "bad_blocks", problem),
+            return [Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, problem),
                     self._failed(o, "bad_blocks", problem), *self._close(o, Outcome.FAILED)]
         assert o.permit is not None
         if not o.permit.usable(now):
@@ -1020,7 +1084,16 @@ class Sender:
         """Tell each D which of its transfers we still hold (it renews their permits)."""
         per_peer: dict[tuple[str, str], tuple[int, list[tuple[str, int]]]] = {}
         for o in self._out.values():
-            if o.reg is None or o.outcome:
+            if o.outcome:
+                continue
+            for origin, (creg, _, at) in o.contenders.items():
+                # Kept for the prefill leg to name: their decode engines renew them too,
+                # for as long as a registrant's would be.
+                if o.expected or now - at <= self.s.register_grace_s:
+                    _, live = per_peer.setdefault((creg.sender.control, origin),
+                                                  (creg.sender.incarnation, []))
+                    live.append((o.tid, creg.generation))
+            if o.reg is None:
                 continue
             if (o.machine.state is S.WAITING_BLOCKS and not o.expected
                     and now - o.reg_at > self.s.register_grace_s):
