@@ -1,14 +1,18 @@
 """A fake world for the protocol core: N prefill x M decode engines, block pools, a lossy
 network and NICs, driving the real Sender/Receiver engines the way the worker shells do,
-and an attacker that forges messages (``World.attack``).
+an attacker that forges messages (``World.attack``), and the intruder, a third engine with
+a valid key, an address and a NIXL agent of its own (``World.intrude``).
 
 Every message carries the identity its channel authenticated (``origin``: a real engine's
-address here, the attacker's own name for a forgery), and a reply reaches only the identity
-it names.
+address here, the attacker's own name for a forgery, ``INTRUDER_KEY`` for the intruder), and
+a reply reaches only the identity it names (the intruder hears the replies to its key).
 
 Every safety invariant is checked at the moment it could break (a WRITE posted, a chunk
-landing, blocks freed); ``World.check`` adds the per-step ones and ``World.quiesce`` the
-no-leak check. A broken invariant raises ``Violation`` naming the transfer and the times.
+landing, blocks freed); ``World.check`` adds the per-step ones, ``World.quiesce`` the
+no-leak check and, in a calm world, ``World.check_outcomes`` that every transfer whose
+decode the router named was pushed. A broken invariant raises ``Violation`` naming the
+transfer and the times. The world counts the races it reaches (``race:...`` in ``stats``)
+so that a scenario can assert its race did happen.
 """
 
 from __future__ import annotations
@@ -156,6 +160,31 @@ KNOWN_BUGS: dict[str, bool] = {
     # then counts as a restart and D reuses blocks the live process may still write. The
     # attacker then speaks for rank 0 only (the directories never fill).
     "peer_eviction": False,
+    # The intruder's three findings (test_intruder_findings.py), all about the REGISTERs P
+    # keeps for a transfer whose decode its request has not named yet (the contenders):
+    # - the end of the first registration (its registrant's CANCEL, PullDone, incompatible
+    #   REGISTER or restart, or its permit running out) dropped the contenders. While set, a
+    #   forger that first registered such a transfer sends P nothing more about it (and
+    #   announces no restart of its own); the lapse is kept off by the next flag's skip.
+    "registrant_drops_contenders": False,
+    # - P neither listed the contenders in its heartbeats nor took their renewals: a
+    #   prefill leg later than the decode's first permit term bound it with a dead permit.
+    #   While set (or the next), a forger's REGISTER that would be the first P holds for an
+    #   id a request may name is left out (an unnamed request's: first come, documented).
+    "contenders_not_renewed": False,
+    # - a lapsed registration of an id P had no request for left P's own tombstone on it:
+    #   the request that came later was answered prefill_aborted.
+    "expired_registration_tombstones": False,
+    # Found in the fixes of those three (2026-12-02), fixed since:
+    # - a forged REGISTER with a permit of 0 ms kept as a contender raised ProtocolError out
+    #   of Sender.on_message. While set, no forger sends P such a REGISTER for a transfer
+    #   another key registered first.
+    "contender_zero_ttl": False,
+    # - a transfer P keeps only for contenders (its first registrant withdrew, no request
+    #   came) lived as long as their permits (a day; for ever while one renews its own),
+    #   past the transfer bound. While set, no forger's REGISTER becomes a contender of a
+    #   transfer P has no request for.
+    "contenders_outlive_bound": False,
 }
 
 
@@ -187,6 +216,84 @@ ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", 
                       "DoneState"),
                 "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register",
                       "DoneQuery")}
+
+# ------------------------------------------------------------------------------ the intruder
+# A third engine of the deployment, an authenticated peer of its own: the allow-lists hold its
+# key, it has a control address (replies to its key reach it) and a NIXL agent named for its
+# key, and it owns no transfer of the world. It knows every transfer id the router used (and
+# the next one), every engine's control address, engine id, agent name and incarnation, and
+# the generations it was told (messages to it) or that leaked (any D granted; the current one,
+# even: that the origin alone is refused is what is tested). ``World.intrude`` sends one of
+# its messages over the network (they interleave with the engines' traffic); the rules of
+# test_protocol_stateful.py choose them.
+INTRUDER = "intruder"  # its name in the world (the source of its messages)
+INTRUDER_KEY = "intruder-key"  # the public key its channel authenticates: its origin
+INTRUDER_ADDRESS = "tcp://intruder:7300"
+INTRUDER_KINDS = ("Register", "Heartbeat", "Cancel", "CancelAck", "Failed", "Fallback",
+                  "PullDone", "DoneQuery", "DoneState", "Done")
+# The engine each kind is meant for (the intruder also sends them to the other one).
+INTRUDER_FOR = {"Register": "P", "Heartbeat": "P", "Cancel": "P", "PullDone": "P",
+                "DoneState": "P", "CancelAck": "D", "Failed": "D", "Fallback": "D",
+                "DoneQuery": "D", "Done": "D"}
+
+
+def intruder_agent(inc: int) -> str:
+    """The NIXL agent of the intruder's process ``inc``, named for its key."""
+    return identity.agent_name(f"agent-intruder-{inc}", INTRUDER_KEY)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One message of the intruder.
+
+    ``kind``: a control message (INTRUDER_KINDS) or "Done" (a DONE notification from its own
+    agent). ``to``: "natural" (an engine of the role the kind is for), "all" (every engine of
+    that role) or "other" (one of the other role). ``target``: which transfer id it names: the
+    router's newest, one live on that engine, any id the router used, the router's next id
+    (it registers ahead of the decode), or a bogus one. ``claim``: whose PeerInfo it carries:
+    its own (``self``; ``self_new``: its process restarted), the counterpart engine's as it is
+    (``victim``), with a new incarnation (``victim_new``), with another data-parallel suffix
+    (``victim_dp``), its own with the counterpart's agent name (``victim_agent``), its own
+    without agent or layout (``slim``), or with a layout of another model (``foreign``).
+    ``gen``: the generation it names: one it was told (``observed``), one that leaked, the
+    current one, a near one, a random one, or 0. ``delay``: how long the message travels.
+    ``detail`` picks the rest (``Move.details``): the block ids it names (its own KV
+    cache's mostly; the counterpart's reserved ones, another transfer's, or out of range), its
+    rank, the permit term, the clock it stamps, PullDone's ``ok`` / DoneState's state, the
+    attempt it names, and how many transfers a heartbeat lists.
+    """
+
+    kind: str
+    to: str = "natural"  # natural | all | other
+    target: str = "live"  # newest | live | seen | future | bogus
+    claim: str = "self"  # self | self_new | victim | victim_new | victim_dp | victim_agent | slim | foreign
+    gen: str = "current"  # observed | leaked | current | near | random | zero
+    delay: float = 0.0
+    detail: int = 0  # 0: the plainest message (own blocks, rank 0, a 3 s term, true clock)
+
+    def details(self) -> dict[str, Any]:
+        """What ``detail`` picks (digit by digit, so 0 is the plainest and each shrinks)."""
+        d = self.detail
+        pick: list[Any] = []
+        for choices in (("own", "own", "own", "victim", "other", "wild"),  # blocks
+                        (0, 0, 0, 1, 3),  # rank
+                        (3000, 3000, 86_400_000, 1, 0),  # permit term, ms
+                        ("true", "true", "past", "future"),  # the sent_at it stamps
+                        (True, False),  # PullDone ok; DoneState "done" (else "gone")
+                        (0, 0, 1, 7),  # attempt
+                        (1, 1, 3)):  # transfers a heartbeat lists
+            pick.append(choices[d % len(choices)])
+            d //= len(choices)
+        return dict(zip(("blocks", "rank", "ttl_ms", "clock", "flag", "attempt", "entries"),
+                        pick, strict=True))
+
+
+@dataclass
+class IntruderState:
+    inc: int = 1  # its process; a "restart" (claim self_new) takes the next
+    seen: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # generations told
+    kv: set[str] = field(default_factory=set)  # transfers whose KV P wrote into its memory
+    spoken: set[str] = field(default_factory=set)  # transfer ids it named in a message
 
 
 @dataclass(frozen=True)
@@ -436,6 +543,14 @@ class NodeEffects:
 
     def note(self, note: Note) -> None:
         self.world.count(f"note:{note.kind}:{note.reason}")
+        if note.kind is NoteKind.LEASE_EXPIRED and note.reason == "permit" \
+                and self.node.role == "P":
+            # P's permit ran out mid-push: are chunks of it still on the wire? (The race the
+            # fence is for: they must land before D reuses the blocks.)
+            found = re.match(r"permit of (\S+) ran out", note.detail)
+            if found and any(fl.tid == found[1] and fl.key[:2] == (self.node.name, self.node.inc)
+                             for fl in self.world.flights.values()):
+                self.world.count("race:permit_ended_under_push")
 
     def contained(self, stage: Stage, what: str) -> None:
         raise  # noqa: PLE0704 - a broken invariant or an engine that raises ends the example
@@ -467,7 +582,10 @@ class Harmless:
     def note(self, a: Note, /) -> bool:
         if a.kind is NoteKind.QUEUE_WAIT:  # a push of a transfer nobody else holds starts
             return a.detail not in self.before["transfers"]
-        return a.kind in (NoteKind.REJECTED, NoteKind.FENCED, NoteKind.PEER_RESTART)
+        # LINK_CAPPED: the scheduler's count of chunks held back by a link's caps (the poll
+        # that starts such a push reports it); what changes for others is checked anyway.
+        return a.kind in (NoteKind.REJECTED, NoteKind.FENCED, NoteKind.PEER_RESTART,
+                          NoteKind.LINK_CAPPED)
 
     def send_message(self, a: SendMessage, /) -> bool:
         return a.to == self.origin  # only the forger's own channel proves that identity
@@ -475,7 +593,8 @@ class Harmless:
     def connect_peer(self, a: ConnectPeer, /) -> bool:
         # P met a peer of the forger's own key; its agent must not be anyone else's.
         eng = self.engine
-        return (isinstance(eng, Sender) and eng._peers.get((self.origin, a.info.rank)) == a.info
+        slot = identity.peer_slot(a.info.engine_id, a.info.rank)
+        return (isinstance(eng, Sender) and eng._peers.get((self.origin, slot)) == a.info
                 and a.info.agent_name not in self.others and a.replaces not in self.others)
 
     def drop_peer(self, a: DropPeer, /) -> bool:
@@ -536,6 +655,19 @@ class World:
         self.broken = False
         self.cuts: list[tuple[str, str, float]] = []  # (from, to, until)
         self.slow_links: list[tuple[frozenset[str], float]] = []
+        self.intruder = IntruderState()
+        # A WRITE posted within CHUNK_MAX_S of the end of D's permit takes CHUNK_MAX_S (the
+        # scenario that drives the race between P's stop point and D's reuse point).
+        self.slowest_near_the_end = False
+        self.named_share = NAMED_SHARE  # of requests: the router names the decode to P
+        # Every request the router sent: id -> (P, D, named); those a client aborted; those
+        # D took from its prefix cache or refused (never received).
+        self.requests: dict[str, tuple[str, str, bool]] = {}
+        self.client_aborted: set[str] = set()
+        self.not_received: set[str] = set()
+        # Requests D kept waiting for credit while it held blocks for a request whose decode
+        # the router did not name and that the intruder had spoken of (see check_outcomes).
+        self.starved_by_unnamed: set[str] = set()
         for i in range(n_p):
             self.nodes[f"P{i}"] = Node(f"P{i}", "P", node_address(f"P{i}"))
         for j in range(n_d):
@@ -679,6 +811,9 @@ class World:
         if not to:
             raise self.fail(f"{node.name} sends {type(msg).__name__} to {peer} without "
                             "naming the identity it must reach")
+        if peer == INTRUDER_ADDRESS and to == INTRUDER_KEY:
+            self.intruder_hears(node, msg)
+            return
         dst = self.by_address(peer)
         if dst is None or dst.address != to:
             # The channel to that address cannot prove ``to`` (a reply to a forged claim): the
@@ -844,6 +979,25 @@ class World:
             if (KNOWN_BUGS.get("tombstone_overwrite") and isinstance(msg, m.Cancel)
                     and tomb is not None and w.origin not in tomb):
                 self.count("attack:skipped:tombstone_overwrite")
+                return []
+            if (KNOWN_BUGS.get("registrant_drops_contenders") and isinstance(eng, Sender)
+                    and self._may_drop_contenders(eng, w.origin, msg)):
+                self.count("attack:skipped:registrant_drops_contenders")
+                return []
+            contends = self._would_contend(eng, w.origin, msg)
+            if (KNOWN_BUGS.get("contender_zero_ttl") and contends
+                    and isinstance(msg, m.Register) and msg.permit_ttl_ms <= 0):
+                self.count("attack:skipped:contender_zero_ttl")
+                return []
+            if (KNOWN_BUGS.get("contenders_outlive_bound") and contends
+                    and not eng._out[msg.transfer_id].expected):
+                self.count("attack:skipped:contenders_outlive_bound")
+                return []
+            first = [f for f in ("contenders_not_renewed", "expired_registration_tombstones")
+                     if KNOWN_BUGS.get(f)]
+            if (first and isinstance(eng, Sender) and isinstance(msg, m.Register)
+                    and self._registers_first(eng, msg)):
+                self.count(f"attack:skipped:{first[0]}")
                 return []
             return self._under_attack(node, w.origin, type(msg).__name__,
                                       lambda: eng.on_message(msg, now, age, origin=w.origin))
@@ -1290,6 +1444,9 @@ class World:
                            tuple(sorted(o.contenders)) if named else None)
         return {
             "transfers": ts,
+            # The REGISTERs of router-named decodes that P holds, bound or kept while the
+            # prefill leg has not come yet (P does not know the name then; the world does).
+            "named_registers": self._named_registers(node, origin),
             # Other identities' entries in use by a transfer (unused ones may be forgotten).
             "peers": {k: v for k, v in eng._peers.items() if k[0] != origin
                       and v.agent_name in {o.peer for o in eng._out.values()}},
@@ -1308,6 +1465,266 @@ class World:
         return ({p.agent_name for k, p in eng._peers.items() if k[0] != origin}
                 | {o.peer for o in eng._out.values() if o.owner and o.owner != origin}) - {""}
 
+    def _named_registers(self, node: Node, origin: str) -> dict[str, str]:
+        """On P: transfer id -> the decode the router named for it (P's request says, even
+        before P got the prefill leg), where P holds that decode's REGISTER: bound, or kept
+        among the contenders while P does not know the name yet."""
+        eng = node.engine
+        out: dict[str, str] = {}
+        for tid, o in eng._out.items():
+            req = node.preqs.get(tid) or node.closed.get(tid)
+            named = o.required or (req.owner if isinstance(req, PReq) else "")
+            if named and named != origin and (
+                    (o.owner == named and o.reg is not None) or named in o.contenders):
+                out[tid] = named
+        return out
+
+    def _may_drop_contenders(self, eng: Sender, origin: str, msg: m.ControlMessage) -> bool:
+        """Whether ``msg`` from ``origin`` could end a transfer that ``origin`` registered
+        first while other engines' REGISTERs wait on it (KNOWN_BUGS
+        "registrant_drops_contenders"): one about that transfer, or a restart of its own."""
+        held = {o.tid for o in eng._out.values()
+                if o.owner == origin and o.contenders and o.blocks is None
+                and self.requests.get(o.tid, ("", "", True))[2]}  # named, or not sent yet
+        if not held:
+            return False
+        if getattr(msg, "transfer_id", None) in held:
+            return True
+        info = msg.sender
+        known = eng._peers.get((origin, identity.peer_slot(info.engine_id, info.rank)))
+        return known is not None and known.incarnation != info.incarnation
+
+    @staticmethod
+    def _would_contend(eng: Any, origin: str, msg: m.ControlMessage) -> bool:
+        """Whether ``msg`` is a REGISTER P would keep as a contender: another key holds the
+        transfer's registration and its request names no decode yet."""
+        if not isinstance(eng, Sender) or not isinstance(msg, m.Register):
+            return False
+        o = eng._out.get(msg.transfer_id)
+        return o is not None and o.reg is not None and o.owner != origin and not o.required
+
+    def _registers_first(self, eng: Sender, reg: m.Register) -> bool:
+        """Whether a forged ``reg`` would be the first REGISTER P holds for its id, for a
+        request the router names a decode for, or may still send (KNOWN_BUGS
+        "contenders_not_renewed", "expired_registration_tombstones")."""
+        o = eng._out.get(reg.transfer_id)
+        if o is not None and (o.reg is not None or o.required):
+            return False  # a contender, or refused: the router named the decode already
+        req = self.requests.get(reg.transfer_id)
+        if req is None:  # an id the router may still use (t1, t2, ...)
+            return re.fullmatch(r"t\d+", reg.transfer_id) is not None
+        return req[2]
+
+    # ------------------------------------------------------------------ the intruder
+    @staticmethod
+    def is_intruder_agent(agent: str) -> bool:
+        return identity.owns_agent(INTRUDER_KEY, agent)
+
+    def intruder_hears(self, node: Node, msg: m.ControlMessage) -> None:
+        """A message reaches the intruder (its channel proves its key): it learns the
+        generations it names (grants of its own, as it owns no transfer of the world)."""
+        self.count(f"intruder:heard:{type(msg).__name__}")
+        self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')} "
+                 f"g{getattr(msg, 'generation', '')} -> the intruder")
+        gens = [g for _, g in msg.live] if isinstance(msg, m.Heartbeat) else [
+            getattr(msg, "generation", 0)]
+        self.intruder.seen.extend(g for g in gens if g)
+
+    def intruder_targets(self, node: Node, how: str) -> list[str]:
+        """Transfer ids the intruder names to ``node``: the router's newest, one live there,
+        any the router used, the router's next (registering ahead of its decode), or a bogus
+        one."""
+        eng = node.engine
+        if how == "newest" and self.tid_count:
+            return [f"t{self.tid_count}"]
+        if how == "live":
+            live = sorted(eng._in if isinstance(eng, Receiver) else eng._out)
+            if live:
+                return live
+            how = "seen"
+        if how == "seen" and self.requests:
+            return sorted(self.requests)
+        if how in ("seen", "future"):
+            return [f"t{self.tid_count + 1}"]
+        return ["x-bogus"]
+
+    def intrude(self, node: Node, tid: str, mv: Move) -> None:
+        """The intruder sends ``node`` one message (``mv``) about ``tid``, over the network
+        under its own key; each is checked where it arrives (``_under_attack``)."""
+        if not node.alive or (mv.kind == "Done" and node.role != "D"):
+            return  # a DONE rides a WRITE into D's memory
+        r = self.r("intrude", next(self._ids))
+        v = m.PROTOCOL_VERSION
+        x = mv.details()
+        self.intruder.spoken.add(tid)
+        info = self._intruder_info(node, tid, mv, x["rank"], r)
+        gen = self._intruder_gen(node, tid, mv.gen, r)
+        wall = 1_000_000.0 + self.now + {"true": 0.0, "past": -5.0, "future": 5.0}[x["clock"]]
+        self.count(f"intruder:sent:{node.role}:{mv.kind}")
+        if mv.kind == "Done":
+            rx = node.engine._in.get(tid) if node.role == "D" else None
+            done = m.Done(v, tid, gen, len(rx.blocks) if rx else 1 + int(r.random() * 8),
+                          attempt=x["attempt"])
+            nid = next(self._ids)
+            self.log(f"the intruder's agent sends DONE {tid} g{gen} -> {node.name}")
+            self.notifs[nid] = (self.now + mv.delay, node.agent, done,
+                                intruder_agent(self.intruder.inc))
+            if mv.delay <= 0.0:
+                self.deliver_notif(nid)
+            else:
+                self._push(self.now + mv.delay, "notif", nid)
+            return
+        msg: m.ControlMessage
+        if mv.kind == "Register":
+            blocks = self._intruder_blocks(node, tid, x["blocks"], r)
+            msg = m.Register(v, tid, info, blocks, 0, len(blocks) * BLOCK_TOKENS, gen,
+                             x["ttl_ms"], sent_at=wall)
+        elif mv.kind == "Heartbeat":
+            tids = [tid, *(r.choice(self.intruder_targets(node, "seen"))
+                           for _ in range(x["entries"] - 1))]
+            live = [(t, gen if t == tid else self._intruder_gen(node, t, mv.gen, r))
+                    for t in tids]
+            peer_inc = node.inc if r.random() < 0.8 else int(r.random() * 2**40)
+            msg = m.Heartbeat(v, info, peer_inc, live, x["ttl_ms"], sent_at=wall)
+        elif mv.kind == "Cancel":
+            msg = m.Cancel(v, tid, gen, info, "intruder")
+        elif mv.kind == "CancelAck":
+            msg = m.CancelAck(v, tid, gen, info)
+        elif mv.kind == "Failed":
+            msg = m.Failed(v, tid, gen, info, "intruder")
+        elif mv.kind == "Fallback":
+            blocks = self._intruder_blocks(node, tid, x["blocks"], r)
+            msg = m.Fallback(v, tid, gen, info, blocks, 0, "intruder", x["ttl_ms"],
+                             sent_at=wall)
+        elif mv.kind == "PullDone":
+            msg = m.PullDone(v, tid, gen, info, x["flag"])
+        elif mv.kind == "DoneQuery":
+            msg = m.DoneQuery(v, tid, gen, info, x["attempt"])
+        else:
+            msg = m.DoneState(v, tid, gen, info, x["attempt"], "done" if x["flag"] else "gone")
+        w = Wire(next(self._ids), INTRUDER, self.intruder.inc, node.address, msg, self.now,
+                 self.now + mv.delay, INTRUDER_KEY, attack=True)
+        self.log(f"the intruder sends {mv.kind} {tid} g{gen} as {info.engine_id}#"
+                 f"{info.incarnation} r{info.rank} -> {node.name}")
+        if mv.delay <= 0.0:
+            self.deliver(w)
+        else:
+            self.wires[w.id] = w
+            self._push(w.at, "wire", w.id)
+
+    def _intruder_info(self, node: Node, tid: str, mv: Move, rank: int,
+                       r: KeyedRandom) -> m.PeerInfo:
+        """The PeerInfo a message of the intruder carries (see ``Move.claim``)."""
+        poses_as = "D" if node.role == "P" else "P"
+        if mv.claim == "self_new":
+            self.intruder.inc += 1  # its process restarted: a new incarnation and agent
+        me = self.intruder.inc
+        own = m.PeerInfo(INTRUDER, me, rank, INTRUDER_ADDRESS, intruder_agent(me), b"meta",
+                         self._layout(poses_as))
+        if mv.claim in ("self", "self_new"):
+            return own
+        if mv.claim == "slim":
+            return msgspec.structs.replace(own, agent_meta=b"", layout=None)
+        if mv.claim == "foreign":
+            return msgspec.structs.replace(own, layout=m.Layout(
+                "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]))
+        _, victim = self._owner_of(node, tid)
+        if victim is None or victim.info is None:
+            names = sorted(n.name for n in self.nodes.values()
+                           if n.info is not None and n.role == poses_as)
+            victim = self.nodes[r.choice(names)]
+        assert victim.info is not None
+        them = msgspec.structs.replace(victim.info, rank=rank)
+        if mv.claim == "victim_new":
+            return msgspec.structs.replace(them, incarnation=int(r.random() * 2**40) + 1)
+        if mv.claim == "victim_dp":
+            return msgspec.structs.replace(them, engine_id=them.engine_id + "_dp1")
+        if mv.claim == "victim_agent":
+            return msgspec.structs.replace(own, agent_name=them.agent_name)
+        return them
+
+    def _intruder_gen(self, node: Node, tid: str, how: str, r: KeyedRandom) -> int:
+        """The generation the intruder names (see ``Move.gen``)."""
+        eng = node.engine
+        current = 0
+        if isinstance(eng, Receiver):
+            rx = eng._in.get(tid)
+            current = rx.generation if rx is not None else 0
+        else:
+            o = eng._out.get(tid)
+            if o is not None and o.reg is not None:
+                current = o.reg.generation
+            else:  # D's grant, if it made one (its REGISTER may still be on its way)
+                for n in self.nodes.values():
+                    if n.alive and n.role == "D" and tid in n.engine._in:
+                        current = n.engine._in[tid].generation
+        if how == "observed" and self.intruder.seen:
+            return r.choice(list(self.intruder.seen))
+        if how == "leaked" and self.generations:
+            return r.choice(list(self.generations))
+        if how in ("current", "observed", "leaked") and current:
+            return current
+        if how == "near" and current:
+            return max(1, current + r.choice((-1, 1)))
+        if how == "zero":
+            return 0
+        return int(r.random() * 2**62) + 1
+
+    def _intruder_blocks(self, node: Node, tid: str, how: str, r: KeyedRandom) -> list[int]:
+        """Block ids a REGISTER or FALLBACK of the intruder names (see ``Move.blocks``)."""
+        n = self._size(node, tid, r)
+        if how == "victim":
+            # The blocks the transfer's decode reserved (where P would write its KV).
+            for d in self.nodes.values():
+                req = d.dreqs.get(tid) if d.alive else None
+                if req is not None and req.blocks:
+                    return list(req.blocks)
+        if how == "other":
+            # Blocks another transfer holds on some engine: its KV must not move.
+            held = sorted((t, tuple(q.blocks)) for d in self.nodes.values() if d.alive
+                          for t, q in (*d.dreqs.items(), *d.preqs.items())
+                          if t != tid and q.blocks)
+            if held:
+                return list(r.choice(held)[1])
+        if how == "wild":
+            return [D_BLOCKS + P_BLOCKS + int(r.random() * 1000) for _ in range(n)]
+        size = D_BLOCKS if node.role == "P" else P_BLOCKS  # its own KV cache
+        return [int(r.random() * size) for _ in range(n)]
+
+    def check_outcomes(self) -> None:
+        """After quiescence in a calm world (nothing lost, failed or crashed): every request
+        whose decode the router named to P, that no client aborted and that D received, was
+        pushed: D reported it received once, with P's bytes (checked at the report), and P
+        released it as pushed once. Whatever the intruder sent changed none of that.
+
+        One exception, the documented one reaching further: where the router names no
+        decode, the intruder may take a transfer (or cancel it) and its decode, never told,
+        holds the blocks and their credit until its permit runs out; a named request that
+        waited for that credit may then outlive its bound. Such an end is counted
+        (``outcome:named:starved_by_unnamed``), not failed."""
+        d_ends: dict[str, list[str]] = {}
+        p_ends: dict[str, list[str]] = {}
+        for (_, _, tid), what in self.reported.items():
+            d_ends.setdefault(tid, []).append(what)
+        for (_, _, tid), outcome in self.released.items():
+            p_ends.setdefault(tid, []).append(str(outcome.value))
+        for tid, (p, d, named) in sorted(self.requests.items()):
+            if tid in self.client_aborted or tid in self.not_received:
+                continue
+            ends = (d_ends.get(tid, []), p_ends.get(tid, []))
+            if named:
+                if (ends != (["ReportFinished(pushed)"], ["pushed"])
+                        and tid in self.starved_by_unnamed):
+                    self.count("outcome:named:starved_by_unnamed")
+                    continue
+                if ends != (["ReportFinished(pushed)"], ["pushed"]):
+                    raise self.fail(f"{tid} ({p} -> {d}, the decode named to P) ended "
+                                    f"{ends[0]} on D and {ends[1]} on P in a calm world")
+                self.count("outcome:named:pushed")
+            else:
+                self.count(f"outcome:unnamed:{'/'.join(ends[0])}:{'/'.join(ends[1])}"
+                           + (":intruder_got_kv" if tid in self.intruder.kv else ""))
+
     # ------------------------------------------------------------------ NIC
     def check_write(self, node: Node, a: PostWrite) -> None:
         """A WRITE about to be posted: from blocks P holds for the transfer, under a live
@@ -1323,6 +1740,16 @@ class World:
                                 f"{b} owned by {pool.owner[b]!r}")
         if preq is None or preq.state not in ("computed", "held"):
             raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} it does not hold")
+        d_address = self.nodes[preq.d_name].address
+        if not identity.owns_agent(d_address, a.peer):
+            # Not into the decode engine the router sent the request to.
+            if preq.owner:
+                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id}, whose decode "
+                                f"the router named ({preq.d_name}), to agent {a.peer}")
+            # A router that names no decode: the first engine to register it gets the KV
+            # (documented); counted.
+            self.count("unnamed:written_elsewhere"
+                       + (":intruder" if self.is_intruder_agent(a.peer) else ""))
         target = self.by_agent(a.peer)
         if target is not None:
             self._check_write_permit(node, target, a)
@@ -1331,10 +1758,11 @@ class World:
     def post_write(self, node: Node, a: PostWrite) -> None:
         """The WRITE goes out on P's NIC (the driver found its agent connected)."""
         target = self.by_agent(a.peer)
+        dst = ((target.name, target.inc, a.dst_blocks) if target
+               else (INTRUDER, self.intruder.inc, a.dst_blocks) if self.is_intruder_agent(a.peer)
+               else ("", 0, a.dst_blocks))
         self._post(node, "WRITE", a.transfer_id, a.generation, a.chunk_id, a.peer,
-                   (node.name, node.inc, a.src_blocks),
-                   (target.name, target.inc, a.dst_blocks) if target else ("", 0, a.dst_blocks),
-                   a.done)
+                   (node.name, node.inc, a.src_blocks), dst, a.done)
 
     def _check_write_permit(self, node: Node, d: Node, a: PostWrite) -> None:
         """The WRITE is under a live permit of that very D and into blocks it reserved."""
@@ -1367,6 +1795,10 @@ class World:
             if pool.owner[b] != (a.transfer_id, a.generation):
                 raise self.fail(f"{node.name} posts a READ of {a.transfer_id} into its block "
                                 f"{b} owned by {pool.owner[b]!r}")
+        dreq = node.dreqs.get(a.transfer_id)
+        if dreq is None or not identity.owns_agent(dreq.p_address, a.peer):
+            raise self.fail(f"{node.name} READs {a.transfer_id} from agent {a.peer}, not one of "
+                            f"the prefill the router named ({dreq and dreq.p_name})")
         target = self.by_agent(a.peer)
         if target is not None:
             send = target.engine
@@ -1407,6 +1839,12 @@ class World:
             latency = r.uniform(0.2, CHUNK_MAX_S)
         if self.slowed(src[0], dst[0]):
             latency = r.uniform(0.5 * CHUNK_MAX_S, CHUNK_MAX_S)
+        if self.slowest_near_the_end and op == "WRITE" and self._permit_left(dst, tid, gen) \
+                < CHUNK_MAX_S:
+            # A WRITE posted this close to the end of D's permit takes as long as a chunk may:
+            # it lands after the permit ran out unless P stopped in time.
+            latency = CHUNK_MAX_S
+            self.count("race:held_to_the_bound")
         error = ""
         if r.random() < c.chunk_fail:
             x = r.random()
@@ -1431,12 +1869,26 @@ class World:
             return None
         return node
 
+    def _permit_left(self, side: tuple[str, int, tuple[int, ...]], tid: str, gen: int) -> float:
+        """How long D's permit of (``tid``, ``gen``) still runs, by D's clock (inf: none)."""
+        d = self._side(side)
+        if d is None or not isinstance(d.engine, Receiver):
+            return float("inf")
+        lease = d.engine.leases.get(tid)
+        if lease is None or lease.generation != gen:
+            return float("inf")
+        return lease.expires_at - d.local(self.now)
+
     def _land(self, fl: Flight, ok: bool, torn: bool) -> None:
         """The chunk's bytes reach the destination blocks (all if ``ok``, some if ``torn``):
         those blocks must have been reserved for this transfer and generation all along."""
         src, dst = self._side(fl.src), self._side(fl.dst)
         if dst is None or dst.pool is None or (not ok and not torn):
             return
+        if fl.op == "WRITE" and self._permit_left(fl.dst, fl.tid, fl.gen) <= 0.0:
+            # Between the end of D's permit and its reuse point (the checks below catch a
+            # landing after the reuse): the tightest the fence allows.
+            self.count("race:landed_after_permit")
         if src is None or src.pool is None:
             ok = False  # the source is gone: nothing meaningful arrives
             torn = True
@@ -1467,12 +1919,16 @@ class World:
         err = fl.error if error is None else error
         tear = fl.torn if torn is None else torn
         target = self.by_agent(fl.peer)
-        if target is None:
+        to_intruder = fl.op == "WRITE" and fl.dst[0] == INTRUDER
+        if target is None and not to_intruder:
             err, tear = DISCONNECT, False  # the peer process is gone
         r = self.r("done", *fl.key)
         landed = not err or (target is not None and r.random() < self.chaos.ambiguous)
         if landed and err:
             self.count("ambiguous")
+        if landed and to_intruder:
+            self.intruder.kv.add(fl.tid)  # the prompt's KV, in the intruder's memory
+            self.count("intruder:got_kv")
         self._land(fl, ok=landed, torn=tear)
         self.count(f"chunk:{fl.op}:{err or 'ok'}")
         self.log(f"{fl.op} {fl.tid} chunk {fl.key} completes {err or 'ok'}")
@@ -1498,6 +1954,11 @@ class World:
             return
         self.log(f"{node.name} gets DONE {done.transfer_id} g{done.generation}")
         self.count("notif")
+
+        if self.is_intruder_agent(src_agent):
+            self.call(node, lambda e, now: self._under_attack(
+                node, INTRUDER_KEY, "DONE", lambda: e.on_done(done, now, agent=src_agent)))
+            return
 
         def on_done(eng: Any, now: float) -> list[Action]:
             assert isinstance(eng, Receiver)
@@ -1591,14 +2052,16 @@ class World:
         self.tid_count += 1
         tid = f"t{self.tid_count}"
         self.count("request")
+        self.requests[tid] = (p.name, d.name, False)
         self.log(f"request {tid}: {p.name} -> {d.name}, {total} blocks from {first}")
         if p.alive:
             r = self.r("request", tid)
             lag = r.choice([0.0, 0.0, 0.0, r.uniform(0.0, P_LAG_MAX_S)])
             # Mostly the router names the decode engine; sometimes (a third-party router) not.
-            owner = d.address if r.random() < NAMED_SHARE else ""
+            owner = d.address if r.random() < self.named_share else ""
             if not owner:
                 self.count("request:unnamed")
+            self.requests[tid] = (p.name, d.name, bool(owner))
             p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
                 0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag, owner=owner)
             if not lag:
@@ -1612,9 +2075,19 @@ class World:
                 answer = d.admissions.ask(tid, total * BLOCK_TOKENS, first * BLOCK_TOKENS,
                                           d.local(self.now))
                 assert answer.not_needed is Outcome.PREFIX_HIT, answer
+                self.not_received.add(tid)
                 self.close(d, dreq, "ended")
                 self.command(d, NotNeeded(tid, p.address, owner=p.address))
         return tid
+
+    def late_prefill_leg(self, p: Node, tid: str, lag: float) -> None:
+        """The prefill leg of ``tid`` reaches ``p`` ``lag`` seconds after the router sent it
+        (at most P_LAG_MAX_S, as any leg may); P computes it as long after that as drawn."""
+        preq = p.preqs.get(tid)
+        if preq is None or preq.state != "coming" or not 0.0 <= lag <= P_LAG_MAX_S:
+            return
+        preq.compute_at += preq.created + lag - preq.arrive_at
+        preq.arrive_at = preq.created + lag
 
     def p_step(self, node: Node) -> None:
         for preq in list(node.preqs.values()):
@@ -1665,11 +2138,15 @@ class World:
                 self.count("admit")
                 self.call(node, self._registered(node, dreq, answer.wait_over))
             elif answer.verdict is Verdict.LATER:
+                if any(not self.requests.get(t, ("", "", True))[2] and t in self.intruder.spoken
+                       for t, q in node.dreqs.items() if q.state == "admitted"):
+                    self.starved_by_unnamed.add(dreq.tid)
                 if answer.first_wait:
                     dreq.state = "waiting"
                     self.count("later")
                     self.command(node, AwaitAdmission(dreq.tid, dreq.p_address, dreq.p_address))
             else:
+                self.not_received.add(dreq.tid)
                 self.close(node, dreq, "ended")
                 self.count("refuse")
                 self.command(node, NotNeeded(dreq.tid, dreq.p_address, dreq.p_address))
@@ -1696,6 +2173,7 @@ class World:
         dreq = node.dreqs[tid]
         self.log(f"{node.name} aborts {tid} ({dreq.state})")
         self.count("abort_d")
+        self.client_aborted.add(tid)
         assert node.admissions is not None
         if dreq.state in ("asking", "waiting"):
             node.admissions.finish(tid)  # its credit, if it was waiting for some, is back
@@ -1711,6 +2189,7 @@ class World:
         preq = node.preqs[tid]
         self.log(f"{node.name} aborts {tid} before computing it")
         self.count("abort_p")
+        self.client_aborted.add(tid)
         self.close(node, preq, "aborted")
         self.command(node, AbortSend(tid))
 

@@ -1,6 +1,7 @@
 """The simulated world's own checks bite: its stale-generation, dead-process and forgery
 checks find what they look for in the engines (keyed as the core keys them), and catch an
-engine that acts on what it should refuse."""
+engine that acts on what it should refuse; the checks that found the intruder's findings
+catch what they look for, and P's write target is checked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from .sim_world import Attack, Chaos, Violation, World
+from kvpush_prod.core.actions import PostWrite
+
+from .sim_world import KNOWN_BUGS, Attack, Chaos, Move, Violation, World, intruder_agent
 
 KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat",
          "DoneQuery", "DoneState"]
@@ -184,3 +187,103 @@ def test_a_reply_reaches_only_the_identity_it_names() -> None:
     w.attack(w.nodes["P0"], "x-bogus", Attack(3, "attacker", "owner", "zero", "bogus"))
     assert w.stats["attack:action:SendMessage"] == 1
     assert w.stats["send:refused:CancelAck"] == 1
+
+
+# ------------------------------------------------------------------ the intruder
+
+
+def named_request_with_a_late_prefill_leg(lag: float) -> tuple[World, str]:
+    """A calm world; the router names D0 to P0, and the prefill leg reaches P0 ``lag``
+    seconds after the decode leg reached D0."""
+    w = World(1, 1, Chaos(skew=False), 2)
+    w.named_share = 1.0
+    w.run_until(0.5)
+    p = w.nodes["P0"]
+    tid = w.new_request(p, w.nodes["D0"], 2, 0)
+    p.preqs[tid].arrive_at = w.now + lag
+    p.preqs[tid].compute_at = w.now + lag + 0.1
+    return w, tid
+
+
+@pytest.mark.parametrize("lag", [0.0, 1.0, 3.0])
+def test_the_intruder_registering_ahead_of_the_named_decode_changes_nothing(lag: float) -> None:
+    # The moves of the intruder's three findings (test_intruder_findings.py), now fixed:
+    # it registers first (the decode's REGISTER waits as a contender), cancels, or lets its
+    # registration lapse; the named transfer is pushed all the same.
+    for then in ("", "Cancel", "lapse"):
+        w, tid = named_request_with_a_late_prefill_leg(lag)
+        p = w.nodes["P0"]
+        w.intrude(p, tid, Move("Register"))
+        w.run_until(w.now + 0.2)
+        if then == "Cancel":
+            w.intrude(p, tid, Move("Cancel", gen="zero"))
+        w.run_until(w.now + 30.0)
+        w.quiesce()
+        w.check_outcomes()
+        assert w.stats["outcome:named:pushed"] == 1, (lag, then)
+        assert not w.intruder.kv
+
+
+def test_an_intruder_register_of_an_id_before_its_request_changes_nothing() -> None:
+    w = World(1, 1, Chaos(skew=False), 0)
+    w.named_share = 1.0
+    w.intrude(w.nodes["P0"], "t1", Move("Register", target="future"))
+    w.run_until(3.0)  # its permit runs out before the request comes
+    w.new_request(w.nodes["P0"], w.nodes["D0"], 1, 0)
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+    w.check_outcomes()
+    assert w.stats["outcome:named:pushed"] == 1
+
+
+def test_the_known_bugs_keep_the_intruder_off_those_moves(monkeypatch: Any) -> None:
+    monkeypatch.setitem(KNOWN_BUGS, "contenders_not_renewed", True)
+    w, tid = named_request_with_a_late_prefill_leg(3.0)
+    w.intrude(w.nodes["P0"], tid, Move("Register"))
+    assert w.stats["attack:skipped:contenders_not_renewed"] == 1
+    assert tid not in w.nodes["P0"].engine._out
+
+
+def test_a_forged_message_that_drops_the_named_decodes_register_is_caught(
+        monkeypatch: Any) -> None:
+    # The check that found "registrant_drops_contenders": a P that loses the named decode's
+    # REGISTER it kept (here: on any message) while a forged one is handled.
+    w, tid = named_request_with_a_late_prefill_leg(1.0)
+    p = w.nodes["P0"]
+    w.intrude(p, tid, Move("Register"))
+    while "tcp://d0:7100" not in p.engine._out[tid].contenders:
+        w.run_until(w.now + 0.01)
+        assert w.now < 1.0, "the decode never registered"
+    real = p.engine.on_message
+
+    def forgetful(msg: Any, now: float, age: float = 0.0, origin: str = "") -> Any:
+        p.engine._out[tid].contenders.clear()
+        return real(msg, now, age, origin)
+
+    monkeypatch.setattr(p.engine, "on_message", forgetful)
+    with pytest.raises(Violation, match="forged Heartbeat from intruder-key was acted on"
+                                        ".*named_registers"):
+        w.intrude(p, tid, Move("Heartbeat", gen="zero"))
+
+
+def test_a_named_transfer_that_does_not_end_pushed_in_a_calm_world_is_caught() -> None:
+    # The check that found the other two: here the decode's REGISTER never reaches P.
+    w, tid = named_request_with_a_late_prefill_leg(0.0)
+    w.partition("D0", "P0", 10.0, both=False)
+    w.run_until(w.now + 30.0)
+    w.quiesce()
+    with pytest.raises(Violation, match=r"the decode named to P\) ended "
+                                        r"\['ReportFailed\(permit_expired\)'\]"):
+        w.check_outcomes()
+
+
+def test_a_write_of_a_named_transfer_to_another_agent_is_caught() -> None:
+    w, tid = named_request_with_a_late_prefill_leg(0.0)
+    p = w.nodes["P0"]
+    while not any(f.tid == tid for f in w.flights.values()):
+        w.run_until(w.now + 0.01)
+    preq = p.preqs[tid]
+    stray = PostWrite(tid, 1, 999, intruder_agent(1), tuple(preq.blocks[:1]), (0,), 1000,
+                      None, ())
+    with pytest.raises(Violation, match="whose decode the router named"):
+        w.check_write(p, stray)

@@ -375,6 +375,10 @@ class Sender:
             return out
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
+        if reg.permit_ttl_ms <= 0:
+            # Before it is kept in any role (a contender's permit is built from it).
+            return [*out, Note(NoteKind.REJECTED, RejectReason.BAD_PERMIT,
+                               f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
         if o is not None and o.reg is not None and origin != o.owner:
             if o.required:
                 return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
@@ -404,8 +408,6 @@ class Sender:
             return [*out, Note(NoteKind.REJECTED, RejectReason.OVERLOADED,
                                f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
                                f"the most this engine keeps")]
-        if reg.permit_ttl_ms <= 0:
-            return [*out, Note(NoteKind.REJECTED, RejectReason.BAD_PERMIT, f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
         if o is None:
             o = self._get(reg.transfer_id, now)
             o.unknown_of = origin
@@ -477,7 +479,9 @@ class Sender:
         if o.owner:
             self._tombstone(o.tid, now, o.owner)
         self._uncount(o)
+        # Born when the first REGISTER came: the whole-transfer bound still counts from then.
         fresh = self._out[o.tid] = _Out(o.tid, TransferMachine(o.tid, now, self.s.timeouts))
+        fresh.machine.created_at = o.machine.created_at
         fresh.contenders, fresh.lease_until = o.contenders, o.lease_until
         return True
 
@@ -782,7 +786,7 @@ class Sender:
             elif o.reg is None and st is S.NEW and o.contenders and not o.expected:
                 # Only contenders, none bound: each lasts as long as its permit.
                 for origin, (_, cpermit, _) in list(o.contenders.items()):
-                    if not cpermit.usable(now):
+                    if not cpermit.usable(now) or o.machine.expired(now):
                         del o.contenders[origin]
                 if not o.contenders:
                     self._out.pop(o.tid, None)
