@@ -160,3 +160,11 @@ SIGNATURE_REASONS = frozenset({
     ParamsRejectReason.UNSIGNED, ParamsRejectReason.MALFORMED, ParamsRejectReason.BAD_SIGNATURE,
     ParamsRejectReason.EXPIRED, ParamsRejectReason.WRONG_LEG, ParamsRejectReason.UNKNOWN_FIELD,
     ParamsRejectReason.REPLAYED, ParamsRejectReason.REPLAY_MEMORY_FULL})
+
+
+class Notice(Word):
+    """What D's admission of a transfer tells its prefill engine (``Answer.notices``)."""
+
+    WAIT = "wait"  # no credit yet: keep your blocks for me (AwaitAdmission)
+    OVER = "over"  # admitted: the wait is over, a REGISTER follows (AdmissionOver)
+    NOT_NEEDED = "not_needed"  # D computes the prompt itself: free your blocks (NotNeeded)

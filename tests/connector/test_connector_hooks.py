@@ -287,7 +287,7 @@ def test_a_broken_meta_builder_still_sends_what_the_step_gathered() -> None:
 class FakeWorker:
     def __init__(self) -> None:
         self.metas: list[PushMetadata] = []
-        self._rx = SimpleNamespace(request_of={})
+        self.offered: PushMetadata | None = None
 
     def on_metadata(self, meta: PushMetadata) -> None:
         self.metas.append(meta)
@@ -312,20 +312,24 @@ def spec(rid: str, tid: str) -> RecvSpec:
     return RecvSpec(rid, tid, "10.0.0.1", 15500, [1, 2], 0, 32)
 
 
-def test_metadata_that_fails_to_reach_the_pump_fails_only_the_unsent_receives() -> None:
+@pytest.mark.parametrize("reached", [False, True])
+def test_metadata_that_fails_to_reach_the_pump_fails_its_receives_and_only_then(
+        reached: bool) -> None:
     worker = FakeWorker()
 
     def on_metadata(meta: PushMetadata) -> None:
-        # The first REGISTER reached the pump, then something raised.
-        worker._rx.request_of[meta.recv[0].transfer_id] = meta.recv[0].request_id
+        if reached:  # the step's plan reached the pump, then something raised
+            worker.offered = meta
         raise Boom("on_metadata")
 
     worker.on_metadata = on_metadata  # type: ignore[method-assign]
     c = connector(Side.CONSUMER, worker=worker)
     c.bind_connector_metadata(PushMetadata(recv=[spec("a", "ta"), spec("b", "tb")]))
     results = c.get_transfer_results(set())
-    # "a" may get WRITEs: it runs its course (its permit bounds it); "b" never can.
-    assert results.failed_recving == {"b"} and results.finished_recving == {"b"}
+    # A plan the pump has runs its course (its REGISTERs may be out: WRITEs may land); one
+    # that never reached it can get no WRITE, so its receives fail now.
+    want = set() if reached else {"a", "b"}
+    assert results.failed_recving == want and results.finished_recving == want
     assert hook_errors(c) == {("consumer", "bind_connector_metadata"): 1}
 
 

@@ -16,7 +16,7 @@ from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.links import Splits
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.sender import Sender
-from kvpush_prod.core.vocabulary import Side
+from kvpush_prod.core.vocabulary import Notice, Side
 from kvpush_prod.transport.base import RemotePeer
 
 from .test_pump import CFG, Endpoint, Nic, Transport, Wire, _Rng
@@ -159,6 +159,8 @@ def test_a_prefill_size_that_cannot_map_fails_the_receive_at_once() -> None:
     bad = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=3)])
     for ws in w.d:
         ws.on_metadata(bad)
+    w.step()  # the pumps run the step's plan
+    for ws in w.d:
         _, recving, failed = ws.results.take()
         assert recving == {"d-req"} and failed == {"d-req"}
 
@@ -186,7 +188,7 @@ def test_a_refused_size_lets_every_p_rank_free_its_blocks_at_once() -> None:
 def test_a_prefix_hit_from_a_refused_size_also_frees_every_p_rank() -> None:
     w = World(1, 2)
     for ws in w.d:
-        ws.on_metadata(PushMetadata(not_needed=[PeerRef("t", "p", 1, p_tp=3)]))
+        ws.on_metadata(PushMetadata(notices=[(PeerRef("t", "p", 1, p_tp=3), Notice.NOT_NEEDED)]))
         ws._rx._pass(True)  # type: ignore[union-attr]
     assert sorted(a for a, box in w.wire.inbox.items() if a.startswith("tcp://p:")
                   and any(isinstance(x, m.Cancel) for x in box)) == [

@@ -47,8 +47,6 @@ from kvpush_prod.core.admission import Admissions, Verdict
 from kvpush_prod.core.commands import (
     AbortReceive,
     AbortSend,
-    AdmissionOver,
-    AwaitAdmission,
     BlocksReady,
     Command,
     ExpectBlocks,
@@ -795,7 +793,8 @@ class World:
         if not node.alive or node.inc != inc:
             return
         try:
-            self.execute(node, fn(node.engine, node.local(self.now)))
+            # Through the driver's one door in, as the pump feeds it (at the node's clock).
+            node.driver.feed(Stage.COMMAND, "a world event", fn)
         except BaseException:
             self.broken = True  # the world is half-updated: no quiescence check after this
             raise
@@ -2136,7 +2135,8 @@ class World:
                 admissions.allocated(dreq.tid, len(blocks))
                 dreq.blocks, dreq.state, dreq.admitted_at = blocks, "admitted", self.now
                 self.count("admit")
-                self.call(node, self._registered(node, dreq, answer.wait_over))
+                self.call(node, self._registered(
+                    node, dreq, answer.commands(dreq.tid, dreq.p_address, dreq.p_address)))
             elif answer.verdict is Verdict.LATER:
                 if any(not self.requests.get(t, ("", "", True))[2] and t in self.intruder.spoken
                        for t, q in node.dreqs.items() if q.state == "admitted"):
@@ -2144,20 +2144,23 @@ class World:
                 if answer.first_wait:
                     dreq.state = "waiting"
                     self.count("later")
-                    self.command(node, AwaitAdmission(dreq.tid, dreq.p_address, dreq.p_address))
+                for command in answer.commands(dreq.tid, dreq.p_address, dreq.p_address):
+                    self.command(node, command)  # what P must hear, as the connector says it
             else:
                 self.not_received.add(dreq.tid)
                 self.close(node, dreq, "ended")
                 self.count("refuse")
-                self.command(node, NotNeeded(dreq.tid, dreq.p_address, dreq.p_address))
+                for command in answer.commands(dreq.tid, dreq.p_address, dreq.p_address):
+                    self.command(node, command)
 
     def _registered(self, node: Node, d: DReq,
-                    wait_over: bool) -> Callable[[Any, float], list[Action]]:
-        """D's worker registers the blocks of ``d`` (its wait for credit over, if any) and
-        the world learns the generation D granted, to own the blocks under it."""
+                    notices: list[Any]) -> Callable[[Any, float], list[Action]]:
+        """D's worker registers the blocks of ``d`` (after its admission's ``notices``: the
+        wait for credit over, if any) and the world learns the generation D granted, to
+        own the blocks under it."""
 
         def register(eng: Any, now: float) -> list[Action]:
-            out = AdmissionOver(d.tid).apply(eng, now) if wait_over else []
+            out = [a for c in notices for a in c.apply(eng, now)]
             acts = RegisterBlocks(d.tid, d.p_address, tuple(d.blocks), d.first_block,
                                   d.total_blocks * BLOCK_TOKENS, d.p_address).apply(eng, now)
             d.gen = eng._in[d.tid].generation

@@ -186,18 +186,16 @@ class PushConnector(KVConnectorBase_V1):
             self._fail_unsent_receives(connector_metadata)
 
     def _fail_unsent_receives(self, meta: PushMetadata) -> None:
-        """After ``on_metadata`` raised: a receive whose REGISTER never reached the pump can
-        get no WRITE, so it fails now (else vLLM would wait for it forever). One that did
-        reach it runs its course (the permit and the transfer deadline bound it)."""
-        pump = getattr(self._worker, "_rx", None)
-        handed = getattr(pump, "request_of", None)
-        if handed is None:
+        """After ``on_metadata`` raised: if the step's plan never reached the pump, none of
+        its receives can get a WRITE, so they fail now (else vLLM would wait for them
+        forever). A plan the pump has runs its course (it fails what it cannot register;
+        the permit and the transfer deadline bound the rest)."""
+        if getattr(self._worker, "offered", None) is meta:
             return
         for spec in meta.recv:
-            if spec.transfer_id not in handed:  # the worker notes it before submitting
-                logger.error("kvpush: request %s: its REGISTER was not sent; its receive "
-                             "fails", spec.request_id)
-                self._failed_here.add(spec.request_id)
+            logger.error("kvpush: request %s: its REGISTER was not sent; its receive fails",
+                         spec.request_id)
+            self._failed_here.add(spec.request_id)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Worker: nothing to start (P pushes into D's blocks, D only waits); returns at once."""

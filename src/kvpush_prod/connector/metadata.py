@@ -12,6 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvpush_prod.core.vocabulary import Notice
+
 
 @dataclass(frozen=True)
 class RecvSpec:
@@ -58,10 +60,10 @@ class PushMetadata(KVConnectorMetadata):
     """One step's worth of connector work for the workers."""
 
     # consumer
-    wait_admission: list[PeerRef] = field(default_factory=list)  # no credit yet: P, keep blocks
-    admission_over: list[str] = field(default_factory=list)  # transfer ids
+    # What D's admission tells each prefill engine (core.admission ``Answer.notices``), in
+    # order; the worker turns each into D's command per link with ``notice_command``.
+    notices: list[tuple[PeerRef, Notice]] = field(default_factory=list)
     recv: list[RecvSpec] = field(default_factory=list)
-    not_needed: list[PeerRef] = field(default_factory=list)
     abort_recv: list[str] = field(default_factory=list)  # transfer ids
     # request ids whose blocks were allocated but no REGISTER left (a hook raised): no WRITE
     # can land in them, so the workers report them in failed_recving at once
@@ -77,9 +79,23 @@ class PushMetadata(KVConnectorMetadata):
     forward: bool = False
 
     def empty(self) -> bool:
-        return not (self.wait_admission or self.admission_over or self.recv or self.not_needed
+        return not (self.notices or self.recv
                     or self.abort_recv or self.fail_recv or self.expect_send or self.send or self.hold
                     or self.abort_send)
+
+
+    # Views of ``notices`` by kind (for logs and tests).
+    @property
+    def wait_admission(self) -> list[PeerRef]:
+        return [ref for ref, n in self.notices if n is Notice.WAIT]
+
+    @property
+    def admission_over(self) -> list[str]:
+        return [ref.transfer_id for ref, n in self.notices if n is Notice.OVER]
+
+    @property
+    def not_needed(self) -> list[PeerRef]:
+        return [ref for ref, n in self.notices if n is Notice.NOT_NEEDED]
 
 
 class PushWorkerMeta(KVConnectorWorkerMetadata):

@@ -24,7 +24,13 @@ from kvpush_prod.connector.trust import Trust
 from kvpush_prod.core.admission import Admissions, Answer, Inbound, Verdict
 from kvpush_prod.core.credits import CreditLedger, Decision
 from kvpush_prod.core.digest import prompt_digest
-from kvpush_prod.core.vocabulary import SIGNATURE_REASONS, Outcome, ParamsRejectReason, Side
+from kvpush_prod.core.vocabulary import (
+    SIGNATURE_REASONS,
+    Notice,
+    Outcome,
+    ParamsRejectReason,
+    Side,
+)
 from kvpush_prod.errors import KVTransferParamsError
 from kvpush_prod.metrics import StatsBuffer
 
@@ -252,12 +258,12 @@ class ConsumerSide(SchedulerSide):
         if answer.first_admit:
             self.stats.inc("kvpush_admissions", (self.role, "admit"))
             self.stats.inc("kvpush_credits_granted_blocks", (self.role,), answer.nblocks)
-        if answer.wait_over:
-            self._meta.admission_over.append(rx.transfer_id)
         if answer.first_wait:
             self.stats.inc("kvpush_admissions", (self.role, "later"))
-            # Until it is admitted, P must keep its finished blocks for us.
-            self._meta.wait_admission.append(_ref(rx))
+        # What P must hear, as the core says it (until admitted, P keeps its blocks for us).
+        for notice in answer.notices:
+            if notice is not Notice.NOT_NEEDED:
+                self._meta.notices.append((_ref(rx), notice))
         if answer.decision is Decision.REFUSE:
             logger.warning("kvpush: request %s needs %d blocks, more than the credit budget "
                            "(%s); computing its prompt locally", rx.key, answer.nblocks,
@@ -267,7 +273,7 @@ class ConsumerSide(SchedulerSide):
             self._not_needed(rx, answer.not_needed)
 
     def _not_needed(self, rx: Inbound[RemotePrefill], outcome: Outcome) -> None:
-        self._meta.not_needed.append(_ref(rx))
+        self._meta.notices.append((_ref(rx), Notice.NOT_NEEDED))
         self.stats.inc("kvpush_transfers", (self.role, outcome.value))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

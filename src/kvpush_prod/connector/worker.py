@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -37,11 +38,10 @@ from kvpush_prod.core.actions import (
     ReportFailed,
     ReportFinished,
 )
+from kvpush_prod.core.admission import notice_command
 from kvpush_prod.core.commands import (
     AbortReceive,
     AbortSend,
-    AdmissionOver,
-    AwaitAdmission,
     BlocksReady,
     Command,
     ExpectBlocks,
@@ -57,6 +57,7 @@ from kvpush_prod.core.retry import BreakerState, ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
 from kvpush_prod.core.vocabulary import (
     NoteKind,
+    Notice,
     Outcome,
     ParamsRejectReason,
     RejectReason,
@@ -185,6 +186,7 @@ class WorkerSide:
         self.stats = StatsBuffer()
         self.results = _Results()
         self._pending_sends: list[SendSpec] = []
+        self.offered: PushMetadata | None = None  # D: the last step's plan the pump has
         self._device: str = "cpu"
         self._tx: SenderPump | None = None  # P
         self._rx: ReceiverPump | None = None  # D
@@ -278,87 +280,104 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ per step
     def on_metadata(self, meta: PushMetadata) -> None:
-        """Before the forward: D registers reserved blocks at once (REGISTER leaves early)."""
+        """Before the forward: the step's work for the pump, handed over in one piece (D's
+        REGISTERs leave as soon as the pump's lock is free). Never waits for the pump."""
         if meta.forward and self._rx is not None:
             self._rx.forward_began()
         if meta.empty():
             return
-        if self._rx is not None:
-            self._on_receive_metadata(self._rx, meta)
-        tx = self._tx
+        rx, tx = self._rx, self._tx
+        if rx is not None:
+            rx.offer(lambda: self._receive_plan(rx, meta), "the step's receive plan")
+            self.offered = meta  # its receives are the pump's now (they run their course)
         if tx is not None:
-            # A transfer split over several D ranks (see core.links) gets each command
-            # once per part; the facts are noted first, for parts made later.
-            for tid, owner in meta.expect_send:
-                with tx.lock:
-                    known = tx.splits.note(tid)
-                    known.expected, known.owner = True, owner or known.owner
-                    parts = tx.splits.parts(tid)
-                for part in parts:
-                    tx.submit(ExpectBlocks(part, owner))
-            for tid in meta.abort_send:
-                with tx.lock:
-                    parts = tx.splits.parts(tid)
-                    tx.splits.forget(tid)
-                for part in parts:
-                    tx.submit(AbortSend(part))
-            for tid in meta.hold:
-                with tx.lock:
-                    tx.splits.note(tid).held = True
-                    parts = tx.splits.parts(tid)
-                for part in parts:
-                    tx.submit(Hold(part))
+            tx.offer(lambda: self._send_plan(tx, meta), "the step's send plan")
             self._pending_sends.extend(meta.send)
 
-    def _on_receive_metadata(self, pump: ReceiverPump, meta: PushMetadata) -> None:
-        for ref in meta.wait_admission:
-            for link in self._links(pump, ref.transfer_id, ref.p_tp):
-                pump.submit(AwaitAdmission(link.core_id,
-                                           self._address(ref.p_host, ref.p_port, link.p_rank),
-                                           ref.p_key))
-        for tid in meta.admission_over:
-            for part in pump.joins_parts(tid):
-                pump.submit(AdmissionOver(part))
-        for spec in meta.recv:
-            self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
-                       trace_headers=spec.trace_headers)
-            links = self._links(pump, spec.transfer_id, spec.p_tp)
-            try:
-                views = [self._view(link) for link in links]
-            except ConfigError:  # our blocks cannot be sliced by head (the log says why)
-                links = []
-            if not links:
-                self._refuse_receive(pump, spec)
-                continue
-            if self._taken(pump, spec, [link.core_id for link in links]):
-                continue
-            with pump.lock:
-                if len(links) > 1:
-                    pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
-                for link, view in zip(links, views, strict=True):
-                    pump.links.add(link)
-                    pump.request_of[link.core_id] = spec.request_id
-                    pump.recv_blocks[link.core_id] = list(spec.block_ids)
-                    pump.views[link.core_id] = view
-                    pump.began[link.core_id] = time.monotonic()
-            for link in links:
-                pump.submit(RegisterBlocks(link.core_id,
-                                           self._address(spec.p_host, spec.p_port, link.p_rank),
-                                           tuple(spec.block_ids), spec.first_block,
-                                           spec.num_tokens, spec.p_key, spec.prompt))
-            self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key,
-                             spec.p_tp)
-        for ref in meta.not_needed:
+    def _send_plan(self, tx: SenderPump, meta: PushMetadata) -> None:
+        """P, under the pump's lock: what the scheduler said of its transfers. A transfer
+        split over several D ranks (see core.links) gets each command once per part; the
+        facts are noted first, for parts made later."""
+        command = tx.driver.command
+        for tid, owner in meta.expect_send:
+            known = tx.splits.note(tid)
+            known.expected, known.owner = True, owner or known.owner
+            for part in tx.splits.parts(tid):
+                command(ExpectBlocks(part, owner))
+        for tid in meta.abort_send:
+            parts = tx.splits.parts(tid)
+            tx.splits.forget(tid)
+            for part in parts:
+                command(AbortSend(part))
+        for tid in meta.hold:
+            tx.splits.note(tid).held = True
+            for part in tx.splits.parts(tid):
+                command(Hold(part))
+
+    def _receive_plan(self, pump: ReceiverPump, meta: PushMetadata) -> None:
+        """D, under the pump's lock: the step's waits, REGISTERs, notices and aborts. Each
+        receive on its own: one that raises fails (it has no REGISTER, so nothing can land
+        in its blocks) and never stops another."""
+        command = pump.driver.command
+        for ref, notice in meta.notices:
+            # The admission's notices, per link: the core's own translation, nothing here.
             links = self._links(pump, ref.transfer_id, ref.p_tp)
             for link in links:
-                pump.submit(NotNeeded(link.core_id,
-                                      self._address(ref.p_host, ref.p_port, link.p_rank),
-                                      ref.p_key))
-            self._tell_unfed(pump, ref.transfer_id, ref.p_host, ref.p_port, ref.p_key,
-                             ref.p_tp, refused=not links)
+                command(notice_command(notice, link.core_id,
+                                       self._address(ref.p_host, ref.p_port, link.p_rank),
+                                       ref.p_key))
+            if notice is Notice.NOT_NEEDED:
+                self._tell_unfed(pump, ref.transfer_id, ref.p_host, ref.p_port, ref.p_key,
+                                 ref.p_tp, refused=not links)
+        for spec in meta.recv:
+            try:
+                self._receive(pump, spec)
+            except Exception:  # noqa: BLE001 - contained, counted; this receive fails
+                pump.contained(Stage.COMMAND, f"the receive of {spec.transfer_id[:64]}")
+                if not any(pump.request_of.get(i) == spec.request_id
+                           for i in [spec.transfer_id, *pump.joins.parts(spec.transfer_id)]):
+                    self._fail_here(spec.request_id)
         for tid in meta.abort_recv:
-            for part in pump.joins_parts(tid):
-                pump.submit(AbortReceive(part))
+            for part in pump.joins.parts(tid):
+                command(AbortReceive(part))
+
+    def _receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
+        """One receive: its links (parts when P's TP size differs), then its REGISTERs."""
+        self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
+                   trace_headers=spec.trace_headers)
+        links = self._links(pump, spec.transfer_id, spec.p_tp)
+        try:
+            views = [self._view(link) for link in links]
+        except ConfigError:  # our blocks cannot be sliced by head (the log says why)
+            links = []
+        if not links:
+            self._refuse_receive(pump, spec)
+            return
+        if self._taken(pump, spec, [link.core_id for link in links]):
+            return
+        if len(links) > 1:
+            pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
+        for link, view in zip(links, views, strict=True):
+            pump.links.add(link)
+            pump.request_of[link.core_id] = spec.request_id
+            pump.recv_blocks[link.core_id] = list(spec.block_ids)
+            pump.views[link.core_id] = view
+            pump.began[link.core_id] = time.monotonic()
+        for link in links:
+            pump.driver.command(RegisterBlocks(
+                link.core_id, self._address(spec.p_host, spec.p_port, link.p_rank),
+                tuple(spec.block_ids), spec.first_block, spec.num_tokens, spec.p_key,
+                spec.prompt))
+        self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key,
+                         spec.p_tp)
+
+    def _fail_here(self, rid: str) -> None:
+        """The receive of request ``rid`` fails here: no REGISTER left for it, so nothing can
+        land in its blocks (vLLM's kv_load_failure_policy applies)."""
+        with self.results.lock:
+            self.results.recving.add(rid)
+            self.results.failed.add(rid)
+            self.results.outcomes[rid] = Outcome.FAILED.value
 
     def _taken(self, pump: ReceiverPump, spec: RecvSpec, ids: list[str]) -> bool:
         """Another live request receives ``spec``'s transfer id already (the scheduler side
@@ -369,11 +388,9 @@ class WorkerSide:
             return False
         logger.error("kvpush: request %s names transfer %.60r, which request %s receives; "
                      "its receive fails", spec.request_id, spec.transfer_id, holders.pop())
-        self.stats.inc("kvpush_kv_params_rejected", (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER))
-        with self.results.lock:
-            self.results.recving.add(spec.request_id)
-            self.results.failed.add(spec.request_id)
-            self.results.outcomes[spec.request_id] = Outcome.FAILED.value
+        self.stats.inc("kvpush_kv_params_rejected",
+                       (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER))
+        self._fail_here(spec.request_id)
         return True
 
     def _links(self, pump: ReceiverPump, tid: str, p_tp: int) -> list[Link]:
@@ -409,7 +426,7 @@ class WorkerSide:
         total, replicated = (layout.total_kv_heads, layout.replicated) if layout else (0, False)
         for p_rank in tpmap.unfed_told_by(self.tp_rank, p_tp, self.tp_size, total,
                                           replicated, refused):
-            pump.submit(NotNeeded(tid, self._address(host, port, p_rank), key))
+            pump.driver.command(NotNeeded(tid, self._address(host, port, p_rank), key))
 
     def _refuse_receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
         """P's tensor-parallel size cannot be mapped onto ours: the request fails here at
@@ -428,11 +445,9 @@ class WorkerSide:
             self._refused_tp.add(p_tp)
             logger.error("kvpush: cannot receive KV from a prefill engine of tensor-parallel "
                          "size %d on this decode engine of size %d: %s", p_tp, self.tp_size, why)
-        self.stats.inc("kvpush_control_messages_rejected", (self.role.value, RejectReason.INCOMPATIBLE))
-        with self.results.lock:
-            self.results.recving.add(rid)
-            self.results.failed.add(rid)
-            self.results.outcomes[rid] = Outcome.FAILED.value
+        self.stats.inc("kvpush_control_messages_rejected",
+                       (self.role.value, RejectReason.INCOMPATIBLE))
+        self._fail_here(rid)
         self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
         self.trace("refused", tid, p_tp=p_tp)
 
@@ -446,62 +461,65 @@ class WorkerSide:
         if not self._pending_sends or pump is None:
             return
         sends, self._pending_sends = self._pending_sends, []
-        handed: set[str] = set()
-        try:
-            self._hand_over(pump, sends, forward_failed, handed)
-        except BaseException:
-            # Whatever raised, no push of these may be left without an end: the core hears
-            # that their forward failed (D recomputes), and releases their blocks once held.
-            for spec in sends:
-                if spec.transfer_id not in handed:
-                    with contextlib.suppress(Exception):
-                        pump.submit(ForwardFailed(spec.transfer_id, tuple(spec.block_ids)))
-            raise
-
-    def _hand_over(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool,
-                   handed: set[str]) -> None:
-        """``after_forward``'s work; ``handed`` collects the transfers the core has."""
-        parts: dict[str, list[str]] = {}
-        with pump.lock:
-            for spec in list(sends):
-                holder = pump.request_of.get(spec.transfer_id)
-                if holder is not None and holder != spec.request_id:
-                    # The scheduler side refuses a repeated transfer id first; never let one
-                    # request's push take another's place: this one is not pushed.
-                    logger.error("kvpush: request %s names transfer %.60r, which request %s "
-                                 "pushes; it is not pushed", spec.request_id,
-                                 spec.transfer_id, holder)
-                    sends.remove(spec)
-                    handed.add(spec.transfer_id)
-                    with self.results.lock:
-                        self.results.sending.add(spec.request_id)
-                    continue
-                pump.request_of[spec.transfer_id] = spec.request_id
-                known = pump.splits.note(spec.transfer_id)
-                known.expected, known.owner = True, spec.owner or known.owner
-                if forward_failed:
-                    known.failed = True
-                known.blocks, known.prompt = tuple(spec.block_ids), spec.prompt
-                parts[spec.transfer_id] = pump.splits.parts(spec.transfer_id)
-        if forward_failed:
-            logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
-                           "pushed and their decode engines are told", len(sends))
-            for spec in sends:
-                self.trace("forward_failed", spec.transfer_id)
-                handed.add(spec.transfer_id)
-                for part in parts[spec.transfer_id]:
-                    pump.run_now(ForwardFailed(part, tuple(spec.block_ids)))
-            return
-        if self._device == "cuda":
+        if not forward_failed and self._device == "cuda":
             import torch
 
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
+        # Posted at once when the pump's lock is free (the hot path: no thread hop), else by
+        # the pump's next pass; this thread never waits for it.
+        pump.offer(lambda: self._hand_over(pump, sends, forward_failed), "the push hand-over",
+                   now=True)
+
+    def _hand_over(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool) -> None:
+        """Under the pump's lock: this step's prompts to the core. Whatever raises, no push of
+        these is left without an end: the core hears that their forward failed (D
+        recomputes) and releases their blocks once held."""
+        handed: set[str] = set()
+        try:
+            self._hand_over_each(pump, sends, forward_failed, handed)
+        except Exception:
+            pump.contained(Stage.COMMAND, "the push hand-over")
+            for spec in sends:
+                if spec.transfer_id not in handed:
+                    with contextlib.suppress(Exception):
+                        pump.driver.command(ForwardFailed(spec.transfer_id,
+                                                          tuple(spec.block_ids)))
+
+    def _hand_over_each(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool,
+                        handed: set[str]) -> None:
+        parts: dict[str, list[str]] = {}
+        for spec in list(sends):
+            holder = pump.request_of.get(spec.transfer_id)
+            if holder is not None and holder != spec.request_id:
+                # The scheduler side refuses a repeated transfer id first; never let one
+                # request's push take another's place: this one is not pushed.
+                logger.error("kvpush: request %s names transfer %.60r, which request %s "
+                             "pushes; it is not pushed", spec.request_id, spec.transfer_id,
+                             holder)
+                sends.remove(spec)
+                handed.add(spec.transfer_id)
+                with self.results.lock:
+                    self.results.sending.add(spec.request_id)
+                continue
+            pump.request_of[spec.transfer_id] = spec.request_id
+            known = pump.splits.note(spec.transfer_id)
+            known.expected, known.owner = True, spec.owner or known.owner
+            if forward_failed:
+                known.failed = True
+            known.blocks, known.prompt = tuple(spec.block_ids), spec.prompt
+            parts[spec.transfer_id] = pump.splits.parts(spec.transfer_id)
+        if forward_failed:
+            logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
+                           "pushed and their decode engines are told", len(sends))
         for spec in sends:
-            self.trace("blocks_ready", spec.transfer_id, blocks=len(spec.block_ids),
+            self.trace("forward_failed" if forward_failed else "blocks_ready",
+                       spec.transfer_id, blocks=len(spec.block_ids),
                        trace_headers=spec.trace_headers)
             handed.add(spec.transfer_id)
             for part in parts[spec.transfer_id]:
-                pump.run_now(BlocksReady(part, tuple(spec.block_ids), spec.owner, spec.prompt))
+                pump.driver.command(
+                    ForwardFailed(part, tuple(spec.block_ids)) if forward_failed
+                    else BlocksReady(part, tuple(spec.block_ids), spec.owner, spec.prompt))
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Completions since the last step. Looks at the transport first (one cheap poll), so
@@ -563,17 +581,19 @@ class TransferPump(threading.Thread, Generic[E]):
         self.trace = trace or Tracer("")
         self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
         self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
-        # Sub-transfers across tensor-parallel sizes (core.links); the engine thread
-        # changes them under ``lock``.
+        # Sub-transfers across tensor-parallel sizes (core.links): changed under ``lock`` by
+        # the work the engine thread offers.
         self.joins = Joins()  # D: a request's parts, one per P rank feeding this rank
         self.links = Links()  # D: core ids <-> wire ids
         self.views: dict[str, list[messages.Region] | None] = {}  # D: part -> slab it fills
         self.splits = Splits(0, 1, 0)  # P: parts per D rank fed (set at registration)
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
-        self._commands: queue.SimpleQueue[Command[E]] = queue.SimpleQueue()
+        # Work the engine thread handed over (``offer``), run in order under ``lock``.
+        self._offered: queue.SimpleQueue[tuple[Callable[[], None], str]] = queue.SimpleQueue()
         self._halt = threading.Event()
-        # Held for every use of the core, NIXL and the sending sockets: by the pump, and by
-        # the engine thread when it hands over a push (run_now).
+        # Held for every use of the core, NIXL and the sending sockets and of the shell's
+        # tables above: by the pump, and by the engine thread only when it finds it free
+        # (``offer(now=True)``, ``progress_now``): the engine thread never waits for it.
         self.lock = threading.Lock()
         self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
         self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
@@ -602,21 +622,44 @@ class TransferPump(threading.Thread, Generic[E]):
                     tpmap.mapping_text(key[0], key[1], max(layout.total_kv_heads, 1),
                                        layout.replicated))
 
-    # -- engine thread API
-    def submit(self, command: Command[E]) -> None:
-        self._commands.put(command)
-        self.endpoint.wake()
-
-    def run_now(self, command: Command[E]) -> None:
-        """Apply ``command`` in the calling thread (the engine thread's hot path: a push is
-        posted at once instead of waiting for the pump to be scheduled)."""
-        with self.lock:
+    # -- engine thread API: it hands work over and reads results; it never waits for the
+    # lock the pump holds
+    def offer(self, work: Callable[[], None], what: str, now: bool = False) -> None:
+        """Hand ``work`` (a change to the pump's state and the core commands that go with
+        it) to whoever holds the pump's lock next, in the order offered. With ``now`` the
+        calling thread runs it at once if the lock is free (a push posted without waiting
+        for the pump to be scheduled, then watched for ``HANDOFF_WATCH_S``); it never waits
+        for the lock: if the pump holds it, the pump's next pass runs the work."""
+        self._offered.put((work, what))
+        if now and self.lock.acquire(blocking=False):
             try:
-                self.driver.apply(command)
+                self._run_offered()
                 self._watch_handoff()
             except Exception:  # noqa: BLE001 - never break the engine's step
-                logger.exception("kvpush: push hand-off failed")
-        self.endpoint.wake()  # the pump now has chunks to watch: poll at the active rate
+                self.contained(Stage.COMMAND, what)
+            finally:
+                self.lock.release()
+        self.endpoint.wake()  # the pump runs what is left, and polls for what was posted
+
+    def submit(self, command: Command[E]) -> None:
+        """Hand a core command to the pump (``offer``)."""
+        self.offer(lambda: self.driver.command(command), type(command).__name__)
+
+    def run_now(self, command: Command[E]) -> None:
+        """A core command run at once when the pump's lock is free (``offer(now=True)``)."""
+        self.offer(lambda: self.driver.command(command), type(command).__name__, now=True)
+
+    def _run_offered(self) -> None:
+        """Under the lock: the work offered so far, in order, each on its own."""
+        while True:
+            try:
+                work, what = self._offered.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - contained, counted, logged
+                self.contained(Stage.COMMAND, what)
 
     def _watch_handoff(self) -> None:
         """Progress the chunks just posted until they complete or ``HANDOFF_WATCH_S`` ends."""
@@ -632,15 +675,18 @@ class TransferPump(threading.Thread, Generic[E]):
         having to poll fast."""
         if not (self._handles or self._watching()):
             return
-        with self.lock:
-            try:
-                if self._handles:
-                    self._check_chunks()
-                self._progress()
-                if self.engine.busy:
-                    self.driver.run(self.engine.poll(time.monotonic()))
-            except Exception:  # noqa: BLE001 - never break the engine's step
-                self.contained(Stage.COMPLETION, "the engine thread's look at completions")
+        if not self.lock.acquire(blocking=False):
+            return  # the pump is at work: it polls the transport itself
+        try:
+            if self._handles:
+                self._check_chunks()
+            self._progress()
+            if self.engine.busy:
+                self.driver.poll()
+        except Exception:  # noqa: BLE001 - never break the engine's step
+            self.contained(Stage.COMPLETION, "the engine thread's look at completions")
+        finally:
+            self.lock.release()
 
     def stop(self) -> None:
         self._halt.set()
@@ -727,21 +773,16 @@ class TransferPump(threading.Thread, Generic[E]):
                         break
             finally:
                 inbox.close()  # what was not taken stays with the endpoint for the next pass
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            self.driver.command(command)
+        self._run_offered()
         if self._handles:
             self._check_chunks()
         self._progress()
         now = self.now()
         if self.engine.busy:
-            self.driver.run(self.engine.poll(now))
+            self.driver.poll()
         if now - self._last_tick >= TICK_S:
             self._last_tick = now
-            self.driver.run(self.engine.tick(now))
+            self.driver.tick()
             self._report_gauges(now)
             if not self.cfg.transport.progress_thread:
                 # A light pass for connection wire-up and keep-alives while nothing is active.
@@ -1067,11 +1108,6 @@ class ReceiverPump(TransferPump[Receiver]):
     """D's pump: it also watches NIXL notifications for the DONE of each push."""
 
     side = Side.CONSUMER
-
-    def joins_parts(self, tid: str) -> list[str]:
-        """The core's ids for ``tid`` on this rank (its parts when several P ranks feed it)."""
-        with self.lock:
-            return self.joins.parts(tid)
 
     def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
         super().send(peer, to, self.links.outbound(message))

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvpush_prod.core.commands import AdmissionOver, AwaitAdmission, NotNeeded, ReceiveCommand
 from kvpush_prod.core.credits import CreditLedger, Decision
-from kvpush_prod.core.vocabulary import Outcome, Word
+from kvpush_prod.core.vocabulary import Notice, Outcome, Word
 
 T = TypeVar("T")
 
@@ -73,6 +74,28 @@ class Answer:
     wait_over: bool = False
     not_needed: Outcome | None = None
     reason: str = ""
+
+    @property
+    def notices(self) -> tuple[Notice, ...]:
+        """What P must hear of this answer, in order."""
+        return tuple(n for n, due in ((Notice.WAIT, self.first_wait),
+                                      (Notice.OVER, self.wait_over),
+                                      (Notice.NOT_NEEDED, self.not_needed is not None)) if due)
+
+    def commands(self, transfer_id: str, address: str, owner: str = "") -> list[ReceiveCommand]:
+        """This answer's notices as D's commands for the prefill engine at ``address``
+        (``owner``: its identity): a shell passes them on as they are."""
+        return [notice_command(n, transfer_id, address, owner) for n in self.notices]
+
+
+def notice_command(notice: Notice, transfer_id: str, address: str,
+                   owner: str = "") -> ReceiveCommand:
+    """The one translation of an admission notice into D's command."""
+    if notice is Notice.WAIT:
+        return AwaitAdmission(transfer_id, address, owner)
+    if notice is Notice.OVER:
+        return AdmissionOver(transfer_id)
+    return NotNeeded(transfer_id, address, owner)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from kvpush_prod.vocabulary import (
     AfterDrain,
     KeyProblem,
     NoteKind,
+    Notice,
     Outcome,
     ParamsRejectReason,
     RejectReason,
@@ -13,5 +14,5 @@ from kvpush_prod.vocabulary import (
     Word,
 )
 
-__all__ = ["SIGNATURE_REASONS", "AfterDrain", "KeyProblem", "NoteKind", "Outcome", "ParamsRejectReason",
+__all__ = ["SIGNATURE_REASONS", "AfterDrain", "KeyProblem", "NoteKind", "Notice", "Outcome", "ParamsRejectReason",
            "RejectReason", "Side", "Word"]

@@ -544,6 +544,8 @@ class Sim:
         if not req.refused:
             admissions.track(tid, tid, f"p{req.p}", None)
             answer = admissions.ask(tid, req.length, 0, loop.now)
+            for command in answer.commands(tid, f"tcp://p{req.p}"):
+                self.rx[d.idx].command(command)  # what P must hear, as the connector says it
             if answer.verdict is Verdict.LATER:
                 return None
             req.refused = answer.verdict is Verdict.LOCAL
