@@ -1,5 +1,6 @@
 """What an engine holding a valid key can do to another by flooding its control port: the
-engine thread's longest wait for the transfer pump's lock, and its longest step, per flood.
+engine thread's longest time in the connector's calls (it hands the pump work and looks at
+completions; it never waits for the pump's lock), and its longest step, per flood.
 
 Floods (issue 22), each from an insider: a key in the allow-list that owns no transfer:
   heartbeats   64 heartbeats of ~720 KB (65,536 entries each) at P
@@ -198,7 +199,8 @@ class _Transport:
 
 def _engine_thread(pump: Any, stop: threading.Event, work_s: float, idle_s: float,
                    out: dict[str, list[float]]) -> None:
-    """Steps like a decoding engine: Python work, a GIL-free wait, then the pump's lock."""
+    """Steps like a decoding engine: Python work, a GIL-free wait, then the connector's
+    engine-thread calls (``offer``, ``progress_now``): ``waits`` is how long they took."""
     waits, steps, slow = out["waits"], out["steps"], out["slow"]
     last = time.perf_counter()
     while not stop.is_set():
@@ -210,8 +212,11 @@ def _engine_thread(pump: Any, stop: threading.Event, work_s: float, idle_s: floa
         a = time.perf_counter()
         time.sleep(idle_s)  # a forward in torch: the interpreter is free
         t0 = time.perf_counter()
-        with pump.lock:  # the connector's hooks (after_forward, run_now, ...)
-            t1 = time.perf_counter()
+        # What the connector's hooks do each step: hand the pump work (after_forward's
+        # hand-over, run at once when the lock is free) and look at completions.
+        pump.offer(lambda: None, "a bench step", now=True)
+        pump.progress_now()
+        t1 = time.perf_counter()
         waits.append(t1 - t0)
         steps.append(t1 - last)
         if t1 - last > 3 * (work_s + idle_s):
