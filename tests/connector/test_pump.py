@@ -119,18 +119,20 @@ def info(name: str, control: str) -> m.PeerInfo:
 class Pair:
     """A P pump and a D pump on one wire and one NIC, stepped by hand (no threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: Any = CFG, transport: Any = None, block_bytes: int = 4096) -> None:
         wire, nic = Wire(), Nic()
-        p_info, d_info = info("P", "tcp://p:1"), info("D", "tcp://d:1")
-        settings = core_settings(CFG, 4096)
-        self.tx = Transport(nic, p_info.agent_name)
-        self.rx = Transport(nic, d_info.agent_name)
+        make = transport or Transport
+        self.tx = make(nic, agent_name("agent-P", "tcp://p:1"))
+        self.rx = make(nic, agent_name("agent-D", "tcp://d:1"))
+        p_info = m.PeerInfo("P", 1, 0, "tcp://p:1", self.tx.name, b"meta", self.tx.layout)
+        d_info = m.PeerInfo("D", 1, 0, "tcp://d:1", self.rx.name, b"meta", self.rx.layout)
+        settings = core_settings(cfg, block_bytes)
         self.p_stats, self.d_stats = StatsBuffer(), StatsBuffer()
         self.p_results, self.d_results = _Results(), _Results()
-        self.p = SenderPump(CFG, Sender(p_info, settings.sender, _Rng()), self.tx,
+        self.p = SenderPump(cfg, Sender(p_info, settings.sender, _Rng()), self.tx,
                             Endpoint(wire, p_info.control), self.p_results,  # type: ignore[arg-type]
                             self.p_stats)
-        self.d = ReceiverPump(CFG, Receiver(d_info, settings.receiver, _Rng()), self.rx,
+        self.d = ReceiverPump(cfg, Receiver(d_info, settings.receiver, _Rng()), self.rx,
                               Endpoint(wire, d_info.control), self.d_results,  # type: ignore[arg-type]
                               self.d_stats)
 

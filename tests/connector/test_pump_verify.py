@@ -8,17 +8,12 @@ import ctypes
 from typing import Any
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.config.core import core_settings
-from kvpush_prod.connector.worker import ReceiverPump, SenderPump, _Results
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.commands import BlocksReady, ExpectBlocks, Hold, RegisterBlocks
 from kvpush_prod.core.digest import prompt_digest
-from kvpush_prod.core.identity import agent_name
-from kvpush_prod.core.receiver import Receiver
-from kvpush_prod.core.sender import Sender
-from kvpush_prod.metrics import StatsBuffer
 from kvpush_prod.transport.base import Op, RemotePeer
-from tests.connector.test_pump import Endpoint, Nic, Transport, Wire, _Rng, counters
+from tests.connector import test_pump as pump_test
+from tests.connector.test_pump import Nic, Transport, counters
 
 BLOCK, NBLOCKS = 100, 64
 CFG = config_from_extra({"transport": {"progress_thread": True},
@@ -60,31 +55,11 @@ class Memory(Transport):
         return handle
 
 
-class Pair:
+class Pair(pump_test.Pair):
     def __init__(self) -> None:
-        wire, nic = Wire(), Nic()
-        self.tx = Memory(nic, agent_name("agent-P", "tcp://p:1"))
-        self.rx = Memory(nic, agent_name("agent-D", "tcp://d:1"))
-        p_info = m.PeerInfo("P", 1, 0, "tcp://p:1", self.tx.name, b"meta", self.tx.layout)
-        d_info = m.PeerInfo("D", 1, 0, "tcp://d:1", self.rx.name, b"meta", self.rx.layout)
-        settings = core_settings(CFG, BLOCK)
-        self.p_stats, self.d_stats = StatsBuffer(), StatsBuffer()
-        self.p_results, self.d_results = _Results(), _Results()
-        self.p = SenderPump(CFG, Sender(p_info, settings.sender, _Rng()), self.tx,
-                            Endpoint(wire, p_info.control), self.p_results,  # type: ignore[arg-type]
-                            self.p_stats)
-        self.d = ReceiverPump(CFG, Receiver(d_info, settings.receiver, _Rng()), self.rx,
-                              Endpoint(wire, d_info.control), self.d_results,  # type: ignore[arg-type]
-                              self.d_stats)
+        super().__init__(CFG, Memory, BLOCK)
         for b, byte in ((1, 0x11), (2, 0x22), (3, 0x33)):
             self.tx.fill(b, byte)
-
-    def step(self, n: int = 3) -> None:
-        for _ in range(n):
-            with self.p.lock:
-                self.p._pass(True)
-            with self.d.lock:
-                self.d._pass(True)
 
     def push(self, d_prompt: bytes = b"", p_prompt: bytes = b"") -> None:
         self.d.request_of["t"] = "d-t"

@@ -170,6 +170,20 @@ class IntruderRules(RuleBasedStateMachine):
 
     world: World
 
+    # Rules both worlds share (hypothesis collects a machine's rules from its bases too).
+    @rule(data=st.data(), side=st.sampled_from(["D", "P"]))
+    def abort(self, data: st.DataObject, side: str) -> None:
+        """A client goes away: D's request ends (any time), or P's before its prompt is done."""
+        self._abort(data, side)
+
+    @rule(dt=st.floats(0.0, 0.3))
+    def advance(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
+    @rule(dt=st.floats(0.3, 8.0))
+    def advance_long(self, dt: float) -> None:
+        self.world.run_until(self.world.now + dt)
+
     def _pick(self, data: st.DataObject, items: list[Any]) -> Any:
         return data.draw(st.sampled_from(sorted(items)))
 
@@ -233,20 +247,6 @@ class ProtocolWorld(IntruderRules):
             d = w.nodes[self._pick(data, [n for n in w.nodes if n.startswith("D")])]
             # Mostly no prefix hit on D; sometimes part of the prompt, rarely all of it.
             w.new_request(p, d, total, first if first <= total and first % 3 == 0 else 0)
-
-    @rule(data=st.data(), side=st.sampled_from(["D", "P"]))
-    def abort(self, data: st.DataObject, side: str) -> None:
-        """A client goes away: D's request ends (any time), or P's before its prompt is done."""
-        self._abort(data, side)
-
-    # ------------------------------------------------------------------ time
-    @rule(dt=st.floats(0.0, 0.3))
-    def advance(self, dt: float) -> None:
-        self.world.run_until(self.world.now + dt)
-
-    @rule(dt=st.floats(0.3, 8.0))
-    def advance_long(self, dt: float) -> None:
-        self.world.run_until(self.world.now + dt)
 
     # ------------------------------------------------------------------ network
     @precondition(lambda self: bool(self.world.wires) or bool(self.world.history))
@@ -456,18 +456,6 @@ class CalmWorldWithIntruder(IntruderRules):
         tid = w.new_request(p, d, total, first if first <= total and first % 3 == 0 else 0)
         w.late_prefill_leg(p, tid, lag)
         self._intrude(data, ahead, tid)
-
-    @rule(data=st.data(), side=st.sampled_from(["D", "P"]))
-    def abort(self, data: st.DataObject, side: str) -> None:
-        self._abort(data, side)
-
-    @rule(dt=st.floats(0.0, 0.3))
-    def advance(self, dt: float) -> None:
-        self.world.run_until(self.world.now + dt)
-
-    @rule(dt=st.floats(0.3, 8.0))
-    def advance_long(self, dt: float) -> None:
-        self.world.run_until(self.world.now + dt)
 
     @invariant()
     def invariants_hold(self) -> None:

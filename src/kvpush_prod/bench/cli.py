@@ -47,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
         "thread neutralised, and kvpush. Cells already in OUT/results.json are skipped "
         "(resume), unless --force.",
     )
+    _workload_args(p)
+    _engine_args(p)
+    _run_args(p)
+    return p
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """Where results go, which sides, and the cells: lengths, concurrency, rates, requests."""
     p.add_argument(
         "--out",
         type=Path,
@@ -81,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="requests per cell, at least 2x the concurrency (default 32)",
     )
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per prompt length")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """How each side's engines are started and placed."""
     p.add_argument(
         "--rounds",
         type=int,
@@ -98,8 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
         "crossed = on the other engine's core (P's on 1, D's on 0); os = wherever the OS "
         "puts them (default %(default)s)",
     )
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens (default 64)")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per prompt length")
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -114,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="NIXL progress-thread delay given to vLLM's neutralised sides (default 1000)",
     )
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """The client, the work folder, and what to run."""
     p.add_argument(
         "--client",
         choices=["vllm", "own"],
@@ -133,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the cells still to run and a wall-time estimate, run nothing",
     )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -485,7 +485,6 @@ async def _run_cells(
     started_s: float,
 ) -> None:
     side = running.side
-    w = s.workload
     import aiohttp
 
     limit = max(max(c for _, c, _r in cells), 64) + 4
@@ -496,82 +495,93 @@ async def _run_cells(
         import httpx
 
         async with httpx.AsyncClient(trust_env=False) as hclient:
-            send_quiet = (
-                _vllm_request_fn(session, None)
-                if s.client == "vllm"
-                else _own_request_fn(hclient, None)
-            )
-            send = (
-                _vllm_request_fn(session, pbar)
-                if s.client == "vllm"
-                else _own_request_fn(hclient, pbar)
-            )
+            def request_fn(bar: Any) -> Any:
+                return (_vllm_request_fn(session, bar) if s.client == "vllm"
+                        else _own_request_fn(hclient, bar))
+
             if pbar is not None:
                 pbar.set_description(f"{side.name}: warm-up")
-            warm_errors = 0
-            for length in sorted({n for n, _, _r in cells}):
-                prompts = prompts_for(length, 0, w.warmup, salt=99)
-                got, _ = await run_requests(send_quiet, running.entry, prompts, length, 2, 8)
-                warm_errors += sum(1 for g in got if not g.ok)
-            # Threads the warm-up started (handshakes) inherit their creator's cores: check
-            # the placement once more before measuring.
-            late = running.rebind_workers()
-            idle = running.idle_cpu()
-            info = {
-                "label": side.label,
-                "kind": side.kind,
-                "spin": side.spin,
-                "spin_markers": running.spin_markers(),
-                "idle_cpu_pct": idle,
-                "start_s": round(started_s, 1),
-                "warmup_errors": warm_errors,
-                # Worker threads found outside their engine's cores and bound back, at start
-                # and after the warm-up (vLLM's NIXL connectors move the forward's thread).
-                "rebound_threads": {k: v + late.get(k, 0) for k, v in running.rebound.items()},
-            }
-            store.data["sides"][side.name] = info
+            warm_errors = await _warm_up(request_fn(None), running, cells, s.workload.warmup)
+            store.data["sides"][side.name] = _side_info(running, started_s, warm_errors)
             store.save()
+            send = request_fn(pbar)
             for length, conc, rate in cells:
                 if pbar is not None:
                     pbar.set_description(f"{side.name} {cell_key(length, conc, rate)}")
-                n = w.requests_in(length, conc, rate)
-                # Open-loop cells get their own prompts (no prefix hits on closed-loop ones).
-                prompts = prompts_for(length, conc, n, salt=0) if not rate else prompts_for(
-                    length, 1000 + int(rate * 10), n, salt=0)
-                before = _scrape_all(running)
-                cpu_engine = "decode" if side.disaggregated else "single"
-                cpu_before = running.cpu_seconds(cpu_engine)
-                since = time.time()
-                if rate:
-                    samples, wall = await run_open_loop(
-                        send, running.entry, prompts, length, rate, w.max_tokens
-                    )
-                else:
-                    samples, wall = await run_requests(
-                        send, running.entry, prompts, length, conc, w.max_tokens
-                    )
-                until = time.time()
-                cpu_used = running.cpu_seconds(cpu_engine) - cpu_before
-                await asyncio.sleep(0.3)  # let the last reports and traces land
-                after = _scrape_all(running)
-                cell = summarise(samples, wall)
-                cell["raw"] = raw_values(samples)
-                out_tokens = sum(x.output_tokens for x in samples if x.ok)
-                cell.update(
-                    {
-                        # D's (or the single engine's) CPU per output token, whole
-                        # process tree: what decoding costs beside the transfer.
-                        "d_cpu_ms_per_token": (round(1000 * cpu_used / out_tokens, 3)
-                                               if out_tokens else None),
-                        "length": length,
-                        "concurrency": conc,
-                        "rate": rate,
-                        # D's mean tokens per engine step (vLLM's iteration histogram): its
-                        # decode batch, which a closed loop makes larger when TTFT is shorter.
-                        "d_tokens_per_step": d_tokens_per_step(before, after, cpu_engine),
-                        "loadavg": os.getloadavg(),
-                        "at": since,
-                        "transfer": transfer_section(running, before, after, since, until),
-                    }
-                )
+                cell = await _run_cell(s, running, send, length, conc, rate)
                 store.add_round(side.name, cell_key(length, conc, rate), cell)
+
+
+async def _warm_up(send: Any, running: RunningSide, cells: list[Cell], warmup: int) -> int:
+    """Warm every prompt length up; the errors it met."""
+    errors = 0
+    for length in sorted({n for n, _, _r in cells}):
+        prompts = prompts_for(length, 0, warmup, salt=99)
+        got, _ = await run_requests(send, running.entry, prompts, length, 2, 8)
+        errors += sum(1 for g in got if not g.ok)
+    return errors
+
+
+def _side_info(running: RunningSide, started_s: float, warm_errors: int) -> dict[str, Any]:
+    """What the results say of a side as it runs, checked after the warm-up."""
+    side = running.side
+    # Threads the warm-up started (handshakes) inherit their creator's cores: check the
+    # placement once more before measuring.
+    late = running.rebind_workers()
+    return {
+        "label": side.label,
+        "kind": side.kind,
+        "spin": side.spin,
+        "spin_markers": running.spin_markers(),
+        "idle_cpu_pct": running.idle_cpu(),
+        "start_s": round(started_s, 1),
+        "warmup_errors": warm_errors,
+        # Worker threads found outside their engine's cores and bound back, at start and
+        # after the warm-up (vLLM's NIXL connectors move the forward's thread).
+        "rebound_threads": {k: v + late.get(k, 0) for k, v in running.rebound.items()},
+    }
+
+
+async def _run_cell(s: BenchSettings, running: RunningSide, send: Any, length: int,
+                    conc: int, rate: float) -> dict[str, Any]:
+    """One cell of one side: its requests, then what they cost (from the engines)."""
+    side, w = running.side, s.workload
+    n = w.requests_in(length, conc, rate)
+    # Open-loop cells get their own prompts (no prefix hits on closed-loop ones).
+    prompts = prompts_for(length, conc, n, salt=0) if not rate else prompts_for(
+        length, 1000 + int(rate * 10), n, salt=0)
+    before = _scrape_all(running)
+    cpu_engine = "decode" if side.disaggregated else "single"
+    cpu_before = running.cpu_seconds(cpu_engine)
+    since = time.time()
+    if rate:
+        samples, wall = await run_open_loop(send, running.entry, prompts, length, rate,
+                                            w.max_tokens)
+    else:
+        samples, wall = await run_requests(send, running.entry, prompts, length, conc,
+                                           w.max_tokens)
+    until = time.time()
+    cpu_used = running.cpu_seconds(cpu_engine) - cpu_before
+    await asyncio.sleep(0.3)  # let the last reports and traces land
+    after = _scrape_all(running)
+    cell = summarise(samples, wall)
+    cell["raw"] = raw_values(samples)
+    out_tokens = sum(x.output_tokens for x in samples if x.ok)
+    cell.update(
+        {
+            # D's (or the single engine's) CPU per output token, whole process tree: what
+            # decoding costs beside the transfer.
+            "d_cpu_ms_per_token": (round(1000 * cpu_used / out_tokens, 3)
+                                   if out_tokens else None),
+            "length": length,
+            "concurrency": conc,
+            "rate": rate,
+            # D's mean tokens per engine step (vLLM's iteration histogram): its decode batch,
+            # which a closed loop makes larger when TTFT is shorter.
+            "d_tokens_per_step": d_tokens_per_step(before, after, cpu_engine),
+            "loadavg": os.getloadavg(),
+            "at": since,
+            "transfer": transfer_section(running, before, after, since, until),
+        }
+    )
+    return cell

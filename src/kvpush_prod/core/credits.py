@@ -166,24 +166,9 @@ class CreditLedger:
                 "negative credit request",
                 f"transfer {transfer_id!r} asked for {nblocks} blocks; ask for >= 0",
             )
-        held = self._held.get(transfer_id)
-        if held is not None:
-            if held.peer != peer:
-                raise ProtocolError(
-                    "conflicting credit request",
-                    f"transfer {transfer_id!r} already holds {held.nblocks} blocks from peer "
-                    f"{held.peer!r} but asked for {nblocks} from {peer!r}; release it first",
-                )
-            if held.nblocks == nblocks:
-                return Admission(Decision.ADMIT, "already admitted")
-            if nblocks < held.nblocks:
-                # The local prefix hit grew between asks (vLLM asks again after a failed
-                # allocation): fewer blocks to receive, the credit shrinks in place.
-                self._shrink(held, nblocks)
-                return Admission(Decision.ADMIT, f"credit reduced to {nblocks} blocks")
-            # More blocks than granted: give the grant back and ask like a new transfer.
-            self._unhold(transfer_id)
-
+        again = self._asked_again(transfer_id, peer, nblocks)
+        if again is not None:
+            return again
         s = self._settings
         if nblocks > s.budget_blocks or nblocks > s.per_peer_cap_blocks:
             # Never answer LATER to something that can never fit: that wait would not end.
@@ -194,28 +179,59 @@ class CreditLedger:
                 f"needs {nblocks} blocks but the budget is {s.budget_blocks} and the "
                 f"per-peer cap is {s.per_peer_cap_blocks}",
             )
+        reason = self._why_not_now(transfer_id, peer, nblocks, now, capacity)
+        if not reason:
+            self._admit(transfer_id, peer, nblocks)
+            return Admission(Decision.ADMIT, f"{nblocks} blocks granted")
+        self._wait(transfer_id, peer, nblocks, now)
+        return Admission(Decision.LATER, reason)
 
+    def _asked_again(self, transfer_id: TransferId, peer: PeerId,
+                     nblocks: int) -> Admission | None:
+        """The answer for a transfer already granted (None: decide it as a new one; a
+        larger ask gives the grant back first)."""
+        held = self._held.get(transfer_id)
+        if held is None:
+            return None
+        if held.peer != peer:
+            raise ProtocolError(
+                "conflicting credit request",
+                f"transfer {transfer_id!r} already holds {held.nblocks} blocks from peer "
+                f"{held.peer!r} but asked for {nblocks} from {peer!r}; release it first",
+            )
+        if held.nblocks == nblocks:
+            return Admission(Decision.ADMIT, "already admitted")
+        if nblocks < held.nblocks:
+            # The local prefix hit grew between asks (vLLM asks again after a failed
+            # allocation): fewer blocks to receive, the credit shrinks in place.
+            self._shrink(held, nblocks)
+            return Admission(Decision.ADMIT, f"credit reduced to {nblocks} blocks")
+        # More blocks than granted: give the grant back and ask like a new transfer.
+        self._unhold(transfer_id)
+        return None
+
+    def _why_not_now(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float,
+                     capacity: int | None) -> str:
+        """Why ``nblocks`` cannot be granted now ("" when they can)."""
+        s = self._settings
         head = self._aged_head(now, exclude=transfer_id)
         peer_used = self._peer_in_use(peer)
         budget_free = s.budget_blocks - self._in_use
         free = budget_free if capacity is None else min(budget_free, max(0, capacity))
         peer_free = s.per_peer_cap_blocks - peer_used
         if nblocks > budget_free:
-            reason = f"budget full: {self._in_use}/{s.budget_blocks} blocks in use"
-        elif nblocks > free:
-            reason = f"KV cache full: {capacity} blocks free for new transfers, {nblocks} needed"
-        elif nblocks > peer_free:
-            reason = f"peer {peer!r} at cap: {peer_used}/{s.per_peer_cap_blocks} blocks in use"
-        elif head is not None and not self._leaves_room(head, peer, nblocks, free, peer_free):
+            return f"budget full: {self._in_use}/{s.budget_blocks} blocks in use"
+        if nblocks > free:
+            return f"KV cache full: {capacity} blocks free for new transfers, {nblocks} needed"
+        if nblocks > peer_free:
+            return f"peer {peer!r} at cap: {peer_used}/{s.per_peer_cap_blocks} blocks in use"
+        if head is not None and not self._leaves_room(head, peer, nblocks, free, peer_free):
             head_id, head_waiter = head
-            reason = (
-                f"held back for transfer {head_id!r} ({head_waiter.nblocks} blocks), "
-                f"waiting since {head_waiter.since:.3f}"
-            )
-        else:
-            self._admit(transfer_id, peer, nblocks)
-            return Admission(Decision.ADMIT, f"{nblocks} blocks granted")
+            return (f"held back for transfer {head_id!r} ({head_waiter.nblocks} blocks), "
+                    f"waiting since {head_waiter.since:.3f}")
+        return ""
 
+    def _wait(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float) -> None:
         waiter = self._waiting.get(transfer_id)
         if waiter is None:
             self._waiting[transfer_id] = _Waiter(peer, nblocks, since=now, last_asked=now)
@@ -225,7 +241,6 @@ class CreditLedger:
             waiter.nblocks = nblocks
             waiter.last_asked = max(waiter.last_asked, now)
         self._later += 1
-        return Admission(Decision.LATER, reason)
 
     def release(self, transfer_id: TransferId) -> bool:
         """Return a transfer's credit (done, failed, aborted, lease expired).
