@@ -143,7 +143,7 @@ def flow_cost(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
     """The issue's acceptance targets, checked on this run (baselines: spin neutralised)."""
-    cells = data["cells"]
+    cells: dict[str, dict[str, dict[str, Any]]] = data["cells"]  # side -> "LxC" -> cell
 
     def c(side: str, conc: int) -> dict[str, Any] | None:
         return cells.get(side, {}).get(f"{length}x{conc}")

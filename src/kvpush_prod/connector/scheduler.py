@@ -525,10 +525,10 @@ class ProducerSide(SchedulerSide):
         if rid in self._held:
             return True, None  # held already (the hold is queued)
         # Never pushed: free now, and D must not wait for it.
-        tid = self._tid_of.get(rid)
+        unsent = self._tid_of.get(rid)
         self._forget(rid)
-        if tid is not None:
-            self._meta.abort_send.append(tid)
+        if unsent is not None:
+            self._meta.abort_send.append(unsent)
         return False, None
 
     def request_finished(self, request: Request,

@@ -25,7 +25,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpush_prod.control.addresses import address_problem, is_ipv6
-from kvpush_prod.control.codec import ControlCodec, RejectReason
+from kvpush_prod.control.codec import ControlCodec
 from kvpush_prod.control.keys import fingerprint
 from kvpush_prod.control.security import (
     HANDSHAKE_EVENTS,
@@ -37,6 +37,7 @@ from kvpush_prod.control.security import (
 from kvpush_prod.core import messages
 from kvpush_prod.errors import ConfigError, ProtocolError
 from kvpush_prod.loglimit import LogLimiter
+from kvpush_prod.vocabulary import RejectReason
 
 logger = logging.getLogger(__name__)
 BIND_WAIT_S = 10.0  # how long a taken control port is retried before giving up
@@ -698,7 +699,7 @@ class ControlEndpoint:
         self._teardown()
 
     def _teardown(self) -> None:
-        spares = getattr(self, "_spares", deque())
+        spares: deque[tuple[Socket, Socket]] = getattr(self, "_spares", deque())
         for entry in [*self._peers.values(), *spares]:
             self._close_peer(entry)
         self._peers.clear()

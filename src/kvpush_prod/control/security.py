@@ -12,9 +12,9 @@ from types import MappingProxyType
 import zmq
 from zmq.utils import z85
 
-from kvpush_prod.control.codec import RejectReason
 from kvpush_prod.control.keys import KeyPair, fingerprint, load_allowed, load_keypair
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.vocabulary import RejectReason
 
 # The ZAP domain of our ROUTERs; the handler answers for this domain only.
 ZAP_DOMAIN = "kvpush"

@@ -56,10 +56,10 @@ async def _run(cluster: Cluster, lengths: list[int], max_tokens: int) -> int:
                   flush=True)
     held = cluster.wait_idle(30)
     pd = [r[2] for r in rows if r[2] is not None]
-    single = [r[3] for r in rows if r[3] is not None]
+    singles = [r[3] for r in rows if r[3] is not None]
     correct = sum(1 for r in rows if r[5])
     pushed = sum(r[4] for r in rows)
-    p50, s50 = statistics.median(pd), statistics.median(single)
+    p50, s50 = statistics.median(pd), statistics.median(singles)
     print(f"\nCPU: {_cpu_model()}; dtype float32; {len(rows)} requests, {max_tokens} output tokens")
     print(f"TTFT p50: P/D push {1000 * p50:.1f} ms, single engine {1000 * s50:.1f} ms "
           f"(ratio {p50 / s50:.2f}x)")

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *(sys.argv[1:] if argv is None else argv)]
-    vllm_main()
+    vllm_main()  # type: ignore[no-untyped-call]  # vLLM's CLI main() has no annotations
     return 0
 
 

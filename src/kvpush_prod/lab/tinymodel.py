@@ -141,7 +141,8 @@ def _write_weights(path: Path, spec: TinyModelSpec) -> None:
     kv_out = spec.num_kv_heads * spec.head_dim
 
     def rnd(*shape: int, fan_in: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * (spec.weight_std * (h / fan_in) ** 0.5)
+        std: float = spec.weight_std * (h / fan_in) ** 0.5  # float ** float is Any to mypy
+        return torch.randn(*shape, generator=gen) * std
 
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen),

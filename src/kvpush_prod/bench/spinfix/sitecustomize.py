@@ -10,10 +10,13 @@ writes one marker line to stderr, which the benchmark checks in the engine logs.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
+from collections.abc import Sequence
+from typing import Any
 
 _ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
 MARKER = "kvpush-bench: nixl progress thread delay set to"
@@ -25,11 +28,14 @@ def _patch(mod: types.ModuleType) -> None:
         return
     delay = int(os.environ.get(_ENV, "1000"))
     original = agent_cls.__init__
+    api: Any = mod  # nixl_cu*._api: its nixlBind (the C++ bindings) is invisible to mypy
 
-    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        real = mod.nixlBind
+    def __init__(self: object, *args: Any, **kwargs: Any) -> None:
+        real = api.nixlBind
 
         class _Config:
+            real: Any  # NIXL's own config object, set once in __init__
+
             def __init__(self) -> None:
                 object.__setattr__(self, "real", real.nixlAgentConfig())
 
@@ -39,17 +45,20 @@ def _patch(mod: types.ModuleType) -> None:
                 setattr(self.real, key, value)
 
         class _Bindings(types.ModuleType):
+            nixlAgentConfig: Any  # the two names overridden; the rest come from ``real``
+            nixlAgent: Any
+
             def __getattr__(self, key: str) -> object:
                 return getattr(real, key)
 
         proxy = _Bindings("nixl_bindings_spinfix")
-        proxy.nixlAgentConfig = _Config  # type: ignore[attr-defined]
-        proxy.nixlAgent = lambda name, cfg: real.nixlAgent(name, cfg.real)  # type: ignore[attr-defined]
-        mod.nixlBind = proxy
+        proxy.nixlAgentConfig = _Config
+        proxy.nixlAgent = lambda name, cfg: real.nixlAgent(name, cfg.real)
+        api.nixlBind = proxy
         try:
             original(self, *args, **kwargs)
         finally:
-            mod.nixlBind = real
+            api.nixlBind = real
         print(
             f"{MARKER} {delay} us (agent {args[0] if args else '?'}, pid {os.getpid()})",
             file=sys.stderr,
@@ -63,7 +72,8 @@ def _patch(mod: types.ModuleType) -> None:
 class _After(importlib.abc.MetaPathFinder):
     """Patches ``nixl_cu*._api`` right after it is executed (nixl._api is an alias of it)."""
 
-    def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if not (name.startswith("nixl") and name.endswith("._api")):
             return None
         sys.meta_path.remove(self)

@@ -74,10 +74,10 @@ async def run(ctx: Context) -> None:
         gen.stop()
         await task
     records = [r for g in ctx.generators for r in g.records]
-    waited = [r for r in records if r.phase.startswith(("drain", "restart"))]
-    ctx.event("requests sent while an engine drained or restarted", count=len(waited))
-    ctx.report.check("requests arrived during the drains and restarts", bool(waited),
-                     "" if waited else "none: the scenario proved nothing")
+    during = [r for r in records if r.phase.startswith(("drain", "restart"))]
+    ctx.event("requests sent while an engine drained or restarted", count=len(during))
+    ctx.report.check("requests arrived during the drains and restarts", bool(during),
+                     "" if during else "none: the scenario proved nothing")
     check_all_answered(ctx, records, "a drained restart loses no request")
 
 

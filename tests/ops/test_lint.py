@@ -1,0 +1,40 @@
+"""The checks a reviewer would run, run by CI: ruff over src and tests, and mypy --strict over
+the whole package (pyproject's [tool.mypy]: every module of kvpush_prod, not only the core)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    found = BIN / name
+    if found.exists():
+        return str(found)
+    on_path = shutil.which(name)
+    if on_path is None:
+        pytest.fail(f"{name} is not installed: `pip install -e '.[dev]'` installs it")
+    return on_path
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          check=False)
+
+
+def test_ruff_finds_nothing() -> None:
+    done = _run(_tool("ruff"), "check", "src", "tests")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_strict_over_the_whole_package() -> None:
+    done = _run(_tool("mypy"))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Success" in done.stdout, done.stdout
