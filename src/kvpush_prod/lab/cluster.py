@@ -180,6 +180,8 @@ class Cluster:
         common: dict[str, Any] = {"model": self.model, "block_size": s.block_size,
                                   "max_num_seqs": s.max_num_seqs,
                                   "extra_args": list(s.engine_args)}
+        if isinstance(s.model, TinyMlaSpec):
+            common["extra_args"] += s.model.engine_args()
         if self.tls is not None and name in self.engine_names:
             common["extra_args"] += ["--ssl-keyfile", str(self.tls.key),
                                      "--ssl-certfile", str(self.tls.cert)]

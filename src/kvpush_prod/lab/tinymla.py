@@ -27,8 +27,9 @@ class TinyMlaSpec:
 
     vLLM's CPU MLA decode kernel (``mla_decode_kvcache_cpu``) is compiled for one latent
     size only: ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 (576 values), so those two
-    keep DeepSeek's values; everything else is small. The platform forces block size 16
-    for MLA on CPUs without AMX, whatever ``--block-size`` says.
+    keep DeepSeek's values; everything else is small. The engines run vLLM's reference CPU
+    MLA backend (``engine_args``), for which the platform forces block size 16, whatever
+    ``--block-size`` says.
     """
 
     num_layers: int = 2
@@ -47,6 +48,13 @@ class TinyMlaSpec:
     # Zero the rotary (position) part of queries and keys: attention then depends on the
     # tokens' content only. See the module notes on vLLM's CPU MLA paths.
     rope_weights: bool = False
+
+    def engine_args(self) -> list[str]:
+        """vLLM flags every engine serving this model needs. On a CPU with AMX tiles vLLM
+        picks its AMX MLA backend, which takes bfloat16 weights only (a float32 engine dies
+        at start-up: "expect weight to be bfloat16, ..."); the reference CPU MLA backend
+        takes any dtype, so it is named unless the model is bfloat16."""
+        return [] if self.dtype == "bfloat16" else ["--attention-backend", "CPU_MLA"]
 
     @property
     def latent_size(self) -> int:
@@ -116,7 +124,8 @@ def _write_weights(path: Path, spec: TinyMlaSpec) -> None:
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
 
     def rnd(*shape: int, fan_in: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * (spec.weight_std * (h / fan_in) ** 0.5)
+        std: float = spec.weight_std * (h / fan_in) ** 0.5  # float ** float is Any to mypy
+        return torch.randn(*shape, generator=gen) * std
 
     tensors: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen),
