@@ -169,6 +169,6 @@ def test_a_transfer_kept_only_for_contenders_ends_within_the_transfer_bound() ->
     s = Sender(P, SS, random.Random(0))
     s.on_message(register(sender_info=INTRUDER, gen=5, ttl_ms=1500), 0.0, origin=KI)
     s.on_message(register(sender_info=ANOTHER, gen=6, ttl_ms=86_400_000), 0.1, origin=KX)
-    s.tick(1.0)  # the intruder's registration lapses: it withdraws, the contender stays
+    s.tick(2.0)  # the intruder's term ended at 1.5 s: it withdraws, the contender stays
     s.tick(SS.timeouts.total_s + 10.0)
     assert "t" not in s._out

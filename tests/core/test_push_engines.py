@@ -396,6 +396,40 @@ def test_permit_counts_from_when_decode_granted_it_not_when_it_arrived() -> None
     assert of(s.on_message(register(ttl_ms=5000), 10.0, age=4.5), PostWrite) == []
 
 
+def test_a_permit_renewed_by_a_heartbeat_queued_behind_its_register_still_pushes() -> None:
+    """P paused 4.5 s: its REGISTER (granted at 5.5) and D's heartbeats (renewing at 9.5)
+    wait in P's queue. The blocks are computed between the two: P must not drop the
+    transfer on the REGISTER's stale term, the heartbeat read next starts the push."""
+    s = sender()
+    assert of(s.on_message(register(ttl_ms=5000), 10.0, age=4.5), PostWrite) == []
+    assert of(s.blocks_ready("t", [1, 2, 3], 10.0), PostWrite) == []
+    assert msgs(s.tick(10.0), m.Failed) == []
+    hb = m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000)
+    assert of(s.on_message(hb, 10.0, age=0.5), PostWrite) != []
+
+
+def test_a_register_read_late_waits_for_its_renewal_before_the_blocks_come() -> None:
+    """The same pause with the REGISTER read before P's request: a tick between the REGISTER
+    and the heartbeat behind it must not end the transfer while its term still runs."""
+    s = sender()
+    s.on_message(register(ttl_ms=5000), 10.0, age=4.5)  # the term ends at 10.5
+    assert msgs(s.tick(10.1), m.Failed) == []
+    s.on_message(m.Heartbeat(1, D, P.incarnation, [("t", 1)], 5000), 10.1, age=0.5)
+    assert of(s.blocks_ready("t", [1, 2, 3], 10.2), PostWrite) != []
+
+
+def test_a_permit_that_runs_out_before_the_push_begins_tells_decode_at_once() -> None:
+    s = sender()
+    s.on_message(register(ttl_ms=5000), 10.0, age=4.5)  # the term ends at 10.5
+    s.blocks_ready("t", [1, 2, 3], 10.0)
+    s.hold("t")
+    assert msgs(s.tick(10.2), m.Failed) == []  # a renewal may still come
+    out = s.tick(10.6)
+    assert [f.reason for f in msgs(out, m.Failed)] == ["permit_expired"]
+    assert of(out, PostWrite) == []
+    assert of(out, ReleaseSend) == [ReleaseSend("t", "expired", 0)]
+
+
 def test_heartbeat_from_decode_renews_the_permit_and_the_send_lease() -> None:
     s = sender()
     s.blocks_ready("t", [1], 0.0)

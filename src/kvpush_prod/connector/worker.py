@@ -94,6 +94,10 @@ PASS_BUDGET_S = 0.004
 # 128 KiB heartbeats kept P's pump busy ~80% and a decode's largest gap at 48-64 ms).
 PASS_GAP_S = 0.002
 TICK_S = 0.05  # leases, deadlines and heartbeats are looked at this often
+# While messages are left over (a pass cut short by its budget), timers wait for them: a
+# renewal still queued must be read before a lease is judged over. At most this long, so a
+# flood never stops the heartbeats.
+TICK_DEFER_S = 0.5
 # The shortest wait of the pump between two transport polls. NIXL 1.5.1's Python API has no
 # completion or notification fd (check_xfer_state and get_new_notifs are polls), so a
 # bounded wait is unavoidable while chunks are in flight; anything shorter was measured to
@@ -780,7 +784,8 @@ class TransferPump(threading.Thread, Generic[E]):
         now = self.now()
         if self.engine.busy:
             self.driver.poll()
-        if now - self._last_tick >= TICK_S:
+        since = now - self._last_tick
+        if since >= TICK_S and (not cut or since >= TICK_DEFER_S):
             self._last_tick = now
             self.driver.tick()
             self._report_gauges(now)

@@ -516,6 +516,8 @@ class Sender:
                     o.permit = o.permit.renewed(gen, now - age + ttl)
                     if o.queued:
                         self.sched.renew(tid, o.permit.expires_at)
+                    elif self._awaits_permit(o):
+                        out += self._maybe_start(o, now)
                 o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
             elif o.reg is not None:
                 out.append(Note(NoteKind.FENCED, "stale_generation",
@@ -774,10 +776,12 @@ class Sender:
                 out.append(Note(NoteKind.LEASE_EXPIRED, "send", o.tid))
                 self._fire(o, E.EXPIRE, now)
                 out += self._close(o, Outcome.EXPIRED)
-            elif st is S.WAITING_BLOCKS and o.permit is not None and not o.permit.usable(now):
+            elif st is S.WAITING_BLOCKS and o.permit is not None and now >= o.permit.expires_at:
                 # The permit ran out before our blocks did: D fails the receive itself, and
                 # blocks that still come are freed unpushed. A registration P's engine never
                 # named says nothing of the request to come: only its own key's is over.
+                # Judged at its end, not when it stops being usable: a heartbeat renewing
+                # it may still wait in the queue behind the REGISTER.
                 if self._drop_registrant(o, now):
                     continue
                 self._tombstone(o.tid, now, o.owner if self._unclaimed(o) else "")
@@ -790,6 +794,15 @@ class Sender:
                         del o.contenders[origin]
                 if not o.contenders:
                     self._out.pop(o.tid, None)
+            elif self._awaits_permit(o) and o.permit is not None \
+                    and now >= o.permit.expires_at:
+                # Registered and computed, but no renewal came before the permit ran out:
+                # D hears at once (it recomputes or fails the request) instead of waiting.
+                out.append(Note(NoteKind.LEASE_EXPIRED, "permit",
+                                f"permit of {o.tid} ran out before its push began"))
+                self._fire(o, E.EXPIRE, now)
+                out += [self._failed(o, "permit_expired", "the permit ran out before P "
+                                     "could push"), *self._close(o, Outcome.EXPIRED)]
             elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
                 # D's read permit is over: D no longer reads our blocks.
                 out.append(Note(NoteKind.LEASE_EXPIRED, "pull", o.tid))
@@ -982,8 +995,10 @@ class Sender:
                     self._failed(o, "bad_blocks", problem), *self._close(o, Outcome.FAILED)]
         assert o.permit is not None
         if not o.permit.usable(now):
-            self._fire(o, E.EXPIRE, now)
-            return self._close(o, Outcome.EXPIRED)
+            # Not usable as last heard; D's renewals may be queued behind its REGISTER (this
+            # engine was paused, or a pass ran out of budget before reading them). A
+            # heartbeat that renews it starts the push; tick ends it once the permit is over.
+            return []
         if self.s.fallback and not self.breakers.allow(o.peer, now):
             # Repeated failures to this D: straight to pull until a probe push succeeds.
             return [Note(NoteKind.FALLBACK, "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
@@ -992,6 +1007,13 @@ class Sender:
                        o.permit.expires_at, now)
         o.queued, o.ready_at = True, now
         return self.poll(now)
+
+    @staticmethod
+    def _awaits_permit(o: _Out) -> bool:
+        """Registered and its blocks ready, not queued: its permit was not usable when it
+        could have started (a renewal may still come)."""
+        return (o.machine.state is S.REGISTERED and o.blocks is not None and o.reg is not None
+                and not o.queued and not o.inflight)
 
     def _check(self, o: _Out, reg: Register) -> str:
         """Why ``reg`` cannot be pushed into ("" if it can; then ``o.units`` is the plan)."""
