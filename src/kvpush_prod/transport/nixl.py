@@ -253,7 +253,9 @@ class NixlTransport:
         indexing the lists prepared at connect (``runs.choose_path``). Over
         ``max_descriptors`` the post is split on run boundaries: the first part is posted
         now, one more per ``state`` call, and ``notif`` goes out only once every part
-        landed (NIXL orders a request's notification after that request's own bytes only)."""
+        landed (NIXL orders a request's notification after that request's own bytes only;
+        its UCX backend ends every request with an endpoint flush, so a part's DONE means
+        its bytes are at the peer, and ``send_notif`` after the last DONE follows them)."""
         t0 = time.perf_counter()
         n = len(local_blocks)
         if n != len(remote_blocks):
