@@ -342,3 +342,20 @@ def test_nixl_posts_the_descriptors_the_stats_count(monkeypatch: pytest.MonkeyPa
             tp.close()
             td.close()
 
+
+def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``kvpush bench transfer --post-cost`` on a tiny shape: every path posts the same
+    # descriptors (NIXL's count), the old path hands NIXL one index per block per region.
+    from kvpush_prod.bench.transfer import post_cost, post_cost_markdown
+
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")  # undone after the test
+
+    res = post_cost([2], [16], [256], ["contiguous", "fragmented"],
+                    ["old", "auto", "prepped", "coalesced"], iters=2)
+    rows = res["rows"]
+    assert len(rows) == 8
+    for kind, regions_runs in (("contiguous", 1), ("fragmented", 16)):
+        cells = [r for r in rows if r["kind"] == kind]
+        assert {r["descriptors"] for r in cells} == {4 * regions_runs}
+        assert next(r for r in cells if r["path"] == "old")["entries"] == 4 * 16
+    assert "| 2 | 16 | 256 | 16 | contiguous | old |" in post_cost_markdown(res, "here")
