@@ -214,7 +214,9 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        "split into parts.", _DESCRIPTOR_BUCKETS),
     _s("kvpush_post_build_seconds", "histogram", _R,
        "Time to build one chunk's NIXL request from its block ids (runs, descriptor lists, "
-       "NIXL's request), before the backend submits it; part of kvpush_chunk_post_seconds.",
+       "NIXL's request), before the backend submits it; part of kvpush_chunk_post_seconds. "
+       "A post split into parts counts its first part's (the others are built as it "
+       "completes).",
        _POST_BUCKETS),
 )
 
