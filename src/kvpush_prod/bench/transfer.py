@@ -334,10 +334,7 @@ def _post_cell(transport: Any, peer: Any, lids: list[int], rids: list[int], path
             if transport.agent.transfer(raw) == "ERR":
                 raise RuntimeError("NIXL refused the old path's post")
             submit = time.perf_counter() - t1
-            while (state := transport.agent.check_xfer_state(raw)) == "PROC":
-                pass  # the bench measures: poll as fast as possible between posts
-            if state != "DONE":
-                raise RuntimeError(f"old path WRITE failed: {state}")
+            _until_done(transport.agent.check_xfer_state, raw, "old path")
             posted = int(transport.agent.get_xfer_telemetry(raw).descCount)
             transport.agent.release_xfer_handle(raw)
             entries = len(lids) * len(transport.layout.regions)
@@ -345,10 +342,7 @@ def _post_cell(transport: Any, peer: Any, lids: list[int], rids: list[int], path
             transport.path = path
             handle = transport.post("WRITE", peer, lids, rids)
             stats = transport.last_post
-            while (state := transport.state(handle)) == "PROC":
-                pass
-            if state != "DONE":
-                raise RuntimeError(f"{path} WRITE failed: {state}")
+            _until_done(transport.state, handle, path)
             posted = int(transport.agent.get_xfer_telemetry(handle.handles[0]).descCount)
             transport.release(handle)
             build, submit = stats.build_s, stats.submit_s
@@ -359,6 +353,15 @@ def _post_cell(transport: Any, peer: Any, lids: list[int], rids: list[int], path
     return {"entries": entries, "descriptors": posted, "runs": runs, "chosen": chosen,
             "build_us": b50 * 1e6, "submit_us": s50 * 1e6, "post_us": (b50 + s50) * 1e6,
             "iterations": iters}
+
+
+def _until_done(check: Any, handle: Any, what: str) -> None:
+    """Poll a posted WRITE until it is DONE, sleeping between polls: only build and submit
+    are timed, so its completion need not be seen at once."""
+    while (state := str(check(handle))) == "PROC":
+        time.sleep(50e-6)
+    if state != "DONE":
+        raise RuntimeError(f"{what} WRITE failed: {state}")
 
 
 def fit_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
