@@ -55,6 +55,8 @@ EXPECTED = {
     "kvpush_connector_blocks": ("gauge", ("role",)),
     "kvpush_transfers_active": ("gauge", ("role",)),
     "kvpush_peer_restarts": ("counter", ("role",)),
+    "kvpush_post_descriptors": ("histogram", ("role",)),
+    "kvpush_post_build_seconds": ("histogram", ("role",)),
 }
 VLLM_BASE = ["model_name", "engine"]
 
@@ -74,7 +76,10 @@ def test_names_follow_kvpush_noun_unit_and_labels_are_bounded(series: Series) ->
     assert series.name.startswith("kvpush_")
     assert not series.name.endswith("_total"), "counters get _total on export"
     if series.kind == "histogram":
-        assert series.name.endswith(("_seconds", "_bytes")), "a histogram names its unit"
+        # A unit of time or size, or a count of a named thing (plural, as Prometheus
+        # names count units): descriptors per post.
+        assert series.name.endswith(("_seconds", "_bytes", "_descriptors")), \
+            "a histogram names its unit"
     assert series.doc.strip()
     for banned in ("request_id", "transfer_id", "request", "prompt"):
         assert banned not in series.labels

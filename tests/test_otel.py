@@ -52,13 +52,17 @@ def test_a_send_span_counts_its_chunks_and_marks_failures() -> None:
     trace, exported = setup("producer")
     trace("blocks_ready", "t2", blocks=3)  # no trace context: a root span
     trace("msg_in", "t2", kind="Register")
-    trace("post", "t2", op="WRITE", chunk=1, nbytes=4096, last=False)
+    trace("post", "t2", op="WRITE", chunk=1, nbytes=4096, last=False, descriptors=64,
+          build_us=38.5)
     trace("post", "t2", op="WRITE", chunk=2, nbytes=2048, last=True)
     trace("release", "t2", outcome="failed")
     (span,) = exported.get_finished_spans()
     assert span.name == "kvpush.send" and span.parent is None
     assert [e.name for e in span.events] == ["register", "push", "push"]
     assert span.events[1].attributes["kvpush.bytes"] == 4096
+    assert span.events[1].attributes["kvpush.descriptors"] == 64
+    assert span.events[1].attributes["kvpush.build_us"] == 38.5
+    assert "kvpush.descriptors" not in span.events[2].attributes  # not told: left out
     assert span.status.status_code.name == "ERROR"
 
 

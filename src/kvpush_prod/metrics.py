@@ -29,6 +29,9 @@ _POST_BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
     0.05, 0.1, 0.25, 1.0,
 )
+# Descriptors per post: a run of blocks per region on a fresh cache (tens to hundreds), a
+# block per region on a fragmented one (thousands at 8k tokens), split over 8,192.
+_DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 # The only labels a kvpush series may carry (vLLM adds model_name and engine on its side).
 # Each is bounded: a fixed set of values, or the engine ids of the peers (peer).
@@ -204,6 +207,17 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_peer_restarts", "counter", _R,
        "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
        healthy=False),
+    _s("kvpush_post_descriptors", "histogram", _R,
+       "NIXL descriptors one chunk's post hands the backend: one per run of blocks adjacent "
+       "on both sides per KV region (per block per region when D's cache is fragmented; "
+       "per piece when block sizes or tensor-parallel sizes differ). Over 8,192 a post is "
+       "split into parts.", _DESCRIPTOR_BUCKETS),
+    _s("kvpush_post_build_seconds", "histogram", _R,
+       "Time to build one chunk's NIXL request from its block ids (runs, descriptor lists, "
+       "NIXL's request), before the backend submits it; part of kvpush_chunk_post_seconds. "
+       "A post split into parts counts its first part's (the others are built as it "
+       "completes).",
+       _POST_BUCKETS),
 )
 
 SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}

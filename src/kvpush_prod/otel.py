@@ -9,7 +9,7 @@ exports one span per transfer and side, to the same endpoint:
   ``pull`` (a fallback READ posted), ``done`` (P's DONE arrived) and the outcome;
 - P: ``kvpush.send``, from the prompt's KV being ready to the blocks' release, with events
   ``register`` (D's REGISTER arrived), ``push`` (a WRITE chunk posted: bytes, chunk id,
-  last), ``pull_done`` and the outcome.
+  last, NIXL descriptors, microseconds to build the request), ``pull_done`` and the outcome.
 
 Each span's parent is the request's W3C trace context (``traceparent`` header the client or
 router sent, which vLLM keeps as the request's ``trace_headers``), so the spans sit under
@@ -60,7 +60,8 @@ class TransferSpans:
         elif event == "post":
             op = str(fields.get("op", ""))
             self.event(tid, "push" if op == "WRITE" else "pull", bytes=fields.get("nbytes"),
-                       chunk=fields.get("chunk"), last=fields.get("last"))
+                       chunk=fields.get("chunk"), last=fields.get("last"),
+                       descriptors=fields.get("descriptors"), build_us=fields.get("build_us"))
         elif event in ("msg_in", "msg_out"):
             kind = str(fields.get("kind", ""))
             if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):

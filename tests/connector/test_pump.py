@@ -233,3 +233,57 @@ def test_a_malformed_done_notification_is_counted_as_rejected() -> None:
     pair.step(1)
     assert counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer",
                                    "malformed")] == 1
+
+
+class _Cost:
+    """What ``NixlTransport.last_post`` holds (``transport.nixl.PostStats``), as the pump
+    reads it."""
+
+    def __init__(self, descriptors: int) -> None:
+        self.descriptors, self.runs, self.parts = descriptors, 1, 1
+        self.path, self.build_s = "prepped", 0.000125
+
+
+class CostingTransport(Transport):
+    """The fake NIXL, keeping a record of each post's cost as the real transport does."""
+
+    def __init__(self, nic: Nic, name: str) -> None:
+        super().__init__(nic, name)
+        self.last_post: _Cost | None = None
+
+    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
+             notif: bytes = b"") -> Any:
+        handle = super().post(op, peer, local_blocks, remote_blocks, notif)
+        self.last_post = _Cost(2 * len(local_blocks))
+        return handle
+
+
+class Spans:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def on_event(self, event: str, tid: str, fields: Any) -> None:
+        self.events.append((event, tid, dict(fields)))
+
+
+def test_each_post_reports_its_descriptors_and_build_time_in_metrics_and_trace() -> None:
+    pair = Pair(transport=CostingTransport)
+    spans = pair.p.trace.spans = Spans()
+    pair.push()
+    pair.step()
+    hist = pair.p_stats.drain()["h"]
+    posts = [v for name, _, v in hist if name == "kvpush_chunk_post_seconds"]
+    assert len(posts) == 3
+    assert [v for name, _, v in hist if name == "kvpush_post_descriptors"] == [2, 2, 2]
+    assert [v for name, _, v in hist if name == "kvpush_post_build_seconds"] == [0.000125] * 3
+    traced = [f for event, tid, f in spans.events if event == "post" and tid == "t"]
+    assert [(f["descriptors"], f["build_us"], f["parts"]) for f in traced] == [(2, 125.0, 1)] * 3
+
+
+def test_a_transport_without_a_cost_record_reports_no_descriptors() -> None:
+    pair = Pair()
+    pair.push()
+    pair.step()
+    names = {name for name, _, _ in pair.p_stats.drain()["h"]}
+    assert "kvpush_chunk_post_seconds" in names
+    assert not names & {"kvpush_post_descriptors", "kvpush_post_build_seconds"}

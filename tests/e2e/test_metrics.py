@@ -37,6 +37,7 @@ HEALTHY = {
     ("kvpush_transfer_seconds", "producer"), ("kvpush_transfer_seconds", "consumer"),
     ("kvpush_queue_wait_seconds", "producer"),
     ("kvpush_chunk_post_seconds", "producer"),
+    ("kvpush_post_descriptors", "producer"), ("kvpush_post_build_seconds", "producer"),
     ("kvpush_chunks", "producer"),
     ("kvpush_connector_blocks", "producer"), ("kvpush_connector_blocks", "consumer"),
     ("kvpush_control_insecure", "producer"), ("kvpush_control_insecure", "consumer"),
@@ -221,6 +222,9 @@ def check_transfers_add_up(run: Run) -> None:
     run.check(ok_chunks >= n, f"{ok_chunks} chunks ok for {n} transfers")
     run.check(posts == ok_chunks,
               f"{posts} chunk posts timed but {ok_chunks} chunks completed")
+    for series in ("kvpush_post_descriptors_count", "kvpush_post_build_seconds_count"):
+        d = run.delta("prefill", series, role="producer")
+        run.check(d == posts, f"{series} grew by {d} for {posts} chunk posts")
     for result in ("error", "post_failed"):
         d = run.delta("prefill", "kvpush_chunks_total", result=result)
         run.check(d == 0, f"{d} chunks ended {result}")

@@ -29,7 +29,8 @@ EMPTY = -1.0
 
 class FakeAgent:
     """What NixlTransport asks of a NIXL agent; a transfer copies every descriptor pair
-    byte for byte (both sides live in this process)."""
+    byte for byte (both sides live in this process), prepared (by index) or built for the
+    post (``initialize_xfer``) alike."""
 
     name = "agent-p"
 
@@ -42,18 +43,27 @@ class FakeAgent:
     def add_remote_agent(self, meta: bytes) -> str:
         return meta.decode()
 
-    def make_prepped_xfer(self, op: str, local: np.ndarray, li: list[int], remote: np.ndarray,
-                          ri: list[int], notif: bytes) -> tuple[Any, ...]:
-        return (op, local, li, remote, ri)
+    def make_prepped_xfer(self, op: str, local: np.ndarray, li: Any, remote: np.ndarray,
+                          ri: Any, notif: bytes) -> tuple[Any, ...]:
+        return (op, local[np.asarray(li)], remote[np.asarray(ri)])
+
+    def get_xfer_descs(self, descs: np.ndarray, mem: str) -> np.ndarray:
+        return descs
+
+    def initialize_xfer(self, op: str, local: np.ndarray, remote: np.ndarray, agent: str,
+                        notif: bytes) -> tuple[Any, ...]:
+        return (op, local, remote)
 
     def transfer(self, handle: tuple[Any, ...]) -> str:
-        op, local, li, remote, ri = handle
-        assert len(li) == len(ri)
-        for a, b in zip(li, ri, strict=True):
-            (la, ln, _), (ra, rn, _) = local[a], remote[b]
+        op, local, remote = handle
+        assert len(local) == len(remote)
+        for (la, ln, _), (ra, rn, _) in zip(local.tolist(), remote.tolist(), strict=True):
             assert ln == rn, (ln, rn)
             dst, src = (int(ra), int(la)) if op == "WRITE" else (int(la), int(ra))
             ctypes.memmove(dst, src, int(ln))
+        return "DONE"
+
+    def check_xfer_state(self, handle: Any) -> str:
         return "DONE"
 
     def release_xfer_handle(self, handle: Any) -> None:
@@ -151,7 +161,7 @@ def push(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int], first: 
     transport = NixlTransport(FakeAgent(), p, producer=True)
     peer = transport.connect(b"agent-d", d, "agent-d")
     assert peer.unit_tokens == min(p.block_size, d.block_size)
-    transport.agent.transfer(transport.post("WRITE", peer, plan.src, plan.dst))
+    assert transport.state(transport.post("WRITE", peer, plan.src, plan.dst)) == "DONE"
     crc_p = checksum(p, plan.src, peer.local.regions if peer.local else None, peer.local_k)
     kd = d.block_size // plan.unit_tokens
     pc = tpmap.piece(p.tp_rank, d.tp_rank, p.tp_size, d.tp_size, d.total_kv_heads)
@@ -292,7 +302,7 @@ def test_a_pull_fallback_reads_the_same_units_into_ds_blocks(p_block: int,
     assert local == plan.dst
     transport = NixlTransport(FakeAgent(), d, producer=False)
     peer = transport.connect(b"agent-p", p, "agent-p")
-    transport.agent.transfer(transport.post("READ", peer, local, plan.src))
+    assert transport.state(transport.post("READ", peer, local, plan.src)) == "DONE"
     want = caches(d_block, heads)
     fill(want, d_block, d_blocks, tokens)
     assert_tokens_match(dc, want, d_block, d_blocks, range(tokens))

@@ -949,11 +949,22 @@ class TransferPump(threading.Thread, Generic[E]):
             return chunk_error(exc)
         # Ids are units when block sizes differ: each is 1/local_k of one of our blocks.
         nbytes = len(local) * self._block_bytes // (peer.local_k if peer.unit_tokens else 1)
-        self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif),
-                   post_ms=round(1000 * (time.monotonic() - t0), 3))
+        post_s = time.monotonic() - t0
+        # What the post carried and what building it cost (None: a transport that keeps no
+        # such record, or an injected fault that posted nothing real).
+        cost = getattr(self.transport, "last_post", None)
+        if cost is not None:
+            self.stats.observe("kvpush_post_descriptors", self._labels, cost.descriptors)
+            self.stats.observe("kvpush_post_build_seconds", self._labels, cost.build_s)
+        if self.trace.on:
+            extra = {} if cost is None else {
+                "descriptors": cost.descriptors, "runs": cost.runs, "parts": cost.parts,
+                "path": cost.path, "build_us": round(1e6 * cost.build_s, 1)}
+            self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif),
+                       post_ms=round(1000 * post_s, 3), **extra)
         self._handles[chunk_id] = (handle, t0, nbytes)
         self.inflight_bytes += nbytes
-        self.stats.observe("kvpush_chunk_post_seconds", self._labels, time.monotonic() - t0)
+        self.stats.observe("kvpush_chunk_post_seconds", self._labels, post_s)
         return None
 
     def _check_chunks(self) -> None:

@@ -8,11 +8,14 @@ transport raises ``ChunkFailed`` carrying one, or returns one as a completion st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kvpush_prod.core.messages import Layout
 from kvpush_prod.core.retry import ChunkError
 from kvpush_prod.errors import TransportError
+
+if TYPE_CHECKING:
+    from kvpush_prod.transport.runs import PairPlan
 
 Op = Literal["WRITE", "READ"]
 Completion = Literal["DONE", "PROC"] | ChunkError  # landed, still in flight, or failed
@@ -33,6 +36,9 @@ class RemotePeer:
     unit_tokens: int = 0
     local_k: int = 1
     remote_k: int = 1
+    # Both sides' regions as ids see them (``transport.runs``), set by connect: whether a
+    # run of ids is one descriptor per region, and where each id sits in the dlists.
+    plan: PairPlan | None = None
 
 
 class ChunkFailed(TransportError):

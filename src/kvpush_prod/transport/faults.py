@@ -97,6 +97,7 @@ class FaultyTransport:
         self._rng = random.Random(settings.seed)
         self._count = 0
         self.injected = 0
+        self._posted_real = False  # whether the last post reached the wrapped transport
         # The error an injected failure shows, as the configured text reads.
         self._error = ChunkError.from_text(settings.error)
         logger.warning("kvpush: FAULT INJECTION enabled: %s", settings.model_dump())
@@ -111,6 +112,12 @@ class FaultyTransport:
 
     def metadata(self) -> bytes:
         return self.inner.metadata()
+
+    @property
+    def last_post(self) -> Any:
+        """The wrapped transport's ``last_post`` when the last post reached it; None when
+        an injected fault posted nothing real (or the wrapped transport keeps none)."""
+        return getattr(self.inner, "last_post", None) if self._posted_real else None
 
     def connect(self, agent_meta: bytes, layout: Layout, expect_name: str = "") -> RemotePeer:
         return self.inner.connect(agent_meta, layout, expect_name)
@@ -131,8 +138,11 @@ class FaultyTransport:
 
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
              remote_blocks: list[int], notif: bytes = b"") -> Any:
+        self._posted_real = False
         if not self._active(op, peer.agent_name):
-            return _Handle(self.inner.post(op, peer, local_blocks, remote_blocks, notif), "ok", 0)
+            handle = self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+            self._posted_real = True
+            return _Handle(handle, "ok", 0)
         self._count += 1
         nth = self.s.fail_nth and self._count == self.s.fail_nth
         if nth or self._rng.random() < self.s.post_fail_rate:
@@ -150,6 +160,7 @@ class FaultyTransport:
             # A failed or stalled transfer must not move data: post nothing real.
             return _Handle(None, fate, time.monotonic() + self.s.delay_ms / 1000.0)
         inner = self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+        self._posted_real = True
         return _Handle(inner, "ok", time.monotonic() + self.s.delay_ms / 1000.0)
 
     def state(self, handle: Any) -> Completion:

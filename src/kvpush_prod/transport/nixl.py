@@ -6,20 +6,34 @@ Not thread-safe by itself: the transfer pump is its only caller after setup.
 from __future__ import annotations
 
 import logging
+import time
 import types
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
 
 from kvpush_prod.core import blocksize
 from kvpush_prod.core.messages import Layout
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.errors import ConfigError, TransportError
 from kvpush_prod.transport.base import Completion, Op, RemotePeer
-from kvpush_prod.transport.layout import (
-    all_descriptors,
-    descriptor_indices,
-    pair_views,
-    unit_descriptors,
-    unit_indices,
+from kvpush_prod.transport.layout import all_descriptors, pair_views, unit_descriptors
+from kvpush_prod.transport.runs import (
+    MAX_POST_DESCRIPTORS,
+    SMALL_POST,
+    PairPlan,
+    Path,
+    Side,
+    choose_path,
+    id_runs,
+    pair_plan,
+    prepped_indices,
+    run_descriptors,
+    run_starts,
+    side_of,
+    split_points,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,13 +94,59 @@ def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us
     return agent
 
 
-class NixlTransport:
-    """Moves blocks between this rank's registered KV cache and connected peers."""
+@dataclass(frozen=True)
+class PostStats:
+    """What one ``post`` carried and cost on the calling thread (the worker reports it as
+    ``kvpush_post_descriptors`` / ``kvpush_post_build_seconds`` and in its traces)."""
 
-    def __init__(self, agent: Any, layout: Layout, producer: bool = True) -> None:
+    path: Path  # how the request was built (``runs.choose_path``)
+    ids: int  # blocks posted (units when the two block sizes differ)
+    runs: int  # runs of ids consecutive on both sides
+    entries: int  # what NIXL was handed: prepared indices, or run-built descriptors
+    # Descriptors the backend posts: a linear pair's runs x regions on either path (NIXL
+    # merges consecutive prepared indices whose descriptors are adjacent on both sides);
+    # otherwise one per entry (NIXL may still merge a few, e.g. units inside one block).
+    descriptors: int
+    parts: int  # NIXL requests (more than one only over ``max_descriptors``)
+    build_s: float  # ids -> the first part's NIXL request (runs, lists, make/initialize)
+    submit_s: float  # NIXL's transfer() of the first part (on loopback: the copy too)
+
+
+class _Post:
+    """A posted chunk: its NIXL requests, the parts not posted yet, the notification."""
+
+    __slots__ = ("op", "peer", "handles", "pending", "done", "notif", "notified")
+
+    def __init__(self, op: Op, peer: RemotePeer, notif: bytes) -> None:
+        self.op = op
+        self.peer = peer
+        self.handles: list[Any] = []
+        # (local ids, remote ids, path) of each part still to post
+        self.pending: deque[tuple[np.ndarray, np.ndarray, Path]] = deque()
+        self.done = 0  # handles[:done] completed
+        self.notif = notif  # sent by us once every part landed (split posts only)
+        self.notified = not notif
+
+
+class NixlTransport:
+    """Moves blocks between this rank's registered KV cache and connected peers.
+
+    ``max_descriptors``: the most descriptors one NIXL request carries (a larger post is
+    split, ``runs.MAX_POST_DESCRIPTORS``). ``path``: "auto" picks the cheaper request
+    builder per post (``runs.choose_path``); "prepped" / "coalesced" force one (tests,
+    ``kvpush bench transfer --post-cost``; "coalesced" only applies to linear pairs)."""
+
+    def __init__(self, agent: Any, layout: Layout, producer: bool = True,
+                 max_descriptors: int = MAX_POST_DESCRIPTORS,
+                 path: Literal["auto", "prepped", "coalesced"] = "auto") -> None:
+        if max_descriptors < 1:
+            raise ConfigError(f"max_descriptors must be >= 1, got {max_descriptors}")
         self.agent = agent
         self.layout = layout
         self.producer = producer  # which side of a tensor-parallel mapping this rank is
+        self.max_descriptors = max_descriptors
+        self.path = path
+        self.last_post: PostStats | None = None
         descs = all_descriptors(layout)
         self._reg = agent.register_memory(
             [(r.base, r.block_stride * (r.num_blocks - 1) + r.block_len, r.dev_id, "")
@@ -135,9 +195,12 @@ class NixlTransport:
             peer = self._connect_units(name, local_view, remote_view)
             self._peers[name] = peer
         if peer is None:
+            # Planned first: a pair whose lists cannot be paired is refused before NIXL
+            # prepares anything for it.
+            plan = _plan(side_of(local_view.regions), side_of(remote_view.regions))
             dlist = self.agent.prep_xfer_dlist(name, all_descriptors(remote_view),
                                                layout.mem_type)
-            peer = RemotePeer(name, remote_view, dlist)
+            peer = RemotePeer(name, remote_view, dlist, plan=plan)
             if local_view is not self.layout:
                 # A head slab of our blocks (tensor-parallel sizes differ): its own dlist.
                 peer.local = local_view
@@ -151,6 +214,8 @@ class NixlTransport:
         block size's tokens; each token group of a block is split into its units)."""
         u = blocksize.unit_tokens(self.layout.block_size, remote_view.block_size)
         lk, rk = blocksize.per_block(local_view, u), blocksize.per_block(remote_view, u)
+        plan = _plan(side_of(local_view.regions, lk, units=True),
+                     side_of(remote_view.regions, rk, units=True))
         remote = unit_descriptors(remote_view, rk)
         local = unit_descriptors(local_view, lk)
         dlist = self.agent.prep_xfer_dlist(name, remote, remote_view.mem_type)
@@ -159,7 +224,7 @@ class NixlTransport:
         logger.info("kvpush: block size %d here, %d on %s: units of %d tokens, %d local and "
                     "%d remote descriptors", self.layout.block_size, remote_view.block_size,
                     name[:64], u, len(local), len(remote))
-        return RemotePeer(name, remote_view, dlist, local_view, local_dlist, u, lk, rk)
+        return RemotePeer(name, remote_view, dlist, local_view, local_dlist, u, lk, rk, plan)
 
     def disconnect(self, agent_name: str) -> None:
         peer = self._peers.pop(agent_name, None)
@@ -180,51 +245,123 @@ class NixlTransport:
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
              notif: bytes = b"") -> Any:
         """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks (of
-        units, ``RemotePeer.unit_tokens``, when the two block sizes differ)."""
-        if len(local_blocks) != len(remote_blocks):
+        units, ``RemotePeer.unit_tokens``, when the two block sizes differ); a handle for
+        ``state`` and ``release``. ``last_post`` then says what it carried and cost.
+
+        Ids consecutive on both sides make a run; on a linear pair (``runs.pair_linear``) a
+        run is one descriptor per region, built for this post when that is cheaper than
+        indexing the lists prepared at connect (``runs.choose_path``). Over
+        ``max_descriptors`` the post is split on run boundaries: the first part is posted
+        now, one more per ``state`` call, and ``notif`` goes out only once every part
+        landed (NIXL orders a request's notification after that request's own bytes only;
+        its UCX backend ends every request with an endpoint flush, so a part's DONE means
+        its bytes are at the peer, and ``send_notif`` after the last DONE follows them)."""
+        t0 = time.perf_counter()
+        n = len(local_blocks)
+        if n != len(remote_blocks):
             raise TransportError(
                 "invalid_param",
-                f"{len(local_blocks)} local blocks vs {len(remote_blocks)} remote blocks",
+                f"{n} local blocks vs {len(remote_blocks)} remote blocks",
             )
-        local = peer.local or self.layout
-        if peer.unit_tokens:  # ids are units (block sizes differ)
-            local_idx = unit_indices(local_blocks, local, peer.local_k)
-            remote_idx = unit_indices(remote_blocks, peer.layout, peer.remote_k)
-        else:
-            local_idx = descriptor_indices(local_blocks, local)
-            remote_idx = descriptor_indices(remote_blocks, peer.layout)
-        handle = self.agent.make_prepped_xfer(
+        plan = peer.plan
+        if plan is None:  # a peer made by hand (tests): its views as connect would see them
+            plan = peer.plan = _plan(*_sides(self.layout, peer))
+        _check_ids(local_blocks, plan.local, "local", peer)
+        _check_ids(remote_blocks, plan.remote, "remote", peer)
+        lids = np.asarray(local_blocks, dtype=np.int32)  # < limit < 2**31: checked above
+        rids = np.asarray(remote_blocks, dtype=np.int32)
+        starts = run_starts(local_blocks, remote_blocks) if n <= SMALL_POST \
+            else run_starts(lids, rids)
+        per_run = plan.descriptors_per_run
+        entries = n * plan.local.entries_per_id
+        descriptors = starts.size * per_run if per_run else entries
+        path: Path = choose_path(entries, descriptors, plan.linear) if self.path == "auto" \
+            else ("coalesced" if self.path == "coalesced" and plan.linear else "prepped")
+        cuts: list[int] = []
+        if descriptors > self.max_descriptors:
+            lengths = np.diff(np.append(starts, n))
+            cuts = split_points(lengths, plan.local.entries_per_id, per_run,
+                                self.max_descriptors)
+        post = _Post(op, peer, notif if cuts else b"")
+        bounds = [0, *cuts, n]
+        for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
+            post.pending.append((lids[a:b], rids[a:b], path))
+        first = bounds[1]
+        handle = self._request(op, peer, lids[:first], rids[:first], path,
+                               b"" if cuts else notif, None if cuts else starts)
+        t1 = time.perf_counter()
+        self._submit(post, handle)
+        t2 = time.perf_counter()
+        sent = descriptors if path == "coalesced" else entries
+        self.last_post = PostStats(path, n, int(starts.size), int(sent), int(descriptors),
+                                   len(bounds) - 1, t1 - t0, t2 - t1)
+        return post
+
+    def _request(self, op: Op, peer: RemotePeer, lids: np.ndarray, rids: np.ndarray,
+                 path: Path, notif: bytes, starts: np.ndarray | None = None) -> Any:
+        """One NIXL request moving ``lids`` to ``rids`` (in ``op``'s direction);
+        ``starts``: their ``run_starts`` if known."""
+        plan = peer.plan
+        assert plan is not None  # set by connect (or post) before any request
+        if path == "coalesced":
+            starts_l, starts_r, lengths = id_runs(lids, rids, starts)
+            local = run_descriptors(plan.local, starts_l, lengths)
+            remote = run_descriptors(plan.remote, starts_r, lengths)
+            return self.agent.initialize_xfer(
+                op, self.agent.get_xfer_descs(local, self.layout.mem_type),
+                self.agent.get_xfer_descs(remote, peer.layout.mem_type), peer.agent_name, notif)
+        return self.agent.make_prepped_xfer(
             op,
             self._local if peer.local_dlist is None else peer.local_dlist,
-            local_idx,
+            prepped_indices(plan.local, lids),
             peer.dlist,
-            remote_idx,
+            prepped_indices(plan.remote, rids),
             notif,
         )
+
+    def _submit(self, post: _Post, handle: Any) -> None:
         state = self.agent.transfer(handle)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
-            raise TransportError("post_failed", f"NIXL refused to post a {op} to {peer.agent_name}")
-        return handle
+            raise TransportError("post_failed",
+                                 f"NIXL refused to post a {post.op} to {post.peer.agent_name}")
+        post.handles.append(handle)
 
     def state(self, handle: Any) -> Completion:
         """'DONE', 'PROC', or the error: the completion state ERR, or the NIXL exception
-        checking it raised (by its class; one of no known class counts as ERR)."""
+        checking it raised (by its class; one of no known class counts as ERR). A split
+        post posts its next part here (one per call: each call's work stays bounded) and
+        sends its notification once every part is DONE."""
+        post: _Post = handle
         try:
-            state = str(self.agent.check_xfer_state(handle))
+            if post.pending:
+                lids, rids, path = post.pending.popleft()
+                self._submit(post, self._request(post.op, post.peer, lids, rids, path, b""))
+            while post.done < len(post.handles):
+                state = str(self.agent.check_xfer_state(post.handles[post.done]))
+                if state == "PROC":
+                    return "PROC"
+                if state != "DONE":
+                    return ChunkError.from_text(state)
+                post.done += 1
+            if post.pending:
+                return "PROC"
+            if not post.notified:
+                self.agent.send_notif(post.peer.agent_name, post.notif)
+                post.notified = True
         except Exception as exc:  # noqa: BLE001 - classified by the caller
             return ChunkError.from_exception(exc, default=ErrorKind.ERR)
-        if state == "DONE":
-            return "DONE"
-        if state == "PROC":
-            return "PROC"
-        return ChunkError.from_text(state)
+        return "DONE"
 
     def release(self, handle: Any) -> None:
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
-            logger.debug("release_xfer_handle failed", exc_info=True)
+        post: _Post = handle
+        post.pending.clear()  # a released post never posts another part
+        for h in post.handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse release
+                logger.debug("release_xfer_handle failed", exc_info=True)
+        post.handles.clear()
 
     def notifications(self) -> dict[str, list[bytes]]:
         """New notifications by sender; the call also makes progress on the backend."""
@@ -241,3 +378,35 @@ class NixlTransport:
             self.agent.deregister_memory(self._reg)
         except Exception:  # noqa: BLE001
             logger.debug("deregister failed", exc_info=True)
+
+
+def _plan(local: Side, remote: Side) -> PairPlan:
+    try:
+        return pair_plan(local, remote)
+    except ValueError as exc:
+        raise TransportError("incompatible", str(exc)) from None
+
+
+def _sides(layout: Layout, peer: RemotePeer) -> tuple[Side, Side]:
+    local = peer.local or layout
+    if peer.unit_tokens:
+        return (side_of(local.regions, peer.local_k, units=True),
+                side_of(peer.layout.regions, peer.remote_k, units=True))
+    return side_of(local.regions), side_of(peer.layout.regions)
+
+
+def _check_ids(ids: list[int], side: Side, which: str, peer: RemotePeer) -> None:
+    """Each id must name a block (unit) of every region: an id past a region's end would
+    address the next region's bytes. Python's min/max: cheaper than numpy's on the short
+    lists most posts carry, and before any int32 conversion could wrap."""
+    if not ids:
+        raise TransportError("invalid_param", f"a post to {peer.agent_name[:64]} names no "
+                             f"{which} blocks")
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= side.limit:
+        what = "units" if peer.unit_tokens else "blocks"
+        raise TransportError(
+            "invalid_param",
+            f"{which} {what} {low}..{high} of a post to {peer.agent_name[:64]}: the "
+            f"{which} KV cache has {side.limit} {what} per region",
+        )

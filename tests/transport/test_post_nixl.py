@@ -1,0 +1,361 @@
+"""Posts through real NIXL (two UCX agents in this process, loopback): for fragmented,
+contiguous and mixed block ids, whole blocks, units of different block sizes and head slabs
+of different tensor-parallel sizes, each request builder (prepared indices, run-built
+descriptors) and split posts, the destination holds byte for byte what the old
+one-descriptor-per-block path would have written there, and nothing else changed."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvpush_prod.core import blocksize
+from kvpush_prod.core.messages import Layout
+from kvpush_prod.errors import TransportError
+from kvpush_prod.transport.layout import (
+    Heads,
+    all_descriptors,
+    descriptor_indices,
+    layout_from_kv_caches,
+    unit_descriptors,
+    unit_indices,
+)
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.nixl
+
+from kvpush_prod.transport.nixl import NixlTransport, make_agent  # noqa: E402
+
+NUM_BLOCKS, HEAD, LAYERS = 24, 8, 3
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def agents() -> tuple[Any, Any]:
+    """P's and D's agents, shared by the module's tests (each test registers and releases
+    its own caches through its own transports)."""
+    tag = f"{os.getpid()}-{next(_names)}"
+    return (make_agent(f"kvpush-test-p-{tag}", "UCX", True, 1000),
+            make_agent(f"kvpush-test-d-{tag}", "UCX", True, 1000))
+
+
+@dataclass
+class Cache:
+    """An engine rank's KV cache: per-layer views of one byte buffer, and its layout."""
+
+    buf: torch.Tensor  # uint8, every layer's bytes
+    layout: Layout
+
+    def offset(self, addr: int) -> int:
+        return addr - self.buf.data_ptr()
+
+
+def cache(shape: Callable[[int], tuple[int, ...]], block: int, num_blocks: int, heads: int,
+          total: int, tp: int, rank: int, seed: int) -> Cache:
+    """``LAYERS`` float32 tensors of ``shape(num_blocks)`` carved from one random buffer."""
+    numel = int(np.prod(shape(num_blocks)))
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (LAYERS * numel * 4,), dtype=torch.uint8, generator=gen)
+    layers = {f"l{i}": buf[i * numel * 4:(i + 1) * numel * 4].view(torch.float32)
+              .view(shape(num_blocks)) for i in range(LAYERS)}
+    lay = layout_from_kv_caches(layers, num_blocks, "sig", {},
+                                Heads(heads, total, tp, rank, block_size=block, head_size=HEAD))
+    return Cache(buf, lay)
+
+
+def cpu(heads: int, block: int) -> Callable[[int], tuple[int, ...]]:
+    return lambda n: (n, heads, block, 2 * HEAD)  # vLLM's CPU backend: K and V in a block
+
+
+def nhd(heads: int, block: int) -> Callable[[int], tuple[int, ...]]:
+    return lambda n: (2, n, block, heads, HEAD)  # GPU NHD: K and V regions, tokens outer
+
+
+def hnd(heads: int, block: int) -> Callable[[int], tuple[int, ...]]:
+    return lambda n: (2, n, heads, block, HEAD)  # GPU HND: a token group per head
+
+
+def ids_of(kind: str, n: int, limit: int, rng: random.Random) -> list[int]:
+    if kind == "contiguous":
+        start = rng.randrange(limit - n + 1)
+        return list(range(start, start + n))
+    if kind == "fragmented":
+        return rng.sample(range(limit), n)
+    out: list[int] = []  # mixed: runs of 1-5 blocks at random free places
+    free = list(range(limit))
+    while len(out) < n:
+        start = rng.choice(free)
+        run = [b for b in range(start, start + rng.randint(1, 5)) if b in free][:n - len(out)]
+        run = run or [start]
+        out += run
+        free = [b for b in free if b not in run]
+    return out
+
+
+def old_pairs(t: NixlTransport, peer: Any, lids: list[int],
+              rids: list[int]) -> list[tuple[int, int, int]]:
+    """(local addr, remote addr, bytes) of every descriptor the old path posted."""
+    local = peer.local or t.layout
+    if peer.unit_tokens:
+        ld, rd = unit_descriptors(local, peer.local_k), unit_descriptors(peer.layout,
+                                                                         peer.remote_k)
+        li = unit_indices(lids, local, peer.local_k)
+        ri = unit_indices(rids, peer.layout, peer.remote_k)
+    else:
+        ld, rd = np.asarray(all_descriptors(local)), np.asarray(all_descriptors(peer.layout))
+        li, ri = descriptor_indices(lids, local), descriptor_indices(rids, peer.layout)
+    return [(int(ld[a, 0]), int(rd[b, 0]), int(ld[a, 1])) for a, b in zip(li, ri, strict=True)]
+
+
+def expected(src: Cache, dst: Cache, pairs: list[tuple[int, int, int]],
+             write: bool) -> torch.Tensor:
+    """``dst``'s bytes after the old path's copies (``pairs`` as the poster sees them)."""
+    out = dst.buf.clone()
+    for la, ra, n in pairs:
+        s, d = (la, ra) if write else (ra, la)
+        out[dst.offset(d):dst.offset(d) + n] = src.buf[src.offset(s):src.offset(s) + n]
+    return out
+
+
+def wait_done(t: NixlTransport, handle: Any) -> None:
+    deadline = time.monotonic() + 20
+    while (state := t.state(handle)) == "PROC":
+        assert time.monotonic() < deadline, "transfer never completed"
+        time.sleep(0.0005)
+    assert state == "DONE", state
+    t.release(handle)
+
+
+@pytest.fixture
+def pair(agents: tuple[Any, Any]) -> Iterator[Callable[..., tuple[NixlTransport,
+                                                                   NixlTransport]]]:
+    made: list[NixlTransport] = []
+
+    def connect(p: Cache, d: Cache, **kw: Any) -> tuple[NixlTransport, NixlTransport]:
+        tp = NixlTransport(agents[0], p.layout, producer=True, **kw)
+        td = NixlTransport(agents[1], d.layout, producer=False, **kw)
+        made.extend((tp, td))
+        return tp, td
+
+    yield connect
+    for t in made:
+        t.close()
+
+
+def push(tp: NixlTransport, td: NixlTransport, p: Cache, d: Cache, lids: list[int],
+         rids: list[int]) -> torch.Tensor:
+    """P WRITEs ``lids`` into D's ``rids``; what the old path would have left in D."""
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    want = expected(p, d, old_pairs(tp, peer, lids, rids), write=True)
+    wait_done(tp, tp.post("WRITE", peer, lids, rids))
+    return want
+
+
+KINDS = ["contiguous", "fragmented", "mixed"]
+PATHS = ["auto", "prepped", "coalesced"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("p_kind", "d_kind"), [(k, k) for k in KINDS] + [("contiguous",
+                                                                            "fragmented")])
+@pytest.mark.parametrize("shape", [cpu, nhd])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_whole_blocks_land_as_the_old_path_put_them(pair: Any, path: str, p_kind: str,
+                                                    d_kind: str, shape: Any,
+                                                    seed: int) -> None:
+    rng = random.Random(seed)
+    p = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed)
+    d = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed + 100)
+    tp, td = pair(p, d, path=path)
+    n = rng.randint(1, NUM_BLOCKS)
+    lids, rids = ids_of(p_kind, n, NUM_BLOCKS, rng), ids_of(d_kind, n, NUM_BLOCKS, rng)
+    want = push(tp, td, p, d, lids, rids)
+    assert torch.equal(d.buf, want)
+    stats = tp.last_post
+    assert stats is not None and stats.ids == n
+    runs = sum(1 for i in range(n) if i == 0 or (lids[i] != lids[i - 1] + 1
+                                                 or rids[i] != rids[i - 1] + 1))
+    assert stats.runs == runs and stats.descriptors == runs * len(p.layout.regions)
+    if path == "coalesced":
+        assert stats.path == "coalesced" and stats.entries == stats.descriptors
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("p_block", "d_block"), [(16, 32), (32, 16), (16, 64)])
+@pytest.mark.parametrize("shape", [nhd, hnd])
+def test_units_of_different_block_sizes_land_as_the_old_path_put_them(
+        pair: Any, path: str, kind: str, p_block: int, d_block: int, shape: Any) -> None:
+    rng = random.Random(p_block * 7 + d_block)
+    p_nb, d_nb = NUM_BLOCKS * 64 // p_block // 4, NUM_BLOCKS * 64 // d_block // 4
+    p = cache(shape(2, p_block), p_block, p_nb, 2, 2, 1, 0, 3)
+    d = cache(shape(2, d_block), d_block, d_nb, 2, 2, 1, 0, 4)
+    tokens = rng.randint(1, min(p_nb * p_block, d_nb * d_block) // 2)
+    p_blocks = ids_of(kind, blocksize.cdiv(tokens, p_block), p_nb, rng)
+    d_blocks = ids_of(kind, blocksize.cdiv(tokens, d_block), d_nb, rng)
+    plan = blocksize.push_units(p.layout, d.layout, p_blocks, d_blocks, 0, tokens)
+    assert isinstance(plan, blocksize.Units)
+    tp, td = pair(p, d, path=path)
+    want = push(tp, td, p, d, plan.src, plan.dst)
+    assert torch.equal(d.buf, want)
+    stats = tp.last_post
+    assert stats is not None
+    # NHD: a unit is one piece (linear); HND: a piece per head, never one per run.
+    assert (stats.path == "coalesced") == (path == "coalesced" and shape is nhd)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("p_tp", "d_tp", "rank"), [(2, 1, 0), (2, 1, 1), (1, 2, 0),
+                                                    (1, 2, 1)])
+def test_head_slabs_across_tp_sizes_land_as_the_old_path_put_them(
+        pair: Any, path: str, kind: str, p_tp: int, d_tp: int, rank: int) -> None:
+    total, rng = 4, random.Random(p_tp * 10 + d_tp + rank)
+    p_rank, d_rank = (rank, 0) if p_tp > d_tp else (0, rank)
+    p = cache(cpu(total // p_tp, 32), 32, NUM_BLOCKS, total // p_tp, total, p_tp, p_rank, 5)
+    d = cache(cpu(total // d_tp, 32), 32, NUM_BLOCKS, total // d_tp, total, d_tp, d_rank, 6)
+    tp, td = pair(p, d, path=path)
+    n = rng.randint(1, NUM_BLOCKS)
+    lids, rids = ids_of(kind, n, NUM_BLOCKS, rng), ids_of(kind, n, NUM_BLOCKS, rng)
+    want = push(tp, td, p, d, lids, rids)
+    assert torch.equal(d.buf, want)
+    stats = tp.last_post
+    assert stats is not None and stats.path == "prepped"  # a slab is never a whole slot
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pull_fallback_read_lands_as_the_old_path_put_it(pair: Any, kind: str) -> None:
+    rng = random.Random(9)
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 7)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 8)
+    tp, td = pair(p, d)
+    tp.connect(td.metadata(), d.layout, td.name)
+    peer = td.connect(tp.metadata(), p.layout, tp.name)  # D reads from P
+    n = rng.randint(1, NUM_BLOCKS)
+    dids, pids = ids_of(kind, n, NUM_BLOCKS, rng), ids_of(kind, n, NUM_BLOCKS, rng)
+    want = expected(p, d, old_pairs(td, peer, dids, pids), write=False)
+    wait_done(td, td.post("READ", peer, dids, pids))
+    assert torch.equal(d.buf, want)
+
+
+@pytest.mark.parametrize("path", ["prepped", "coalesced"])
+def test_a_post_over_the_bound_is_split_and_notifies_only_after_every_part(
+        pair: Any, path: str) -> None:
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 11)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 12)
+    tp, td = pair(p, d, path=path, max_descriptors=2 * LAYERS)  # two runs per part
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    lids = [0, 1, 5, 6, 7, 10, 12, 13, 20]
+    rids = [3, 4, 8, 9, 10, 0, 22, 23, 15]  # five runs on both sides
+    want = expected(p, d, old_pairs(tp, peer, lids, rids), write=True)
+    handle = tp.post("WRITE", peer, lids, rids, b"done-1")
+    assert tp.last_post is not None and tp.last_post.parts == 3
+    assert tp.last_post.descriptors == 5 * LAYERS
+    time.sleep(0.05)
+    assert td.notifications() == {}  # parts are pending: no notification yet
+    deadline = time.monotonic() + 20
+    notifs: list[bytes] = []
+    while (state := tp.state(handle)) == "PROC":
+        notifs += td.notifications().get(tp.name, [])
+        assert not notifs, "notified before every part landed"
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    assert state == "DONE"
+    assert torch.equal(d.buf, want)  # every part landed before the notification went out
+    while not notifs and time.monotonic() < deadline:
+        notifs += td.notifications().get(tp.name, [])
+        time.sleep(0.001)
+    assert notifs == [b"done-1"]
+    assert tp.state(handle) == "DONE"  # asked again: no second notification
+    time.sleep(0.02)
+    assert td.notifications().get(tp.name, []) == []
+    tp.release(handle)
+
+
+def test_one_part_carries_its_notification_with_the_request(pair: Any) -> None:
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 13)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 14)
+    tp, td = pair(p, d)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    wait_done(tp, tp.post("WRITE", peer, [2, 3, 4], [7, 8, 9], b"last"))
+    deadline, notifs = time.monotonic() + 20, []
+    while not notifs and time.monotonic() < deadline:
+        notifs += td.notifications().get(tp.name, [])
+        time.sleep(0.001)
+    assert notifs == [b"last"]
+    assert tp.last_post is not None and tp.last_post.parts == 1
+
+
+def test_ids_outside_the_cache_or_of_unequal_counts_are_refused(pair: Any) -> None:
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 15)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 16)
+    tp, td = pair(p, d)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    before = d.buf.clone()
+    # block 24 of region 0 would be block 0 of region 1: never written
+    with pytest.raises(TransportError, match=r"remote blocks 0\.\.24 .* 24 blocks per region"):
+        tp.post("WRITE", peer, [1, 2], [0, NUM_BLOCKS])
+    with pytest.raises(TransportError, match="local blocks -1"):
+        tp.post("WRITE", peer, [-1], [0])
+    with pytest.raises(TransportError, match="2 local blocks vs 1 remote"):
+        tp.post("WRITE", peer, [1, 2], [0])
+    with pytest.raises(TransportError, match="names no local blocks"):
+        tp.post("WRITE", peer, [], [])
+    assert torch.equal(d.buf, before)
+
+
+def test_nixl_posts_the_descriptors_the_stats_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NIXL's own telemetry (on for these agents only) counts what it hands the backend after
+    # merging consecutive prepared indices: a linear pair's runs x regions on either path.
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    tag = f"{os.getpid()}-{next(_names)}"
+    ap, ad = (make_agent(f"kvpush-tel-{s}-{tag}", "UCX", True, 1000) for s in "pd")
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 17)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 18)
+    lids, rids = [0, 1, 2, 3, 9, 10, 15], [5, 6, 7, 8, 1, 2, 20]  # three runs
+    for path in ("prepped", "coalesced"):
+        tp = NixlTransport(ap, p.layout, path=path)
+        td = NixlTransport(ad, d.layout, producer=False)
+        try:
+            peer = tp.connect(td.metadata(), d.layout, td.name)
+            handle = tp.post("WRITE", peer, lids, rids)
+            deadline = time.monotonic() + 20
+            while tp.state(handle) == "PROC":
+                assert time.monotonic() < deadline
+                time.sleep(0.0005)
+            (nixl_handle,) = handle.handles
+            count = int(ap.get_xfer_telemetry(nixl_handle).descCount)
+            assert tp.last_post is not None
+            assert tp.last_post.path == path
+            assert count == tp.last_post.descriptors == 3 * LAYERS
+            tp.release(handle)
+        finally:
+            tp.close()
+            td.close()
+
+
+def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``kvpush bench transfer --post-cost`` on a tiny shape: every path posts the same
+    # descriptors (NIXL's count), the old path hands NIXL one index per block per region.
+    from kvpush_prod.bench.transfer import post_cost, post_cost_markdown
+
+    monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")  # undone after the test
+
+    res = post_cost([2], [16], [256], ["contiguous", "fragmented"],
+                    ["old", "auto", "prepped", "coalesced"], iters=2)
+    rows = res["rows"]
+    assert len(rows) == 8
+    for kind, regions_runs in (("contiguous", 1), ("fragmented", 16)):
+        cells = [r for r in rows if r["kind"] == kind]
+        assert {r["descriptors"] for r in cells} == {4 * regions_runs}
+        assert next(r for r in cells if r["path"] == "old")["entries"] == 4 * 16
+    assert "| 2 | 16 | 256 | 16 | contiguous | old |" in post_cost_markdown(res, "here")
