@@ -143,6 +143,35 @@ def verify_params(params: dict[str, Any], key: bytes, now: float, leg: str,
                   max_ttl_s: float = MAX_TTL_S) -> Signed:
     """What the signature vouches for, once ``params`` carry a valid, unexpired signature by
     ``key`` for ``leg`` over the fields that leg may carry; else SignatureError."""
+    sig = _signature_of(params, leg)
+    expires_at = float(sig["expires_at"])
+    if not math.isfinite(expires_at) or expires_at < now:
+        raise SignatureError(
+            ParamsRejectReason.EXPIRED,
+            "the router's signature on kv_transfer_params expired")
+    if expires_at > now + max_ttl_s:
+        raise SignatureError(
+            ParamsRejectReason.EXPIRED,
+            "the router's signature on kv_transfer_params expires too far ahead")
+    try:
+        want = hmac.new(key, _canonical(params, leg, sig["nonce"], sig["expires_at"]),
+                        hashlib.sha256).hexdigest()
+    except (TypeError, ValueError) as exc:
+        raise SignatureError(
+            ParamsRejectReason.MALFORMED,
+            f"kv_transfer_params cannot be signed: {exc}") from None
+    if not hmac.compare_digest(want, sig["mac"]):
+        raise SignatureError(
+            ParamsRejectReason.BAD_SIGNATURE,
+            "kv_transfer_params do not match the router's signature (changed, or signed with "
+            "another params key)",
+        )
+    return Signed(leg, sig["nonce"], expires_at)
+
+
+def _signature_of(params: dict[str, Any], leg: str) -> dict[str, Any]:
+    """``params``' signature, well formed, for ``leg``, over the fields a router signs on that
+    leg and naming a transfer id (not yet checked against the key); else SignatureError."""
     sig = params.get(SIG_FIELD)
     if sig is None:
         raise SignatureError(
@@ -181,29 +210,7 @@ def verify_params(params: dict[str, Any], key: bytes, now: float, leg: str,
             ParamsRejectReason.MALFORMED,
             "signed kv_transfer_params name no transfer_id: a signing router "
             "binds each leg to its transfer id (kvpush router does)")
-    expires_at = float(sig["expires_at"])
-    if not math.isfinite(expires_at) or expires_at < now:
-        raise SignatureError(
-            ParamsRejectReason.EXPIRED,
-            "the router's signature on kv_transfer_params expired")
-    if expires_at > now + max_ttl_s:
-        raise SignatureError(
-            ParamsRejectReason.EXPIRED,
-            "the router's signature on kv_transfer_params expires too far ahead")
-    try:
-        want = hmac.new(key, _canonical(params, leg, sig["nonce"], sig["expires_at"]),
-                        hashlib.sha256).hexdigest()
-    except (TypeError, ValueError) as exc:
-        raise SignatureError(
-            ParamsRejectReason.MALFORMED,
-            f"kv_transfer_params cannot be signed: {exc}") from None
-    if not hmac.compare_digest(want, sig["mac"]):
-        raise SignatureError(
-            ParamsRejectReason.BAD_SIGNATURE,
-            "kv_transfer_params do not match the router's signature (changed, or signed with "
-            "another params key)",
-        )
-    return Signed(leg, sig["nonce"], expires_at)
+    return sig
 
 
 class NonceMemory:

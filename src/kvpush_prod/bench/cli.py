@@ -8,8 +8,12 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpush_prod.bench.sides import DEFAULT_SIDES, FRONTENDS, SIDES
+
+if TYPE_CHECKING:
+    from kvpush_prod.bench.runner import BenchSettings
 
 USAGE = """usage: kvpush bench [run options]        run the side-by-side benchmark (see --help)
        kvpush bench report --out DIR      rewrite DIR/results.md and DIR/plots/ from DIR/results.json
@@ -154,15 +158,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "report":
-        rp = argparse.ArgumentParser(prog="kvpush bench report")
-        rp.add_argument("--out", type=Path, default=Path("bench-results"))
-        a = rp.parse_args(args[1:])
-        from kvpush_prod.bench.report import write_all
-
-        data = json.loads((a.out / "results.json").read_text())
-        for path in write_all(data, a.out):
-            print(path)
-        return 0
+        return _report(args[1:])
     if args and args[0] == "transfer":
         from kvpush_prod.bench.transfer import main as transfer_main
 
@@ -171,19 +167,56 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     a = build_parser().parse_args(args)
-    from kvpush_prod.bench.runner import (
-        BenchSettings,
-        ResultStore,
-        Workload,
-        cell_key,
-        estimate_wall_s,
-        plan,
-    )
+    from kvpush_prod.bench.runner import ResultStore, cell_key, estimate_wall_s, plan
+
+    settings = _settings(a, args)
+    if a.plan:
+        todo = plan(ResultStore(a.out / "results.json"), settings)
+        for side, cells in todo.items():
+            print(f"{side}: {', '.join(cell_key(*c) for c in cells)}")
+        print(f"about {estimate_wall_s(todo, settings.workload) / 60:.0f} min")
+        return 0
+    if a.rounds < 1:
+        print(f"kvpush bench: --rounds {a.rounds}: give 1 or more", file=sys.stderr)
+        return 2
+    if max(a.concurrency) > a.max_num_seqs:
+        print(
+            f"kvpush bench: --max-num-seqs {a.max_num_seqs} is below concurrency "
+            f"{max(a.concurrency)}: that would measure queueing",
+            file=sys.stderr,
+        )
+        return 2
+    from kvpush_prod.bench.report import markdown, write_all
+    from kvpush_prod.bench.runner import run
+
+    store = run(settings)
+    paths = write_all(store.data, a.out)
+    print(markdown(store.data))
+    print("wrote " + ", ".join(str(p) for p in [a.out / "results.json", *paths]))
+    return 0
+
+
+def _report(args: list[str]) -> int:
+    """``kvpush bench report``: the tables and plots again from a results file."""
+    rp = argparse.ArgumentParser(prog="kvpush bench report")
+    rp.add_argument("--out", type=Path, default=Path("bench-results"))
+    a = rp.parse_args(args)
+    from kvpush_prod.bench.report import write_all
+
+    data = json.loads((a.out / "results.json").read_text())
+    for path in write_all(data, a.out):
+        print(path)
+    return 0
+
+
+def _settings(a: argparse.Namespace, args: list[str]) -> BenchSettings:
+    """The run's settings from the parsed command line (``args``, as given, for the record)."""
+    from kvpush_prod.bench.runner import BenchSettings, Workload
     from kvpush_prod.bench.sides import SideSettings
 
     out: Path = a.out
     workdir = a.workdir or (out / "work")
-    settings = BenchSettings(
+    return BenchSettings(
         out=out,
         sides=a.sides,
         workload=Workload(
@@ -207,27 +240,3 @@ def main(argv: list[str] | None = None) -> int:
         progress=not a.no_progress,
         command="kvpush bench " + " ".join(shlex.quote(x) for x in args),
     )
-    if a.plan:
-        todo = plan(ResultStore(out / "results.json"), settings)
-        for side, cells in todo.items():
-            print(f"{side}: {', '.join(cell_key(*c) for c in cells)}")
-        print(f"about {estimate_wall_s(todo, settings.workload) / 60:.0f} min")
-        return 0
-    if a.rounds < 1:
-        print(f"kvpush bench: --rounds {a.rounds}: give 1 or more", file=sys.stderr)
-        return 2
-    if max(a.concurrency) > a.max_num_seqs:
-        print(
-            f"kvpush bench: --max-num-seqs {a.max_num_seqs} is below concurrency "
-            f"{max(a.concurrency)}: that would measure queueing",
-            file=sys.stderr,
-        )
-        return 2
-    from kvpush_prod.bench.report import markdown, write_all
-    from kvpush_prod.bench.runner import run
-
-    store = run(settings)
-    paths = write_all(store.data, out)
-    print(markdown(store.data))
-    print("wrote " + ", ".join(str(p) for p in [out / "results.json", *paths]))
-    return 0

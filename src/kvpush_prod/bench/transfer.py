@@ -173,21 +173,7 @@ def measure(
             parent.send(("check", 0, nblocks * block, 7))
             landed = parent.recv()
             copy = _memcpy_times(src, dst, size, min_time_s, max_iters, device)
-            w50, c50 = statistics.median(write), statistics.median(copy)
-            rows.append(
-                {
-                    "bytes": size,
-                    "descriptors": nblocks,
-                    "iterations": len(write),
-                    "push_latency_us_p50": w50 * 1e6,
-                    "push_latency_us_p90": sorted(write)[int(0.9 * (len(write) - 1))] * 1e6,
-                    "push_gb_s": size / w50 / 1e9,
-                    "memcpy_latency_us_p50": c50 * 1e6,
-                    "memcpy_gb_s": size / c50 / 1e9,
-                    "ratio_of_memcpy": c50 / w50,
-                    "data_landed": landed,
-                }
-            )
+            rows.append(_row(size, nblocks, write, copy, landed))
     finally:
         parent.send(("exit",))
         with contextlib.suppress(EOFError):
@@ -200,6 +186,24 @@ def measure(
         "block_bytes": block_bytes,
         "progress_delay_us": delay_us,
         "device": device,
+    }
+
+
+def _row(size: int, nblocks: int, write: list[float], copy: list[float],
+         landed: bool) -> dict[str, Any]:
+    """One size's result: push and memcpy latency (p50, p90) and bandwidth."""
+    w50, c50 = statistics.median(write), statistics.median(copy)
+    return {
+        "bytes": size,
+        "descriptors": nblocks,
+        "iterations": len(write),
+        "push_latency_us_p50": w50 * 1e6,
+        "push_latency_us_p90": sorted(write)[int(0.9 * (len(write) - 1))] * 1e6,
+        "push_gb_s": size / w50 / 1e9,
+        "memcpy_latency_us_p50": c50 * 1e6,
+        "memcpy_gb_s": size / c50 / 1e9,
+        "ratio_of_memcpy": c50 / w50,
+        "data_landed": landed,
     }
 
 

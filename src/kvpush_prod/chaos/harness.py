@@ -15,7 +15,7 @@ import re
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
@@ -417,6 +417,30 @@ def check_all_answered(ctx: Context, records: list[Record], why: str) -> None:
                      f"{len(failed)} failed; first: "
                      f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
                      if failed else "")
+
+
+async def faults_under_load(ctx: Context, steps: int,
+                            fault: Callable[[LoadGenerator, int], Awaitable[None]]) -> None:
+    """Steady load (``ctx.opts.requests`` in all) through ``fault(gen, i)`` for i = 1 ..
+    ``steps``: the load keeps coming through each fault, traffic must resume after each
+    before the next (phase ``after<i>``; the rest is skipped when it does not), then the
+    load finishes."""
+    n = ctx.opts.requests
+    per_phase = max(4, n // (2 * (steps + 1)))
+    gen = ctx.load(n, phase="before")
+    gen.hold_open = True  # load keeps coming through every fault
+    task = asyncio.create_task(gen.run())
+    try:
+        await gen.wait_done(max(2, per_phase))
+        for i in range(1, steps + 1):
+            await fault(gen, i)
+            if not await traffic_resumes(ctx, gen, i, per_phase):
+                break
+        allow_after(gen, n, per_phase)
+        await task
+    finally:
+        gen.stop()
+        await task
 
 
 def allow_after(gen: LoadGenerator, total: int, at_least: int) -> None:

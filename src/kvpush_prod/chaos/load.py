@@ -88,73 +88,87 @@ async def send_one(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
 
 async def _send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
                 record: Record, timeout: float, t0: float) -> None:
-    body = spec.body()
     url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.chat else "/v1/completions")
     # httpx's own timeouts sit above the overall bound, which the caller enforces.
     http_timeout = httpx.Timeout(timeout + 30, connect=10.0)
     try:
-        if not spec.stream:
-            r = await client.post(url, json=body, timeout=http_timeout)
-            record.status = r.status_code
-            record.request_id = r.headers.get("x-request-id", "")
-            record.first_byte = time.monotonic() - t0 - record.started
-            if r.status_code != 200:
-                record.error_kind, record.error = "http", _error_message(r.content)
-                return
-            try:
-                data = r.json()
-            except ValueError:
-                record.error_kind = "truncated"
-                record.error = "200 with a body that is not JSON: " + _error_message(r.content)
-                return
-            choice = (data.get("choices") or [{}])[0]
-            record.text = (choice.get("message") or {}).get("content") or "" if spec.chat \
-                else choice.get("text") or ""
-            record.finish_reason = choice.get("finish_reason")
-            record.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
-            record.kvpush = (data.get("kv_transfer_params") or {}).get("kvpush")
-            return
-        pieces = 0
-        async with client.stream("POST", url, json=body, timeout=http_timeout) as r:
-            record.status = r.status_code
-            record.request_id = r.headers.get("x-request-id", "")
-            if r.status_code != 200:
-                record.error_kind, record.error = "http", _error_message(await r.aread())
-                return
-            async for line in r.aiter_lines():
-                if record.first_byte is None:
-                    record.first_byte = time.monotonic() - t0 - record.started
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    record.done_marker = True
-                    break
-                obj = json.loads(payload)
-                if "error" in obj:
-                    record.error_kind = "sse"
-                    record.error = _error_message(json.dumps(obj["error"]))
-                    return
-                choices = obj.get("choices") or []
-                if choices:
-                    c = choices[0]
-                    piece = (c.get("delta") or {}).get("content") if spec.chat else c.get("text")
-                    record.text += piece or ""
-                    record.finish_reason = c.get("finish_reason") or record.finish_reason
-                    if piece:
-                        pieces += 1
-                        if spec.cancel_after_tokens is not None \
-                                and pieces >= spec.cancel_after_tokens:
-                            raise _Abandon(f"cancelled by the client after {pieces} tokens")
-                if obj.get("usage"):
-                    record.prompt_tokens = obj["usage"].get("prompt_tokens")
-            if not record.done_marker:
-                record.error_kind = "truncated"
-                record.error = "the stream ended without [DONE] and without an error event"
+        if spec.stream:
+            await _send_streamed(client, url, spec, record, http_timeout, t0)
+        else:
+            await _send_whole(client, url, spec, record, http_timeout, t0)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         record.error_kind = "transport"
         record.error = f"{type(exc).__name__}: {exc}"[:600]
 
+
+async def _send_whole(client: httpx.AsyncClient, url: str, spec: RequestSpec, record: Record,
+                      http_timeout: httpx.Timeout, t0: float) -> None:
+    r = await client.post(url, json=spec.body(), timeout=http_timeout)
+    record.status = r.status_code
+    record.request_id = r.headers.get("x-request-id", "")
+    record.first_byte = time.monotonic() - t0 - record.started
+    if r.status_code != 200:
+        record.error_kind, record.error = "http", _error_message(r.content)
+        return
+    try:
+        data = r.json()
+    except ValueError:
+        record.error_kind = "truncated"
+        record.error = "200 with a body that is not JSON: " + _error_message(r.content)
+        return
+    choice = (data.get("choices") or [{}])[0]
+    record.text = (choice.get("message") or {}).get("content") or "" if spec.chat \
+        else choice.get("text") or ""
+    record.finish_reason = choice.get("finish_reason")
+    record.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
+    record.kvpush = (data.get("kv_transfer_params") or {}).get("kvpush")
+
+
+async def _send_streamed(client: httpx.AsyncClient, url: str, spec: RequestSpec,
+                         record: Record, http_timeout: httpx.Timeout, t0: float) -> None:
+    pieces = 0
+    async with client.stream("POST", url, json=spec.body(), timeout=http_timeout) as r:
+        record.status = r.status_code
+        record.request_id = r.headers.get("x-request-id", "")
+        if r.status_code != 200:
+            record.error_kind, record.error = "http", _error_message(await r.aread())
+            return
+        async for line in r.aiter_lines():
+            if record.first_byte is None:
+                record.first_byte = time.monotonic() - t0 - record.started
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                record.done_marker = True
+                break
+            obj = json.loads(payload)
+            if "error" in obj:
+                record.error_kind = "sse"
+                record.error = _error_message(json.dumps(obj["error"]))
+                return
+            got = _take_event(obj, spec, record)
+            pieces += got
+            if got and spec.cancel_after_tokens is not None \
+                    and pieces >= spec.cancel_after_tokens:
+                raise _Abandon(f"cancelled by the client after {pieces} tokens")
+        if not record.done_marker:
+            record.error_kind = "truncated"
+            record.error = "the stream ended without [DONE] and without an error event"
+
+
+def _take_event(obj: dict[str, Any], spec: RequestSpec, record: Record) -> int:
+    """Add one stream event's text to ``record``; 1 when it carried a piece of text."""
+    if obj.get("usage"):
+        record.prompt_tokens = obj["usage"].get("prompt_tokens")
+    choices = obj.get("choices") or []
+    if not choices:
+        return 0
+    c = choices[0]
+    piece = (c.get("delta") or {}).get("content") if spec.chat else c.get("text")
+    record.text += piece or ""
+    record.finish_reason = c.get("finish_reason") or record.finish_reason
+    return 1 if piece else 0
 
 @dataclass
 class Progress:

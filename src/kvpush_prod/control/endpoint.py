@@ -242,25 +242,7 @@ class ControlEndpoint:
                 self._auth = AllowListAuthenticator(self._ctx, security.allowed)
                 self._auth.start()
             self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            # A frame bigger than this is dropped by ZMQ itself before we allocate it.
-            self._router.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes + 4096)
-            self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            if security is not None:
-                self._router.curve_secretkey = security.keypair.secret
-                self._router.curve_publickey = security.keypair.public
-                self._router.curve_server = True
-                self._router.zap_domain = ZAP_DOMAIN.encode()
-                # Fail closed: were the ZAP handler gone, refuse clients instead of
-                # accepting every key (libzmq's default without a handler).
-                self._router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-            bind_host = host
-            if ":" in host and not host.startswith("["):
-                bind_host = f"[{host}]"
-            if bind_host.startswith("["):
-                self._router.ipv6 = True
-            self._bind(f"tcp://{bind_host}:{port}")
-            self._watch(self._router, _Watch(f"tcp://{bind_host}:{port}", outbound=False))
+            bind_host = self._open_router(codec, host, port, security)
         except BaseException:
             self._teardown()
             raise
@@ -271,6 +253,31 @@ class ControlEndpoint:
             logger.info("kvpush: control endpoint %s is CurveZMQ as %s (%s), %d allowed keys",
                         self.address, security.keypair.name, security.keypair.fingerprint,
                         len(security.allowed))
+
+    def _open_router(self, codec: ControlCodec, host: str, port: int,
+                     security: EndpointSecurity | None) -> str:
+        """Set up the ROUTER that takes every peer's messages and bind it; the host as
+        bound (IPv6 in brackets)."""
+        self._router.setsockopt(zmq.LINGER, 0)
+        # A frame bigger than this is dropped by ZMQ itself before we allocate it.
+        self._router.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes + 4096)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        if security is not None:
+            self._router.curve_secretkey = security.keypair.secret
+            self._router.curve_publickey = security.keypair.public
+            self._router.curve_server = True
+            self._router.zap_domain = ZAP_DOMAIN.encode()
+            # Fail closed: were the ZAP handler gone, refuse clients instead of accepting
+            # every key (libzmq's default without a handler).
+            self._router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        bind_host = host
+        if ":" in host and not host.startswith("["):
+            bind_host = f"[{host}]"
+        if bind_host.startswith("["):
+            self._router.ipv6 = True
+        self._bind(f"tcp://{bind_host}:{port}")
+        self._watch(self._router, _Watch(f"tcp://{bind_host}:{port}", outbound=False))
+        return bind_host
 
     def _bind(self, address: str) -> None:
         # A process restarted at once may race its dying predecessor for the port: wait a

@@ -42,10 +42,19 @@ def _producer(ctx: Context, outcome: str) -> float:
 
 
 async def run(ctx: Context) -> None:
-    n = ctx.opts.requests
+    exported = await _bad_link(ctx)
+    await _healing(ctx, exported)
+    await _healed(ctx)
+    check_all_answered(ctx, [r for g in ctx.generators for r in g.records],
+                       "pull and recompute absorb the bad link")
+
+
+async def _bad_link(ctx: Context) -> bool:
+    """Every WRITE from P fails: the breaker opens and transfers fall back to pull. True when
+    P exports the breaker's state."""
     obs = ctx.observer
     switch = fault_switch(ctx.cluster.spec.workdir)
-    n_bad = max(8, (2 * n) // 5)
+    n_bad = max(8, (2 * ctx.opts.requests) // 5)
     switch.touch()
     ctx.event("fault switch on: every WRITE from P fails", file=str(switch))
     try:
@@ -72,9 +81,13 @@ async def run(ctx: Context) -> None:
                                       "outcome=pull_fallback} did not grow")
     ctx.report.check("no push completed while every WRITE failed", pushed_bad == 0,
                      f"{pushed_bad:g} pushes completed with the fault on" if pushed_bad else "")
+    return exported
 
-    # Healing: light traffic (the half-open probe needs a transfer) until the breaker is
-    # closed and a push has succeeded.
+
+async def _healing(ctx: Context, exported: bool) -> None:
+    """Light traffic (the half-open probe needs a transfer) until the breaker is closed and
+    a push has succeeded."""
+    obs = ctx.observer
     heal_timeout = float(ctx.opts.extra.get("heal_timeout", 240.0))
     pushed0 = _producer(ctx, "pushed")
     heal = ctx.load(10_000, concurrency=2, phase="healing")
@@ -103,7 +116,10 @@ async def run(ctx: Context) -> None:
                      f"within {heal_timeout:.0f} s: breaker state {state}, pushes "
                      f"+{_producer(ctx, 'pushed') - pushed0:g}")
 
-    # Healed: the rest of the load is pushed again.
+
+async def _healed(ctx: Context) -> None:
+    """Healed: the rest of the load is pushed again."""
+    obs, n = ctx.observer, ctx.opts.requests
     sent = sum(len(g.records) for g in ctx.generators)
     pushed1 = _producer(ctx, "pushed")
     pulls1 = _producer(ctx, "pull_fallback")
@@ -119,8 +135,6 @@ async def run(ctx: Context) -> None:
                      pushed > 0 and pulled == 0,
                      "" if pushed > 0 and pulled == 0 else
                      f"healed phase: {pushed:g} pushed, {pulled:g} pulled")
-    check_all_answered(ctx, [r for g in ctx.generators for r in g.records],
-                       "pull and recompute absorb the bad link")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from kvpush_prod.chaos.harness import (
     Needs,
     Options,
     admin_token_file,
-    allow_after,
     check_all_answered,
+    faults_under_load,
     main,
-    traffic_resumes,
 )
+from kvpush_prod.chaos.load import LoadGenerator
 from kvpush_prod.router.drain import drain
 
 NAME = "drain"
@@ -40,39 +40,27 @@ def needs(opts: Options) -> Needs:
 
 
 async def run(ctx: Context) -> None:
-    n = ctx.opts.requests
     engines = [e.strip() for e in str(ctx.opts.extra.get("engines", "decode,prefill")).split(",")]
-    per_phase = max(4, n // (2 * (len(engines) + 1)))
     token = admin_token_file(ctx.cluster.spec.workdir).read_text().strip()
     router = ctx.cluster.urls["router"]
-    gen = ctx.load(n, phase="before")
-    gen.hold_open = True  # load keeps coming through every drain and restart
-    task = asyncio.create_task(gen.run())
-    try:
-        await gen.wait_done(max(2, per_phase))
-        for i, engine in enumerate(engines, 1):
-            url = ctx.cluster.urls[engine]
-            gen.phase = f"drain{i}"
-            ctx.event(f"kvpush drain {engine}", outstanding=ctx.outstanding())
-            drained = await asyncio.to_thread(
-                drain, url, [router], token, ctx.opts.timeout, ctx.log, 0.5)
-            ctx.report.check(f"{engine} drained: no request, transfer or block left ({i})",
-                             drained, "" if drained else "still busy at the deadline")
-            gen.phase = f"restart{i}"
-            secs = await ctx.restart(engine, graceful=True)
-            ctx.event(f"{engine} restarted and healthy", seconds=round(secs, 1))
-            waited = await ctx.wait_router_ready(timeout=60)
-            ctx.report.check(f"the router takes {engine} back by itself ({i})",
-                             waited is not None,
-                             "" if waited is not None else "still draining or down after 60 s")
-            gen.phase = f"after{i}"
-            if not await traffic_resumes(ctx, gen, i, per_phase):
-                break
-        allow_after(gen, n, per_phase)
-        await task
-    finally:
-        gen.stop()
-        await task
+
+    async def drain_and_restart(gen: LoadGenerator, i: int) -> None:
+        engine = engines[i - 1]
+        gen.phase = f"drain{i}"
+        ctx.event(f"kvpush drain {engine}", outstanding=ctx.outstanding())
+        drained = await asyncio.to_thread(
+            drain, ctx.cluster.urls[engine], [router], token, ctx.opts.timeout, ctx.log, 0.5)
+        ctx.report.check(f"{engine} drained: no request, transfer or block left ({i})",
+                         drained, "" if drained else "still busy at the deadline")
+        gen.phase = f"restart{i}"
+        secs = await ctx.restart(engine, graceful=True)
+        ctx.event(f"{engine} restarted and healthy", seconds=round(secs, 1))
+        waited = await ctx.wait_router_ready(timeout=60)
+        ctx.report.check(f"the router takes {engine} back by itself ({i})", waited is not None,
+                         "" if waited is not None else "still draining or down after 60 s")
+        gen.phase = f"after{i}"
+
+    await faults_under_load(ctx, len(engines), drain_and_restart)
     records = [r for g in ctx.generators for r in g.records]
     during = [r for r in records if r.phase.startswith(("drain", "restart"))]
     ctx.event("requests sent while an engine drained or restarted", count=len(during))

@@ -7,20 +7,19 @@ victim, none hangs, none is wrong, nothing is held afterwards, the victim serves
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from kvpush_prod.chaos.harness import (
     Context,
     Needs,
     Options,
-    allow_after,
     check_resumed,
+    faults_under_load,
     kill_in_flight,
     main,
     rejoin,
-    traffic_resumes,
 )
+from kvpush_prod.chaos.load import LoadGenerator
 
 NAME = "nxm_kill"
 DESCRIPTION = ("2 P x 2 D under load: kill -9 one D, restart, rejoin; then one P; failures "
@@ -48,30 +47,19 @@ def needs(opts: Options) -> Needs:
 
 
 async def run(ctx: Context) -> None:
-    n = ctx.opts.requests
     victims = [v.strip() for v in str(ctx.opts.extra.get("victims", "decode-1,prefill-1"))
                .split(",") if v.strip()]
     unknown = [v for v in victims if v not in ctx.engines]
     if unknown:
         raise ValueError(f"unknown victim(s) {unknown}: the cluster's engines are "
                          f"{list(ctx.engines)}")
-    per_phase = max(4, n // (2 * (len(victims) + 1)))
-    gen = ctx.load(n, phase="before")
-    gen.hold_open = True  # load keeps coming through every kill and restart
-    task = asyncio.create_task(gen.run())
-    try:
-        await gen.wait_done(max(2, per_phase))
-        for i, victim in enumerate(victims, 1):
-            await kill_in_flight(ctx, gen, victim, tag=str(i))
-            await rejoin(ctx, gen, victim, tag=str(i),
-                         per_s=float(ctx.opts.extra.get("outage_rate", 2.0)))
-            if not await traffic_resumes(ctx, gen, i, per_phase):
-                break
-        allow_after(gen, n, per_phase)
-        await task
-    finally:
-        gen.stop()
-        await task
+    rate = float(ctx.opts.extra.get("outage_rate", 2.0))
+
+    async def kill_and_rejoin(gen: LoadGenerator, i: int) -> None:
+        await kill_in_flight(ctx, gen, victims[i - 1], tag=str(i))
+        await rejoin(ctx, gen, victims[i - 1], tag=str(i), per_s=rate)
+
+    await faults_under_load(ctx, len(victims), kill_and_rejoin)
     outage = [r for g in ctx.generators for r in g.records if r.phase.startswith("outage")]
     ctx.event("requests sent while a victim was down or restarting", count=len(outage))
     ctx.report.check("requests arrived while a victim was down", bool(outage),

@@ -6,19 +6,18 @@ outage the router answers clear errors, after each restart traffic resumes, corr
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from kvpush_prod.chaos.harness import (
     Context,
     Needs,
     Options,
-    allow_after,
     break_and_recover,
     check_resumed,
+    faults_under_load,
     main,
-    traffic_resumes,
 )
+from kvpush_prod.chaos.load import LoadGenerator
 
 NAME = "restart_under_load"
 DESCRIPTION = ("P and D restarted under load (graceful, kill -9, rolling redeploy); traffic "
@@ -51,25 +50,14 @@ def events(opts: Options) -> list[tuple[str, str]]:
 
 
 async def run(ctx: Context) -> None:
-    n = ctx.opts.requests
     plan = events(ctx.opts)
-    per_phase = max(4, n // (2 * (len(plan) + 1)))
-    gen = ctx.load(n, phase="before")
-    gen.hold_open = True
-    task = asyncio.create_task(gen.run())
     faults: list[float] = []
-    try:
-        await gen.wait_done(max(2, per_phase))
-        for i, (engine, how) in enumerate(plan, 1):
-            faults.append(await break_and_recover(ctx, gen, engine, how, tag=str(i)))
-            # Traffic must resume before the next fault.
-            if not await traffic_resumes(ctx, gen, i, per_phase):
-                break
-        allow_after(gen, n, per_phase)
-        await task
-    finally:
-        gen.stop()
-        await task
+
+    async def fault(gen: LoadGenerator, i: int) -> None:
+        engine, how = plan[i - 1]
+        faults.append(await break_and_recover(ctx, gen, engine, how, tag=str(i)))
+
+    await faults_under_load(ctx, len(plan), fault)
     for i, (engine, how) in enumerate(plan, 1):
         until = faults[i] if i < len(faults) else None
         check_resumed(ctx, f"after{i}", f"traffic resumes after {how} of {engine} ({i})", until)
