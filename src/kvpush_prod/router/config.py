@@ -222,9 +222,11 @@ class RouterSettings(_Strict):
         if self.backend_ca_file is not None:
             # The operator asked for TLS to the engines: a plain http:// leg would carry the
             # signed kv_transfer_params in clear text beside the encrypted ones.
-            plain = [f"{role}[{i}].url = {b.url!r}"
-                     for role, lst in (("prefill", self.prefill), ("decode", self.decode))
-                     for i, b in enumerate(lst) if b.url.startswith("http://")]
+            urls = (("prefill", [b.url for b in self.prefill]),
+                    ("decode", [b.url for b in self.decode]))
+            plain = [f"{role}[{i}].url = {url!r}"
+                     for role, lst in urls
+                     for i, url in enumerate(lst) if url.startswith("http://")]
             if plain:
                 raise ValueError(
                     f"backend_ca_file is set (TLS to the engines) but {', '.join(plain)} "
