@@ -109,8 +109,10 @@ class RouterMetrics:
             self.rejected.labels(reason.value)
         self.direct = Counter(
             "kvpush_router_direct_total",
-            "Requests sent to a decode backend alone, their prompt estimated below "
-            "direct_below_tokens: D computed the prompt itself, no KV was transferred.",
+            "Requests routed to a decode backend alone, their prompt estimated below "
+            "direct_below_tokens: no prefill leg, D computes the prompt, no KV is "
+            "transferred. Counted once per request, whatever its outcome "
+            "(kvpush_router_requests_total).",
             ["endpoint"],
             registry=r,
         )
