@@ -79,6 +79,19 @@ async def test_longer_prompt_takes_both_legs_and_is_not_counted(fakes, router):
     assert direct_count(r) == 0
 
 
+async def test_pull_mode_sends_short_prompts_to_decode_alone_too(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d], mode="pull", direct_below_tokens=16)
+
+    short = await r.post("/v1/completions", {**COMPLETION, "prompt": SHORT})
+    long = await r.post("/v1/completions", {**COMPLETION, "prompt": LONG})
+
+    assert short.status_code == long.status_code == 200
+    assert len(p.requests) == 1 and p.requests[0].body["prompt"] == LONG
+    assert [("kv_transfer_params" in s.body) for s in d.requests] == [False, True]
+    assert direct_count(r) == 1
+
+
 async def test_zero_turns_it_off_even_for_a_one_token_prompt(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], direct_below_tokens=0)
