@@ -128,7 +128,7 @@ def capture(cluster: Cluster) -> Iterator[tuple[str, Relay, Relay]]:
     cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
            "--port", str(port), "--prefill", f"http://127.0.0.1:{p_relay.port}",
            "--decode", f"http://127.0.0.1:{d_relay.port}",
-           "--params-key-file", str(cluster.params_key_file)]
+           "--params-key-file", str(cluster.params_key_file), "--direct-below-tokens", "0"]
     proc = Proc("capturing-router", cmd, dict(os.environ),
                 cluster.log_dir / "capturing-router.log")
     url = f"http://127.0.0.1:{port}"

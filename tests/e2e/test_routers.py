@@ -73,7 +73,7 @@ def behind(e2e_workdir, otlp: OtlpSink) -> Iterator[Cluster]:  # type: ignore[no
         port = free_port()
         cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
                "--port", str(port), "--prefill", c.urls["prefill"], "--decode",
-               c.urls["decode"], "--mode", "pull"]
+               c.urls["decode"], "--mode", "pull", "--direct-below-tokens", "0"]
         c.procs["sequential"] = Proc("sequential", cmd, dict(os.environ),
                                      c.log_dir / "sequential-router.log")
         c.urls["sequential"] = f"http://127.0.0.1:{port}"

@@ -90,7 +90,8 @@ def test_a_router_trusting_another_ca_routes_nothing(tls_cluster: Cluster) -> No
     port = free_port()
     cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1", "--port",
            str(port), "--prefill", c.urls["prefill"], "--decode", c.urls["decode"],
-           "--backend-ca-file", str(rogue.ca), "--params-key-file", str(c.params_key_file)]
+           "--backend-ca-file", str(rogue.ca), "--params-key-file", str(c.params_key_file),
+           "--direct-below-tokens", "0"]
     proc = Proc("router-rogue-ca", cmd, dict(os.environ), c.log_dir / "router-rogue-ca.log")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -26,6 +26,9 @@ FAST = {
     "first_byte_timeout_s": 5.0,
     "probe_timeout_s": 2.0,
     "models_refresh_min_interval_s": 0.0,
+    # The fakes' prompts are a few tokens: these tests are about the two legs, so no request
+    # goes to D alone unless a test asks (tests/router/test_direct.py).
+    "direct_below_tokens": 0,
 }
 
 

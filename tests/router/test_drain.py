@@ -70,7 +70,7 @@ async def router_process() -> AsyncIterator[Callable[..., Awaitable[RouterProces
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), *sys.path])}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvpush_prod.router", "--prefill", p.url, "--decode", d.url,
-            "--port", "0", "--health-interval", "0.1", *flags,
+            "--port", "0", "--health-interval", "0.1", "--direct-below-tokens", "0", *flags,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         rp = RouterProcess(proc)

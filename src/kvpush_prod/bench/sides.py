@@ -353,6 +353,9 @@ class RunningSide:
             self.engine_urls["decode"],
             "--mode",
             mode,
+            # Every cell measures the transfer, however short its prompts.
+            "--direct-below-tokens",
+            "0",
             *(["--vllm-push-compat"] if self.side.kind == "vllm-push" else []),
             *(["--params-key-file", str(self._params_key)] if self._params_key else []),
             "--log-level",

@@ -55,6 +55,11 @@ class ClusterSpec:
     prefill_env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)
     router_args: list[str] = field(default_factory=list)
+    # The router's direct_below_tokens: prompts estimated below it go to D alone (no
+    # transfer). 0 here, unlike the router's own default: the lab's tests, chaos runs and
+    # benches send short prompts and mean them to be pushed; a cluster that tests the
+    # direct path sets it (None: the router's default).
+    direct_below_tokens: int | None = 0
     engine_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)  # extra engine args, P only
     decode_args: list[str] = field(default_factory=list)  # extra engine args, D only
@@ -241,6 +246,8 @@ class Cluster:
             cmd += ["--prefill", self.urls[name]]
         for name in self.decode_names:
             cmd += ["--decode", self.urls[name]]
+        if self.spec.direct_below_tokens is not None:
+            cmd += ["--direct-below-tokens", str(self.spec.direct_below_tokens)]
         cmd += self.spec.router_args
         if self.spec.signed_params:
             cmd += ["--params-key-file", str(self.params_key_file)]

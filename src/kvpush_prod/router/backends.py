@@ -246,6 +246,17 @@ class BackendPool:
             self._eligible(Role.DECODE, model, exclude)
         )
 
+    def has_decode(self, model: str | None, exclude: set[Backend]) -> bool:
+        return bool(self._eligible(Role.DECODE, model, exclude))
+
+    def choose_decode(self, model: str | None, exclude: set[Backend]) -> Backend:
+        """Pick a D alone (a request sent straight to D needs no P), by the same policy and
+        rotation as the pairs' D. Raises NoBackendError naming every decode backend."""
+        eligible = self._eligible(Role.DECODE, model, exclude)
+        if not eligible:
+            raise NoBackendError(self._why_none(Role.DECODE, model, exclude))
+        return self._policy[Role.DECODE].choose(self.decode, eligible)
+
     def choose_pair(self, model: str | None, exclude: set[Backend]) -> tuple[Backend, Backend]:
         """Pick (P, D) among routable backends serving ``model``, not in ``exclude``.
 

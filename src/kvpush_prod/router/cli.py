@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.router.config import (
+    DIRECT_BELOW_TOKENS,
     RouterSettings,
     read_yaml,
     settings_from_mapping,
@@ -78,6 +79,16 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         type=float,
         dest="connect_timeout_s",
         help="seconds to connect to a backend (default 2)",
+    )
+    p.add_argument(
+        "--direct-below-tokens",
+        type=int,
+        dest="direct_below_tokens",
+        metavar="N",
+        help="send a request whose prompt is estimated below N tokens to a decode backend "
+        "alone, which computes it (no KV transfer; counted in kvpush_router_direct_total); "
+        f"0 turns it off (default {DIRECT_BELOW_TOKENS}, measured on the lab box; measure "
+        "yours: docs/router.md, \"Short prompts: straight to D\")",
     )
     _add_limit_flags(p)
     _add_key_flags(p)

@@ -20,6 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key, read_key_file
 
+# The prompt length (estimated tokens) below which a request goes to D alone. Measured on
+# the lab box (benchmarks/direct_threshold.py; docs/router.md, "Short prompts: straight to
+# D"): P/D's TTFT p50 is about 2x a single engine's at every length from 16 to 512 tokens,
+# while D's own prefill costs nothing measurable up to 128 tokens and ~2 ms from 256. At 64,
+# the longest text prompt the estimate can let through (3 x 64 = 192 tokens) still costs D
+# nothing measurable.
+DIRECT_BELOW_TOKENS = 64
+
 PolicyName = Literal["round_robin", "least_loaded", "engine_load"]
 # push: both legs at once (push connectors); pull: P first, then D with P's
 # kv_transfer_params (vLLM's NixlConnector, the usual prefill-then-decode proxy flow).
@@ -166,6 +174,19 @@ class RouterSettings(_Strict):
     # --ssl-ca-certs with --ssl-cert-reqs 2): mutual TLS. Both or neither.
     backend_client_cert_file: str | None = None
     backend_client_key_file: str | None = None
+    # -- transfer or recompute (docs/router.md, "Short prompts: straight to D") --
+    # A request whose prompt is estimated below this many tokens goes to a decode backend
+    # alone, without kv_transfer_params: D computes the prompt as a single engine would,
+    # because moving a short prompt's KV costs more TTFT than computing it. Measured on the
+    # lab box (benchmarks/direct_threshold.py); it depends on the model and the hardware,
+    # so measure yours (docs/router.md). 0: every request takes both legs.
+    direct_below_tokens: int = Field(default=DIRECT_BELOW_TOKENS, ge=0, le=1 << 20)
+    # The estimate of a text prompt (token ids count exactly): ASCII characters per token
+    # (any other character: a token per UTF-8 byte). 3 overestimates English prose (~4 per
+    # token). It is also the bound on a client that lies: a text prompt sent to D alone has
+    # fewer than direct_chars_per_token x direct_below_tokens UTF-8 bytes, so at most that
+    # many tokens for a byte-level tokenizer (docs/router.md).
+    direct_chars_per_token: float = Field(default=3.0, ge=1.0, le=16.0)
     # -- operations --
     # A request that finds no routable (P, D) pair waits up to this long for one (an engine
     # restarting after a drain) before the router answers 503; 0: answer at once.

@@ -75,6 +75,15 @@ def decode_body(body: dict[str, Any], p: PrefillIdentity, transfer_id: str) -> d
     return out
 
 
+def direct_body(body: dict[str, Any]) -> dict[str, Any]:
+    """D's leg when D alone serves the request (a short prompt): the client's request
+    without ``kv_transfer_params`` (only a null one can be there: a request with its own
+    takes both legs), so D computes the prompt as a single engine would."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    return out
+
+
 def signed(body: dict[str, Any], key: bytes | None, now: float, ttl_s: float,
            leg: str) -> dict[str, Any]:
     """``body`` with its ``kv_transfer_params`` signed by the params key for ``leg``

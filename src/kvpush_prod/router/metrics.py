@@ -34,6 +34,10 @@ _LATENCY_BUCKETS = (
 )
 
 
+# The ``endpoint`` label's values (router/legs.py: COMPLETIONS_PATH, CHAT_PATH).
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
 class Outcome(str, Enum):
     """How one client request ended; the ``outcome`` label of ``kvpush_router_requests_total``."""
 
@@ -103,6 +107,17 @@ class RouterMetrics:
         for reason in RejectReason:
             # Every reason from the start, at 0: rate() and alerts see the first hit.
             self.rejected.labels(reason.value)
+        self.direct = Counter(
+            "kvpush_router_direct_total",
+            "Requests routed to a decode backend alone, their prompt estimated below "
+            "direct_below_tokens: no prefill leg, D computes the prompt, no KV is "
+            "transferred. Counted once per request, whatever its outcome "
+            "(kvpush_router_requests_total).",
+            ["endpoint"],
+            registry=r,
+        )
+        for endpoint in ENDPOINTS:
+            self.direct.labels(endpoint)
         self.backend_up = Gauge(
             "kvpush_router_backend_up",
             "1 if the router routes to this backend (healthy, and for prefill: identity known).",
@@ -122,6 +137,9 @@ class RouterMetrics:
 
     def observe_ttft(self, endpoint: str, seconds: float) -> None:
         self.ttft_seconds.labels(endpoint).observe(seconds)
+
+    def count_direct(self, endpoint: str) -> None:
+        self.direct.labels(endpoint).inc()
 
     def count_retry(self, reason: str) -> None:
         self.retries.labels(reason).inc()

@@ -41,6 +41,7 @@ from kvpush_prod.router.legs import (
     DP_RANK_HEADER,
     check_status,
     decode_body,
+    direct_body,
     dumps,
     error_body,
     failure_from_exception,
@@ -56,6 +57,7 @@ from kvpush_prod.router.legs import (
 )
 from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body, ticket_of
 from kvpush_prod.router.metrics import Outcome, RouterMetrics
+from kvpush_prod.router.prompt import PromptSize, prompt_tokens
 from kvpush_prod.router.types import Backend
 from kvpush_prod.signing import DECODE, PREFILL
 
@@ -146,6 +148,10 @@ class _Request:
     failures: list[LegFailure]
     authorization: str | None
     attempts: int = 0
+    # The prompt's estimated size, and whether it goes to D alone (below
+    # direct_below_tokens): then it needs a D only, never a P.
+    prompt: PromptSize | None = None
+    direct: bool = False
     # The client's W3C trace context, passed to both legs: the engines' request spans (and
     # kvpush's transfer spans) join the client's trace.
     trace: dict[str, str] = field(default_factory=dict)
@@ -181,6 +187,11 @@ class Dispatcher:
         self._decode_timeout = httpx.Timeout(None, **bounded)
         # Detached P legs (D answered first); kept referenced so they are not collected.
         self._background: set[asyncio.Task[Any]] = set()
+        if settings.direct_below_tokens:
+            log.info("requests whose prompt is estimated below %d tokens go to a decode "
+                     "backend alone, which computes it (direct_below_tokens; 0 turns this "
+                     "off); counted in kvpush_router_direct_total",
+                     settings.direct_below_tokens)
 
     async def aclose(self) -> None:
         for t in list(self._background):
@@ -231,6 +242,15 @@ class Dispatcher:
             trace={k: v[:512] for k in TRACE_HEADERS
                    if (v := request.headers.get(k)) is not None},
         )
+        threshold = self.settings.direct_below_tokens
+        # A client's own kv_transfer_params ask for a transfer: such a request takes both
+        # legs as it always did (the router's params replace the client's on each leg).
+        if threshold and body.get("kv_transfer_params") is None:
+            req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token,
+                                       threshold)
+            req.direct = req.prompt.below(threshold)
+            if req.direct:
+                self.metrics.count_direct(path)
         try:
             await self._wait_for_pair(req)
             return await self._route(req)
@@ -241,9 +261,16 @@ class Dispatcher:
         """With no routable pair, wait up to ``no_backend_wait_s`` for one (an engine
         restarting after a drain), checking every 100 ms; the route then answers."""
         deadline = time.monotonic() + self.settings.no_backend_wait_s
-        while (not self.pool.has_pair(req.model, req.exclude) and time.monotonic() < deadline
+        while (not self._routable(req) and time.monotonic() < deadline
                and not req.disconnect.done()):
             await asyncio.sleep(0.1)
+
+    def _routable(self, req: _Request) -> bool:
+        """Whether an attempt has backends left: a D for a request sent to D alone, else a
+        (P, D) pair."""
+        if req.direct:
+            return self.pool.has_decode(req.model, req.exclude)
+        return self.pool.has_pair(req.model, req.exclude)
 
     async def _read_request(self, request: Request) -> dict[str, Any]:
         """The client's body as a JSON object within every request limit, or
@@ -302,7 +329,7 @@ class Dispatcher:
 
     async def _route(self, req: _Request) -> Response:
         def retry_on_other_pair(e: BaseException) -> bool:
-            return isinstance(e, LegFailure) and self.pool.has_pair(req.model, req.exclude)
+            return isinstance(e, LegFailure) and self._routable(req)
 
         def count_retry(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
@@ -339,7 +366,7 @@ class Dispatcher:
             self._finish(req, Outcome.NO_BACKEND)
             return error_response(503, f"{e}; check GET /health", "server_error", "no_backend")
         except LegFailure:
-            if self.pool.has_pair(req.model, req.exclude):
+            if self._routable(req):
                 return self._fail(req, f"gave up after max_retries={self.settings.max_retries}")
             return self._fail(req, "no other healthy pair to retry on")
         raise AssertionError("unreachable: tenacity either returns or reraises")
@@ -355,6 +382,8 @@ class Dispatcher:
         )
 
     async def _attempt(self, req: _Request) -> Response:
+        if req.direct:
+            return await self._attempt_direct(req)
         if self.settings.mode == "pull":
             return await self._attempt_pull(req)
         p, d = self.pool.choose_pair(req.model, req.exclude)
@@ -392,6 +421,34 @@ class Dispatcher:
             raise
         self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
         self._detach_prefill(p_task)
+        return await self._answer(req, started, tid, p_task)
+
+    async def _attempt_direct(self, req: _Request) -> Response:
+        """A short prompt: D alone, without kv_transfer_params, computes it as a single
+        engine would (no P leg, no transfer)."""
+        d = self.pool.choose_decode(req.model, req.exclude)
+        tid = uuid.uuid4().hex
+        assert req.prompt is not None and req.prompt.tokens is not None
+        log.debug("request %s: prompt of %s%d tokens is below direct_below_tokens = %d: sent "
+                  "to decode %s alone", tid, "" if req.prompt.exact else "~",
+                  req.prompt.tokens, self.settings.direct_below_tokens, d.url)
+        d_task = asyncio.create_task(self._decode_leg(
+            d, req.path, dumps(direct_body(req.body)), _leg_headers(req, tid), req.stream))
+        try:
+            await asyncio.wait({d_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            if req.disconnect.done() and not d_task.done():
+                raise ClientGone()
+            started = d_task.result()
+        except BaseException:
+            await self._cancel_legs(d_task)
+            raise
+        self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
+        return await self._answer(req, started, tid, None)
+
+    async def _answer(self, req: _Request, started: DecodeStart, tid: str,
+                      p_task: asyncio.Task[Any] | None) -> Response:
+        """The client's response from D's started leg: D's JSON, or its stream relayed
+        (``p_task``, P's leg if one is still running, is cancelled if the client leaves)."""
         outcome = Outcome.OK if req.attempts == 1 else Outcome.RETRIED_OK
         resp_headers = {"X-Request-Id": tid}
         if not req.stream:
@@ -450,24 +507,7 @@ class Dispatcher:
             await self._cancel_legs(d_task)
             raise
         self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
-        outcome = Outcome.OK if req.attempts == 1 else Outcome.RETRIED_OK
-        resp_headers = {"X-Request-Id": tid}
-        if not req.stream:
-            content = strip_null_kv_params(started.first)
-            status = started.response.status_code
-            media = started.response.headers.get("content-type", "application/json")
-            await started.aclose()
-            self._finish(req, outcome)
-            return Response(content, status, headers=resp_headers, media_type=media)
-        req.disconnect.cancel()
-        media = started.response.headers.get("content-type", "text/event-stream")
-        resp_headers["Cache-Control"] = "no-cache"
-        return _ClosingStreamingResponse(
-            self._relay(req, started, p_task, outcome),
-            started.response.status_code,
-            headers=resp_headers,
-            media_type=media,
-        )
+        return await self._answer(req, started, tid, p_task)
 
     async def _pull_prefill_leg(
         self, p: Backend, path: str, content: bytes, headers: dict[str, str]
@@ -591,7 +631,8 @@ class Dispatcher:
     # -- streaming -----------------------------------------------------------------------------
 
     async def _relay(
-        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[Any], outcome: Outcome
+        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[Any] | None,
+        outcome: Outcome,
     ) -> AsyncIterator[bytes]:
         """D's SSE bytes to the client as they arrive; never retried once begun."""
         try:
@@ -609,7 +650,8 @@ class Dispatcher:
                 )
         except (asyncio.CancelledError, GeneratorExit):
             outcome = Outcome.CLIENT_CANCELLED
-            p_task.cancel()
+            if p_task is not None:
+                p_task.cancel()
             raise
         finally:
             await d.aclose()
