@@ -21,6 +21,27 @@ USAGE = """usage: kvpush bench [run options]        run the side-by-side benchma
 """
 
 
+# --model-shape keys -> TinyModelSpec fields.
+SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate":
+              "intermediate_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+              "head_dim": "head_dim"}
+
+
+def _shape(text: str) -> dict[str, int]:
+    """``layers=32,hidden=64``: TinyModelSpec fields; intermediate defaults to 2 x hidden."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in SHAPE_KEYS or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r}: give KEY=N with N >= 1 and KEY one of "
+                f"{', '.join(SHAPE_KEYS)} (e.g. layers=32,hidden=64)")
+        out[SHAPE_KEYS[key]] = int(value)
+    if "hidden_size" in out:
+        out.setdefault("intermediate_size", 2 * out["hidden_size"])
+    return out
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -125,6 +146,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, default=None, help="KV block size (engine default)")
     p.add_argument(
+        "--model-shape",
+        type=_shape,
+        default=None,
+        metavar="KEY=N,...",
+        help="the generated model's shape, e.g. layers=32,hidden=64,heads=4,kv_heads=2,"
+        "head_dim=16 (keys: " + ", ".join(SHAPE_KEYS) + "; default: the lab's tiny Llama, "
+        "2 layers)",
+    )
+    p.add_argument(
+        "--fragment",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before the measured cells, churn the KV cache that receives (D's, or the "
+        "single engine's) N times over with requests of mixed lengths that end in scattered "
+        "order, so its free blocks are no longer contiguous (default 0: a fresh cache)",
+    )
+    p.add_argument(
         "--pthr-delay-us",
         type=int,
         default=1000,
@@ -178,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.rounds < 1:
         print(f"kvpush bench: --rounds {a.rounds}: give 1 or more", file=sys.stderr)
+        return 2
+    if a.fragment < 0:
+        print(f"kvpush bench: --fragment {a.fragment}: give 0 (a fresh cache) or the number "
+              "of times the decode's KV cache is churned", file=sys.stderr)
         return 2
     if max(a.concurrency) > a.max_num_seqs:
         print(
@@ -234,6 +277,8 @@ def _settings(a: argparse.Namespace, args: list[str]) -> BenchSettings:
             block_size=a.block_size,
             pthr_delay_us=a.pthr_delay_us,
             frontend_cores=dict(FRONTENDS[a.frontends]),
+            model_shape=dict(a.model_shape or {}),
+            fragment=a.fragment,
         ),
         force=a.force,
         client=a.client,

@@ -322,11 +322,17 @@ def transfer_section(
             h = histogram_delta(before.get(eng, {}), after.get(eng, {}), "kvpush_transfer_seconds")
             if h:
                 out[f"kvpush_transfer_seconds_{eng}"] = h
+        # What each post handed NIXL and what building it cost (P's engine-side work).
+        for metric in ("kvpush_post_descriptors", "kvpush_post_build_seconds"):
+            h = histogram_delta(before.get("prefill", {}), after.get("prefill", {}), metric)
+            if h:
+                out[metric] = h
     else:
         # vLLM: the NIXL transfer (post -> completion) as its connector measures it; on D for
         # pull (READs), on P for push (WRITEs). No hook gives "prefill done -> D knows".
         for eng in ("prefill", "decode"):
-            for metric in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds"):
+            for metric in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds",
+                           "vllm:nixl_num_descriptors"):
                 h = histogram_delta(before.get(eng, {}), after.get(eng, {}), metric)
                 if h:
                     out[f"{metric.split(':')[1]}_{eng}"] = h
@@ -502,7 +508,12 @@ async def _run_cells(
             if pbar is not None:
                 pbar.set_description(f"{side.name}: warm-up")
             warm_errors = await _warm_up(request_fn(None), running, cells, s.workload.warmup)
-            store.data["sides"][side.name] = _side_info(running, started_s, warm_errors)
+            info = _side_info(running, started_s, warm_errors)
+            if s.side.fragment:
+                if pbar is not None:
+                    pbar.set_description(f"{side.name}: fragmenting the KV cache")
+                info["fragment"] = await _fragment(request_fn(None), running, s.side.fragment)
+            store.data["sides"][side.name] = info
             store.save()
             send = request_fn(pbar)
             for length, conc, rate in cells:
@@ -520,6 +531,46 @@ async def _warm_up(send: Any, running: RunningSide, cells: list[Cell], warmup: i
         got, _ = await run_requests(send, running.entry, prompts, length, 2, 8)
         errors += sum(1 for g in got if not g.ok)
     return errors
+
+
+# Prompt lengths and output lengths of the churn: mixed, so that requests end in an order
+# unrelated to the one they started in and free their blocks scattered.
+_CHURN = ((48, 9), (530, 2), (200, 17), (90, 5), (410, 13), (130, 1), (300, 21), (70, 3))
+
+
+async def _fragment(send: Any, running: RunningSide, cycles: int) -> dict[str, Any]:
+    """Churn the KV cache that receives (D's, or the single engine's): requests of mixed
+    lengths, 16 at once, until about ``cycles`` times its blocks went through them; its free
+    blocks are then in the scattered order those requests freed them, as after hours of
+    traffic. Returns what it did."""
+    engine = "decode" if running.side.disaggregated else "single"
+    blocks, block_size = _pool(running.engine_urls[engine])
+    tokens = cycles * blocks * block_size
+    per_round = sum(n for n, _ in _CHURN)
+    rounds = max(1, -(-tokens // per_round))
+    jobs = [run_requests(send, running.entry, prompts_for(n, 0, rounds, salt=5000 + i), n, 2,
+                         out) for i, (n, out) in enumerate(_CHURN)]
+    results = await asyncio.gather(*jobs)
+    errors = sum(1 for got, _ in results for g in got if not g.ok)
+    return {"cycles": cycles, "pool_blocks": blocks, "block_size": block_size,
+            "requests": rounds * len(_CHURN), "tokens": rounds * per_round, "errors": errors}
+
+
+def _pool(url: str) -> tuple[int, int]:
+    """The KV cache of the engine at ``url``: its number of blocks and their size in tokens
+    (vLLM's ``vllm:cache_config_info``)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    line = next((x for x in text.splitlines() if x.startswith("vllm:cache_config_info{")), "")
+    blocks = re.search(r'num_gpu_blocks="(\d+)"', line)
+    size = re.search(r'block_size="(\d+)"', line)
+    if blocks is None or size is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info with num_gpu_blocks "
+                           "and block_size: cannot size the churn of --fragment")
+    return int(blocks.group(1)), int(size.group(1))
 
 
 def _side_info(running: RunningSide, started_s: float, warm_errors: int) -> dict[str, Any]:

@@ -157,6 +157,10 @@ class SideSettings:
     frontend_cores: dict[str, str] = field(default_factory=lambda: dict(FRONTENDS["own"]))
     engine_args: list[str] = field(default_factory=list)
     kvpush_extra: dict[str, Any] = field(default_factory=lambda: {"verify": {"checksums": False}})
+    # TinyModelSpec fields that differ from the lab's tiny Llama (``--model-shape``).
+    model_shape: dict[str, int] = field(default_factory=dict)
+    # Requests that churn the KV caches before the measured cells (``--fragment``).
+    fragment: int = 0
 
 
 class RunningSide:
@@ -225,9 +229,12 @@ class RunningSide:
         return out
 
     def _model(self) -> str:
-        from kvpush_prod.lab.tinymodel import write_tiny_model
+        from kvpush_prod.lab.tinymodel import TinyModelSpec, write_tiny_model
 
-        return str(write_tiny_model(self.settings.workdir / "tiny-llama"))
+        shape = self.settings.model_shape
+        spec = TinyModelSpec(**shape)  # type: ignore[arg-type]  # fields checked by the CLI
+        name = "tiny-llama" + "".join(f"-{k}{v}" for k, v in sorted(shape.items()))
+        return str(write_tiny_model(self.settings.workdir / name, spec))
 
     def _common(self) -> dict[str, Any]:
         s = self.settings
