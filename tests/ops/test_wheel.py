@@ -120,7 +120,8 @@ def test_the_installed_package_is_the_wheels_and_the_checkout_is_out_of_sight(
 
 def test_kvpush_help_runs(installed: Installed) -> None:
     out = installed.kvpush("--help")
-    assert "usage: kvpush" in out and "chaos" in out and "config" in out
+    assert "usage: kvpush" in out and "chaos" in out and "config" in out and "doctor" in out
+    assert "usage: kvpush doctor" in installed.kvpush("doctor", "--help")
 
 
 def test_every_shipped_profile_validates_by_name(installed: Installed) -> None:
