@@ -2,8 +2,9 @@
 profile expects (``links.*``) for a sustained window is slow, once, with its transports named.
 
 Pure logic fed by P's pump each gauge tick (``observe``); the pump exports the answer as
-``kvpush_link_slow``. Only ticks with chunks in flight on the link count: an idle link keeps
-its last estimate, which says nothing new.
+``kvpush_link_slow``. Only ticks where the link's estimate moved count (a chunk completed
+since the last tick): an idle link keeps its last estimate, which says nothing new, and
+the scheduler's initial guess before the first completion is no measurement.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ GBIT = 1e9 / 8  # bytes per second in one gigabit per second
 
 @dataclass
 class _State:
+    last: float  # the estimate seen at the previous tick
     below_since: float | None = None
     slow: bool = False
 
@@ -46,9 +48,13 @@ class LinkGuard:
         return cls(links.expected_gbps * GBIT, links.slow_fraction, links.slow_window_s,
                    describe(cfg.transport.backend))
 
-    def observe(self, link: str, bandwidth: float, measured: bool, now: float) -> bool:
-        """Whether ``link`` is slow after this tick (``measured``: chunks were in flight)."""
-        state = self._links.setdefault(link, _State())
+    def observe(self, link: str, bandwidth: float, now: float) -> bool:
+        """Whether ``link`` is slow after this tick (its estimate ``bandwidth`` in bytes/s)."""
+        state = self._links.get(link)
+        if state is None:  # the first look: the scheduler's guess or an old estimate
+            self._links[link] = _State(bandwidth)
+            return False
+        measured, state.last = bandwidth != state.last, bandwidth
         if not measured:
             return state.slow
         if bandwidth >= self.threshold:

@@ -1119,8 +1119,7 @@ class SenderPump(TransferPump[Sender]):
             self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label),
                            bandwidth)
             if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
-                slow = self.link_guard.observe(label, bandwidth,
-                                               p.sched.inflight_chunks_on(link) > 0, now)
+                slow = self.link_guard.observe(label, bandwidth, now)
                 self.stats.set("kvpush_link_slow", (self.role, label), float(slow))
         for peer, state in p.breaker_states(now).items():
             self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
