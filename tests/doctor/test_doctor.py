@@ -131,6 +131,17 @@ def test_a_profile_asking_for_a_backend_that_does_not_load_here_is_a_problem(
     assert "LIBFABRIC with no EFA device" in out
 
 
+def test_an_advertised_address_not_of_this_host_is_a_problem(
+        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    ok, out = doctor(capsys, "--config", setup.write(control={"advertise_host": "127.0.0.1"}))
+    assert ok == EXIT_OK and "advertise host     ok     127.0.0.1 is an address" in out
+    code, out = doctor(capsys, "--config",
+                       setup.write(control={"advertise_host": "192.0.2.77"}))  # TEST-NET-1
+    assert code == EXIT_PROBLEMS
+    assert "192.0.2.77: not an address of this host" in out
+    assert "fix: set control.advertise_host to this engine's own address" in out
+
+
 def test_rdma_asked_for_where_ucx_would_use_tcp_is_a_problem_naming_the_fix() -> None:
     cfg = load_config("ib-ucx", {"control": {"key_file": None, "allowed_keys": None}})
     mlx = transports.RdmaDevice("mlx5_0", "mlx5_core")

@@ -104,8 +104,7 @@ def check_transports(cfg: KvpushConfig, devices: list[transports.RdmaDevice],
                   "set UCX_TLS=rc,cuda_copy,cuda_ipc,self (or unset it)")
                + "; or set links.fabric: any if TCP is meant")
         return [Row("transports", Status.FAIL, detail, fix)]
-    return [Row("transports", Status.OK if kind == "rdma" or fabric == "any" else Status.WARN,
-                detail)]
+    return [Row("transports", Status.OK, detail)]
 
 
 def check_keys(cfg: KvpushConfig) -> list[Row]:
@@ -177,6 +176,7 @@ def check_ports(cfg: KvpushConfig, ranks: int) -> list[Row]:
                         "what holds it (ss -ltnp 'sport = :PORT')"))
     else:
         rows.append(Row("control ports", Status.OK, f"{span} free"))
+    rows.extend(_advertised(c.advertise_host))
     rng = ephemeral_range()
     if rng is not None and c.port <= rng[1] and c.port + ranks - 1 >= rng[0]:
         rows.append(Row("ephemeral range", Status.WARN,
@@ -184,6 +184,24 @@ def check_ports(cfg: KvpushConfig, ranks: int) -> list[Row]:
                         f"set control.port below {rng[0]} or reserve it "
                         "(net.ipv4.ip_local_reserved_ports)"))
     return rows
+
+
+def _advertised(host: str | None) -> list[Row]:
+    """Whether control.advertise_host, the address peers are told, is one of this host's."""
+    if host is None:
+        return []
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return [Row("advertise host", Status.FAIL, f"{host}: does not resolve ({exc})",
+                    "set control.advertise_host to this engine's address on the KV network")]
+    problem = _bind_problem(str(infos[0][4][0]), 0)
+    if problem:
+        return [Row("advertise host", Status.FAIL, f"{host}: not an address of this host "
+                    f"({problem}); peers would connect elsewhere",
+                    "set control.advertise_host to this engine's own address (Kubernetes: "
+                    "the pod IP, $(POD_IP))")]
+    return [Row("advertise host", Status.OK, f"{host} is an address of this host")]
 
 
 def _bind_problem(host: str, port: int) -> str:
