@@ -3,7 +3,7 @@ P's kvpush_link_slow goes to 1 and P logs once, naming the transports; with an e
 the link meets, the gauge stays 0 and nothing is logged.
 
 The links here are loopback (a few GB/s); the "slow" case expects more than any link
-carries rather than throttling one (the netns + tc tbf variant is not written yet)."""
+carries. test_link_guard_netns.py throttles a real network path instead."""
 
 from __future__ import annotations
 
