@@ -231,3 +231,15 @@ def test_peer_name_is_asked_for_when_the_allow_list_is_ambiguous(
     (setup.allowed / public.name).write_bytes(public.read_bytes())
     code, out = doctor(capsys, "--config", setup.write(), "--peer", "127.0.0.1:1")
     assert code == EXIT_USAGE and "--peer-name NAME is needed" in out
+
+
+def test_json_output_holds_every_row_and_the_verdict_follows(
+        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup.key_file.chmod(0o640)
+    code, out = doctor(capsys, "--config", setup.write(), "--json")
+    body, verdict = out.rsplit("\n", 2)[0], out.splitlines()[-1]
+    rows = json.loads(body)
+    assert code == EXIT_PROBLEMS and verdict.startswith("kvpush doctor: 1 problem(s): key file")
+    (bad,) = [r for r in rows if r["status"] == "FAIL"]
+    assert bad["check"] == "key file" and bad["fix"].endswith(
+        f"chmod 600 {setup.key_file} (a Kubernetes secret volume: defaultMode: 0400)")
