@@ -45,6 +45,7 @@ EXPECTED = {
     "kvpush_leases_expired": ("counter", ("role", "kind")),
     "kvpush_leases_fenced": ("counter", ("role",)),
     "kvpush_link_bandwidth_bytes_per_second": ("gauge", ("role", "peer")),
+    "kvpush_link_slow": ("gauge", ("role", "peer")),
     "kvpush_link_capped": ("counter", ("role", "reason")),
     "kvpush_inflight_bytes": ("gauge", ("role",)),
     "kvpush_control_messages_rejected": ("counter", ("role", "reason")),

@@ -13,6 +13,7 @@ commands:
   bench     side-by-side benchmark vs vLLM's connectors; bench transfer: NIXL push vs memcpy
   config    validate a profile, show the effective config, render docs (kvpush config --help)
   keys      CurveZMQ keys of the control channel: generate, list, check (kvpush keys --help)
+  doctor    preflight of this host (versions, NIXL backends, transports, keys, ports; --peer)
   demo      start P, D, router and a reference engine on the tiny model; report TTFT and a verdict
   drain     take an engine out of the routers' rotation and wait until it holds nothing
   chaos     run a chaos scenario on real engines (kvpush chaos --help), ending in a verdict
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpush_prod.control.keyscli import main as keys_main
 
         return keys_main(rest)
+    if cmd == "doctor":
+        from kvpush_prod.doctor.cli import main as doctor_main
+
+        return doctor_main(rest)
     if cmd == "demo":
         from kvpush_prod.lab.demo import main as demo_main
 

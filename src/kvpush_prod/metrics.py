@@ -169,6 +169,11 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
        "Late messages or writes refused because their generation was stale.", healthy=False),
     _s("kvpush_link_bandwidth_bytes_per_second", "gauge", ("role", "peer"),
        "Measured bandwidth of the link to the peer (EWMA of chunk completions)."),
+    _s("kvpush_link_slow", "gauge", ("role", "peer"),
+       "1 while the link to the peer is slow: its measured bandwidth stayed below "
+       "links.slow_fraction of links.expected_gbps for links.slow_window_s (logged once with "
+       "the transports in use; alert KvpushLinkSlow). Absent without links.expected_gbps.",
+       healthy=False),
     _s("kvpush_link_capped", "counter", ("role", "reason"),
        "Times a chunk ready to post waited because its link was at an in-flight cap: bytes "
        "(measured bandwidth x push.target_latency_ms) or chunks (push.max_inflight_chunks). "

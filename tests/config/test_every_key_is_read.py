@@ -67,6 +67,12 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
     "faults.peers": ("transport/faults.py", "s.peers"),
     "faults.enabled": ("connector/worker.py", "faults.enabled"),
     "faults.seed": ("transport/faults.py", "settings.seed"),
+    # kvpush doctor fails a host whose links would not run on the fabric asked for.
+    "links.fabric": ("doctor/checks.py", "cfg.links.fabric"),
+    # The slow-link guard P's pump runs (connector/worker.py builds it from the config).
+    "links.expected_gbps": ("connector/linkguard.py", "links.expected_gbps"),
+    "links.slow_fraction": ("connector/linkguard.py", "links.slow_fraction"),
+    "links.slow_window_s": ("connector/linkguard.py", "links.slow_window_s"),
 }
 # The configuration package defines every key; a read there counts only for these keys,
 # whose whole effect is a validation rule of the model itself.

@@ -60,6 +60,9 @@ EMITTED_ON_FAULTS = {
     # Not a fault but load: a link cap binds only with several chunks in flight on a link,
     # which this run's sequential one-chunk transfers never have.
     "kvpush_link_capped",
+    # Set only with links.expected_gbps (this run's cpu-loopback profile has none), and 1 only
+    # on a slow link.
+    "kvpush_link_slow",
 }
 # Gauges back to zero once the engines are idle, and gauges that must be positive.
 ZERO_WHEN_IDLE = {"kvpush_credits_in_use_blocks", "kvpush_credits_waiting_transfers",

@@ -60,3 +60,15 @@ def test_ports_are_handed_out_below_the_ephemeral_range() -> None:
     for port in (free_port(), free_port_block(8)):
         assert lo <= port < hi
     assert free_port_block(8) + 8 <= hi
+
+
+def test_an_engine_in_a_network_namespace_runs_there_and_listens_on_its_addresses() -> None:
+    from kvpush_prod.lab.launch import EngineSpec
+
+    plain = EngineSpec("prefill", "model", 8000)
+    assert plain.command()[:3] == [sys.executable, "-m", "kvpush_prod.lab.serve"]
+    assert plain.command()[plain.command().index("--host") + 1] == "127.0.0.1"
+    placed = EngineSpec("prefill", "model", 8000, netns="kvpush1", address="10.231.1.2")
+    cmd = placed.command()
+    assert cmd[:4] == ["ip", "netns", "exec", "kvpush1"] and cmd[4] == sys.executable
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"

@@ -1,8 +1,8 @@
 """The built wheel works installed, away from the checkout: ``pip wheel`` of the project,
 installed (not editable) into a fresh venv, run from a directory outside the checkout:
-``kvpush --help``, ``kvpush config validate`` of every shipped profile, ``kvpush chaos --list``
-naming every scenario, ``kvpush keys generate``, and the connector loaded the way vLLM loads
-it. Nothing of the checkout's ``src/`` and no editable install is on that venv's path.
+``kvpush --help``, ``kvpush config validate`` of every shipped profile, the dashboard and
+alert rules as package data, ``kvpush chaos --list`` naming every scenario, ``kvpush keys
+generate``, and the connector loaded the way vLLM loads it. Nothing of the checkout's ``src/`` and no editable install is on that venv's path.
 
 The fresh venv reaches the dependencies through a ``.pth`` line naming the project venv's
 site-packages (no registry needed); a plain path line there is not a site directory, so the
@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 from kvpush_prod.chaos.scenarios import SCENARIOS
 
@@ -119,7 +120,8 @@ def test_the_installed_package_is_the_wheels_and_the_checkout_is_out_of_sight(
 
 def test_kvpush_help_runs(installed: Installed) -> None:
     out = installed.kvpush("--help")
-    assert "usage: kvpush" in out and "chaos" in out and "config" in out
+    assert "usage: kvpush" in out and "chaos" in out and "config" in out and "doctor" in out
+    assert "usage: kvpush doctor" in installed.kvpush("doctor", "--help")
 
 
 def test_every_shipped_profile_validates_by_name(installed: Installed) -> None:
@@ -130,6 +132,23 @@ def test_every_shipped_profile_validates_by_name(installed: Installed) -> None:
     for name in PROFILES:
         out = installed.kvpush("config", "validate", name)
         assert out.startswith(f"OK: {name} is a valid kvpush configuration"), out
+
+
+def test_the_dashboard_and_alert_rules_are_package_data(installed: Installed) -> None:
+    got = installed.python_json(
+        "import json, yaml\n"
+        "from kvpush_prod.ops import ALERT_RULES, ALERT_TESTS, DASHBOARD\n"
+        "rules = yaml.safe_load(ALERT_RULES.read_text())\n"
+        "alerts = [r['alert'] for g in rules['groups'] for r in g['rules'] if 'alert' in r]\n"
+        "print(json.dumps([str(DASHBOARD), json.loads(DASHBOARD.read_text())['title'],\n"
+        "                  alerts, ALERT_TESTS.is_file()]))\n")
+    assert isinstance(got, list)
+    dashboard, title, alerts, tests = got
+    assert dashboard.startswith(str(installed.venv.resolve()))
+    assert title == json.loads((ROOT / "configs" / "grafana" / "kvpush.json").read_text())["title"]
+    ours = yaml.safe_load((ROOT / "configs" / "prometheus" / "alerts.yaml").read_text())
+    assert alerts == [r["alert"] for g in ours["groups"] for r in g["rules"] if "alert" in r]
+    assert tests
 
 
 def test_chaos_list_names_every_scenario(installed: Installed) -> None:

@@ -365,6 +365,39 @@ class VerifySettings(_Section):
     )
 
 
+class LinkSettings(_Section):
+    """What a link (P rank -> D rank) should reach, checked by `kvpush doctor` and at run time."""
+
+    fabric: Literal["any", "rdma", "efa"] = Field(
+        "any",
+        description="The network the links must run on: rdma (InfiniBand or RoCE verbs "
+        "through UCX), efa (AWS EFA through LIBFABRIC) or any. `kvpush doctor` fails a host "
+        "where the links would fall back to TCP instead.",
+    )
+    expected_gbps: float | None = Field(
+        None,
+        gt=0,
+        le=100_000,
+        description="Bandwidth one link should reach, in gigabits per second (e.g. 400 for "
+        "two 200 Gbps EFA NICs per GPU); unset: no expectation and no slow-link guard.",
+    )
+    slow_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1.0,
+        description="A link measured below this fraction of `expected_gbps` for `slow_window_s` "
+        "is slow: kvpush_link_slow goes to 1, one log line names its transports, and the "
+        "KvpushLinkSlow alert fires.",
+    )
+    slow_window_s: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        description="How long a link must stay below the fraction (with transfers measured) "
+        "before it is called slow; one fast measurement clears it.",
+    )
+
+
 class KvpushConfig(_Section):
     """Everything the connector reads. Unknown keys are errors.
 
@@ -382,6 +415,7 @@ class KvpushConfig(_Section):
     fallback: FallbackSettings = FallbackSettings()
     verify: VerifySettings = VerifySettings()
     faults: FaultSettings = FaultSettings()
+    links: LinkSettings = LinkSettings()
 
 
 # Cross-field rules (model validators above), listed for the docs.

@@ -25,6 +25,7 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import core_settings
+from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
@@ -582,6 +583,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self.endpoint = endpoint
         self.results = results
         self.stats = stats
+        self.link_guard = LinkGuard.from_config(cfg)  # None without links.expected_gbps
         self.trace = trace or Tracer("")
         self.request_of: dict[str, str] = {}  # transfer id -> vLLM request id (engine thread adds)
         self.recv_blocks: dict[str, list[int]] = {}  # D: transfer id -> its blocks
@@ -1113,8 +1115,12 @@ class SenderPump(TransferPump[Sender]):
         super()._report_gauges(now)
         p = self.engine
         for link in p.sched.links():
-            self.stats.set("kvpush_link_bandwidth_bytes_per_second",
-                           (self.role, self._peer_label.get(link, link)), p.sched.bandwidth(link))
+            label, bandwidth = self._peer_label.get(link, link), p.sched.bandwidth(link)
+            self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label),
+                           bandwidth)
+            if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
+                slow = self.link_guard.observe(label, bandwidth, now)
+                self.stats.set("kvpush_link_slow", (self.role, label), float(slow))
         for peer, state in p.breaker_states(now).items():
             self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
                            _BREAKER_VALUE[state])

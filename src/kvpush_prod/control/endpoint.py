@@ -24,6 +24,7 @@ import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from zmq.utils.monitor import parse_monitor_message
 
+from kvpush_prod.control import probe
 from kvpush_prod.control.addresses import address_problem, is_ipv6
 from kvpush_prod.control.codec import ControlCodec
 from kvpush_prod.control.keys import fingerprint
@@ -218,6 +219,7 @@ class ControlEndpoint:
         self._backlog: OrderedDict[str, _Backlog] = OrderedDict()  # key -> its messages
         self._filled = False  # a fill ran since the last receive
         self.evictions = 0  # peer sockets closed to stay within max_peers
+        self.probes = 0  # probe frames answered (``kvpush doctor --peer``)
         self._log = LogLimiter(logger, LOG_EVERY_S)
         self._pending = False
         self._closed = False
@@ -388,10 +390,24 @@ class ControlEndpoint:
                     self._reject(RejectReason.UNAUTHENTICATED,
                                  "dropped a control message without an allow-listed sender key")
                     continue
-            self._intake(frames, origin)
+            if len(frames) == 2 and probe.is_probe(frames[1].buffer):
+                self._answer_probe(frames)
+            else:
+                self._intake(frames, origin)
             if self._clock() >= deadline:
                 break
         return self._readable()
+
+    def _answer_probe(self, frames: list[zmq.Frame]) -> None:
+        """Answer a probe frame on its own connection (a fixed 32 bytes, ``control.probe``);
+        a reply that cannot go out at once is dropped: the prober times out, nothing waits."""
+        answer = probe.reply(frames[1].bytes, time.time())
+        if answer is None:
+            self._reject(RejectReason.MALFORMED, "dropped a malformed probe frame")
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([frames[0].bytes, answer], zmq.NOBLOCK)
+            self.probes += 1
 
     def _readable(self) -> bool:
         return bool(int(self._router.get(zmq.EVENTS)) & zmq.POLLIN)

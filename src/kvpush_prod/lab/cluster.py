@@ -4,6 +4,7 @@ router, and optionally a plain single engine as the reference. Used by demo, tes
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import shutil
 import sys
@@ -89,6 +90,9 @@ class ClusterSpec:
     # plain http. Other clients of the engines must trust ``Cluster.tls.ca`` (httpx's
     # default clients, such as lab.client.scrape, do with SSL_CERT_FILE set to it).
     tls: bool = False
+    # Engines run in network namespaces the caller made: name -> (namespace, the engine's
+    # address there). Their control settings (host, advertise_host) go in the extras.
+    netns: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def tp_args(tp: int, core: str) -> tuple[list[str], str]:
@@ -227,13 +231,19 @@ class Cluster:
 
     def start_engine(self, name: str, wait: bool = True, timeout: float = 600.0) -> None:
         """(Re)start one engine; a restart keeps its port and engine id."""
-        spec = self.specs.get(name) or self._engine_spec(name)
+        spec = self.specs.get(name) or self._placed(self._engine_spec(name))
         self.specs[name] = spec
         scheme = "https" if self.tls is not None and name in self.engine_names else "http"
-        self.urls[name] = f"{scheme}://127.0.0.1:{spec.port}"
+        self.urls[name] = f"{scheme}://{spec.address}:{spec.port}"
         self.procs[name] = start_engine(spec, self.log_dir)
         if wait:
             wait_healthy(self.urls[name], self.procs[name], timeout, self._ca)
+
+    def _placed(self, spec: EngineSpec) -> EngineSpec:
+        if spec.name not in self.spec.netns:
+            return spec
+        netns, address = self.spec.netns[spec.name]
+        return dataclasses.replace(spec, netns=netns, address=address)
 
     @property
     def _ca(self) -> Path | None:

@@ -90,11 +90,16 @@ class EngineSpec:
     kv_cache_gib: int = 1
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # A network namespace to run in (``ip netns exec``; the caller made it), and the address
+    # the engine is reached at there (it then listens on every address of the namespace).
+    netns: str | None = None
+    address: str = "127.0.0.1"
 
     def command(self) -> list[str]:
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
         cmd = [
-            sys.executable, "-m", "kvpush_prod.lab.serve", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port),
+            *inside, sys.executable, "-m", "kvpush_prod.lab.serve", self.model,
+            "--host", "0.0.0.0" if self.netns else "127.0.0.1", "--port", str(self.port),
             "--dtype", self.dtype, "--enforce-eager", "--seed", "0",
             "--max-model-len", str(self.max_model_len),
             "--served-model-name", "tiny",
