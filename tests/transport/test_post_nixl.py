@@ -359,3 +359,34 @@ def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPa
         assert {r["descriptors"] for r in cells} == {4 * regions_runs}
         assert next(r for r in cells if r["path"] == "old")["entries"] == 4 * 16
     assert "| 2 | 16 | 256 | 16 | contiguous | old |" in post_cost_markdown(res, "here")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [cpu, nhd])
+def test_layer_by_layer_posts_land_each_layer_alone_and_together_the_whole_blocks(
+        pair: Any, path: str, kind: str, shape: Any) -> None:
+    """Layer-wise push: a post of regions ``[first, end)`` moves exactly those regions of
+    each block; one post per layer leaves D as one whole post would."""
+    rng = random.Random(7)
+    p = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 11)
+    d = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 12)
+    tp, td = pair(p, d, path=path)
+    n = rng.randint(2, NUM_BLOCKS)
+    lids, rids = ids_of(kind, n, NUM_BLOCKS, rng), ids_of(kind, n, NUM_BLOCKS, rng)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    regions = len(p.layout.regions)
+    per = regions // LAYERS
+    pairs = old_pairs(tp, peer, lids, rids)  # region-major: region r's are n in a row
+    before = d.buf.clone()
+    for layer in range(LAYERS):
+        first, end = layer * per, (layer + 1) * per
+        wait_done(tp, tp.post("WRITE", peer, lids, rids, regions=(first, end)))
+        stats = tp.last_post
+        assert stats is not None and stats.ids == n
+        want = before.clone()
+        for la, ra, size in pairs[:end * n]:
+            want[d.offset(ra):d.offset(ra) + size] = p.buf[p.offset(la):p.offset(la) + size]
+        assert torch.equal(d.buf, want), f"after layer {layer}"
+    with pytest.raises(TransportError):
+        tp.post("WRITE", peer, lids, rids, regions=(0, regions + 1))
