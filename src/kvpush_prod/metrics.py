@@ -207,6 +207,11 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_peer_restarts", "counter", _R,
        "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
        healthy=False),
+    _s("kvpush_layerwise_writes", "counter", ("role", "when"),
+       "Layer-wise push (push.layerwise): WRITEs of one layer's KV posted while P's forward "
+       "was still computing later layers (during_forward) or after it ended "
+       "(after_forward: the REGISTER came late, or the last layer).",
+       values={"when": ("during_forward", "after_forward")}, healthy=False),
     _s("kvpush_post_descriptors", "histogram", _R,
        "NIXL descriptors one chunk's post hands the backend: one per run of blocks adjacent "
        "on both sides per KV region (per block per region when D's cache is fragmented; "

@@ -222,6 +222,25 @@ class PushSettings(_Section):
     chunk_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="A chunk still in flight after this has failed (TIMEOUT)."
     )
+    layerwise: Literal["off", "on", "auto"] = Field(
+        "off",
+        description="Layer-wise push: P posts each layer's KV as soon as the forward computed "
+        "it (vLLM's save_kv_layer), while later layers are still computed; DONE goes after "
+        "the forward ended and every layer landed. on: every push; auto: a step whose "
+        "prompts to push hold at least layerwise_min_tokens tokens and whose KV takes at "
+        "least layerwise_min_transfer_ms at the link's measured bandwidth; off: after the "
+        "forward, as one piece. CPU KV caches only (a GPU engine pushes after the forward).",
+    )
+    layerwise_min_tokens: int = Field(
+        1024, ge=0, le=1 << 24,
+        description="push.layerwise auto: fewest prompt tokens pushed in one step for "
+        "layer-wise push (short prompts pay per-layer posts for little overlap).",
+    )
+    layerwise_min_transfer_ms: float = Field(
+        2.0, ge=0, le=60_000,
+        description="push.layerwise auto: least expected transfer time (the step's KV bytes "
+        "at the measured bandwidth of P's links) for layer-wise push.",
+    )
 
 
 class CreditSettings(_Section):
