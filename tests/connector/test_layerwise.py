@@ -141,3 +141,13 @@ def test_layer_parts_maps_each_layer_to_its_regions_or_refuses() -> None:
     assert layer_parts(kv, m.Layout("c", "DRAM", regions[:2]), "cpu") == {}
     shared = m.Layout("c", "DRAM", [regions[0]] * 3)
     assert layer_parts(kv, shared, "cpu") == {}
+
+
+def test_push_layerwise_takes_yaml_switches_and_names_a_bad_value() -> None:
+    from kvpush_prod.errors import ConfigError
+
+    assert config_from_extra({"push": {"layerwise": True}}).push.layerwise == "on"
+    assert config_from_extra({"push": {"layerwise": False}}).push.layerwise == "off"
+    assert config_from_extra({}).push.layerwise == "off"
+    with pytest.raises(ConfigError, match=r"push.layerwise = 'sometimes'.*'off', 'on' or 'auto'"):
+        config_from_extra({"push": {"layerwise": "sometimes"}})

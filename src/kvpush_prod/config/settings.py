@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpush_prod.transport.faults import FaultSettings
 
@@ -231,6 +231,12 @@ class PushSettings(_Section):
         "least layerwise_min_transfer_ms at the link's measured bandwidth; off: after the "
         "forward, as one piece. CPU KV caches only (a GPU engine pushes after the forward).",
     )
+    @field_validator("layerwise", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted off / on as false / true.
+        return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
     layerwise_min_tokens: int = Field(
         1024, ge=0, le=1 << 24,
         description="push.layerwise auto: fewest prompt tokens pushed in one step for "
