@@ -82,3 +82,44 @@ async def test_writes_are_posted_before_the_forward_ends(layerwise: Cluster) -> 
 
 def test_layerwise_leaves_nothing_held(layerwise: Cluster) -> None:
     assert layerwise.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
+
+
+async def test_kill_9_of_prefill_mid_prefill_gives_no_wrong_answer_and_leaves_d_nothing(
+        layerwise: Cluster) -> None:
+    """Several long prompts (each prefilled in several steps, pushed layer by layer), P
+    killed with SIGKILL while they are being computed and pushed: every answer that comes
+    back is the single engine's, none hangs, D holds nothing afterwards; P restarted serves."""
+    import asyncio
+
+    prompts = [prompt_of_length(1900, seed=next(_seeds)) for _ in range(6)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        refs = [await request(client, layerwise.urls["reference"],
+                              completion_body(p, MAX_TOKENS, False)) for p in prompts]
+        assert all(r.ok for r in refs)
+        before = _writes(layerwise, "during_forward")
+        tasks = [asyncio.create_task(request(client, layerwise.urls["router"],
+                                             completion_body(p, MAX_TOKENS, False)))
+                 for p in prompts]
+        for _ in range(3000):  # until P is pushing layer by layer
+            if _writes(layerwise, "during_forward") > before:
+                break
+            await asyncio.sleep(0.01)
+        layerwise.procs["prefill"].kill()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)  # none hangs
+    for ref, got in zip(refs, results, strict=True):
+        if got.ok:
+            assert got.text == ref.text  # never a wrong answer
+    assert layerwise.wait_idle(60) == {"decode": 0.0}
+    layerwise.start_engine("prefill")
+    prompt = prompt_of_length(700, seed=next(_seeds))
+    async with httpx.AsyncClient(timeout=120) as client:
+        ref = await request(client, layerwise.urls["reference"],
+                            completion_body(prompt, MAX_TOKENS, False))
+        for _ in range(30):  # the router sees P back
+            got = await request(client, layerwise.urls["router"],
+                                completion_body(prompt, MAX_TOKENS, False))
+            if got.ok:
+                break
+            await asyncio.sleep(1)
+    assert got.ok and got.text == ref.text
+    assert layerwise.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
