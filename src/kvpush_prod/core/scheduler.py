@@ -200,6 +200,24 @@ class _Transfer:
             self.cursor = self._end_of(self.cursor)
 
 
+def _check_sizes(tid: TransferId, block_bytes: int, num_blocks: int, parts: int,
+                 ready: int | None) -> None:
+    """``ChunkScheduler.add``'s sizes, or a ``ProtocolError`` naming the bad one."""
+    if block_bytes < 1:
+        raise ProtocolError(
+            "bad block size", f"transfer {tid!r}: block_bytes must be >= 1, got {block_bytes}"
+        )
+    if num_blocks < 0:
+        raise ProtocolError(
+            "bad block count", f"transfer {tid!r}: num_blocks must be >= 0, got {num_blocks}"
+        )
+    if parts < 1 or (ready is not None and ready < 0):
+        raise ProtocolError(
+            "bad parts",
+            f"transfer {tid!r}: parts must be >= 1 and ready >= 0, got {parts} and {ready}",
+        )
+
+
 class _Link:
     __slots__ = (
         "id", "heap", "inflight_bytes", "inflight_chunks", "ewma_bytes", "ewma_time",
@@ -293,22 +311,7 @@ class ChunkScheduler:
             raise ProtocolError(
                 "duplicate transfer", f"transfer {transfer_id!r} is already queued; cancel it first"
             )
-        if block_bytes < 1:
-            raise ProtocolError(
-                "bad block size",
-                f"transfer {transfer_id!r}: block_bytes must be >= 1, got {block_bytes}",
-            )
-        if num_blocks < 0:
-            raise ProtocolError(
-                "bad block count",
-                f"transfer {transfer_id!r}: num_blocks must be >= 0, got {num_blocks}",
-            )
-        if parts < 1 or (ready is not None and ready < 0):
-            raise ProtocolError(
-                "bad parts",
-                f"transfer {transfer_id!r}: parts must be >= 1 and ready >= 0, "
-                f"got {parts} and {ready}",
-            )
+        _check_sizes(transfer_id, block_bytes, num_blocks, parts, ready)
         if num_blocks == 0:
             parts = 1  # one empty last chunk: nothing to post part by part
         s = self._s
