@@ -43,6 +43,8 @@ LABELS: dict[str, str] = {
     "kind": "which lease: `permit` (D lets P write) or `send` (P holds blocks for D)",
     "result": "how a chunk ended",
     "decision": "what D's admission control decided for a transfer",
+    "when": "a layer-wise WRITE's post: `during_forward` (P's forward still ran) or "
+            "`after_forward`",
 }
 # The router's own labels (its series are not on vLLM's /metrics, so vLLM adds nothing).
 ROUTER_LABELS: dict[str, str] = {
