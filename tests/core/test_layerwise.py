@@ -160,3 +160,14 @@ def test_scheduler_posts_each_part_once_within_readiness_and_the_last_after_the_
             done = sch.on_chunk_done(c.id, 0.0) or done
     assert done
     assert sorted(covered) == list(range((parts if nb else 1) * nb))
+
+
+def test_a_cancel_during_a_layerwise_push_is_acked_even_if_the_forward_then_fails() -> None:
+    s = sender()
+    s.on_message(register(), 0.0, origin=KD)
+    (w0,) = of(s.layers_ready("t", [1, 2, 3], 1, 4, 0.0, owner=KD), PostWrite)
+    assert msgs(s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.01, origin=KD),
+                m.CancelAck) == []  # a WRITE is in flight
+    assert msgs(s.forward_failed("t", [1, 2, 3], 0.02), m.Failed) == []
+    out = s.on_chunk(w0.chunk_id, True, "", 0.03)
+    assert len(msgs(out, m.CancelAck)) == 1 and msgs(out, m.Failed) == []

@@ -365,12 +365,15 @@ class Sender:
             self.sched.cancel(o.tid)
             o.queued = False
         o.confirm = None
-        if o.reg is None or o.machine.state not in (S.PUSHING, S.RETRYING, S.REGISTERED):
-            self._fire(o, E.FAIL, now)
-            out = [self._failed(o, reason, "the prefill did not complete")] if o.reg else []
-            return out + self._close(o, Outcome.FAILED)
-        o.drain_then, o.reason = AfterDrain.FAILED, reason
-        return self._after_drain(o, now)
+        if o.inflight or o.drain_then is not AfterDrain.NOTHING:
+            # D hears only once nothing is in flight to its blocks. (A CancelAck, an expiry
+            # or a drop already owed to D is told as it was.)
+            if o.drain_then in (AfterDrain.NOTHING, AfterDrain.FALLBACK):
+                o.drain_then, o.reason = AfterDrain.FAILED, reason
+            return self._after_drain(o, now)
+        self._fire(o, E.FAIL, now)
+        out = [self._failed(o, reason, "the prefill did not complete")] if o.reg else []
+        return out + self._close(o, Outcome.FAILED)
 
     def abort(self, tid: str, now: float) -> list[Action]:
         """P's request ended before its KV was computed: the transfer can never happen."""
