@@ -56,6 +56,7 @@ EXPECTED = {
     "kvpush_connector_blocks": ("gauge", ("role",)),
     "kvpush_transfers_active": ("gauge", ("role",)),
     "kvpush_peer_restarts": ("counter", ("role",)),
+    "kvpush_layerwise_writes": ("counter", ("role", "when")),
     "kvpush_post_descriptors": ("histogram", ("role",)),
     "kvpush_post_build_seconds": ("histogram", ("role",)),
 }

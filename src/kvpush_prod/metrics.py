@@ -43,6 +43,8 @@ LABELS: dict[str, str] = {
     "kind": "which lease: `permit` (D lets P write) or `send` (P holds blocks for D)",
     "result": "how a chunk ended",
     "decision": "what D's admission control decided for a transfer",
+    "when": "a layer-wise WRITE's post: `during_forward` (P's forward still ran) or "
+            "`after_forward`",
 }
 # The router's own labels (its series are not on vLLM's /metrics, so vLLM adds nothing).
 ROUTER_LABELS: dict[str, str] = {
@@ -212,6 +214,11 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
     _s("kvpush_peer_restarts", "counter", _R,
        "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
        healthy=False),
+    _s("kvpush_layerwise_writes", "counter", ("role", "when"),
+       "Layer-wise push (push.layerwise): WRITEs of one layer's KV posted while P's forward "
+       "was still computing later layers (during_forward) or after it ended "
+       "(after_forward: the REGISTER came late, or the last layer).",
+       values={"when": ("during_forward", "after_forward")}, healthy=False),
     _s("kvpush_post_descriptors", "histogram", _R,
        "NIXL descriptors one chunk's post hands the backend: one per run of blocks adjacent "
        "on both sides per KV region (per block per region when D's cache is fragmented; "

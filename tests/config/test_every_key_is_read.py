@@ -58,6 +58,9 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
     "transport.idle_poll_ms": ("connector/worker.py", "self.cfg.transport.idle_poll_ms"),
     "transport.num_threads": ("connector/worker.py", "t.num_threads"),
     "push.chunk_timeout_s": ("connector/worker.py", "cfg.push.chunk_timeout_s"),
+    "push.layerwise": ("connector/worker.py", "self.cfg.push.layerwise"),
+    "push.layerwise_min_tokens": ("connector/worker.py", "p.layerwise_min_tokens"),
+    "push.layerwise_min_transfer_ms": ("connector/worker.py", "p.layerwise_min_transfer_ms"),
     "verify.checksums": ("connector/worker.py", "cfg.verify.checksums"),
     # The fault injector takes its whole section (model_dump) and reads each field.
     **{f"faults.{k}": ("transport/faults.py", f"self.s.{k}")

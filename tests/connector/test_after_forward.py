@@ -19,7 +19,7 @@ def worker(pair: Pair) -> Any:
     w: Any = object.__new__(WorkerSide)
     w.role, w._tx, w._rx, w._device = Side.PRODUCER, pair.p, None, "cpu"
     w.results, w.stats, w.trace = pair.p_results, StatsBuffer(), Tracer("")
-    w._pending_sends = []
+    w._pending_sends, w._layers, w._step = [], {}, None
     return w
 
 

@@ -52,6 +52,7 @@ from kvpush_prod.core.commands import (
     ExpectBlocks,
     ForwardFailed,
     Hold,
+    LayersReady,
     NotNeeded,
     RegisterBlocks,
 )
@@ -77,6 +78,22 @@ class Violation(AssertionError):
 # per-state limits equal the whole-transfer bound, fallback gets the pull permit plus a quarter.
 BLOCK_BYTES = 1000
 BLOCK_TOKENS = 16  # tokens per KV block
+LAYERS = 3  # layers of a layer-wise push (its WRITEs move one layer's part of each block)
+
+
+class Parts(tuple):  # type: ignore[type-arg]
+    """A block's content layer by layer, when its layers differ (a layer-wise push in
+    progress); a block whose layers all agree holds that one value instead."""
+
+
+def layer_of(content: Any, part: int) -> Any:
+    return content[part] if isinstance(content, Parts) else content
+
+
+def with_layer(content: Any, part: int, value: Any) -> Any:
+    layers = list(content) if isinstance(content, Parts) else [content] * LAYERS
+    layers[part] = value
+    return layers[0] if all(x == layers[0] for x in layers) else Parts(layers)
 D_BLOCKS = 24  # decode KV cache, blocks
 P_BLOCKS = 48
 CREDIT_BUDGET = 16  # D's receive window, blocks
@@ -314,6 +331,9 @@ class Chaos:
     zombie: bool = False
     # P's forward raises (vLLM still calls wait_for_save): the blocks hold garbage.
     forward_fail: float = 0.0
+    # Share of prompts pushed layer by layer (push.layerwise): P computes LAYERS layers one
+    # after the other (LayersReady after each), its blocks' layers fill in as it goes.
+    layerwise: float = 0.0
 
 
 # ------------------------------------------------------------------------------ world parts
@@ -396,6 +416,12 @@ class PReq:
     # The decode identity the router named (D's address here); "" for a router that names
     # none: then the first REGISTER binds the transfer (a documented limitation).
     owner: str = ""
+    # Layer-wise: the forward computes one layer at ``layer_at`` (state "computing"),
+    # ``layers`` are done; it raises after ``fail_after`` layers (-1: it does not).
+    layerwise: bool = False
+    layers: int = 0
+    layer_at: float = 0.0
+    fail_after: int = -1
 
 
 @dataclass
@@ -484,6 +510,8 @@ class Flight:
     at: float
     error: str
     torn: bool
+    part: int = 0  # a layer-wise WRITE: layer ``part`` of ``parts`` of each block
+    parts: int = 1
 
 
 def agent_name(node: str, inc: int) -> str:
@@ -1737,8 +1765,16 @@ class World:
             if pool.owner[b] != a.transfer_id:
                 raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} from its block "
                                 f"{b} owned by {pool.owner[b]!r}")
-        if preq is None or preq.state not in ("computed", "held"):
+        if preq is None or preq.state not in ("computing", "computed", "held"):
             raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} it does not hold")
+        if a.parts > 1:
+            self.count("post:WRITE:layer" + (":during_forward"
+                                             if preq.state == "computing" else ""))
+        if preq.state == "computing" and (a.done is not None or a.parts != LAYERS
+                                          or a.part >= preq.layers):
+            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} (layer {a.part} of "
+                            f"{a.parts}, DONE {a.done is not None}) while its forward has "
+                            f"computed {preq.layers} layers")
         d_address = self.nodes[preq.d_name].address
         if not identity.owns_agent(d_address, a.peer):
             # Not into the decode engine the router sent the request to.
@@ -1761,7 +1797,7 @@ class World:
                else (INTRUDER, self.intruder.inc, a.dst_blocks) if self.is_intruder_agent(a.peer)
                else ("", 0, a.dst_blocks))
         self._post(node, "WRITE", a.transfer_id, a.generation, a.chunk_id, a.peer,
-                   (node.name, node.inc, a.src_blocks), dst, a.done)
+                   (node.name, node.inc, a.src_blocks), dst, a.done, a.part, a.parts)
 
     def _check_write_permit(self, node: Node, d: Node, a: PostWrite) -> None:
         """The WRITE is under a live permit of that very D and into blocks it reserved."""
@@ -1829,7 +1865,7 @@ class World:
 
     def _post(self, node: Node, op: str, tid: str, gen: int, cid: int, peer: str,
               src: tuple[str, int, tuple[int, ...]], dst: tuple[str, int, tuple[int, ...]],
-              done: m.Done | None) -> None:
+              done: m.Done | None, part: int = 0, parts: int = 1) -> None:
         key = (node.name, node.inc, cid)
         c = self.chaos
         r = self.r("chunk", *key)
@@ -1850,7 +1886,8 @@ class World:
             error = INVALID if x < c.fatal_share else (
                 DISCONNECT if x < c.fatal_share + 0.2 else r.choice(RETRYABLE))
         fl = Flight(key, op, tid, gen, peer, src, dst, self._epochs(dst), self._epochs(src),
-                    done, self.now, self.now + latency, error, bool(error) and r.random() < 0.5)
+                    done, self.now, self.now + latency, error, bool(error) and r.random() < 0.5,
+                    part, parts)
         self.flights[key] = fl
         self._push(fl.at, "flight", key)
         self.log(f"{node.name} posts {op} {tid} g{gen} chunk {cid} {src[2]}->{dst[2]}"
@@ -1905,12 +1942,15 @@ class World:
                 if src.pool.owner[s] != fl.tid or src.pool.epoch[s] != fl.src_epochs[i]:
                     raise self.fail(f"{fl.op} {fl.tid} chunk {fl.key} read {src.name} block {s}"
                                     f" after it was freed (owner {src.pool.owner[s]!r})")
-                dst.pool.content[b] = src.pool.content[s]
+                dst.pool.content[b] = (src.pool.content[s] if fl.parts == 1 else with_layer(
+                    dst.pool.content[b], fl.part, layer_of(src.pool.content[s], fl.part)))
         else:
             r = self.r("torn", *fl.key)
             for b in fl.dst[2]:
                 if r.random() < 0.5:
-                    dst.pool.content[b] = ("torn", fl.tid)
+                    # A torn layer-wise WRITE tears the layer it moved, not the others.
+                    dst.pool.content[b] = (("torn", fl.tid) if fl.parts == 1 else with_layer(
+                        dst.pool.content[b], fl.part, ("torn", fl.tid)))
 
     def complete(self, fl: Flight, error: str | None = None, torn: bool | None = None) -> None:
         """The NIC reports the chunk: it landed (or failed, maybe torn), then the poster hears."""
@@ -2098,9 +2138,19 @@ class World:
                 blocks = node.pool.alloc(preq.nblocks, preq.tid)
                 if blocks is None:
                     continue  # no room yet: vLLM would keep it waiting
+                fails = self.r("forward", preq.tid).random() < self.chaos.forward_fail
+                if self.r("layerwise", preq.tid).random() < self.chaos.layerwise:
+                    preq.blocks, preq.state, preq.layerwise = blocks, "computing", True
+                    preq.layer_at = self.now
+                    preq.fail_after = (int(self.r("fail_at", preq.tid).random() * LAYERS)
+                                       if fails else -1)
+                    for i, b in enumerate(blocks):
+                        node.pool.content[b] = ("pending", preq.tid, i)
+                    self.compute_layers(node, preq)
+                    continue
                 preq.blocks, preq.state = blocks, "computed"
                 preq.hold_at = self.now + self.r("hold", preq.tid).uniform(0.0, 0.1)
-                if self.r("forward", preq.tid).random() < self.chaos.forward_fail:
+                if fails:
                     # The forward raised (vLLM still calls wait_for_save): the blocks hold
                     # garbage that must never reach D as a pushed prompt.
                     self.count("forward_failed")
@@ -2111,9 +2161,36 @@ class World:
                 for i, b in enumerate(blocks):
                     node.pool.content[b] = (preq.tid, i)
                 self.command(node, BlocksReady(preq.tid, tuple(blocks), preq.owner))
+            elif preq.state == "computing":
+                self.compute_layers(node, preq)
             elif preq.state == "computed" and preq.hold_at <= self.now:
                 preq.state = "held"
                 self.command(node, Hold(preq.tid))
+
+    def compute_layers(self, node: Node, preq: PReq) -> None:
+        """A layer-wise forward: the layers due by now are computed one by one, each handed
+        over (LayersReady) at once; the forward's end hands the blocks over (BlocksReady),
+        or it raises after ``fail_after`` layers (ForwardFailed, the blocks garbage)."""
+        pool, tid, blocks = node.pool, preq.tid, preq.blocks
+        assert pool is not None
+        while preq.state == "computing" and preq.layer_at <= self.now:
+            if preq.layers == preq.fail_after or preq.layers == LAYERS:
+                preq.state = "computed"
+                preq.hold_at = self.now + self.r("hold", tid).uniform(0.0, 0.1)
+                if preq.layers == preq.fail_after:
+                    self.count("forward_failed:layerwise")
+                    for i, b in enumerate(blocks):
+                        pool.content[b] = ("garbage", tid, i)
+                    self.command(node, ForwardFailed(tid, tuple(blocks)))
+                else:
+                    self.command(node, BlocksReady(tid, tuple(blocks), preq.owner))
+                return
+            for i, b in enumerate(blocks):
+                pool.content[b] = with_layer(pool.content[b], preq.layers, (tid, i))
+            preq.layers += 1
+            self.command(node, LayersReady(tid, tuple(blocks), preq.layers, LAYERS, preq.owner))
+            if preq.layers < LAYERS:
+                preq.layer_at += self.r("layer", tid, preq.layers).uniform(0.0005, 0.05)
 
     def d_step(self, node: Node) -> None:
         """D's scheduler step: ask for credit for every waiting request, as the connector
@@ -2326,8 +2403,9 @@ class World:
                             fl.dst[2]) <= set(dreq.blocks):
                         raise self.fail(f"WRITE {fl.key} of {fl.tid} targets {node.name} blocks "
                                         f"{fl.dst[2]} outside its reservation")
-                    inflight += len(fl.dst[2])
-            if inflight > ledger.in_use:
+                    # In layers: a layer-wise WRITE moves one layer of each of its blocks.
+                    inflight += len(fl.dst[2]) * (1 if fl.parts > 1 else LAYERS)
+            if inflight > ledger.in_use * LAYERS:
                 raise self.fail(f"{inflight} blocks in flight to {node.name} over its credit "
                                 f"{ledger.in_use}")
             recv = node.engine
@@ -2340,7 +2418,7 @@ class World:
             if node.alive and node.role == "P":
                 assert node.pool is not None
                 held = sum(len(p.blocks) for p in node.preqs.values()
-                           if p.state in ("computed", "held"))
+                           if p.state in ("computing", "computed", "held"))
                 if node.pool.used() != held:
                     raise self.fail(f"{node.name}: {node.pool.used()} blocks used, {held} held")
 

@@ -129,6 +129,7 @@ chaos_st = st.builds(
     ambiguous=st.sampled_from([0.0, 0.0, 0.3]),
     zombie=st.booleans(),
     forward_fail=st.sampled_from([0.0, 0.0, 0.1]),
+    layerwise=st.sampled_from([0.0, 0.5, 1.0]),
 )
 
 

@@ -287,3 +287,32 @@ def test_a_write_of_a_named_transfer_to_another_agent_is_caught() -> None:
                       None, ())
     with pytest.raises(Violation, match="whose decode the router named"):
         w.check_write(p, stray)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_layerwise_pushes_post_layers_during_the_forward_and_end_pushed(seed: int) -> None:
+    w = World(1, 1, Chaos(skew=True, layerwise=1.0), seed)
+    w.run_until(0.5)
+    for n in (1, 3, 8):
+        w.new_request(w.nodes["P0"], w.nodes["D0"], n, 0)
+    w.run_until(w.now + 20.0)
+    w.quiesce()
+    assert w.stats.get("post:WRITE:layer:during_forward", 0) > 0
+    assert w.stats.get("post:WRITE:layer", 0) > 0
+
+
+def test_the_world_catches_a_write_of_a_layer_not_computed_yet(monkeypatch: Any) -> None:
+    import kvpush_prod.core.sender as sender_mod
+
+    real = sender_mod.Sender.layers_ready
+
+    def eager(self: Any, tid: str, blocks: list[int], ready: int, parts: int, now: float,
+              owner: str = "", prompt: bytes = b"") -> Any:
+        return real(self, tid, blocks, parts, parts, now, owner, prompt)  # claims every layer
+
+    monkeypatch.setattr(sender_mod.Sender, "layers_ready", eager)
+    w = World(1, 1, Chaos(skew=False, layerwise=1.0), 0)
+    w.run_until(0.5)
+    w.new_request(w.nodes["P0"], w.nodes["D0"], 3, 0)
+    with pytest.raises(Violation, match="while its forward has computed"):
+        w.run_until(w.now + 20.0)

@@ -359,3 +359,61 @@ def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPa
         assert {r["descriptors"] for r in cells} == {4 * regions_runs}
         assert next(r for r in cells if r["path"] == "old")["entries"] == 4 * 16
     assert "| 2 | 16 | 256 | 16 | contiguous | old |" in post_cost_markdown(res, "here")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [cpu, nhd])
+def test_layer_by_layer_posts_land_each_layer_alone_and_together_the_whole_blocks(
+        pair: Any, path: str, kind: str, shape: Any) -> None:
+    """Layer-wise push: a post of regions ``[first, end)`` moves exactly those regions of
+    each block; one post per layer leaves D as one whole post would."""
+    rng = random.Random(7)
+    p = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 11)
+    d = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 12)
+    tp, td = pair(p, d, path=path)
+    n = rng.randint(2, NUM_BLOCKS)
+    lids, rids = ids_of(kind, n, NUM_BLOCKS, rng), ids_of(kind, n, NUM_BLOCKS, rng)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    regions = len(p.layout.regions)
+    per = regions // LAYERS
+    pairs = old_pairs(tp, peer, lids, rids)  # region-major: region r's are n in a row
+    before = d.buf.clone()
+    for layer in range(LAYERS):
+        first, end = layer * per, (layer + 1) * per
+        wait_done(tp, tp.post("WRITE", peer, lids, rids, regions=(first, end)))
+        stats = tp.last_post
+        assert stats is not None and stats.ids == n
+        want = before.clone()
+        for la, ra, size in pairs[:end * n]:
+            want[d.offset(ra):d.offset(ra) + size] = p.buf[p.offset(la):p.offset(la) + size]
+        assert torch.equal(d.buf, want), f"after layer {layer}"
+    with pytest.raises(TransportError):
+        tp.post("WRITE", peer, lids, rids, regions=(0, regions + 1))
+
+
+@pytest.mark.parametrize("path", ["prepped", "coalesced"])
+@pytest.mark.parametrize(("p_block", "d_block", "shape", "p_tp", "d_tp"), [
+    (16, 32, nhd, 1, 1), (32, 16, hnd, 1, 1), (32, 32, cpu, 2, 1), (32, 32, cpu, 1, 2)])
+def test_layer_by_layer_posts_of_units_and_head_slabs_land_as_one_whole_post(
+        pair: Any, path: str, p_block: int, d_block: int, shape: Any, p_tp: int,
+        d_tp: int) -> None:
+    """Block sizes or tensor-parallel sizes differ: one post per layer's regions leaves D as
+    one post of every region would."""
+    rng, total = random.Random(p_block + d_block + p_tp), 4
+    p_nb, d_nb = NUM_BLOCKS * 32 // p_block, NUM_BLOCKS * 32 // d_block
+    p = cache(shape(total // p_tp, p_block), p_block, p_nb, total // p_tp, total, p_tp, 0, 21)
+    d = cache(shape(total // d_tp, d_block), d_block, d_nb, total // d_tp, total, d_tp, 0, 22)
+    tokens = rng.randint(1, min(p_nb * p_block, d_nb * d_block) // 2)
+    p_blocks = ids_of("mixed", blocksize.cdiv(tokens, p_block), p_nb, rng)
+    d_blocks = ids_of("mixed", blocksize.cdiv(tokens, d_block), d_nb, rng)
+    plan = blocksize.push_units(p.layout, d.layout, p_blocks, d_blocks, 0, tokens)
+    assert isinstance(plan, blocksize.Units)
+    tp, td = pair(p, d, path=path)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    want = expected(p, d, old_pairs(tp, peer, plan.src, plan.dst), write=True)
+    per = len(p.layout.regions) // LAYERS
+    for layer in range(LAYERS):
+        wait_done(tp, tp.post("WRITE", peer, plan.src, plan.dst,
+                              regions=(layer * per, (layer + 1) * per)))
+    assert torch.equal(d.buf, want)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpush_prod.transport.faults import FaultSettings
 
@@ -221,6 +221,31 @@ class PushSettings(_Section):
     )
     chunk_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="A chunk still in flight after this has failed (TIMEOUT)."
+    )
+    layerwise: Literal["off", "on", "auto"] = Field(
+        "off",
+        description="Layer-wise push: P posts each layer's KV as soon as the forward computed "
+        "it (vLLM's save_kv_layer), while later layers are still computed; DONE goes after "
+        "the forward ended and every layer landed. on: every push; auto: a step whose "
+        "prompts to push hold at least layerwise_min_tokens tokens and whose KV takes at "
+        "least layerwise_min_transfer_ms at the link's measured bandwidth; off: after the "
+        "forward, as one piece. CPU KV caches only (a GPU engine pushes after the forward).",
+    )
+    @field_validator("layerwise", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted off / on as false / true.
+        return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
+
+    layerwise_min_tokens: int = Field(
+        1024, ge=0, le=1 << 24,
+        description="push.layerwise auto: fewest prompt tokens pushed in one step for "
+        "layer-wise push (short prompts pay per-layer posts for little overlap).",
+    )
+    layerwise_min_transfer_ms: float = Field(
+        2.0, ge=0, le=60_000,
+        description="push.layerwise auto: least expected transfer time (the step's KV bytes "
+        "at the measured bandwidth of P's links) for layer-wise push.",
     )
 
 

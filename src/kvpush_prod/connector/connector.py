@@ -206,7 +206,15 @@ class PushConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Worker: nothing per layer; the push starts once the whole forward has finished."""
+        """Worker, after each attention layer's forward: with a layer-wise push
+        (``push.layerwise``) the layers computed so far are handed to the pump, which posts
+        them while the forward goes on; never waits. Otherwise nothing: the push starts
+        once the whole forward has finished."""
+        if self._worker is not None:
+            try:
+                self._worker.layer_saved(layer_name)
+            except Exception:  # noqa: BLE001 - never kill the engine
+                self._contained("save_kv_layer")
 
     def wait_for_save(self) -> None:
         """Worker, after the forward: prompts completed in this step are handed to the pump.

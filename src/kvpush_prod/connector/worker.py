@@ -25,6 +25,7 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import core_settings
+from kvpush_prod.connector.layerwise import LayerStep, layer_parts, layerwise_now
 from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
@@ -48,6 +49,7 @@ from kvpush_prod.core.commands import (
     ExpectBlocks,
     ForwardFailed,
     Hold,
+    LayersReady,
     NotNeeded,
     RegisterBlocks,
 )
@@ -195,6 +197,10 @@ class WorkerSide:
         self._device: str = "cpu"
         self._tx: SenderPump | None = None  # P
         self._rx: ReceiverPump | None = None  # D
+        # P, layer-wise push (push.layerwise): layer name -> its part of a block ({}: off or
+        # not possible on this cache), and the running forward's layers (engine thread only)
+        self._layers: dict[str, int] = {}
+        self._step: LayerStep | None = None
         self.trace = Tracer(f"kvpush-{role.value}",
                             spans=transfer_spans(role.value, otlp_endpoint))
 
@@ -227,6 +233,8 @@ class WorkerSide:
             layout=layout,
         )
         block_bytes = sum(r.block_len for r in layout.regions)
+        if self.role is Side.PRODUCER and self.cfg.push.layerwise != "off":
+            self._layers = layer_parts(kv_caches, layout, self._device)
         settings = core_settings(self.cfg, block_bytes)
         endpoint = self._endpoint(security)
         # Not seeded from anything a peer sees: generations must be unguessable.
@@ -459,10 +467,53 @@ class WorkerSide:
     def _address(self, host: str, port: int, p_rank: int | None = None) -> str:
         return f"tcp://{host}:{port + (self.tp_rank if p_rank is None else p_rank)}"
 
+    def layer_saved(self, layer_name: str) -> None:
+        """P, engine thread, after each attention layer's forward: with a layer-wise push,
+        the layers computed from the first are handed to the pump (never waited for)."""
+        pump = self._tx
+        if pump is None or not self._layers or not self._pending_sends:
+            return
+        step = self._step
+        if step is None:
+            p = self.cfg.push
+            bandwidth = pump.link_bandwidth or pump.engine.sched.settings.initial_bandwidth_bytes_per_s
+            on = layerwise_now(p.layerwise, self._pending_sends, pump.block_bytes,
+                               self.heads.block_size or 16, bandwidth, p.layerwise_min_tokens,
+                               p.layerwise_min_transfer_ms)
+            step = self._step = LayerStep(list(self._pending_sends), on)
+            pump.forward_running = on
+        index = self._layers.get(layer_name)
+        if not step.on or index is None:
+            return
+        ready = step.saved(index)
+        if ready:
+            sends, parts = step.sends, len(self._layers)
+            pump.offer(lambda: self._layers_ready(pump, sends, ready, parts), "layers ready")
+
+    def _layers_ready(self, pump: SenderPump, sends: list[SendSpec], ready: int,
+                      parts: int) -> None:
+        """Under the pump's lock: the first ``ready`` layers of ``sends`` are computed."""
+        command = pump.driver.command
+        for spec in sends:
+            tid = spec.transfer_id
+            if pump.request_of.setdefault(tid, spec.request_id) != spec.request_id:
+                continue  # another request's transfer id: the hand-over refuses it
+            known = pump.splits.note(tid)
+            known.expected, known.owner = True, spec.owner or known.owner
+            known.layer_blocks, known.prompt = tuple(spec.block_ids), spec.prompt
+            known.layers, known.parts = ready, parts
+            if ready == 1 or ready == parts:
+                self.trace("layers_ready", tid, ready=ready, parts=parts)
+            for part in pump.splits.parts(tid):
+                command(LayersReady(part, tuple(spec.block_ids), ready, parts, spec.owner,
+                                    spec.prompt))
+
     def after_forward(self, forward_failed: bool = False) -> None:
         """P: this step's prompts are computed; hand their blocks to the pump. With
         ``forward_failed`` the forward raised: the blocks hold no usable KV and D is told."""
         pump = self._tx
+        if self._step is not None and pump is not None:
+            self._step, pump.forward_running = None, False
         if not self._pending_sends or pump is None:
             return
         sends, self._pending_sends = self._pending_sends, []
@@ -607,6 +658,12 @@ class TransferPump(threading.Thread, Generic[E]):
         self._labels = (self.role,)
         self._verify = cfg.verify.checksums
         self._block_bytes = sum(r.block_len for r in transport.layout.regions)
+        self.block_bytes = self._block_bytes
+        # P, layer-wise push: set by the engine thread while a layer-wise forward runs (a
+        # WRITE of a layer posted meanwhile is counted ``during_forward``); the slowest
+        # link's measured bandwidth, published for push.layerwise auto (0: none measured)
+        self.forward_running = False
+        self.link_bandwidth = 0.0
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._last_forward = 0.0  # D: when the engine last began a step with a forward
@@ -840,10 +897,17 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def write(self, action: PostWrite, peer: RemotePeer) -> ChunkError | None:
         regions = peer.local.regions if peer.local is not None else None
+        part: tuple[int, int] | None = None
+        if action.parts > 1:
+            per = len(self.transport.layout.regions) // action.parts
+            part = (action.part * per, (action.part + 1) * per)
+            self.stats.inc("kvpush_layerwise_writes", (self.role, "during_forward"
+                           if self.forward_running else "after_forward"))
         return self._post(action.chunk_id, action.transfer_id, "WRITE", peer,
                           action.src_blocks, action.dst_blocks,
                           self._done_notif(action, regions,
-                                           peer.local_k if peer.unit_tokens else 0))
+                                           peer.local_k if peer.unit_tokens else 0),
+                          part, action.parts)
 
     def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
         return self._post(action.chunk_id, action.transfer_id, "READ", peer,
@@ -942,15 +1006,20 @@ class TransferPump(threading.Thread, Generic[E]):
         return messages.encode_done(done)
 
     def _post(self, chunk_id: int, tid: str, op: Op, peer: RemotePeer,
-              local: tuple[int, ...], remote: tuple[int, ...], notif: bytes) -> ChunkError | None:
+              local: tuple[int, ...], remote: tuple[int, ...], notif: bytes,
+              regions: tuple[int, int] | None = None, parts: int = 1) -> ChunkError | None:
         t0 = time.monotonic()
         self.began.setdefault(tid, t0)
         try:
-            handle = self.transport.post(op, peer, list(local), list(remote), notif)
+            handle = (self.transport.post(op, peer, list(local), list(remote), notif)
+                      if regions is None else
+                      self.transport.post(op, peer, list(local), list(remote), notif, regions))
         except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
             return chunk_error(exc)
-        # Ids are units when block sizes differ: each is 1/local_k of one of our blocks.
+        # Ids are units when block sizes differ: each is 1/local_k of one of our blocks;
+        # a layer-wise WRITE moves one of ``parts`` shares of each.
         nbytes = len(local) * self._block_bytes // (peer.local_k if peer.unit_tokens else 1)
+        nbytes //= parts
         post_s = time.monotonic() - t0
         # What the post carried and what building it cost (None: a transport that keeps no
         # such record, or an injected fault that posted nothing real).
@@ -1099,6 +1168,9 @@ class SenderPump(TransferPump[Sender]):
             return
         if known.expected:
             self.driver.command(ExpectBlocks(part, known.owner))
+        if known.blocks is None and known.layers:
+            self.driver.command(LayersReady(part, known.layer_blocks, known.layers,
+                                            known.parts, known.owner, known.prompt))
         if known.blocks is not None:
             self.driver.command(BlocksReady(part, known.blocks, known.owner, known.prompt))
         if known.held:
@@ -1114,13 +1186,16 @@ class SenderPump(TransferPump[Sender]):
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         p = self.engine
-        for link in p.sched.links():
+        links = p.sched.links()
+        for link in links:
             label, bandwidth = self._peer_label.get(link, link), p.sched.bandwidth(link)
             self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label),
                            bandwidth)
             if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
                 slow = self.link_guard.observe(label, bandwidth, now)
                 self.stats.set("kvpush_link_slow", (self.role, label), float(slow))
+        if links:
+            self.link_bandwidth = min(p.sched.bandwidth(link) for link in links)
         for peer, state in p.breaker_states(now).items():
             self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
                            _BREAKER_VALUE[state])

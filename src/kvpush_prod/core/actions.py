@@ -27,7 +27,7 @@ class PostWrite:
 
     ``done`` is set only on the last chunk of a transfer: the WRITE carries it as its
     notification, posted after every other chunk of the transfer completed; ``all_src``
-    then lists every block of the transfer (for an optional checksum).
+    then lists every block of the transfer (for an optional checksum, over every part).
     """
 
     transfer_id: str
@@ -39,6 +39,10 @@ class PostWrite:
     nbytes: int
     done: Done | None = None
     all_src: tuple[int, ...] = ()
+    # Layer-wise push: the WRITE moves part ``part`` of ``parts`` of each block (the
+    # ``part``-th of ``parts`` equal slices of the layout's regions: one layer's); 1: all.
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,24 @@ class BlocksReady:
 
 
 @dataclass(frozen=True, slots=True)
+class LayersReady:
+    """Layer-wise push: P's forward, still running, has computed the first ``ready`` of the
+    ``parts`` layers of the prompt in ``blocks``; push those (``BlocksReady`` follows
+    when the forward ends)."""
+
+    transfer_id: str
+    blocks: tuple[int, ...]
+    ready: int
+    parts: int
+    owner: str = ""
+    prompt: bytes = b""
+
+    def apply(self, engine: Sender, now: float, /) -> list[Action]:
+        return engine.layers_ready(self.transfer_id, list(self.blocks), self.ready,
+                                   self.parts, now, self.owner, self.prompt)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardFailed:
     """P's forward raised: ``blocks`` hold no usable KV; nothing is pushed, D is told."""
 
@@ -154,5 +172,5 @@ class AbortReceive:
         return engine.abort(self.transfer_id, now)
 
 
-SendCommand = ExpectBlocks | BlocksReady | ForwardFailed | Hold | AbortSend
+SendCommand = ExpectBlocks | BlocksReady | LayersReady | ForwardFailed | Hold | AbortSend
 ReceiveCommand = AwaitAdmission | AdmissionOver | RegisterBlocks | NotNeeded | AbortReceive

@@ -206,6 +206,11 @@ class _Known:
     held: bool = False
     failed: bool = False
     prompt: bytes = b""  # digest of the prompt's token ids (core.digest)
+    # Layer-wise push: the first ``layers`` of ``parts`` layers of ``layer_blocks`` are
+    # computed (the forward still runs while ``blocks`` is None)
+    layer_blocks: tuple[int, ...] = ()
+    layers: int = 0
+    parts: int = 1
 
 
 @dataclass

@@ -128,24 +128,34 @@ class _Transfer:
     __slots__ = (
         "tid", "link", "block_bytes", "num_blocks", "cutoff", "added_at", "chunk_blocks",
         "last_start", "cursor", "retry", "delayed", "inflight", "last", "last_attempt",
-        "last_first_at",
+        "last_first_at", "total", "ready_end", "sealed",
         "queued_bytes", "queued_chunks", "heap_seq", "cutoff_seq", "alive",
     )  # fmt: skip
 
     def __init__(
         self, tid: TransferId, link: _Link, block_bytes: int, num_blocks: int,
-        cutoff: float, added_at: float, chunk_blocks: int,
+        cutoff: float, added_at: float, chunk_blocks: int, parts: int = 1,
+        ready: int | None = None,
     ) -> None:  # fmt: skip
         self.tid = tid
         self.link = link
-        self.block_bytes = block_bytes
-        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes  # of one block of one part
+        self.num_blocks = num_blocks  # per part
         self.cutoff = cutoff  # permit deadline minus the stop margin
         self.added_at = added_at
         self.chunk_blocks = chunk_blocks
-        total = max(1, -(-num_blocks // chunk_blocks))
-        self.last_start = (total - 1) * chunk_blocks
-        self.cursor = 0  # next never-posted block below last_start
+        # Indices part by part: index i is block i % num_blocks of part i // num_blocks; a
+        # chunk never spans two parts, and only parts below ``ready`` may be posted.
+        per_part = max(1, -(-num_blocks // chunk_blocks))
+        total = parts * per_part
+        self.total = parts * num_blocks
+        # ``ready`` None: every part is ready and the last chunk may go once the others
+        # landed; else only the first ``ready`` parts, and the last chunk waits for
+        # ``extend(..., final=True)`` (the forward's end) even when every part is ready.
+        self.sealed = ready is None
+        self.ready_end = self.total if ready is None else min(ready, parts) * num_blocks
+        self.last_start = (parts - 1) * num_blocks + (per_part - 1) * chunk_blocks
+        self.cursor = 0  # next never-posted index below last_start
         # failed chunks ready to go again: (start, end, attempt, first_posted_at)
         self.retry: list[tuple[int, int, int, float]] = []
         self.delayed = 0  # failed chunks waiting for their retry time
@@ -153,7 +163,7 @@ class _Transfer:
         self.last = _LAST_PENDING
         self.last_attempt = 0
         self.last_first_at = 0.0
-        self.queued_bytes = num_blocks * block_bytes
+        self.queued_bytes = self.total * block_bytes
         self.queued_chunks = total
         self.heap_seq = 0  # seq of its one current entry in the link heap, 0: not queued
         self.cutoff_seq = 0
@@ -166,11 +176,19 @@ class _Transfer:
             start, end, attempt, first_at = self.retry[-1]
             return start, end, False, attempt, first_at
         if self.cursor < self.last_start:
-            end = min(self.cursor + self.chunk_blocks, self.last_start)
-            return self.cursor, end, False, 0, 0.0
-        if self.last == _LAST_PENDING and not self.inflight and not self.delayed:
-            return self.last_start, self.num_blocks, True, self.last_attempt, self.last_first_at
+            if self.cursor >= self.ready_end:
+                return None  # its part is not computed yet (``extend`` releases it)
+            return self.cursor, self._end_of(self.cursor), False, 0, 0.0
+        if (self.last == _LAST_PENDING and not self.inflight and not self.delayed
+                and self.sealed):
+            return self.last_start, self.total, True, self.last_attempt, self.last_first_at
         return None
+
+    def _end_of(self, start: int) -> int:
+        """Where the chunk starting at ``start`` ends: a chunk's worth, its part's end or
+        the last chunk's start, whichever comes first."""
+        part_end = (start // self.num_blocks + 1) * self.num_blocks
+        return min(start + self.chunk_blocks, part_end, self.last_start)
 
     def take(self, is_last: bool) -> None:
         """Mark what ``peek`` returned as posted."""
@@ -179,7 +197,25 @@ class _Transfer:
         elif is_last:
             self.last = _LAST_INFLIGHT
         else:
-            self.cursor = min(self.cursor + self.chunk_blocks, self.last_start)
+            self.cursor = self._end_of(self.cursor)
+
+
+def _check_sizes(tid: TransferId, block_bytes: int, num_blocks: int, parts: int,
+                 ready: int | None) -> None:
+    """``ChunkScheduler.add``'s sizes, or a ``ProtocolError`` naming the bad one."""
+    if block_bytes < 1:
+        raise ProtocolError(
+            "bad block size", f"transfer {tid!r}: block_bytes must be >= 1, got {block_bytes}"
+        )
+    if num_blocks < 0:
+        raise ProtocolError(
+            "bad block count", f"transfer {tid!r}: num_blocks must be >= 0, got {num_blocks}"
+        )
+    if parts < 1 or (ready is not None and ready < 0):
+        raise ProtocolError(
+            "bad parts",
+            f"transfer {tid!r}: parts must be >= 1 and ready >= 0, got {parts} and {ready}",
+        )
 
 
 class _Link:
@@ -255,27 +291,29 @@ class ChunkScheduler:
         num_blocks: int,
         permit_deadline: float,
         now: float,
+        parts: int = 1,
+        ready: int | None = None,
     ) -> None:
         """Queue a transfer of ``num_blocks`` blocks of ``block_bytes`` each over ``link``.
 
         ``permit_deadline``: when D's write permit ends (holder clock). A transfer already
         within the stop margin is not queued but reported by ``take_expired``. A transfer
         of 0 blocks is one empty last chunk: the shell sends its DONE as a bare notification.
+
+        ``parts`` > 1 (layer-wise push): each block is ``parts`` pieces of ``block_bytes``
+        (``block_bytes`` is then one part's), posted part by part: a chunk's ``start`` and
+        ``end`` index ``parts * num_blocks`` ids, part ``i // num_blocks``, block
+        ``i % num_blocks``, and never span two parts. Only the first ``ready`` parts (all
+        when None) may be posted until ``extend`` says more are; the last chunk (DONE) then
+        waits for ``extend(..., final=True)``.
         """
         if transfer_id in self._transfers:
             raise ProtocolError(
                 "duplicate transfer", f"transfer {transfer_id!r} is already queued; cancel it first"
             )
-        if block_bytes < 1:
-            raise ProtocolError(
-                "bad block size",
-                f"transfer {transfer_id!r}: block_bytes must be >= 1, got {block_bytes}",
-            )
-        if num_blocks < 0:
-            raise ProtocolError(
-                "bad block count",
-                f"transfer {transfer_id!r}: num_blocks must be >= 0, got {num_blocks}",
-            )
+        _check_sizes(transfer_id, block_bytes, num_blocks, parts, ready)
+        if num_blocks == 0:
+            parts = 1  # one empty last chunk: nothing to post part by part
         s = self._s
         lk = self._links.get(link)
         if lk is None:
@@ -293,6 +331,8 @@ class ChunkScheduler:
             cutoff,
             now,
             max(1, s.chunk_bytes // block_bytes),
+            parts,
+            ready,
         )
         self._transfers[transfer_id] = t
         self._queued_chunks += t.queued_chunks
@@ -310,6 +350,22 @@ class ChunkScheduler:
         if cutoff > t.cutoff:
             t.cutoff = cutoff
             self._push_cutoff(t)
+        return True
+
+    def extend(self, transfer_id: TransferId, ready: int, final: bool = False) -> bool:
+        """The first ``ready`` parts of a layer-wise transfer may be posted now (never fewer
+        than before); ``final``: all of them, and its last chunk once the others landed.
+        False if the transfer is not queued."""
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            return False
+        end = t.total if final else min(ready * t.num_blocks, t.total)
+        if end > t.ready_end or (final and not t.sealed):
+            t.ready_end = max(end, t.ready_end)
+            t.sealed = t.sealed or final
+            if t.heap_seq == 0 and t.peek() is not None:
+                self._push(t)
+                self._wake(t.link)
         return True
 
     def cancel(self, transfer_id: TransferId) -> list[int]:
@@ -439,7 +495,7 @@ class ChunkScheduler:
             t.delayed += 1
             t.last = _LAST_DELAYED
             heapq.heappush(self._delayed, (retry_at, next(self._seq), t, t.last_start,
-                                           t.num_blocks, True, t.last_attempt, t.last_first_at))
+                                           t.total, True, t.last_attempt, t.last_first_at))
             return True
         t.last = _LAST_PENDING
         if t.heap_seq == 0 and t.peek() is not None:

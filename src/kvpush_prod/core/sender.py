@@ -154,6 +154,13 @@ class _Out:
     # (counted against that origin's quota until then); "": none.
     unknown_of: str = ""
     prompt: bytes = b""  # digest of the prompt's token ids (core.digest), stated to D
+    # Layer-wise push: each block is ``parts`` pieces (one per layer), posted part by part
+    # as the forward computes them. ``partial`` while the forward still runs (only the
+    # first ``ready`` parts hold their KV): nothing may read the blocks whole until then
+    # (a FALLBACK waits), and the last chunk, which carries DONE, waits for every part.
+    parts: int = 1
+    ready: int = 1
+    partial: bool = False
 
 
 class _Origins:
@@ -273,22 +280,65 @@ class Sender:
         """The prompt's KV is in ``blocks`` (this step's forward has finished); ``prompt``:
         the digest of its token ids, stated to D with the KV."""
         o = self._get(tid, now)
+        if o.partial:
+            return self._complete(o, now)
+        return self._ready(o, blocks, now, owner, prompt)
+
+    def _ready(self, o: _Out, blocks: list[int], now: float, owner: str, prompt: bytes,
+               parts: int = 1, ready: int = 1) -> list[Action]:
         o.blocks, o.expected, o.prompt = list(blocks), True, prompt
         o.lease_until = now + self.s.send_lease_s
         self._uncount(o)
         out = self._require(o, owner, now)
-        if self._tombstoned(tid, o.owner or o.required):
+        if self._tombstoned(o.tid, o.owner or o.required):
             # D does not want it (or P aborted it): free once the scheduler hands it over.
             self._fire(o, E.CANCEL, now)
             return out + self._close(o, Outcome.CANCELLED)
+        o.parts, o.ready, o.partial = parts, min(ready, parts), parts > 1
         self._fire(o, E.BLOCKS_READY, now)
         return out + self._maybe_start(o, now)
+
+    def layers_ready(self, tid: str, blocks: list[int], ready: int, parts: int, now: float,
+                     owner: str = "", prompt: bytes = b"") -> list[Action]:
+        """Layer-wise push: the forward that computes this prompt has computed the first
+        ``ready`` of the ``parts`` parts (layers) of ``blocks`` and is still running. Those
+        parts may be pushed now; ``blocks_ready`` says when the forward is over (then the
+        last chunk, with DONE, may go). ``parts`` < 2 or ``ready`` < 1: nothing to do."""
+        o = self._out.get(tid)
+        if parts < 2 or ready < 1 or (o is not None and (o.outcome or (
+                o.blocks is not None and not o.partial))):
+            return []  # not layer-wise, already over, or the whole KV was handed over
+        if o is not None and o.partial:
+            if ready > o.ready:
+                o.ready = min(ready, o.parts)
+                if o.queued:
+                    self.sched.extend(tid, o.ready)
+                    return self.poll(now)
+            return []
+        return self._ready(self._get(tid, now), blocks, now, owner, prompt, parts, ready)
+
+    def _complete(self, o: _Out, now: float) -> list[Action]:
+        """The forward of a layer-wise push ended: every part holds its KV."""
+        o.partial, o.ready = False, o.parts
+        if o.outcome:
+            return []
+        if o.queued:
+            self.sched.extend(o.tid, o.parts, final=True)
+            return self.poll(now)
+        if o.drain_then is AfterDrain.FALLBACK:
+            return self._after_drain(o, now)  # a fallback that waited for the whole KV
+        return self._maybe_start(o, now)
 
     def forward_failed(self, tid: str, blocks: list[int], now: float) -> list[Action]:
         """The forward that was to compute this prompt raised (a fatal error, or a shutdown
         signal mid-step): ``blocks`` hold no usable KV. Nothing is pushed; D hears at once
-        (it recomputes the prompt or fails the request) and the blocks are freed once held."""
+        (it recomputes the prompt or fails the request) and the blocks are freed once held.
+        A layer-wise push that already posted parts stops and drains first: D hears once
+        nothing is in flight to its blocks."""
         self._tombstone(tid, now, "")
+        o = self._out.get(tid)
+        if o is not None and o.partial and not o.outcome:
+            return self._stop_partial(o, "prefill_failed", now)
         o = self._get(tid, now)
         o.blocks, o.expected = list(blocks), True
         self._uncount(o)
@@ -307,9 +357,30 @@ class Sender:
         o.held = True
         return self._maybe_release(o)
 
+    def _stop_partial(self, o: _Out, reason: str, now: float) -> list[Action]:
+        """A layer-wise push whose forward will not complete: post nothing more, let the
+        chunks in flight land, then tell D (Failed ``reason``) and free once held."""
+        o.partial = False
+        if o.queued:
+            self.sched.cancel(o.tid)
+            o.queued = False
+        o.confirm = None
+        if o.inflight or o.drain_then is not AfterDrain.NOTHING:
+            # D hears only once nothing is in flight to its blocks. (A CancelAck, an expiry
+            # or a drop already owed to D is told as it was.)
+            if o.drain_then in (AfterDrain.NOTHING, AfterDrain.FALLBACK):
+                o.drain_then, o.reason = AfterDrain.FAILED, reason
+            return self._after_drain(o, now)
+        self._fire(o, E.FAIL, now)
+        out = [self._failed(o, reason, "the prefill did not complete")] if o.reg else []
+        return out + self._close(o, Outcome.FAILED)
+
     def abort(self, tid: str, now: float) -> list[Action]:
         """P's request ended before its KV was computed: the transfer can never happen."""
         self._tombstone(tid, now, "")
+        po = self._out.get(tid)
+        if po is not None and po.partial and not po.outcome:
+            return self._stop_partial(po, "prefill_aborted", now)
         o = self._out.pop(tid, None)
         if o is not None:
             self._uncount(o)
@@ -717,6 +788,10 @@ class Sender:
                 done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(units.dst),
                             attempt=chunk.attempt, unit_tokens=units.unit_tokens,
                             prompt=o.prompt)
+            # Layer-wise: the chunk's ids are part by part (``ChunkScheduler.add``).
+            nb = len(units.dst)
+            part = chunk.start // nb if o.parts > 1 and nb else 0
+            start, end = chunk.start - part * nb, chunk.end - part * nb
             self._chunks[chunk.id] = (chunk, o.tid)
             o.inflight.add(chunk.id)
             if o.machine.state is S.RETRYING:
@@ -727,10 +802,11 @@ class Sender:
                 o.ready_at = -1.0
             out.append(PostWrite(
                 o.tid, reg.generation, chunk.id, o.peer,
-                tuple(units.src[chunk.start:chunk.end]),
-                tuple(units.dst[chunk.start:chunk.end]),
+                tuple(units.src[start:end]),
+                tuple(units.dst[start:end]),
                 chunk.nbytes, done,
                 tuple(units.src) if chunk.is_last else (),
+                part, o.parts if nb else 1,
             ))
         capped = self.sched.capped()
         if capped != self._capped:
@@ -999,12 +1075,16 @@ class Sender:
             # engine was paused, or a pass ran out of budget before reading them). A
             # heartbeat that renews it starts the push; tick ends it once the permit is over.
             return []
+        if o.partial and self.s.fallback and self.breakers[o.peer].state(now) \
+                is not BreakerState.CLOSED:
+            return []  # a pull reads whole blocks: decided once the forward ended
         if self.s.fallback and not self.breakers.allow(o.peer, now):
             # Repeated failures to this D: straight to pull until a probe push succeeds.
             return [Note(NoteKind.FALLBACK, "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
         assert o.units is not None
-        self.sched.add(o.tid, o.peer, self._unit_bytes(o.units), len(o.units.dst),
-                       o.permit.expires_at, now)
+        self.sched.add(o.tid, o.peer, max(1, self._unit_bytes(o.units) // o.parts),
+                       len(o.units.dst),
+                       o.permit.expires_at, now, o.parts, o.ready if o.partial else None)
         o.queued, o.ready_at = True, now
         return self.poll(now)
 
@@ -1049,6 +1129,8 @@ class Sender:
             return []
         if o.drain_then is AfterDrain.NOTHING:
             return self._maybe_release(o)
+        if o.drain_then is AfterDrain.FALLBACK and o.partial:
+            return []  # D would READ layers not computed yet: the forward's end resumes it
         then, o.drain_then = o.drain_then, AfterDrain.NOTHING
         if then is AfterDrain.ACK and o.reg is not None:
             ack = CancelAck(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim)

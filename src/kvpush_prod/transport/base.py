@@ -81,8 +81,10 @@ class Transport(Protocol):
     def disconnect(self, agent_name: str) -> None: ...
 
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
-             remote_blocks: list[int], notif: bytes = b"") -> Any:
-        """Start a WRITE (local -> remote) or READ (remote -> local); a handle to poll."""
+             remote_blocks: list[int], notif: bytes = b"",
+             regions: tuple[int, int] | None = None) -> Any:
+        """Start a WRITE (local -> remote) or READ (remote -> local) of regions ``[first,
+        end)`` of each block (None: all of them); a handle to poll."""
         ...
 
     def state(self, handle: Any) -> Completion: ...

@@ -137,10 +137,13 @@ class FaultyTransport:
         return s.active_file is None or Path(s.active_file).exists()
 
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
-             remote_blocks: list[int], notif: bytes = b"") -> Any:
+             remote_blocks: list[int], notif: bytes = b"",
+             regions: tuple[int, int] | None = None) -> Any:
         self._posted_real = False
         if not self._active(op, peer.agent_name):
-            handle = self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+            handle = (self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+                      if regions is None else
+                      self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions))
             self._posted_real = True
             return _Handle(handle, "ok", 0)
         self._count += 1
@@ -159,7 +162,9 @@ class FaultyTransport:
             self.injected += 1
             # A failed or stalled transfer must not move data: post nothing real.
             return _Handle(None, fate, time.monotonic() + self.s.delay_ms / 1000.0)
-        inner = self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+        inner = (self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+                 if regions is None else
+                 self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions))
         self._posted_real = True
         return _Handle(inner, "ok", time.monotonic() + self.s.delay_ms / 1000.0)
 

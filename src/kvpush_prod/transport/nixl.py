@@ -29,6 +29,7 @@ from kvpush_prod.transport.runs import (
     choose_path,
     id_runs,
     pair_plan,
+    plan_slice,
     prepped_indices,
     run_descriptors,
     run_starts,
@@ -115,11 +116,12 @@ class PostStats:
 class _Post:
     """A posted chunk: its NIXL requests, the parts not posted yet, the notification."""
 
-    __slots__ = ("op", "peer", "handles", "pending", "done", "notif", "notified")
+    __slots__ = ("op", "peer", "plan", "handles", "pending", "done", "notif", "notified")
 
-    def __init__(self, op: Op, peer: RemotePeer, notif: bytes) -> None:
+    def __init__(self, op: Op, peer: RemotePeer, notif: bytes, plan: PairPlan) -> None:
         self.op = op
         self.peer = peer
+        self.plan = plan  # the regions it moves (all, or one layer's)
         self.handles: list[Any] = []
         # (local ids, remote ids, path) of each part still to post
         self.pending: deque[tuple[np.ndarray, np.ndarray, Path]] = deque()
@@ -155,6 +157,8 @@ class NixlTransport:
         )
         self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, layout.mem_type)
         self._peers: dict[str, RemotePeer] = {}
+        # (agent, first region, end) -> (the peer's plan, its slice): layer-wise posts
+        self._slices: dict[tuple[str, int, int], tuple[PairPlan, PairPlan]] = {}
 
     @property
     def name(self) -> str:
@@ -226,7 +230,21 @@ class NixlTransport:
                     name[:64], u, len(local), len(remote))
         return RemotePeer(name, remote_view, dlist, local_view, local_dlist, u, lk, rk, plan)
 
+    def _slice(self, peer: RemotePeer, plan: PairPlan, regions: tuple[int, int]) -> PairPlan:
+        """``plan`` over regions ``[first, end)`` only (kept per peer and range)."""
+        first, end = regions
+        if not 0 <= first < end <= plan.local.regions:
+            raise TransportError("invalid_param", f"regions {first}..{end} of a layout of "
+                                 f"{plan.local.regions} regions")
+        key = (peer.agent_name, first, end)
+        sliced = self._slices.get(key)
+        if sliced is None or sliced[0] is not plan:
+            sliced = self._slices[key] = (plan, plan_slice(plan, first, end))
+        return sliced[1]
+
     def disconnect(self, agent_name: str) -> None:
+        for key in [k for k in self._slices if k[0] == agent_name]:
+            del self._slices[key]
         peer = self._peers.pop(agent_name, None)
         if peer is None:
             return
@@ -243,7 +261,7 @@ class NixlTransport:
             logger.debug("remove_remote_agent failed for %s", agent_name, exc_info=True)
 
     def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"") -> Any:
+             notif: bytes = b"", regions: tuple[int, int] | None = None) -> Any:
         """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks (of
         units, ``RemotePeer.unit_tokens``, when the two block sizes differ); a handle for
         ``state`` and ``release``. ``last_post`` then says what it carried and cost.
@@ -255,7 +273,10 @@ class NixlTransport:
         now, one more per ``state`` call, and ``notif`` goes out only once every part
         landed (NIXL orders a request's notification after that request's own bytes only;
         its UCX backend ends every request with an endpoint flush, so a part's DONE means
-        its bytes are at the peer, and ``send_notif`` after the last DONE follows them)."""
+        its bytes are at the peer, and ``send_notif`` after the last DONE follows them).
+
+        ``regions``: only regions ``[first, end)`` of each block (layer-wise push: one
+        layer's); None: all."""
         t0 = time.perf_counter()
         n = len(local_blocks)
         if n != len(remote_blocks):
@@ -266,6 +287,8 @@ class NixlTransport:
         plan = peer.plan
         if plan is None:  # a peer made by hand (tests): its views as connect would see them
             plan = peer.plan = _plan(*_sides(self.layout, peer))
+        if regions is not None and regions != (0, plan.local.regions):
+            plan = self._slice(peer, plan, regions)
         _check_ids(local_blocks, plan.local, "local", peer)
         _check_ids(remote_blocks, plan.remote, "remote", peer)
         lids = np.asarray(local_blocks, dtype=np.int32)  # < limit < 2**31: checked above
@@ -282,12 +305,12 @@ class NixlTransport:
             lengths = np.diff(np.append(starts, n))
             cuts = split_points(lengths, plan.local.entries_per_id, per_run,
                                 self.max_descriptors)
-        post = _Post(op, peer, notif if cuts else b"")
+        post = _Post(op, peer, notif if cuts else b"", plan)
         bounds = [0, *cuts, n]
         for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
             post.pending.append((lids[a:b], rids[a:b], path))
         first = bounds[1]
-        handle = self._request(op, peer, lids[:first], rids[:first], path,
+        handle = self._request(op, peer, plan, lids[:first], rids[:first], path,
                                b"" if cuts else notif, None if cuts else starts)
         t1 = time.perf_counter()
         self._submit(post, handle)
@@ -297,12 +320,11 @@ class NixlTransport:
                                    len(bounds) - 1, t1 - t0, t2 - t1)
         return post
 
-    def _request(self, op: Op, peer: RemotePeer, lids: np.ndarray, rids: np.ndarray,
-                 path: Path, notif: bytes, starts: np.ndarray | None = None) -> Any:
-        """One NIXL request moving ``lids`` to ``rids`` (in ``op``'s direction);
-        ``starts``: their ``run_starts`` if known."""
-        plan = peer.plan
-        assert plan is not None  # set by connect (or post) before any request
+    def _request(self, op: Op, peer: RemotePeer, plan: PairPlan, lids: np.ndarray,
+                 rids: np.ndarray, path: Path, notif: bytes,
+                 starts: np.ndarray | None = None) -> Any:
+        """One NIXL request moving ``lids`` to ``rids`` (in ``op``'s direction) over the
+        regions of ``plan``; ``starts``: their ``run_starts`` if known."""
         if path == "coalesced":
             starts_l, starts_r, lengths = id_runs(lids, rids, starts)
             local = run_descriptors(plan.local, starts_l, lengths)
@@ -336,7 +358,8 @@ class NixlTransport:
         try:
             if post.pending:
                 lids, rids, path = post.pending.popleft()
-                self._submit(post, self._request(post.op, post.peer, lids, rids, path, b""))
+                self._submit(post, self._request(post.op, post.peer, post.plan, lids, rids,
+                                                 path, b""))
             while post.done < len(post.handles):
                 state = str(self.agent.check_xfer_state(post.handles[post.done]))
                 if state == "PROC":

@@ -123,6 +123,22 @@ def side_of(regions: list[Region], k: int = 1, units: bool = False) -> Side:
     return Side(offsets, groups, limit, linear, base, size, dev, at, offsets32, uniform)
 
 
+def side_slice(side: Side, first: int, end: int) -> Side:
+    """Regions ``[first, end)`` of ``side`` (layer-wise push: one layer's regions), indexing
+    the same prepared list."""
+    groups = side.groups[first:end]
+    uniform = int(groups[0]) if groups.size and bool(np.all(groups == groups[0])) else 0
+    return Side(side.offsets[first:end], groups, side.limit, side.linear,
+                side.base[first:end], side.size[first:end], side.dev[first:end],
+                side.prepared, side.offsets32[first:end], uniform)
+
+
+def plan_slice(plan: PairPlan, first: int, end: int) -> PairPlan:
+    """Regions ``[first, end)`` of both sides of ``plan``."""
+    return PairPlan(side_slice(plan.local, first, end), side_slice(plan.remote, first, end),
+                    plan.linear)
+
+
 def pair_linear(local: Side, remote: Side) -> bool:
     """Whether a run of ids consecutive on both sides is one descriptor per region: both
     sides linear with pieces of the same size region by region (then the run's bytes are
