@@ -84,6 +84,27 @@ def unsupported_topology(parallel: Any) -> None:
             "--decode-context-parallel-size 1")
 
 
+def _supported_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Side:
+    """This engine's side (P or D), once its role, KV cache groups and topology are ones the
+    connector serves; else ConfigError naming the value and the fix."""
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    side = Side.of_kv_role(str(ktc.kv_role))
+    if side is None:
+        raise ConfigError(
+            f"kv_transfer_config.kv_role={ktc.kv_role!r} is not supported by PushConnector: "
+            "use 'kv_producer' on prefill engines and 'kv_consumer' on decode engines"
+        )
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError(
+            f"PushConnector supports models with one KV cache group (full attention); this "
+            f"model has {len(kv_cache_config.kv_cache_groups)} groups (hybrid or "
+            "sliding-window attention): serve it with vLLM's NixlConnector instead"
+        )
+    unsupported_topology(vllm_config.parallel_config)
+    return side
+
+
 class PushConnector(KVConnectorBase_V1):
     """Push-based KV transfer: D reserves blocks and grants a permit, P WRITEs, D waits."""
 
@@ -92,20 +113,7 @@ class PushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
-        side = Side.of_kv_role(str(ktc.kv_role))
-        if side is None:
-            raise ConfigError(
-                f"kv_transfer_config.kv_role={ktc.kv_role!r} is not supported by PushConnector: "
-                "use 'kv_producer' on prefill engines and 'kv_consumer' on decode engines"
-            )
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ConfigError(
-                f"PushConnector supports models with one KV cache group (full attention); this "
-                f"model has {len(kv_cache_config.kv_cache_groups)} groups (hybrid or "
-                "sliding-window attention): serve it with vLLM's NixlConnector instead"
-            )
-        unsupported_topology(vllm_config.parallel_config)
-        self.kv_role = side
+        self.kv_role = _supported_side(vllm_config, kv_cache_config)
         self._hook_stats = StatsBuffer()  # hooks that raised (the sides' buffers may be broken)
         # D, worker: receives failed here (no REGISTER left), reported with the next results
         self._failed_here: set[str] = set()

@@ -61,6 +61,15 @@ def build_app(
     app.state.pool = pool
     app.state.admission = admission
 
+    _add_routes(app, settings, pool, admission, metrics)
+    add_admin_routes(app, settings, pool)
+    return app
+
+
+def _add_routes(app: FastAPI, settings: RouterSettings, pool: BackendPool,
+                admission: Admission, metrics: RouterMetrics) -> None:
+    """The client-facing routes: the two OpenAI endpoints, health, models and metrics."""
+
     @app.post(COMPLETIONS_PATH)
     async def completions(request: Request) -> Response:
         dispatcher: Dispatcher = request.app.state.dispatcher
@@ -91,8 +100,6 @@ def build_app(
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    add_admin_routes(app, settings, pool)
-    return app
 
 
 def _lifespan(

@@ -42,6 +42,40 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
     )
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    _add_routing_flags(p)
+    _add_limit_flags(p)
+    _add_key_flags(p)
+    p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
+    p.add_argument(
+        "--backend-api-key",
+        dest="backend_api_key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
+    )
+    p.add_argument(
+        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.add_argument(
+        "--access-log",
+        dest="access_log",
+        action="store_true",
+        default=None,
+        help="log every request (costs latency under load)",
+    )
+    return p
+
+
+def _add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """How requests are routed: waiting for a pair, the policy, the flow, retries, health
+    and short prompts."""
+    p.add_argument(
+        "--no-backend-wait",
+        type=float,
+        dest="no_backend_wait_s",
+        metavar="S",
+        help="a request that finds no routable pair waits this long for one (an engine "
+        "restarting after a drain) before 503 (default 0)",
+    )
     p.add_argument(
         "--policy",
         choices=["round_robin", "least_loaded", "engine_load"],
@@ -90,26 +124,6 @@ def build_parser(prog: str = "kvpush router") -> argparse.ArgumentParser:
         f"0 turns it off (default {DIRECT_BELOW_TOKENS}, measured on the lab box; measure "
         "yours: docs/router.md, \"Short prompts: straight to D\")",
     )
-    _add_limit_flags(p)
-    _add_key_flags(p)
-    p.add_argument("--config", help="router YAML file (same keys as RouterSettings)")
-    p.add_argument(
-        "--backend-api-key",
-        dest="backend_api_key",
-        default=os.environ.get("VLLM_API_KEY") or None,
-        help="bearer token for the vLLM servers (default: $VLLM_API_KEY)",
-    )
-    p.add_argument(
-        "--log-level", dest="log_level", choices=["critical", "error", "warning", "info", "debug"]
-    )
-    p.add_argument(
-        "--access-log",
-        dest="access_log",
-        action="store_true",
-        default=None,
-        help="log every request (costs latency under load)",
-    )
-    return p
 
 
 
@@ -206,14 +220,7 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
         help="file holding the bearer token of the admin API (drain, undrain, backends; "
         "`kvpush drain` uses it); without it the admin API is off",
     )
-    p.add_argument(
-        "--no-backend-wait",
-        type=float,
-        dest="no_backend_wait_s",
-        metavar="S",
-        help="a request that finds no routable pair waits this long for one (an engine "
-        "restarting after a drain) before 503 (default 0)",
-    )
+
 
 def settings_from_args(
     argv: list[str] | None = None, *, prog: str = "kvpush router"

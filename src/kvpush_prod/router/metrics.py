@@ -118,6 +118,10 @@ class RouterMetrics:
         )
         for endpoint in ENDPOINTS:
             self.direct.labels(endpoint)
+        self._backend_series(r)
+
+    def _backend_series(self, r: CollectorRegistry) -> None:
+        """The per-backend gauges."""
         self.backend_up = Gauge(
             "kvpush_router_backend_up",
             "1 if the router routes to this backend (healthy, and for prefill: identity known).",
