@@ -425,25 +425,7 @@ class Sender:
         out, refused = met
         o = self._out.get(reg.transfer_id)  # a peer restart may just have ended it
         if refused is not None and refused.reason == "incompatible":
-            # A layout we cannot write into: D hears at once instead of waiting out its permit.
-            out = [*out, SendMessage(reg.sender.control, Failed(
-                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
-                refused.detail), origin)]
-            if o is not None and o.owner == origin and self._drop_registrant(o, now):
-                pass
-            elif o is not None and (o.owner or o.required) == origin and not o.inflight:
-                # The transfer's own decode engine (the one the router named, or its
-                # registrant) can never take this KV: end it now rather than hold the
-                # prompt's blocks for the whole send lease. Never for a transfer whose
-                # owner is unknown: any authenticated engine could end it that way.
-                self._tombstone(reg.transfer_id, now, origin)
-                self._fire(o, E.CANCEL, now)
-                out += self._close(o, Outcome.FAILED)
-            else:
-                # Not known yet, or its owner not: remembered, and believed only for the
-                # decode engine the router names for it (_require); then its blocks go.
-                self._refused.add(reg.transfer_id, origin, now + self.s.tombstone_s)
-            return out
+            return self._incompatible(reg, o, origin, refused.detail, out, now)
         if refused is not None:
             return out  # an agent that is not the sender's own: nothing of it is believed
         if reg.permit_ttl_ms <= 0:
@@ -484,6 +466,29 @@ class Sender:
             o.unknown_of = origin
             self._unknown.add(origin, o.tid)
         return out + self._bind(o, reg, origin, now, age)
+
+    def _incompatible(self, reg: Register, o: _Out | None, origin: str, detail: str,
+                      out: list[Action], now: float) -> list[Action]:
+        """``reg`` names a layout P cannot write into: D hears at once instead of waiting
+        out its permit; the transfer ends only where ``origin`` owns it."""
+        out = [*out, SendMessage(reg.sender.control, Failed(
+            PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
+            detail), origin)]
+        if o is not None and o.owner == origin and self._drop_registrant(o, now):
+            pass
+        elif o is not None and (o.owner or o.required) == origin and not o.inflight:
+            # The transfer's own decode engine (the one the router named, or its
+            # registrant) can never take this KV: end it now rather than hold the
+            # prompt's blocks for the whole send lease. Never for a transfer whose
+            # owner is unknown: any authenticated engine could end it that way.
+            self._tombstone(reg.transfer_id, now, origin)
+            self._fire(o, E.CANCEL, now)
+            out += self._close(o, Outcome.FAILED)
+        else:
+            # Not known yet, or its owner not: remembered, and believed only for the
+            # decode engine the router names for it (_require); then its blocks go.
+            self._refused.add(reg.transfer_id, origin, now + self.s.tombstone_s)
+        return out
 
     def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float,
               permit: Permit | None = None) -> list[Action]:
@@ -834,75 +839,92 @@ class Sender:
         for o in list(self._out.values()):
             if o.outcome:
                 continue
-            c = o.confirm
-            if c is not None and o.queued:
-                if now >= c.until:
-                    # D did not answer: maybe it never will (partitioned, dead). Pull.
-                    out += self._give_up(o, ErrorClass.FALLBACK,
-                                         "done_query_timeout: D did not say whether the "
-                                         "last chunk's DONE arrived", now)
-                    continue
-                if now >= c.resend_at:
-                    c.resend_at = now + self.s.done_query_s / 4
-                    out.append(self._done_query(o))
-            st = o.machine.state
-            if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
-                    and now >= o.lease_until:
-                # D never registered nor asked us to wait: the send lease is over.
-                out.append(Note(NoteKind.LEASE_EXPIRED, "send", o.tid))
-                self._fire(o, E.EXPIRE, now)
-                out += self._close(o, Outcome.EXPIRED)
-            elif st is S.WAITING_BLOCKS and o.permit is not None and now >= o.permit.expires_at:
-                # The permit ran out before our blocks did: D fails the receive itself, and
-                # blocks that still come are freed unpushed. A registration P's engine never
-                # named says nothing of the request to come: only its own key's is over.
-                # Judged at its end, not when it stops being usable: a heartbeat renewing
-                # it may still wait in the queue behind the REGISTER.
-                if self._drop_registrant(o, now):
-                    continue
-                self._tombstone(o.tid, now, o.owner if self._unclaimed(o) else "")
-                self._fire(o, E.EXPIRE, now)
-                out += self._close(o, Outcome.EXPIRED)
-            elif o.reg is None and st is S.NEW and o.contenders and not o.expected:
-                # Only contenders, none bound: each lasts as long as its permit.
-                for origin, (_, cpermit, _) in list(o.contenders.items()):
-                    if not cpermit.usable(now) or o.machine.expired(now):
-                        del o.contenders[origin]
-                if not o.contenders:
-                    self._out.pop(o.tid, None)
-            elif self._awaits_permit(o) and o.permit is not None \
-                    and now >= o.permit.expires_at:
-                # Registered and computed, but no renewal came before the permit ran out:
-                # D hears at once (it recomputes or fails the request) instead of waiting.
-                out.append(Note(NoteKind.LEASE_EXPIRED, "permit",
-                                f"permit of {o.tid} ran out before its push began"))
-                self._fire(o, E.EXPIRE, now)
-                out += [self._failed(o, "permit_expired", "the permit ran out before P "
-                                     "could push"), *self._close(o, Outcome.EXPIRED)]
-            elif st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
-                # D's read permit is over: D no longer reads our blocks.
-                out.append(Note(NoteKind.LEASE_EXPIRED, "pull", o.tid))
-                self._fire(o, E.EXPIRE, now)
-                out += self._close(o, Outcome.FAILED)
-            elif st is not S.FALLBACK and o.machine.expired(now):
-                # The whole-transfer bound (a FALLBACK ends only with its read permit, above:
-                # D may READ until then). Post nothing more; end once the chunks in flight
-                # drained (a chunk always in flight must not keep the transfer alive).
-                if o.queued:
-                    self.sched.cancel(o.tid)
-                    o.queued = False
-                if o.inflight:
-                    if o.drain_then is AfterDrain.NOTHING:
-                        o.drain_then, o.reason = AfterDrain.EXPIRED, "timeout"
-                    continue
-                self._fire(o, E.EXPIRE, now)
-                if o.reg is not None:
-                    out.append(self._failed(o, "timeout", f"transfer stuck in {st.value}"))
-                out += self._close(o, Outcome.EXPIRED)
+            asked, gave_up = self._confirm_due(o, now)
+            out += asked
+            if not gave_up:
+                out += self._deadlines(o, now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
         return out
+
+    def _confirm_due(self, o: _Out, now: float) -> tuple[list[Action], bool]:
+        """A DONE of ``o`` D has not confirmed: ask again when due, or give up on D (pull)
+        at the bound. True when the transfer was given up."""
+        c = o.confirm
+        if c is None or not o.queued:
+            return [], False
+        if now >= c.until:
+            # D did not answer: maybe it never will (partitioned, dead). Pull.
+            return self._give_up(o, ErrorClass.FALLBACK,
+                                 "done_query_timeout: D did not say whether the "
+                                 "last chunk's DONE arrived", now), True
+        if now >= c.resend_at:
+            c.resend_at = now + self.s.done_query_s / 4
+            return [self._done_query(o)], False
+        return [], False
+
+    def _deadlines(self, o: _Out, now: float) -> list[Action]:
+        """The leases and bounds of ``o`` that ran out by ``now``."""
+        st = o.machine.state
+        if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
+                and now >= o.lease_until:
+            # D never registered nor asked us to wait: the send lease is over.
+            self._fire(o, E.EXPIRE, now)
+            return [Note(NoteKind.LEASE_EXPIRED, "send", o.tid),
+                    *self._close(o, Outcome.EXPIRED)]
+        if st is S.WAITING_BLOCKS and o.permit is not None and now >= o.permit.expires_at:
+            # The permit ran out before our blocks did: D fails the receive itself, and
+            # blocks that still come are freed unpushed. A registration P's engine never
+            # named says nothing of the request to come: only its own key's is over.
+            # Judged at its end, not when it stops being usable: a heartbeat renewing
+            # it may still wait in the queue behind the REGISTER.
+            if self._drop_registrant(o, now):
+                return []
+            self._tombstone(o.tid, now, o.owner if self._unclaimed(o) else "")
+            self._fire(o, E.EXPIRE, now)
+            return self._close(o, Outcome.EXPIRED)
+        if o.reg is None and st is S.NEW and o.contenders and not o.expected:
+            # Only contenders, none bound: each lasts as long as its permit.
+            for origin, (_, cpermit, _) in list(o.contenders.items()):
+                if not cpermit.usable(now) or o.machine.expired(now):
+                    del o.contenders[origin]
+            if not o.contenders:
+                self._out.pop(o.tid, None)
+            return []
+        if self._awaits_permit(o) and o.permit is not None and now >= o.permit.expires_at:
+            # Registered and computed, but no renewal came before the permit ran out:
+            # D hears at once (it recomputes or fails the request) instead of waiting.
+            note = Note(NoteKind.LEASE_EXPIRED, "permit",
+                        f"permit of {o.tid} ran out before its push began")
+            self._fire(o, E.EXPIRE, now)
+            return [note, self._failed(o, "permit_expired", "the permit ran out before P "
+                                       "could push"), *self._close(o, Outcome.EXPIRED)]
+        if st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
+            # D's read permit is over: D no longer reads our blocks.
+            self._fire(o, E.EXPIRE, now)
+            return [Note(NoteKind.LEASE_EXPIRED, "pull", o.tid),
+                    *self._close(o, Outcome.FAILED)]
+        if st is not S.FALLBACK and o.machine.expired(now):
+            return self._past_bound(o, st, now)
+        return []
+
+    def _past_bound(self, o: _Out, st: S, now: float) -> list[Action]:
+        """The whole-transfer bound (a FALLBACK ends only with its read permit: D may READ
+        until then). Post nothing more; end once the chunks in flight drained (a chunk
+        always in flight must not keep the transfer alive)."""
+        if o.queued:
+            self.sched.cancel(o.tid)
+            o.queued = False
+        if o.inflight:
+            if o.drain_then is AfterDrain.NOTHING:
+                o.drain_then, o.reason = AfterDrain.EXPIRED, "timeout"
+            return []
+        self._fire(o, E.EXPIRE, now)
+        out: list[Action] = []
+        if o.reg is not None:
+            out.append(self._failed(o, "timeout", f"transfer stuck in {st.value}"))
+        return out + self._close(o, Outcome.EXPIRED)
 
     # ------------------------------------------------------------------ internals
     def _get(self, tid: str, now: float) -> _Out:
