@@ -585,3 +585,34 @@ async def test_engine_load_routes_to_the_engine_its_metrics_say_is_idle(fakes, r
     for _ in range(3):
         assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
     assert len(d_idle.requests) == 3 and not d_busy.requests
+
+
+async def test_a_leg_whose_http_client_raises_is_a_failed_leg_not_a_dropped_client(
+        fakes, router, monkeypatch):
+    """httpcore raised AttributeError on a connection P tore down mid-connect (P killed):
+    the app let it out and the client's connection dropped with no answer. Now it is a
+    failed leg: retried on another pair, or a 502 naming the backend when none is left."""
+    p1, p2 = await fakes("prefill"), await fakes("prefill")
+    d = await fakes("decode")
+    r = await router([p1, p2], [d])
+    client = r.app.state.dispatcher.client
+    post = client.post
+
+    async def broken_to_p1(url, *args, **kwargs):
+        if url.startswith(p1.url):
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return await post(url, *args, **kwargs)
+
+    monkeypatch.setattr(client, "post", broken_to_p1)
+    for _ in range(2):  # one of them meets p1 first
+        resp = await r.post("/v1/completions", COMPLETION)
+        assert resp.status_code == 200, resp.text
+    assert len(p2.requests) == 2
+    assert r.sample("kvpush_router_retries_total", reason="prefill_disconnect") >= 1
+
+    r2 = await router([p1], [d])
+    monkeypatch.setattr(r2.app.state.dispatcher.client, "post", broken_to_p1)
+    resp = await r2.post("/v1/completions", COMPLETION)
+    assert resp.status_code == 502
+    msg = resp.json()["error"]["message"]
+    assert f"prefill backend {p1.url}" in msg and "AttributeError" in msg

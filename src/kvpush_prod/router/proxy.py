@@ -65,6 +65,12 @@ log = logging.getLogger(__name__)
 
 # Closed-by-client marker (nginx's 499): nobody reads it, but access logs show it.
 _CLIENT_CLOSED = 499
+# Whatever else a backend call raises is that leg failing too ("disconnect": retried on
+# another pair before any byte went out, else a 502 or an SSE error event), never an
+# exception out of the app, which drops the client's connection with no answer. httpcore
+# raises AttributeError ('NoneType' object has no attribute 'getpeername') on a connection
+# the backend tore down mid-connect (a prefill engine killed at that moment).
+_CLIENT_FAULT = Exception
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed to the legs
 
 
@@ -556,6 +562,8 @@ class Dispatcher:
             )
         except httpx.HTTPError as e:
             raise self._leg_error(p, e) from None
+        except _CLIENT_FAULT as e:
+            raise self._leg_error(p, e) from None
         finally:
             self.pool.leg_ended(p)
         check_status(p, r.status_code, r.content, r.headers.get("content-type", ""))
@@ -589,6 +597,12 @@ class Dispatcher:
             except asyncio.TimeoutError:
                 raise LegFailure(d, "timeout", f"no first byte within {limit} s") from None
         except httpx.HTTPError as e:
+            release()
+            raise self._leg_error(d, e) from None
+        except (LegFailure, BackendClientError):
+            release()
+            raise
+        except _CLIENT_FAULT as e:
             release()
             raise self._leg_error(d, e) from None
         except BaseException:
@@ -641,7 +655,7 @@ class Dispatcher:
             try:
                 async for chunk in d.rest:
                     yield chunk
-            except httpx.HTTPError as e:
+            except _CLIENT_FAULT as e:  # httpx's errors and the client's own faults
                 outcome = Outcome.BACKEND_ERROR
                 log.warning("decode backend %s failed mid-stream: %s", d.backend.url, e)
                 yield sse_error_event(
