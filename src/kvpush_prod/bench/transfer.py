@@ -175,18 +175,23 @@ def measure(
             copy = _memcpy_times(src, dst, size, min_time_s, max_iters, device)
             rows.append(_row(size, nblocks, write, copy, landed))
     finally:
-        parent.send(("exit",))
-        with contextlib.suppress(EOFError):
-            parent.recv()
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+        _stop_child(parent, proc)
     return {
         "rows": rows,
         "block_bytes": block_bytes,
         "progress_delay_us": delay_us,
         "device": device,
     }
+
+
+def _stop_child(parent: Any, proc: Any) -> None:
+    """Ask the target process to exit, wait for it (10 s), kill it if it did not."""
+    parent.send(("exit",))
+    with contextlib.suppress(EOFError):
+        parent.recv()
+    proc.join(timeout=10)
+    if proc.is_alive():
+        proc.kill()
 
 
 def _row(size: int, nblocks: int, write: list[float], copy: list[float],
@@ -316,12 +321,7 @@ def post_cost(layers: list[int], blocks: list[int], tokens: list[int], kinds: li
                 transport.close()
                 del buf
     finally:
-        parent.send(("exit",))
-        with contextlib.suppress(EOFError):
-            parent.recv()
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+        _stop_child(parent, proc)
     return {"rows": rows, "slot_bytes": slot, "progress_delay_us": delay_us,
             "fit": fit_costs(rows)}
 

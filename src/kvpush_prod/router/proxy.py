@@ -440,6 +440,13 @@ class Dispatcher:
                   req.prompt.tokens, self.settings.direct_below_tokens, d.url)
         d_task = asyncio.create_task(self._decode_leg(
             d, req.path, dumps(direct_body(req.body)), _leg_headers(req, tid), req.stream))
+        started = await self._decode_started(req, d_task)
+        return await self._answer(req, started, tid, None)
+
+    async def _decode_started(self, req: _Request,
+                              d_task: asyncio.Task[DecodeStart]) -> DecodeStart:
+        """D's first byte (TTFT observed), or ClientGone when the client left first (D's leg
+        cancelled, as on any error)."""
         try:
             await asyncio.wait({d_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
             if req.disconnect.done() and not d_task.done():
@@ -449,7 +456,7 @@ class Dispatcher:
             await self._cancel_legs(d_task)
             raise
         self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
-        return await self._answer(req, started, tid, None)
+        return started
 
     async def _answer(self, req: _Request, started: DecodeStart, tid: str,
                       p_task: asyncio.Task[Any] | None) -> Response:
@@ -504,15 +511,7 @@ class Dispatcher:
         except BaseException:
             await self._cancel_legs(p_task)
             raise
-        try:
-            await asyncio.wait({d_task, req.disconnect}, return_when=asyncio.FIRST_COMPLETED)
-            if req.disconnect.done() and not d_task.done():
-                raise ClientGone()
-            started = d_task.result()
-        except BaseException:
-            await self._cancel_legs(d_task)
-            raise
-        self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
+        started = await self._decode_started(req, d_task)
         return await self._answer(req, started, tid, p_task)
 
     async def _pull_prefill_leg(
