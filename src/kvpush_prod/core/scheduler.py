@@ -409,8 +409,8 @@ class ChunkScheduler:
                 break
         return out
 
-    def on_chunk_done(self, chunk_id: int, now: float) -> bool:
-        """A chunk landed; True when that completed its transfer (its last chunk landed)."""
+    def _landed(self, chunk_id: int) -> tuple[Chunk, _Transfer, _Link]:
+        """Take ``chunk_id`` out of flight (its link's bytes and chunks in flight drop)."""
         rec = self._inflight.pop(chunk_id, None)
         if rec is None:
             raise ProtocolError(
@@ -420,6 +420,11 @@ class ChunkScheduler:
         chunk, t, lk = rec
         lk.inflight_bytes -= chunk.nbytes
         lk.inflight_chunks -= 1
+        return rec
+
+    def on_chunk_done(self, chunk_id: int, now: float) -> bool:
+        """A chunk landed; True when that completed its transfer (its last chunk landed)."""
+        chunk, t, lk = self._landed(chunk_id)
         self._done += 1
         if chunk.nbytes:
             self._sample(lk, chunk, now)
@@ -452,15 +457,7 @@ class ChunkScheduler:
         it is neither re-posted nor given up until the shell knows: ``repost_last`` or
         ``confirm_last`` (or ``cancel``). The transfer still expires at its cut-off.
         """
-        rec = self._inflight.pop(chunk_id, None)
-        if rec is None:
-            raise ProtocolError(
-                "unknown chunk",
-                f"chunk {chunk_id} is not in flight (already completed, failed or never posted)",
-            )
-        chunk, t, lk = rec
-        lk.inflight_bytes -= chunk.nbytes
-        lk.inflight_chunks -= 1
+        chunk, t, lk = self._landed(chunk_id)
         self._failed += 1
         if t.alive:
             t.inflight.discard(chunk_id)

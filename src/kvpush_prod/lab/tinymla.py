@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush_prod.lab.tinymodel import write_config_and_tokenizer
+from kvpush_prod.lab.tinymodel import seeded_weights, write_config_and_tokenizer
 
 
 @dataclass(frozen=True)
@@ -119,19 +119,9 @@ def _write_weights(path: Path, spec: TinyMlaSpec) -> None:
     import torch
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(spec.seed)
     h, inter, heads = spec.hidden_size, spec.intermediate_size, spec.num_heads
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-
-    def rnd(*shape: int, fan_in: int) -> torch.Tensor:
-        std: float = spec.weight_std * (h / fan_in) ** 0.5  # float ** float is Any to mypy
-        return torch.randn(*shape, generator=gen) * std
-
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": rnd(spec.vocab_size, h, fan_in=h),
-    }
+    rnd, tensors = seeded_weights(spec.seed, h, spec.vocab_size, spec.weight_std)
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
         attn = pre + "self_attn."

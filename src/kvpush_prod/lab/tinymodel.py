@@ -7,8 +7,13 @@ WordLevel tokenizer (tokens ``w0``..``w{vocab-1}``, whitespace split) are writte
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
@@ -128,6 +133,27 @@ def write_tokenizer(out: Path, vocab_size: int, max_positions: int) -> None:
     )
 
 
+def seeded_weights(seed: int, h: int, vocab: int, weight_std: float
+                   ) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor]]:
+    """A tiny model's weight maker and its first tensors (embeddings, final norm, LM head),
+    drawn from one generator seeded with ``seed``: ``rnd(*shape, fan_in=n)`` draws the next
+    tensor with std ``weight_std * sqrt(h / n)``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, fan_in: int) -> torch.Tensor:
+        std: float = weight_std * (h / fan_in) ** 0.5  # float ** float is Any to mypy
+        return torch.randn(*shape, generator=gen) * std
+
+    tensors: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, h, generator=gen),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": rnd(vocab, h, fan_in=h),
+    }
+    return rnd, tensors
+
+
 def _write_weights(path: Path, spec: TinyModelSpec) -> None:
     """Seeded random weights (a few MB), regenerated only when missing."""
     if path.exists():
@@ -135,20 +161,10 @@ def _write_weights(path: Path, spec: TinyModelSpec) -> None:
     import torch
     from safetensors.torch import save_file
 
-    gen = torch.Generator().manual_seed(spec.seed)
     h, inter = spec.hidden_size, spec.intermediate_size
     q_out = spec.num_heads * spec.head_dim
     kv_out = spec.num_kv_heads * spec.head_dim
-
-    def rnd(*shape: int, fan_in: int) -> torch.Tensor:
-        std: float = spec.weight_std * (h / fan_in) ** 0.5  # float ** float is Any to mypy
-        return torch.randn(*shape, generator=gen) * std
-
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": rnd(spec.vocab_size, h, fan_in=h),
-    }
+    rnd, tensors = seeded_weights(spec.seed, h, spec.vocab_size, spec.weight_std)
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
         tensors[pre + "input_layernorm.weight"] = torch.ones(h)
