@@ -17,12 +17,13 @@ import pytest
 from kvpush_prod.config import load_config
 from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity
 from kvpush_prod.control.keys import generate
-from kvpush_prod.doctor import checks, transports
+from kvpush_prod.doctor import checks
 from kvpush_prod.doctor.checks import Status
 from kvpush_prod.doctor.cli import EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 from kvpush_prod.doctor.peer import ProbePlan
 from kvpush_prod.doctor.peercheck import check_peer
 from kvpush_prod.lab.launch import free_port
+from kvpush_prod.transport import fabric as transports
 
 UCX_ONLY = {"UCX": "", "LIBFABRIC": "nixlNotFoundError: NIXL_ERR_NOT_FOUND"}
 

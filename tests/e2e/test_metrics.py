@@ -63,6 +63,8 @@ EMITTED_ON_FAULTS = {
     # Set only with links.expected_gbps (this run's cpu-loopback profile has none), and 1 only
     # on a slow link.
     "kvpush_link_slow",
+    # Only with push.layerwise on or auto (off in this run's profile).
+    "kvpush_layerwise_writes",
 }
 # Gauges back to zero once the engines are idle, and gauges that must be positive.
 ZERO_WHEN_IDLE = {"kvpush_credits_in_use_blocks", "kvpush_credits_waiting_transfers",

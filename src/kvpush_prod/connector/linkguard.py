@@ -43,7 +43,7 @@ class LinkGuard:
         links = cfg.links
         if links.expected_gbps is None:
             return None
-        from kvpush_prod.doctor.transports import describe
+        from kvpush_prod.transport.fabric import describe
 
         return cls(links.expected_gbps * GBIT, links.slow_fraction, links.slow_window_s,
                    describe(cfg.transport.backend))

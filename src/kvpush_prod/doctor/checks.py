@@ -14,8 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 from kvpush_prod.config import KvpushConfig
 from kvpush_prod.control.endpoint import ephemeral_range
 from kvpush_prod.control.keys import load_allowed, load_keypair
-from kvpush_prod.doctor import transports
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.transport import fabric as transports
 
 # The versions this release is tested with (CI and the lab): anything else is unsupported.
 SUPPORTED = {"vLLM": ("0.32",), "NIXL": ("1.5",)}

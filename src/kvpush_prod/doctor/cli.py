@@ -14,9 +14,10 @@ from typing import Any
 import yaml
 
 from kvpush_prod.config.loading import config_from_extra
-from kvpush_prod.doctor import checks, transports
+from kvpush_prod.doctor import checks
 from kvpush_prod.doctor.checks import Row, Status
 from kvpush_prod.errors import ConfigError
+from kvpush_prod.transport import fabric as transports
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 _WIDTH = 18
