@@ -81,24 +81,64 @@ def flood_messages(kind: str, target: str, evil_key: str) -> list[bytes]:
             body = m.encode(m.Heartbeat(V, slim, 0, live, 60_000))
         return [body] * 600
     if kind == "registers":
-        me = m.PeerInfo("insider", 1, 0, "tcp://127.0.0.1:1", agent_name("insider", evil_key),
-                        b"meta", LAYOUT)
-        return [m.encode(m.Register(V, f"ghost-{i}", me, [0, 1, 2], 0, 300, 1 + i, 60_000))
-                for i in range(65_536)]
+        me = m.PeerInfo(
+            "insider", 1, 0, "tcp://127.0.0.1:1", agent_name("insider", evil_key), b"meta", LAYOUT
+        )
+        return [
+            m.encode(m.Register(V, f"ghost-{i}", me, [0, 1, 2], 0, 300, 1 + i, 60_000))
+            for i in range(65_536)
+        ]
     if kind == "cancels":
-        return [m.encode(m.Cancel(V, f"c{i}", 0, m.PeerInfo(
-            "insider", 1, 0, f"tcp://127.0.{i // 60_000}.{1 + i % 250}:{1024 + i % 60_000}"),
-            "aborted")) for i in range(20_000)]
+        return [
+            m.encode(
+                m.Cancel(
+                    V,
+                    f"c{i}",
+                    0,
+                    m.PeerInfo(
+                        "insider",
+                        1,
+                        0,
+                        f"tcp://127.0.{i // 60_000}.{1 + i % 250}:{1024 + i % 60_000}",
+                    ),
+                    "aborted",
+                )
+            )
+            for i in range(20_000)
+        ]
     if kind == "queries_d":
-        return [m.encode(m.DoneQuery(V, f"q{i}", 1, m.PeerInfo(
-            "insider", 1, 0, f"tcp://127.0.{i // 60_000}.{1 + i % 250}:{1024 + i % 60_000}"),
-            0)) for i in range(20_000)]
+        return [
+            m.encode(
+                m.DoneQuery(
+                    V,
+                    f"q{i}",
+                    1,
+                    m.PeerInfo(
+                        "insider",
+                        1,
+                        0,
+                        f"tcp://127.0.{i // 60_000}.{1 + i % 250}:{1024 + i % 60_000}",
+                    ),
+                    0,
+                )
+            )
+            for i in range(20_000)
+        ]
     raise ValueError(f"unknown flood {kind!r}; one of {', '.join(FLOODS)}")
 
 
-def _insider(kind: str, target: str, port: int, server_key: bytes, evil: tuple[bytes, bytes],
-             good: tuple[bytes, bytes] | None, legit: list[bytes], ready: Any,
-             go: Any, core: int = 1) -> None:
+def _insider(
+    kind: str,
+    target: str,
+    port: int,
+    server_key: bytes,
+    evil: tuple[bytes, bytes],
+    good: tuple[bytes, bytes] | None,
+    legit: list[bytes],
+    ready: Any,
+    go: Any,
+    core: int = 1,
+) -> None:
     """The insider's process (on ``core``): floods ``port``; a legitimate decode key
     registers ``legit`` transfers meanwhile, one every 20 ms."""
     with _pinned(core):
@@ -197,8 +237,9 @@ class _Transport:
     def close(self) -> None: ...
 
 
-def _engine_thread(pump: Any, stop: threading.Event, work_s: float, idle_s: float,
-                   out: dict[str, list[float]]) -> None:
+def _engine_thread(
+    pump: Any, stop: threading.Event, work_s: float, idle_s: float, out: dict[str, list[float]]
+) -> None:
     """Steps like a decoding engine: Python work, a GIL-free wait, then the connector's
     engine-thread calls (``offer``, ``progress_now``): ``waits`` is how long they took."""
     waits, steps, slow = out["waits"], out["steps"], out["slow"]
@@ -222,8 +263,15 @@ def _engine_thread(pump: Any, stop: threading.Event, work_s: float, idle_s: floa
         if t1 - last > 3 * (work_s + idle_s):
             # Where a long step went: the Python work (the interpreter or the core taken by
             # other threads), the sleep (woken late: the interpreter or the core), the lock.
-            slow.append([round(t1, 3), round(1e3 * (t1 - last), 1), round(1e3 * (a - last), 1),
-                         round(1e3 * (t0 - a - idle_s), 1), round(1e3 * (t1 - t0), 2)])
+            slow.append(
+                [
+                    round(t1, 3),
+                    round(1e3 * (t1 - last), 1),
+                    round(1e3 * (a - last), 1),
+                    round(1e3 * (t0 - a - idle_s), 1),
+                    round(1e3 * (t1 - t0), 2),
+                ]
+            )
         last = t1
 
 
@@ -245,32 +293,70 @@ def run_pump(kind: str, seconds: float, work_ms: float, idle_ms: float) -> dict[
     address = f"tcp://127.0.0.1:{port}"
     cfg = config_from_extra({})
     settings = core_settings(cfg, 4096)
-    info = m.PeerInfo(me, 1, 0, address, agent_name(f"kvpush-{me}", keys[me][0].decode()),
-                      b"meta", LAYOUT)
-    endpoint = ControlEndpoint(ControlCodec(cfg.control.max_message_bytes), "127.0.0.1", port,
-                               EndpointSecurity(KeyPair(me, *keys[me]), allowed))
+    info = m.PeerInfo(
+        me, 1, 0, address, agent_name(f"kvpush-{me}", keys[me][0].decode()), b"meta", LAYOUT
+    )
+    endpoint = ControlEndpoint(
+        ControlCodec(cfg.control.max_message_bytes),
+        "127.0.0.1",
+        port,
+        EndpointSecurity(KeyPair(me, *keys[me]), allowed),
+    )
     stats = StatsBuffer()
     rng = random.SystemRandom()
     pump: Any
     if at_d:
-        pump = ReceiverPump(cfg, Receiver(info, settings.receiver, rng, tokens=rng),
-                            _Transport(info.agent_name), endpoint, _Results(), stats)
+        pump = ReceiverPump(
+            cfg,
+            Receiver(info, settings.receiver, rng, tokens=rng),
+            _Transport(info.agent_name),
+            endpoint,
+            _Results(),
+            stats,
+        )
     else:
-        pump = SenderPump(cfg, Sender(info, settings.sender, rng), _Transport(info.agent_name),
-                          endpoint, _Results(), stats)
+        pump = SenderPump(
+            cfg,
+            Sender(info, settings.sender, rng),
+            _Transport(info.agent_name),
+            endpoint,
+            _Results(),
+            stats,
+        )
     legit: list[bytes] = []
     legit_ids: list[str] = []
     if not at_d:
-        d = m.PeerInfo("decode", 2, 0, "tcp://127.0.0.1:9", agent_name("kvpush-decode",
-                       keys["decode"][0].decode()), b"meta", LAYOUT)
+        d = m.PeerInfo(
+            "decode",
+            2,
+            0,
+            "tcp://127.0.0.1:9",
+            agent_name("kvpush-decode", keys["decode"][0].decode()),
+            b"meta",
+            LAYOUT,
+        )
         legit_ids = [f"legit-{i}" for i in range(int(seconds / 0.02))]
-        legit = [m.encode(m.Register(V, tid, d, [5, 6, 7], 0, 300, 10 + i, 60_000))
-                 for i, tid in enumerate(legit_ids)]
+        legit = [
+            m.encode(m.Register(V, tid, d, [5, 6, 7], 0, 300, 10 + i, 60_000))
+            for i, tid in enumerate(legit_ids)
+        ]
     ctx = mp.get_context("spawn")
     ready, go = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_insider, args=(
-        kind, me, port, keys[me][0], keys["insider"], None if at_d else keys["decode"], legit,
-        ready, go), daemon=True)
+    proc = ctx.Process(
+        target=_insider,
+        args=(
+            kind,
+            me,
+            port,
+            keys[me][0],
+            keys["insider"],
+            None if at_d else keys["decode"],
+            legit,
+            ready,
+            go,
+        ),
+        daemon=True,
+    )
     with _pinned(0):
         pump.start()
         proc.start()
@@ -283,8 +369,9 @@ def run_pump(kind: str, seconds: float, work_ms: float, idle_ms: float) -> dict[
         gc.callbacks.append(pauses)
         out: dict[str, list[Any]] = {"waits": [], "steps": [], "slow": []}
         stop = threading.Event()
-        engine = threading.Thread(target=_engine_thread,
-                                  args=(pump, stop, work_ms / 1e3, idle_ms / 1e3, out))
+        engine = threading.Thread(
+            target=_engine_thread, args=(pump, stop, work_ms / 1e3, idle_ms / 1e3, out)
+        )
         engine.start()
         time.sleep(0.5)
         base = list(out["steps"])
@@ -300,8 +387,9 @@ def run_pump(kind: str, seconds: float, work_ms: float, idle_ms: float) -> dict[
         gc.callbacks.remove(pauses)
         gc.unfreeze()
         proc.join(30)
-        taken = sum(1 for tid in legit_ids
-                    if getattr(pump.engine._out.get(tid), "reg", None) is not None)
+        taken = sum(
+            1 for tid in legit_ids if getattr(pump.engine._out.get(tid), "reg", None) is not None
+        )
         rejected: Counter[str] = Counter(endpoint.rejected)
         for name, labels, value in stats.drain().get("c", []):
             if name == "kvpush_control_messages_rejected" and labels[1] not in endpoint.rejected:
@@ -310,7 +398,10 @@ def run_pump(kind: str, seconds: float, work_ms: float, idle_ms: float) -> dict[
     waits = sorted(out["waits"])
     steps = sorted(out["steps"])
     return {
-        "flood": kind, "at": me, "seconds": seconds, "tree": str(Path(kvpush_prod.__file__).parent),
+        "flood": kind,
+        "at": me,
+        "seconds": seconds,
+        "tree": str(Path(kvpush_prod.__file__).parent),
         "engine_steps": len(steps),
         "step_base_ms": round(1e3 * statistics.median(base), 2) if base else None,
         "step_p50_ms": round(1e3 * statistics.median(steps), 2),
@@ -322,8 +413,9 @@ def run_pump(kind: str, seconds: float, work_ms: float, idle_ms: float) -> dict[
         "rejected": dict(rejected),
         # the longest steps: [s after the flood began, step ms, work ms, late wake-up ms,
         # lock wait ms]
-        "slowest": [[round(r[0] - t_go, 3), *r[1:]]
-                    for r in sorted(out["slow"], key=lambda r: -r[1])[:5]],
+        "slowest": [
+            [round(r[0] - t_go, 3), *r[1:]] for r in sorted(out["slow"], key=lambda r: -r[1])[:5]
+        ],
     }
 
 
@@ -338,16 +430,21 @@ def run_engines(floods: list[str], max_tokens: int, workdir: Path) -> list[dict[
     from kvpush_prod.lab.cluster import Cluster, ClusterSpec
     from kvpush_prod.lab.tinymodel import prompt_of_length
 
-    spec = ClusterSpec(workdir=workdir, extra_keys=("intruder",), reference=False,
-                       kv_load_failure_policy="recompute")
+    spec = ClusterSpec(
+        workdir=workdir,
+        extra_keys=("intruder",),
+        reference=False,
+        kv_load_failure_policy="recompute",
+    )
     rows: list[dict[str, Any]] = []
     with Cluster(spec) as cluster:
         keys = {name: key for key, name in load_allowed(cluster.allowed_dir).items()}
         evil = load_keypair(cluster.key_file("intruder"))
 
         async def stream(name: str, seed: int) -> Any:
-            body = completion_body(prompt_of_length(64, seed=seed), max_tokens, True,
-                                   ignore_eos=True)
+            body = completion_body(
+                prompt_of_length(64, seed=seed), max_tokens, True, ignore_eos=True
+            )
             async with httpx.AsyncClient(timeout=300) as client:
                 began = time.time()
                 res = await request(client, cluster.urls[name], body, timeout=300)
@@ -363,13 +460,27 @@ def run_engines(floods: list[str], max_tokens: int, workdir: Path) -> list[dict[
             if kind != "none":
                 # On the other engine's core (P runs on core 0, D on core 1): the attacker is
                 # another host in a deployment; here it takes CPU from the engine beside it.
-                proc = ctx.Process(target=_insider, args=(
-                    kind, target, port, keys[target], (evil.public, evil.secret), None, [],
-                    ready, go, 1 if target == "prefill" else 0), daemon=True)
+                proc = ctx.Process(
+                    target=_insider,
+                    args=(
+                        kind,
+                        target,
+                        port,
+                        keys[target],
+                        (evil.public, evil.secret),
+                        None,
+                        [],
+                        ready,
+                        go,
+                        1 if target == "prefill" else 0,
+                    ),
+                    daemon=True,
+                )
                 proc.start()
                 ready.wait(120)
-            pushed_before = metric_sum(scrape(cluster.urls["decode"]), "kvpush_transfers_total",
-                                       outcome="pushed")
+            pushed_before = metric_sum(
+                scrape(cluster.urls["decode"]), "kvpush_transfers_total", outcome="pushed"
+            )
             done = asyncio.Event()
             background: list[Any] = []
 
@@ -391,21 +502,32 @@ def run_engines(floods: list[str], max_tokens: int, workdir: Path) -> list[dict[
             if proc is not None:
                 proc.join(60)
             await asyncio.sleep(1.0)  # the last transfers' counters reach /metrics
-            pushed = metric_sum(scrape(cluster.urls["decode"]), "kvpush_transfers_total",
-                                outcome="pushed") - pushed_before
-            row: dict[str, Any] = {"flood": kind, "at": target,
-                                   "pd_requests": len(background),
-                                   "pd_ok": sum(1 for r in background if r.ok),
-                                   "pd_pushed": int(pushed)}
+            pushed = (
+                metric_sum(
+                    scrape(cluster.urls["decode"]), "kvpush_transfers_total", outcome="pushed"
+                )
+                - pushed_before
+            )
+            row: dict[str, Any] = {
+                "flood": kind,
+                "at": target,
+                "pd_requests": len(background),
+                "pd_ok": sum(1 for r in background if r.ok),
+                "pd_pushed": int(pushed),
+            }
             for name, res in zip(("prefill", "decode"), got, strict=True):
                 itl = sorted(res.itl)
                 worst = max(range(len(res.itl)), key=res.itl.__getitem__, default=-1)
-                row[name] = {"ok": res.ok, "tokens": len(itl) + 1,
-                             "itl_p50_ms": round(1e3 * statistics.median(itl), 2) if itl else None,
-                             "itl_max_ms": round(1e3 * itl[-1], 2) if itl else None,
-                             # the wall time the largest gap ended (to read engine logs by)
-                             "itl_max_at": round(res.began + (res.ttft or 0.0)
-                                                 + sum(res.itl[:worst + 1]), 3)}
+                row[name] = {
+                    "ok": res.ok,
+                    "tokens": len(itl) + 1,
+                    "itl_p50_ms": round(1e3 * statistics.median(itl), 2) if itl else None,
+                    "itl_max_ms": round(1e3 * itl[-1], 2) if itl else None,
+                    # the wall time the largest gap ended (to read engine logs by)
+                    "itl_max_at": round(
+                        res.began + (res.ttft or 0.0) + sum(res.itl[: worst + 1]), 3
+                    ),
+                }
             return row
 
         async def main() -> None:
@@ -420,8 +542,9 @@ def run_engines(floods: list[str], max_tokens: int, workdir: Path) -> list[dict[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--mode", choices=("pump", "engines"), default="pump")
     ap.add_argument("--floods", default=",".join(FLOODS))
     ap.add_argument("--seconds", type=float, default=8.0, help="pump mode: measured window")

@@ -25,8 +25,9 @@ from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymodel import TinyModelSpec, prompt_of_length
 
-SHAPE = TinyModelSpec(num_layers=32, hidden_size=64, intermediate_size=128, num_heads=2,
-                      num_kv_heads=2, head_dim=32)
+SHAPE = TinyModelSpec(
+    num_layers=32, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=2, head_dim=32
+)
 LENGTHS = (32, 256, 1900)
 WARMUP = 3
 
@@ -36,12 +37,16 @@ async def cells(router: str, requests: int) -> dict[str, float]:
     async with httpx.AsyncClient(timeout=120) as client:
         for n in LENGTHS:
             for w in range(WARMUP):
-                await request(client, router, completion_body(
-                    prompt_of_length(n, seed=10**6 + 100 * n + w), 4, True))
+                await request(
+                    client,
+                    router,
+                    completion_body(prompt_of_length(n, seed=10**6 + 100 * n + w), 4, True),
+                )
             ttfts = []
             for i in range(requests):
-                got = await request(client, router, completion_body(
-                    prompt_of_length(n, seed=1000 * n + i), 4, True))
+                got = await request(
+                    client, router, completion_body(prompt_of_length(n, seed=1000 * n + i), 4, True)
+                )
                 assert got.ok and got.ttft is not None, got.error
                 ttfts.append(got.ttft)
             out[str(n)] = round(1000 * statistics.median(ttfts), 2)
@@ -49,9 +54,15 @@ async def cells(router: str, requests: int) -> dict[str, float]:
 
 
 def run_mode(mode: str, requests: int, root: Path) -> dict[str, Any]:
-    spec = ClusterSpec(workdir=root / f"layerwise-{mode}", prefill_kv_gib=1, decode_kv_gib=1,
-                       block_size=32, model=SHAPE, reference=False,
-                       extra={"push": {"layerwise": mode}})
+    spec = ClusterSpec(
+        workdir=root / f"layerwise-{mode}",
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        block_size=32,
+        model=SHAPE,
+        reference=False,
+        extra={"push": {"layerwise": mode}},
+    )
     with Cluster(spec) as c:
         res: dict[str, Any] = asyncio.run(cells(c.urls["router"], requests))
         p = scrape(c.urls["prefill"])

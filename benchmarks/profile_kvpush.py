@@ -28,8 +28,9 @@ from kvpush_prod.bench.sides import SIDES, RunningSide, SideSettings  # noqa: E4
 from kvpush_prod.bench.traces import read_events  # noqa: E402
 
 
-async def _send(url: str, prompts: list[str], concurrency: int = 1,
-                max_tokens: int = 8) -> list[tuple[float, float, str]]:
+async def _send(
+    url: str, prompts: list[str], concurrency: int = 1, max_tokens: int = 8
+) -> list[tuple[float, float, str]]:
     """Closed loop: ``concurrency`` clients, each sending its next prompt when its last
     one's tokens are in (alone, a 0.2 s pause between requests)."""
     import httpx
@@ -37,17 +38,33 @@ async def _send(url: str, prompts: list[str], concurrency: int = 1,
     out: list[tuple[float, float, str]] = []
     queue = list(reversed(prompts))
     async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
-        await asyncio.gather(*(_client(client, url, queue, out, concurrency == 1, max_tokens)
-                               for _ in range(concurrency)))
+        await asyncio.gather(
+            *(
+                _client(client, url, queue, out, concurrency == 1, max_tokens)
+                for _ in range(concurrency)
+            )
+        )
     return out
 
 
-async def _client(client: Any, url: str, queue: list[str], out: list[tuple[float, float, str]],
-                  pause: bool, max_tokens: int) -> None:
+async def _client(
+    client: Any,
+    url: str,
+    queue: list[str],
+    out: list[tuple[float, float, str]],
+    pause: bool,
+    max_tokens: int,
+) -> None:
     while queue:
         prompt = queue.pop()
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         t0 = time.time()
         first = None
         rid = ""
@@ -65,8 +82,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--concurrency", type=int, default=1,
-                    help="clients at once (closed loop; 1: sequential, 0.2 s apart)")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="clients at once (closed loop; 1: sequential, 0.2 s apart)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args()
@@ -76,8 +97,14 @@ def main() -> int:
     try:
         asyncio.run(_send(side.entry, prompts_for(a.length, 1, 3, salt=7)))  # warm-up
         since = time.time()
-        sent = asyncio.run(_send(side.entry, prompts_for(a.length, 1, a.requests, salt=8),
-                                 a.concurrency, a.max_tokens))
+        sent = asyncio.run(
+            _send(
+                side.entry,
+                prompts_for(a.length, 1, a.requests, salt=8),
+                a.concurrency,
+                a.max_tokens,
+            )
+        )
         time.sleep(0.5)
     finally:
         side.stop()
@@ -91,11 +118,16 @@ def main() -> int:
             first.setdefault((e["role"], e["e"], e["tid"]), e["t"])
     phases: dict[str, list[float]] = {}
     for t0, t_first, tid in sent:
+
         def at(role: str, ev: str, tid: str = tid) -> float | None:
             return first.get((role, ev, tid))
 
-        ready, post, done_in, report = (at("P", "blocks_ready"), at("P", "post"),
-                                        at("D", "done_in"), at("D", "report"))
+        ready, post, done_in, report = (
+            at("P", "blocks_ready"),
+            at("P", "post"),
+            at("D", "done_in"),
+            at("D", "report"),
+        )
         if None in (ready, post, done_in, report):
             continue
         took = next((t for t, ids in taken if t >= report and tid in ids), None)

@@ -49,10 +49,10 @@ def _threads(cluster: Cluster, name: str) -> dict[tuple[int, int], tuple[str, fl
                 stat = (task / str(tid) / "stat").read_text()
             except OSError:
                 continue
-            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
             if tid == proc.pid:
                 comm += "[main]"  # the process's own thread (vLLM's step loop in a worker)
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             out[(proc.pid, tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
@@ -65,8 +65,10 @@ def _shares(cluster: Cluster, names: tuple[str, ...], window: float) -> dict[str
     after = {n: _threads(cluster, n) for n in names}
     report: dict[str, Any] = {}
     for n in names:
-        per = [(comm, (cpu - before[n].get(key, (comm, 0.0))[1]) / wall, key[1])
-               for key, (comm, cpu) in after[n].items()]
+        per = [
+            (comm, (cpu - before[n].get(key, (comm, 0.0))[1]) / wall, key[1])
+            for key, (comm, cpu) in after[n].items()
+        ]
         per.sort(key=lambda x: -x[1])
         report[n] = {
             "pump": round(sum(s for c, s, _ in per if c == PUMP), 4),
@@ -95,9 +97,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="kvpush-pump-cpu-"))
-    spec = ClusterSpec(workdir=work.resolve(), reference=False,
-                       # P is stopped longer than the bench window: D must keep waiting.
-                       extra={"leases": {"permit_ttl_s": 60}})
+    spec = ClusterSpec(
+        workdir=work.resolve(),
+        reference=False,
+        # P is stopped longer than the bench window: D must keep waiting.
+        extra={"leases": {"permit_ttl_s": 60}},
+    )
     result: dict[str, Any] = {}
     with Cluster(spec) as cluster:
         url = cluster.urls["router"]
@@ -108,8 +113,11 @@ def main() -> int:
         result["idle"] = _shares(cluster, ("prefill", "decode"), a.window)
         cluster.procs["prefill"].signal_tree(signal.SIGSTOP)
         done: list[Any] = []
-        sender = threading.Thread(target=lambda: done.extend(asyncio.run(_send(
-            url, [_prompt(100 + i, a.length) for i in range(a.requests)], 4))))
+        sender = threading.Thread(
+            target=lambda: done.extend(
+                asyncio.run(_send(url, [_prompt(100 + i, a.length) for i in range(a.requests)], 4))
+            )
+        )
         try:
             sender.start()
             time.sleep(1.5)  # admitted, blocks reserved, REGISTERs out

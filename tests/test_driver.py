@@ -51,13 +51,15 @@ class Engine:
         out, self.answers = self.answers, []
         return out
 
-    def on_message(self, msg: m.ControlMessage, now: float, age: float = 0.0,
-                   origin: str = "") -> list[Action]:
+    def on_message(
+        self, msg: m.ControlMessage, now: float, age: float = 0.0, origin: str = ""
+    ) -> list[Action]:
         self.fed.append(("message", type(msg).__name__, now, age, origin))
         return self._answer()
 
-    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
-                 now: float) -> list[Action]:
+    def on_chunk(
+        self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
+    ) -> list[Action]:
         self.fed.append(("chunk", chunk_id, ok, error, now))
         return self._answer()
 
@@ -142,11 +144,28 @@ def names(effects: Effects) -> list[str]:
 
 def test_each_action_goes_to_its_effect() -> None:
     d, _, fx = driver()
-    d.run([ConnectPeer(D), WRITE, READ, ReleaseSend("t", Outcome.PUSHED),
-           ReportFinished("t", Outcome.PUSHED), ReportFailed("t", "x"),
-           Note(NoteKind.RETRY, "BACKEND"), DropPeer("agent-d")])
-    assert names(fx) == ["connect", "write", "read", "release_send", "report_finished",
-                         "report_failed", "note", "disconnect"]
+    d.run(
+        [
+            ConnectPeer(D),
+            WRITE,
+            READ,
+            ReleaseSend("t", Outcome.PUSHED),
+            ReportFinished("t", Outcome.PUSHED),
+            ReportFailed("t", "x"),
+            Note(NoteKind.RETRY, "BACKEND"),
+            DropPeer("agent-d"),
+        ]
+    )
+    assert names(fx) == [
+        "connect",
+        "write",
+        "read",
+        "release_send",
+        "report_finished",
+        "report_failed",
+        "note",
+        "disconnect",
+    ]
     assert fx.calls[1] == ("write", 7, "peer:agent-d")  # the shell's handle of the peer
     assert fx.contained_ == []
 
@@ -156,8 +175,7 @@ def test_a_peer_is_connected_once_and_a_replaced_one_is_dropped_first() -> None:
     d.run([ConnectPeer(D), ConnectPeer(D)])
     new = msgspec.structs.replace(D, agent_name="agent-d2", incarnation=3)
     d.run([ConnectPeer(new, replaces="agent-d")])
-    assert fx.calls == [("connect", "agent-d"), ("disconnect", "agent-d"),
-                        ("connect", "agent-d2")]
+    assert fx.calls == [("connect", "agent-d"), ("disconnect", "agent-d"), ("connect", "agent-d2")]
     assert set(d.peers) == {"agent-d2"}
 
 
@@ -166,7 +184,7 @@ def test_a_post_to_an_unconnected_agent_fails_at_once_and_the_engine_hears_it() 
     engine.answers = [Note(NoteKind.RETRY, "NOT_FOUND")]
     d.run([WRITE])
     assert fx.calls == [("post_failed", 7, ErrorKind.NOT_FOUND), ("note", NoteKind.RETRY)]
-    (_, cid, ok, error, now), = engine.fed
+    ((_, cid, ok, error, now),) = engine.fed
     assert (cid, ok, now) == (7, False, 5.0)
     assert isinstance(error, ChunkError) and error.kind is ErrorKind.NOT_FOUND
 
@@ -221,9 +239,13 @@ def test_commands_events_and_timers_feed_the_engine_at_the_shell_clock() -> None
     d.completed(4, ChunkError(ErrorKind.TIMEOUT))
     d.poll()
     d.tick()
-    assert engine.fed == [("hold", "t"), ("chunk", 3, True, "", 5.0),
-                          ("chunk", 4, False, ChunkError(ErrorKind.TIMEOUT), 5.0),
-                          ("poll", 5.0), ("tick", 5.0)]
+    assert engine.fed == [
+        ("hold", "t"),
+        ("chunk", 3, True, "", 5.0),
+        ("chunk", 4, False, ChunkError(ErrorKind.TIMEOUT), 5.0),
+        ("poll", 5.0),
+        ("tick", 5.0),
+    ]
     assert names(fx) == ["note"]
 
 
@@ -234,12 +256,18 @@ def test_a_message_is_fed_with_its_age_and_origin() -> None:
     assert engine.fed == [("message", "Heartbeat", 5.0, 1.5, "key")]
 
 
-@pytest.mark.parametrize(("sent_at", "wall", "age"), [
-    (0.0, 1000.0, 0.0), (990.0, 1000.0, 10.0), (1010.0, 1000.0, 0.0),
-    (1.0, 1e9, MAX_MESSAGE_AGE_S),
-])
+@pytest.mark.parametrize(
+    ("sent_at", "wall", "age"),
+    [
+        (0.0, 1000.0, 0.0),
+        (990.0, 1000.0, 10.0),
+        (1010.0, 1000.0, 0.0),
+        (1.0, 1e9, MAX_MESSAGE_AGE_S),
+    ],
+)
 def test_the_age_of_a_message_is_bounded_and_never_negative(
-        sent_at: float, wall: float, age: float) -> None:
+    sent_at: float, wall: float, age: float
+) -> None:
     assert message_age(m.Heartbeat(m.PROTOCOL_VERSION, D, 1, [], sent_at=sent_at), wall) == age
 
 

@@ -88,8 +88,9 @@ def imports_of(path: Path, src: Path = SRC) -> set[str]:
             else:
                 target = node.module or ""
             # `from pkg import sub` imports the module pkg.sub when there is one.
-            subs = [f"{target}.{a.name}" for a in node.names
-                    if _is_module(f"{target}.{a.name}", src)]
+            subs = [
+                f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}", src)
+            ]
             found.update(subs or [target])
     return {m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")}
 
@@ -128,8 +129,10 @@ def not_allowed(path: Path, src: Path = SRC) -> list[str]:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
 def test_a_module_imports_only_what_its_layer_may(path: Path) -> None:
     wrong = not_allowed(path)
-    assert not wrong, (f"{module_name(path)} imports {wrong}: not allowed by the layer table "
-                       "of docs/architecture.md")
+    assert not wrong, (
+        f"{module_name(path)} imports {wrong}: not allowed by the layer table "
+        "of docs/architecture.md"
+    )
 
 
 def test_lazy_relative_and_type_checking_imports_of_the_lab_are_caught(tmp_path: Path) -> None:
@@ -145,8 +148,11 @@ def test_lazy_relative_and_type_checking_imports_of_the_lab_are_caught(tmp_path:
         "from . import types\n"  # its own layer: allowed
         "from kvpush_prod import errors\n"  # allowed
         "def f():\n    from ..lab import client\n"
-        "if TYPE_CHECKING:\n    import kvpush_prod.bench.stats\n")
+        "if TYPE_CHECKING:\n    import kvpush_prod.bench.stats\n"
+    )
     assert not_allowed(pkg / "router" / "bad.py", tmp_path) == [
-        "kvpush_prod.bench.stats (tools)", "kvpush_prod.lab.client (lab)"]
+        "kvpush_prod.bench.stats (tools)",
+        "kvpush_prod.lab.client (lab)",
+    ]
     assert layer_of("kvpush_prod.config.profiles") is LAYERS["config"]
     assert layer_of(PACKAGE) is LAYERS["root"]

@@ -10,7 +10,8 @@ from kvpush_prod.loglimit import MAX_KEYS, LogLimiter
 
 
 def test_one_line_per_key_and_interval_then_the_count_of_the_rest(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     now = [0.0]
     lim = LogLimiter(logging.getLogger("t"), every_s=10.0, clock=lambda: now[0])
     with caplog.at_level(logging.INFO, logger="t"):
@@ -21,7 +22,10 @@ def test_one_line_per_key_and_interval_then_the_count_of_the_rest(
         now[0] = 10.0
         assert lim.log(logging.WARNING, "a", "bad %s", 2)
     assert [r.getMessage() for r in caplog.records] == [
-        "bad 1", "other", "bad 2 (10000 more like it since the last such line)"]
+        "bad 1",
+        "other",
+        "bad 2 (10000 more like it since the last such line)",
+    ]
 
 
 def test_the_key_table_stays_bounded() -> None:

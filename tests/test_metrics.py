@@ -69,8 +69,16 @@ def test_connector_series_are_exactly_the_agreed_list() -> None:
 
 
 def test_outcomes_include_the_agreed_values() -> None:
-    assert {"pushed", "retried", "pull_fallback", "recompute", "failed", "expired", "aborted",
-            "cancelled"} <= set(OUTCOMES)
+    assert {
+        "pushed",
+        "retried",
+        "pull_fallback",
+        "recompute",
+        "failed",
+        "expired",
+        "aborted",
+        "cancelled",
+    } <= set(OUTCOMES)
 
 
 @pytest.mark.parametrize("series", all_series(), ids=lambda s: s.name)
@@ -80,8 +88,9 @@ def test_names_follow_kvpush_noun_unit_and_labels_are_bounded(series: Series) ->
     if series.kind == "histogram":
         # A unit of time or size, or a count of a named thing (plural, as Prometheus
         # names count units): descriptors per post.
-        assert series.name.endswith(("_seconds", "_bytes", "_descriptors")), \
+        assert series.name.endswith(("_seconds", "_bytes", "_descriptors")), (
             "a histogram names its unit"
+        )
     assert series.doc.strip()
     for banned in ("request_id", "transfer_id", "request", "prompt"):
         assert banned not in series.labels
@@ -94,8 +103,11 @@ def test_names_follow_kvpush_noun_unit_and_labels_are_bounded(series: Series) ->
 
 def test_router_series_are_read_from_router_metrics() -> None:
     names = {s.name for s in router_series()}
-    assert {"kvpush_router_requests", "kvpush_router_ttft_seconds",
-            "kvpush_router_backend_up"} <= names
+    assert {
+        "kvpush_router_requests",
+        "kvpush_router_ttft_seconds",
+        "kvpush_router_backend_up",
+    } <= names
     assert all(s.source == "router" for s in router_series())
     assert len({s.name for s in all_series()}) == len(all_series())
 
@@ -106,8 +118,11 @@ def _factory(kind: str) -> type:
 
 def _scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def _base(**labels: str) -> tuple[tuple[str, str], ...]:
@@ -145,8 +160,10 @@ def test_a_gauge_leaves_only_when_its_value_changed() -> None:
     buf.set("kvpush_inflight_bytes", ("consumer",), 4096)
     buf.set("kvpush_breaker_state", ("producer", "d0"), 0)
     got = buf.drain()["g"]
-    assert sorted(got) == [["kvpush_breaker_state", ["producer", "d0"], 0],
-                           ["kvpush_inflight_bytes", ["consumer"], 4096]]
+    assert sorted(got) == [
+        ["kvpush_breaker_state", ["producer", "d0"], 0],
+        ["kvpush_inflight_bytes", ["consumer"], 4096],
+    ]
     buf.set("kvpush_inflight_bytes", ("consumer",), 0)
     assert buf.drain() == {"g": [["kvpush_inflight_bytes", ["consumer"], 0]]}
 
@@ -160,12 +177,16 @@ def test_every_series_is_registered_before_any_observation() -> None:
 
 
 def test_bad_observations_are_dropped_and_logged_once_never_raised(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     reg = CollectorRegistry()
     sink = MetricsSink(_factory, VLLM_BASE, {0: ["m", "0"]}, registry=reg)
     bad = {
-        "c": [["kvpush_no_such_series", ["producer"], 1], ["kvpush_transfers", ["producer"], 1],
-              ["kvpush_transfers", ["producer"], 1]],
+        "c": [
+            ["kvpush_no_such_series", ["producer"], 1],
+            ["kvpush_transfers", ["producer"], 1],
+            ["kvpush_transfers", ["producer"], 1],
+        ],
         "g": [["kvpush_connector_blocks", ["producer", "extra"], 3]],
         "h": [["kvpush_transfer_seconds", [], 0.1]],
     }
@@ -180,8 +201,14 @@ def test_bad_observations_are_dropped_and_logged_once_never_raised(
 def test_an_unbounded_label_is_capped(caplog: pytest.LogCaptureFixture) -> None:
     reg = CollectorRegistry()
     sink = MetricsSink(_factory, VLLM_BASE, {0: ["m", "0"]}, registry=reg)
-    sink.observe({"g": [["kvpush_breaker_state", ["producer", f"peer{i}"], 0]
-                        for i in range(MAX_LABEL_SETS + 50)]})
+    sink.observe(
+        {
+            "g": [
+                ["kvpush_breaker_state", ["producer", f"peer{i}"], 0]
+                for i in range(MAX_LABEL_SETS + 50)
+            ]
+        }
+    )
     peers = {dict(lb)["peer"] for (n, lb) in _scrape(reg) if n == "kvpush_breaker_state"}
     assert len(peers) == MAX_LABEL_SETS
     assert any("unbounded" in r.message for r in caplog.records)
@@ -190,8 +217,9 @@ def test_an_unbounded_label_is_capped(caplog: pytest.LogCaptureFixture) -> None:
 def test_zero_and_negative_counter_deltas_are_ignored() -> None:
     reg = CollectorRegistry()
     sink = MetricsSink(_factory, VLLM_BASE, {0: ["m", "0"]}, registry=reg)
-    sink.observe({"c": [["kvpush_chunks", ["producer", "ok"], 0],
-                        ["kvpush_chunks", ["producer", "ok"], -3]]})
+    sink.observe(
+        {"c": [["kvpush_chunks", ["producer", "ok"], 0], ["kvpush_chunks", ["producer", "ok"], -3]]}
+    )
     assert ("kvpush_chunks_total", _base(role="producer", result="ok")) not in _scrape(reg)
 
 

@@ -19,10 +19,29 @@ from kvpush_prod.core.sender import Sender
 
 # Every way an event reaches an engine (commands apply through these too).
 ENTRY_POINTS = {
-    Sender: ("on_message", "on_chunk", "poll", "tick", "expect_blocks", "blocks_ready",
-             "forward_failed", "hold", "abort"),
-    Receiver: ("on_message", "on_chunk", "on_done", "poll", "tick", "register",
-               "await_admission", "admission_over", "not_needed", "abort"),
+    Sender: (
+        "on_message",
+        "on_chunk",
+        "poll",
+        "tick",
+        "expect_blocks",
+        "blocks_ready",
+        "forward_failed",
+        "hold",
+        "abort",
+    ),
+    Receiver: (
+        "on_message",
+        "on_chunk",
+        "on_done",
+        "poll",
+        "tick",
+        "register",
+        "await_admission",
+        "admission_over",
+        "not_needed",
+        "abort",
+    ),
 }
 # The driver's doors: an engine entry point may run only inside one of these.
 DOORS = ("feed", "apply", "_posted")
@@ -42,6 +61,7 @@ def only_through_the_driver() -> Iterator[dict[str, int]]:
                 return fn(*a, **kw)
             finally:
                 inside.depth -= 1
+
         return wrapped
 
     def guarded(cls: type, name: str, fn: Any) -> Any:
@@ -51,6 +71,7 @@ def only_through_the_driver() -> Iterator[dict[str, int]]:
                 raise AssertionError(f"{cls.__name__}.{name} called outside the driver")
             calls[f"{cls.__name__}.{name}"] = calls.get(f"{cls.__name__}.{name}", 0) + 1
             return fn(*a, **kw)
+
         return wrapped
 
     for name in DOORS:
@@ -85,8 +106,9 @@ def test_the_simulator_feeds_the_core_only_through_the_driver() -> None:
     from kvpush_prod.sim.presets import P5EN
 
     with only_through_the_driver() as calls:
-        out = simulate(P5EN.with_(decode_kv_blocks=20_000), "kvpush",
-                       Workload(requests=6, concurrency=2))
+        out = simulate(
+            P5EN.with_(decode_kv_blocks=20_000), "kvpush", Workload(requests=6, concurrency=2)
+        )
         assert out["ok"] == 6
     assert calls["Sender.blocks_ready"] and calls["Receiver.register"]
 

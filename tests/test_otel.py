@@ -52,8 +52,7 @@ def test_a_send_span_counts_its_chunks_and_marks_failures() -> None:
     trace, exported = setup("producer")
     trace("blocks_ready", "t2", blocks=3)  # no trace context: a root span
     trace("msg_in", "t2", kind="Register")
-    trace("post", "t2", op="WRITE", chunk=1, nbytes=4096, last=False, descriptors=64,
-          build_us=38.5)
+    trace("post", "t2", op="WRITE", chunk=1, nbytes=4096, last=False, descriptors=64, build_us=38.5)
     trace("post", "t2", op="WRITE", chunk=2, nbytes=2048, last=True)
     trace("release", "t2", outcome="failed")
     (span,) = exported.get_finished_spans()
@@ -70,8 +69,7 @@ def test_open_spans_are_bounded_and_ended_at_shutdown() -> None:
     trace, exported = setup("consumer", max_open=2)
     for tid in ("a", "b", "c"):
         trace("recv_spec", tid, blocks=1)
-    assert [s.attributes["kvpush.outcome"] for s in exported.get_finished_spans()] == [
-        "abandoned"]
+    assert [s.attributes["kvpush.outcome"] for s in exported.get_finished_spans()] == ["abandoned"]
     trace.spans.close()
     assert len(exported.get_finished_spans()) == 3
 

@@ -24,10 +24,13 @@ def test_the_rejection_counters_take_their_labels_from_the_vocabulary() -> None:
     assert tuple(r.value for r in RejectReason) == metrics.CONTROL_REJECT_REASONS
     assert tuple(r.value for r in ParamsRejectReason) == metrics.PARAMS_REJECT_REASONS
     series = metrics.SERIES_BY_NAME
-    assert dict(series["kvpush_control_messages_rejected"].values)["reason"] \
+    assert (
+        dict(series["kvpush_control_messages_rejected"].values)["reason"]
         == metrics.CONTROL_REJECT_REASONS
-    assert dict(series["kvpush_kv_params_rejected"].values)["reason"] \
-        == metrics.PARAMS_REJECT_REASONS
+    )
+    assert (
+        dict(series["kvpush_kv_params_rejected"].values)["reason"] == metrics.PARAMS_REJECT_REASONS
+    )
 
 
 def test_every_word_is_one_of_a_kind() -> None:
@@ -55,23 +58,40 @@ def _bare_reasons() -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
-            name = node.func.id if isinstance(node.func, ast.Name) else \
-                node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            name = (
+                node.func.id
+                if isinstance(node.func, ast.Name)
+                else node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else ""
+            )
             for call, where, enums in REASON_SITES:
                 if name != call or (call == "Note" and not _rejected_note(node)):
                     continue
                 arg = _reason_arg(node, where)
                 if arg is None:
                     continue
-                ok = isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and \
-                    arg.value.id in ((enums,) if isinstance(enums, str) else enums)
-                if not ok and not isinstance(arg, (ast.Name, ast.Attribute, ast.Call)) or isinstance(arg, ast.Constant):
+                ok = (
+                    isinstance(arg, ast.Attribute)
+                    and isinstance(arg.value, ast.Name)
+                    and arg.value.id in ((enums,) if isinstance(enums, str) else enums)
+                )
+                if (
+                    not ok
+                    and not isinstance(arg, (ast.Name, ast.Attribute, ast.Call))
+                    or isinstance(arg, ast.Constant)
+                ):
                     found.append(f"{path.relative_to(SRC)}:{node.lineno}: {call}")
-            if name == "inc" and node.args and isinstance(node.args[0], ast.Constant) and \
-                    node.args[0].value in ("kvpush_control_messages_rejected",
-                                           "kvpush_kv_params_rejected") and \
-                    len(node.args) > 1 and isinstance(node.args[1], ast.Tuple) and \
-                    any(isinstance(e, ast.Constant) for e in node.args[1].elts[1:]):
+            if (
+                name == "inc"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value
+                in ("kvpush_control_messages_rejected", "kvpush_kv_params_rejected")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Tuple)
+                and any(isinstance(e, ast.Constant) for e in node.args[1].elts[1:])
+            ):
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}: stats.inc")
     return found
 

@@ -178,10 +178,12 @@ class Engine(Protocol):
         """Chunks queued or in flight: poll often."""
         ...
 
-    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
-                   origin: str = "") -> list[Action]: ...
-    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
-                 now: float) -> list[Action]: ...
+    def on_message(
+        self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
+    ) -> list[Action]: ...
+    def on_chunk(
+        self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
+    ) -> list[Action]: ...
     def poll(self, now: float) -> list[Action]: ...
     def tick(self, now: float) -> list[Action]: ...
 
@@ -198,16 +200,16 @@ def message_age(msg: ControlMessage, wall: float) -> float:
 class Driver(Generic[E, P]):
     """Runs one engine over one shell's ``Effects``; holds the peers connected for it."""
 
-    def __init__(self, engine: E, effects: Effects[P], observer: ActionHandler[None] | None = None
-                 ) -> None:
+    def __init__(
+        self, engine: E, effects: Effects[P], observer: ActionHandler[None] | None = None
+    ) -> None:
         self.engine = engine
         self.effects = effects
         self.observer = observer
         self.peers: dict[str, P] = {}  # agent name -> the shell's handle of it
 
     # ------------------------------------------------------------------ events in
-    def feed(self, stage: Stage, what: str,
-             event: Callable[[E, float], list[Action]]) -> None:
+    def feed(self, stage: Stage, what: str, event: Callable[[E, float], list[Action]]) -> None:
         """Feed ``event`` to the engine now and carry out its actions; if the event raises,
         it is contained at ``stage``."""
         try:
@@ -220,8 +222,11 @@ class Driver(Generic[E, P]):
     def message(self, msg: ControlMessage, origin: str = "") -> None:
         """A control message from ``origin`` (the identity its channel authenticated)."""
         age = message_age(msg, self.effects.wall())
-        self.feed(Stage.MESSAGE, type(msg).__name__,
-                  lambda engine, now: engine.on_message(msg, now, age, origin))
+        self.feed(
+            Stage.MESSAGE,
+            type(msg).__name__,
+            lambda engine, now: engine.on_message(msg, now, age, origin),
+        )
 
     def command(self, command: Command[E]) -> None:
         """An engine-thread command; one that raises is contained."""
@@ -234,8 +239,11 @@ class Driver(Generic[E, P]):
 
     def completed(self, chunk_id: int, error: ChunkError | None = None) -> None:
         """A posted chunk completed (``error`` None) or failed."""
-        self.feed(Stage.COMPLETION, f"chunk {chunk_id}",
-                  lambda engine, now: engine.on_chunk(chunk_id, error is None, error or "", now))
+        self.feed(
+            Stage.COMPLETION,
+            f"chunk {chunk_id}",
+            lambda engine, now: engine.on_chunk(chunk_id, error is None, error or "", now),
+        )
 
     def poll(self) -> None:
         self.feed(Stage.TIMER, "poll", lambda engine, now: engine.poll(now))
@@ -269,13 +277,17 @@ class Driver(Generic[E, P]):
 
     def post_write(self, action: PostWrite, /) -> None:
         peer = self.peers.get(action.peer)
-        self._posted(action, self.effects.write(action, peer) if peer is not None
-                     else _not_connected(action.peer))
+        self._posted(
+            action,
+            self.effects.write(action, peer) if peer is not None else _not_connected(action.peer),
+        )
 
     def post_read(self, action: PostRead, /) -> None:
         peer = self.peers.get(action.peer)
-        self._posted(action, self.effects.read(action, peer) if peer is not None
-                     else _not_connected(action.peer))
+        self._posted(
+            action,
+            self.effects.read(action, peer) if peer is not None else _not_connected(action.peer),
+        )
 
     def send_message(self, action: SendMessage, /) -> None:
         msg = action.message

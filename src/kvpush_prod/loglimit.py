@@ -22,8 +22,12 @@ class LogLimiter:
     """At most one log line per key every ``every_s`` seconds; the rest are counted and
     named in the key's next line."""
 
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._logger = logger
         self._every_s = every_s
         self._clock = clock

@@ -20,14 +20,43 @@ logger = logging.getLogger(__name__)
 Kind = Literal["counter", "gauge", "histogram"]
 
 SECONDS_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0, 30.0, 60.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
 )
 # Posting a chunk is a local call (tens of microseconds when healthy); a slow post means the
 # transport's queues are full or the progress thread is starved.
 _POST_BUCKETS = (
-    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-    0.05, 0.1, 0.25, 1.0,
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
 )
 # Descriptors per post: a run of blocks per region on a fresh cache (tens to hundreds), a
 # block per region on a fragmented one (thousands at 8k tokens), split over 8,192.
@@ -44,7 +73,7 @@ LABELS: dict[str, str] = {
     "result": "how a chunk ended",
     "decision": "what D's admission control decided for a transfer",
     "when": "a layer-wise WRITE's post: `during_forward` (P's forward still ran) or "
-            "`after_forward`",
+    "`after_forward`",
 }
 # The router's own labels (its series are not on vLLM's /metrics, so vLLM adds nothing).
 ROUTER_LABELS: dict[str, str] = {
@@ -53,11 +82,20 @@ ROUTER_LABELS: dict[str, str] = {
     "endpoint": "the OpenAI path: `/v1/completions` or `/v1/chat/completions`",
     "outcome": "how a client request ended",
     "reason": "the failure that made the router retry on another pair, or the limit that "
-              "refused a client's request",
+    "refused a client's request",
 }
 ROLES = ("producer", "consumer")
-OUTCOMES = ("pushed", "retried", "pull_fallback", "recompute", "failed", "expired", "aborted",
-            "cancelled", "prefix_hit")
+OUTCOMES = (
+    "pushed",
+    "retried",
+    "pull_fallback",
+    "recompute",
+    "failed",
+    "expired",
+    "aborted",
+    "cancelled",
+    "prefix_hit",
+)
 CHUNK_RESULTS = ("ok", "error", "post_failed")
 DECISIONS = ("admit", "later", "refuse")
 LEASE_KINDS = ("permit", "send")
@@ -68,10 +106,18 @@ PUMP_STAGES = ("message", "command", "action", "completion", "timer")
 # vLLM's connector hooks that contain what raises in them (connector/connector.py).
 HOOKS = (
     # scheduler side
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "on_new_request", "request_finished", "update_connector_output", "has_pending_push_work",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "on_new_request",
+    "request_finished",
+    "update_connector_output",
+    "has_pending_push_work",
     # worker side
-    "bind_connector_metadata", "wait_for_save", "get_finished", "build_connector_worker_meta",
+    "bind_connector_metadata",
+    "wait_for_save",
+    "get_finished",
+    "build_connector_worker_meta",
     "shutdown",
     # both
     "get_kv_connector_stats",
@@ -111,9 +157,15 @@ class Series:
         return None
 
 
-def _s(name: str, kind: Kind, labels: tuple[str, ...], doc: str,
-       buckets: tuple[float, ...] = SECONDS_BUCKETS,
-       values: dict[str, tuple[str, ...]] | None = None, healthy: bool = True) -> Series:
+def _s(
+    name: str,
+    kind: Kind,
+    labels: tuple[str, ...],
+    doc: str,
+    buckets: tuple[float, ...] = SECONDS_BUCKETS,
+    values: dict[str, tuple[str, ...]] | None = None,
+    healthy: bool = True,
+) -> Series:
     closed: dict[str, tuple[str, ...]] = {"role": ROLES} if "role" in labels else {}
     closed.update(values or {})
     return Series(name, kind, doc, labels, buckets, tuple(closed.items()), healthy=healthy)
@@ -121,115 +173,252 @@ def _s(name: str, kind: Kind, labels: tuple[str, ...], doc: str,
 
 _R = ("role",)
 CONNECTOR_SERIES: tuple[Series, ...] = (
-    _s("kvpush_transfers", "counter", ("role", "outcome"),
-       "Transfers that ended, by outcome: pushed (first try), retried (pushed after >= 1 "
-       "retry), pull_fallback (D pulled it), recompute (D computed the prompt itself), failed, "
-       "expired (a lease or deadline ran out), aborted (the request ended first), cancelled "
-       "(D cancelled after registering), prefix_hit (D's prefix cache held the whole prompt).",
-       values={"outcome": OUTCOMES}),
-    _s("kvpush_transfer_bytes", "counter", _R,
-       "KV bytes moved by completed transfers (producer: pushed, consumer: received)."),
-    _s("kvpush_transfer_seconds", "histogram", _R,
-       "Producer: blocks ready to last WRITE complete; consumer: REGISTER sent to DONE."),
-    _s("kvpush_queue_wait_seconds", "histogram", _R,
-       "Producer: transfer ready (blocks computed and REGISTER received) to its first chunk "
-       "posted; time spent queued behind other transfers on the link."),
-    _s("kvpush_chunk_post_seconds", "histogram", _R,
-       "Time to post one chunk (WRITE/READ) to the transport.", _POST_BUCKETS),
-    _s("kvpush_chunks", "counter", ("role", "result"),
-       "Chunks (WRITEs/READs) that ended: ok, error (completed with an error), post_failed "
-       "(the transport refused to post it).", values={"result": CHUNK_RESULTS}),
-    _s("kvpush_retries", "counter", ("role", "reason"),
-       "Chunks posted again after a retryable error, by the error's class.", healthy=False),
-    _s("kvpush_fallbacks", "counter", ("role", "reason"),
-       "Transfers switched from push to pull (D READs from P), by why the push was given up.",
-       healthy=False),
-    _s("kvpush_breaker_state", "gauge", ("role", "peer"),
-       "Circuit breaker per peer: 0 closed (push), 1 half-open (one probe), 2 open "
-       "(new transfers go straight to fallback)."),
-    _s("kvpush_breaker_trips", "counter", ("role", "peer"),
-       "Times the peer's circuit breaker opened.", healthy=False),
-    _s("kvpush_credits_budget_blocks", "gauge", _R,
-       "D's receive window: KV blocks inbound transfers may reserve now (the budget, "
-       "capped by the blocks D's KV cache has free)."),
-    _s("kvpush_credits_in_use_blocks", "gauge", _R,
-       "Blocks of the receive window reserved by admitted transfers now."),
-    _s("kvpush_credits_granted_blocks", "counter", _R,
-       "Blocks granted to transfers (cumulative; rate() is the grant throughput)."),
-    _s("kvpush_credits_waiting_transfers", "gauge", _R,
-       "Transfers waiting for credit (admission said later)."),
-    _s("kvpush_admissions", "counter", ("role", "decision"),
-       "Admission decisions for inbound transfers: admit, later (ask again), refuse.",
-       values={"decision": DECISIONS}),
-    _s("kvpush_leases_active", "gauge", ("role", "kind"),
-       "Live leases: permit (D's write permits to P), send (P's holds of sent blocks for D).",
-       values={"kind": LEASE_KINDS}),
-    _s("kvpush_leases_expired", "counter", ("role", "kind"),
-       "Leases that ran out without being released (a silent or dead peer).",
-       values={"kind": LEASE_KINDS}, healthy=False),
-    _s("kvpush_leases_fenced", "counter", _R,
-       "Late messages or writes refused because their generation was stale.", healthy=False),
-    _s("kvpush_link_bandwidth_bytes_per_second", "gauge", ("role", "peer"),
-       "Measured bandwidth of the link to the peer (EWMA of chunk completions)."),
-    _s("kvpush_link_slow", "gauge", ("role", "peer"),
-       "1 while the link to the peer is slow: its measured bandwidth stayed below "
-       "links.slow_fraction of links.expected_gbps for links.slow_window_s (logged once with "
-       "the transports in use; alert KvpushLinkSlow). Absent without links.expected_gbps.",
-       healthy=False),
-    _s("kvpush_link_capped", "counter", ("role", "reason"),
-       "Times a chunk ready to post waited because its link was at an in-flight cap: bytes "
-       "(measured bandwidth x push.target_latency_ms) or chunks (push.max_inflight_chunks). "
-       "Load, not a fault; absent until a cap first binds.",
-       values={"reason": ("bytes", "chunks")}, healthy=False),
+    _s(
+        "kvpush_transfers",
+        "counter",
+        ("role", "outcome"),
+        "Transfers that ended, by outcome: pushed (first try), retried (pushed after >= 1 "
+        "retry), pull_fallback (D pulled it), recompute (D computed the prompt itself), failed, "
+        "expired (a lease or deadline ran out), aborted (the request ended first), cancelled "
+        "(D cancelled after registering), prefix_hit (D's prefix cache held the whole prompt).",
+        values={"outcome": OUTCOMES},
+    ),
+    _s(
+        "kvpush_transfer_bytes",
+        "counter",
+        _R,
+        "KV bytes moved by completed transfers (producer: pushed, consumer: received).",
+    ),
+    _s(
+        "kvpush_transfer_seconds",
+        "histogram",
+        _R,
+        "Producer: blocks ready to last WRITE complete; consumer: REGISTER sent to DONE.",
+    ),
+    _s(
+        "kvpush_queue_wait_seconds",
+        "histogram",
+        _R,
+        "Producer: transfer ready (blocks computed and REGISTER received) to its first chunk "
+        "posted; time spent queued behind other transfers on the link.",
+    ),
+    _s(
+        "kvpush_chunk_post_seconds",
+        "histogram",
+        _R,
+        "Time to post one chunk (WRITE/READ) to the transport.",
+        _POST_BUCKETS,
+    ),
+    _s(
+        "kvpush_chunks",
+        "counter",
+        ("role", "result"),
+        "Chunks (WRITEs/READs) that ended: ok, error (completed with an error), post_failed "
+        "(the transport refused to post it).",
+        values={"result": CHUNK_RESULTS},
+    ),
+    _s(
+        "kvpush_retries",
+        "counter",
+        ("role", "reason"),
+        "Chunks posted again after a retryable error, by the error's class.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_fallbacks",
+        "counter",
+        ("role", "reason"),
+        "Transfers switched from push to pull (D READs from P), by why the push was given up.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_breaker_state",
+        "gauge",
+        ("role", "peer"),
+        "Circuit breaker per peer: 0 closed (push), 1 half-open (one probe), 2 open "
+        "(new transfers go straight to fallback).",
+    ),
+    _s(
+        "kvpush_breaker_trips",
+        "counter",
+        ("role", "peer"),
+        "Times the peer's circuit breaker opened.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_credits_budget_blocks",
+        "gauge",
+        _R,
+        "D's receive window: KV blocks inbound transfers may reserve now (the budget, "
+        "capped by the blocks D's KV cache has free).",
+    ),
+    _s(
+        "kvpush_credits_in_use_blocks",
+        "gauge",
+        _R,
+        "Blocks of the receive window reserved by admitted transfers now.",
+    ),
+    _s(
+        "kvpush_credits_granted_blocks",
+        "counter",
+        _R,
+        "Blocks granted to transfers (cumulative; rate() is the grant throughput).",
+    ),
+    _s(
+        "kvpush_credits_waiting_transfers",
+        "gauge",
+        _R,
+        "Transfers waiting for credit (admission said later).",
+    ),
+    _s(
+        "kvpush_admissions",
+        "counter",
+        ("role", "decision"),
+        "Admission decisions for inbound transfers: admit, later (ask again), refuse.",
+        values={"decision": DECISIONS},
+    ),
+    _s(
+        "kvpush_leases_active",
+        "gauge",
+        ("role", "kind"),
+        "Live leases: permit (D's write permits to P), send (P's holds of sent blocks for D).",
+        values={"kind": LEASE_KINDS},
+    ),
+    _s(
+        "kvpush_leases_expired",
+        "counter",
+        ("role", "kind"),
+        "Leases that ran out without being released (a silent or dead peer).",
+        values={"kind": LEASE_KINDS},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_leases_fenced",
+        "counter",
+        _R,
+        "Late messages or writes refused because their generation was stale.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_link_bandwidth_bytes_per_second",
+        "gauge",
+        ("role", "peer"),
+        "Measured bandwidth of the link to the peer (EWMA of chunk completions).",
+    ),
+    _s(
+        "kvpush_link_slow",
+        "gauge",
+        ("role", "peer"),
+        "1 while the link to the peer is slow: its measured bandwidth stayed below "
+        "links.slow_fraction of links.expected_gbps for links.slow_window_s (logged once with "
+        "the transports in use; alert KvpushLinkSlow). Absent without links.expected_gbps.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_link_capped",
+        "counter",
+        ("role", "reason"),
+        "Times a chunk ready to post waited because its link was at an in-flight cap: bytes "
+        "(measured bandwidth x push.target_latency_ms) or chunks (push.max_inflight_chunks). "
+        "Load, not a fault; absent until a cap first binds.",
+        values={"reason": ("bytes", "chunks")},
+        healthy=False,
+    ),
     _s("kvpush_inflight_bytes", "gauge", _R, "Bytes posted and not yet completed."),
-    _s("kvpush_control_messages_rejected", "counter", ("role", "reason"),
-       "Control messages and notifications dropped (never acted on), by reason; "
-       "prompt_mismatch / checksum_mismatch: KV that arrived and was refused (recomputed).",
-       values={"reason": CONTROL_REJECT_REASONS}, healthy=False),
-    _s("kvpush_kv_params_rejected", "counter", ("role", "reason"),
-       "Requests whose kv_transfer_params were refused: malformed, unsigned / bad_signature "
-       "/ expired (not signed by the router's params key), unknown_key (a peer key outside "
-       "the allow-list), foreign_peer (an address outside control.allowed_peers), unusable "
-       "(a prefill engine's fields without do_remote_prefill, or a pull connector's answer), "
-       "wrong_leg / unknown_field / replayed (signed for the other leg, with a field the "
-       "router does not sign, or already used by another request), replay_memory_full, "
-       "duplicate_transfer (another live request has its transfer id). D computes such a "
-       "prompt locally; P does not push it.",
-       values={"reason": PARAMS_REJECT_REASONS}, healthy=False),
-    _s("kvpush_control_insecure", "gauge", _R,
-       "1 while the control channel runs without keys on a non-loopback address "
-       "(control.insecure: true): any host that reaches the port can forge messages."),
-    _s("kvpush_pump_errors", "counter", ("role", "reason"),
-       "Inputs or actions of the transfer pump that raised, by stage (message, command, "
-       "action, completion, timer); each is contained: the others of the pass go on.",
-       values={"reason": PUMP_STAGES}, healthy=False),
-    _s("kvpush_hook_errors", "counter", ("role", "reason"),
-       "vLLM connector hooks that raised, by hook: contained (never an engine crash), the "
-       "requests concerned recompute their prompt or fail per kv_load_failure_policy; a bug.",
-       values={"reason": HOOKS}, healthy=False),
-    _s("kvpush_connector_blocks", "gauge", _R,
-       "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
-       "D: reserved for inbound transfers)."),
+    _s(
+        "kvpush_control_messages_rejected",
+        "counter",
+        ("role", "reason"),
+        "Control messages and notifications dropped (never acted on), by reason; "
+        "prompt_mismatch / checksum_mismatch: KV that arrived and was refused (recomputed).",
+        values={"reason": CONTROL_REJECT_REASONS},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_kv_params_rejected",
+        "counter",
+        ("role", "reason"),
+        "Requests whose kv_transfer_params were refused: malformed, unsigned / bad_signature "
+        "/ expired (not signed by the router's params key), unknown_key (a peer key outside "
+        "the allow-list), foreign_peer (an address outside control.allowed_peers), unusable "
+        "(a prefill engine's fields without do_remote_prefill, or a pull connector's answer), "
+        "wrong_leg / unknown_field / replayed (signed for the other leg, with a field the "
+        "router does not sign, or already used by another request), replay_memory_full, "
+        "duplicate_transfer (another live request has its transfer id). D computes such a "
+        "prompt locally; P does not push it.",
+        values={"reason": PARAMS_REJECT_REASONS},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_control_insecure",
+        "gauge",
+        _R,
+        "1 while the control channel runs without keys on a non-loopback address "
+        "(control.insecure: true): any host that reaches the port can forge messages.",
+    ),
+    _s(
+        "kvpush_pump_errors",
+        "counter",
+        ("role", "reason"),
+        "Inputs or actions of the transfer pump that raised, by stage (message, command, "
+        "action, completion, timer); each is contained: the others of the pass go on.",
+        values={"reason": PUMP_STAGES},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_hook_errors",
+        "counter",
+        ("role", "reason"),
+        "vLLM connector hooks that raised, by hook: contained (never an engine crash), the "
+        "requests concerned recompute their prompt or fail per kv_load_failure_policy; a bug.",
+        values={"reason": HOOKS},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_connector_blocks",
+        "gauge",
+        _R,
+        "KV blocks the engine holds on behalf of the connector (P: sent-but-not-freed, "
+        "D: reserved for inbound transfers).",
+    ),
     _s("kvpush_transfers_active", "gauge", _R, "Transfers in progress."),
-    _s("kvpush_peer_restarts", "counter", _R,
-       "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
-       healthy=False),
-    _s("kvpush_layerwise_writes", "counter", ("role", "when"),
-       "Layer-wise push (push.layerwise): WRITEs of one layer's KV posted while P's forward "
-       "was still computing later layers (during_forward) or after it ended "
-       "(after_forward: the REGISTER came late, or the last layer).",
-       values={"when": ("during_forward", "after_forward")}, healthy=False),
-    _s("kvpush_post_descriptors", "histogram", _R,
-       "NIXL descriptors one chunk's post hands the backend: one per run of blocks adjacent "
-       "on both sides per KV region (per block per region when D's cache is fragmented; "
-       "per piece when block sizes or tensor-parallel sizes differ). Over 8,192 a post is "
-       "split into parts.", _DESCRIPTOR_BUCKETS),
-    _s("kvpush_post_build_seconds", "histogram", _R,
-       "Time to build one chunk's NIXL request from its block ids (runs, descriptor lists, "
-       "NIXL's request), before the backend submits it; part of kvpush_chunk_post_seconds. "
-       "A post split into parts counts its first part's (the others are built as it "
-       "completes).",
-       _POST_BUCKETS),
+    _s(
+        "kvpush_peer_restarts",
+        "counter",
+        _R,
+        "Peers seen coming back as a new process (same engine id, new agent): reconnected.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_layerwise_writes",
+        "counter",
+        ("role", "when"),
+        "Layer-wise push (push.layerwise): WRITEs of one layer's KV posted while P's forward "
+        "was still computing later layers (during_forward) or after it ended "
+        "(after_forward: the REGISTER came late, or the last layer).",
+        values={"when": ("during_forward", "after_forward")},
+        healthy=False,
+    ),
+    _s(
+        "kvpush_post_descriptors",
+        "histogram",
+        _R,
+        "NIXL descriptors one chunk's post hands the backend: one per run of blocks adjacent "
+        "on both sides per KV region (per block per region when D's cache is fragmented; "
+        "per piece when block sizes or tensor-parallel sizes differ). Over 8,192 a post is "
+        "split into parts.",
+        _DESCRIPTOR_BUCKETS,
+    ),
+    _s(
+        "kvpush_post_build_seconds",
+        "histogram",
+        _R,
+        "Time to build one chunk's NIXL request from its block ids (runs, descriptor lists, "
+        "NIXL's request), before the backend submits it; part of kvpush_chunk_post_seconds. "
+        "A post split into parts counts its first part's (the others are built as it "
+        "completes).",
+        _POST_BUCKETS,
+    ),
 )
 
 SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}
@@ -314,8 +503,13 @@ class MetricsSink:
     labels or past ``MAX_LABEL_SETS`` label sets of its series is dropped and logged once.
     """
 
-    def __init__(self, factory: Any, base_labels: list[str],
-                 per_engine_values: dict[int, list[object]], registry: Any = None) -> None:
+    def __init__(
+        self,
+        factory: Any,
+        base_labels: list[str],
+        per_engine_values: dict[int, list[object]],
+        registry: Any = None,
+    ) -> None:
         self._per_engine = per_engine_values
         self._metrics: dict[str, Any] = {}
         self._seen: dict[str, set[tuple[str, ...]]] = {}
@@ -343,14 +537,19 @@ class MetricsSink:
             return None
         key = tuple(str(v) for v in labels)
         if len(key) != len(series.labels):
-            self._warn_once(name, "arity", f"kvpush: {name} takes labels {series.labels}, "
-                            f"got {key}; dropped")
+            self._warn_once(
+                name, "arity", f"kvpush: {name} takes labels {series.labels}, got {key}; dropped"
+            )
             return None
         seen = self._seen[name]
         if key not in seen:
             if len(seen) >= MAX_LABEL_SETS:
-                self._warn_once(name, "cardinality", f"kvpush: {name} reached {MAX_LABEL_SETS} "
-                                f"label sets (new: {key}); a label is unbounded; dropped")
+                self._warn_once(
+                    name,
+                    "cardinality",
+                    f"kvpush: {name} reached {MAX_LABEL_SETS} "
+                    f"label sets (new: {key}); a label is unbounded; dropped",
+                )
                 return None
             seen.add(key)
         return self._metrics[name].labels(*base, *key)

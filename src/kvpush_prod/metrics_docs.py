@@ -42,9 +42,18 @@ def router_series() -> tuple[Series, ...]:
         # Retries happen only when a backend failed; every other series has samples as
         # soon as the router has served a request (or probed its backends).
         healthy = metric._name != "kvpush_router_retries"
-        out.append(Series(metric._name, kind, metric._documentation, labels,
-                          buckets or SECONDS_BUCKETS, tuple(values.items()), "router",
-                          healthy))
+        out.append(
+            Series(
+                metric._name,
+                kind,
+                metric._documentation,
+                labels,
+                buckets or SECONDS_BUCKETS,
+                tuple(values.items()),
+                "router",
+                healthy,
+            )
+        )
     return tuple(sorted(out, key=lambda s: s.name))
 
 
@@ -58,20 +67,29 @@ def _cell(text: str) -> str:
 
 
 EXAMPLE_QUERIES: tuple[tuple[str, str], ...] = (
-    ("Transfers per second by outcome (decode side)",
-     'sum by (outcome) (rate(kvpush_transfers_total{role="consumer"}[5m]))'),
-    ("Share of transfers that did not push (fallback, recompute, failure)",
-     'sum(rate(kvpush_transfers_total{role="consumer",outcome!~"pushed|retried|prefix_hit"}'
-     '[5m])) / sum(rate(kvpush_transfers_total{role="consumer"}[5m]))'),
-    ("KV bytes pushed per second",
-     'sum(rate(kvpush_transfer_bytes_total{role="producer"}[5m]))'),
-    ("Transfer time p99 (producer: blocks ready to last WRITE done)",
-     'histogram_quantile(0.99, sum by (le) '
-     '(rate(kvpush_transfer_seconds_bucket{role="producer"}[5m])))'),
-    ("Decode prompt tokens that came over the wire vs computed locally",
-     'sum by (source) (rate(vllm:prompt_tokens_by_source_total[5m]))'),
-    ("Router TTFT p99", 'histogram_quantile(0.99, sum by (le) '
-     '(rate(kvpush_router_ttft_seconds_bucket[5m])))'),
+    (
+        "Transfers per second by outcome (decode side)",
+        'sum by (outcome) (rate(kvpush_transfers_total{role="consumer"}[5m]))',
+    ),
+    (
+        "Share of transfers that did not push (fallback, recompute, failure)",
+        'sum(rate(kvpush_transfers_total{role="consumer",outcome!~"pushed|retried|prefix_hit"}'
+        '[5m])) / sum(rate(kvpush_transfers_total{role="consumer"}[5m]))',
+    ),
+    ("KV bytes pushed per second", 'sum(rate(kvpush_transfer_bytes_total{role="producer"}[5m]))'),
+    (
+        "Transfer time p99 (producer: blocks ready to last WRITE done)",
+        "histogram_quantile(0.99, sum by (le) "
+        '(rate(kvpush_transfer_seconds_bucket{role="producer"}[5m])))',
+    ),
+    (
+        "Decode prompt tokens that came over the wire vs computed locally",
+        "sum by (source) (rate(vllm:prompt_tokens_by_source_total[5m]))",
+    ),
+    (
+        "Router TTFT p99",
+        "histogram_quantile(0.99, sum by (le) (rate(kvpush_router_ttft_seconds_bucket[5m])))",
+    ),
 )
 
 
@@ -111,8 +129,13 @@ def _series_row(s: Series) -> str:
     meaning = s.doc
     closed = [(label, vals) for label, vals in s.values if label != "role"]
     if closed:
-        meaning += " " + "; ".join(f"`{label}`: " + ", ".join(f"`{v}`" for v in vals)
-                                   for label, vals in closed) + "."
+        meaning += (
+            " "
+            + "; ".join(
+                f"`{label}`: " + ", ".join(f"`{v}`" for v in vals) for label, vals in closed
+            )
+            + "."
+        )
     samples = "every run" if s.healthy else "on faults"
     return f"| `{exported_name(s)}` | {s.kind} | {labels} | {samples} | {_cell(meaning)} |"
 
@@ -143,8 +166,15 @@ def render_metrics_doc() -> str:
         ("Connector series", "on each engine's vLLM `/metrics`", "connector"),
         ("Router series", "on the router's `/metrics`", "router"),
     ):
-        out += ["", f"## {title}", "", f"Exported {where}.", "",
-                "| series | type | labels | samples | meaning |", "|---|---|---|---|---|"]
+        out += [
+            "",
+            f"## {title}",
+            "",
+            f"Exported {where}.",
+            "",
+            "| series | type | labels | samples | meaning |",
+            "|---|---|---|---|---|",
+        ]
         out += [_series_row(s) for s in series if s.source == source]
     out += ["", "## Example queries", ""]
     for title, query in EXAMPLE_QUERIES:

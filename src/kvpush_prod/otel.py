@@ -59,9 +59,15 @@ class TransferSpans:
             self.end(tid, outcome)
         elif event == "post":
             op = str(fields.get("op", ""))
-            self.event(tid, "push" if op == "WRITE" else "pull", bytes=fields.get("nbytes"),
-                       chunk=fields.get("chunk"), last=fields.get("last"),
-                       descriptors=fields.get("descriptors"), build_us=fields.get("build_us"))
+            self.event(
+                tid,
+                "push" if op == "WRITE" else "pull",
+                bytes=fields.get("nbytes"),
+                chunk=fields.get("chunk"),
+                last=fields.get("last"),
+                descriptors=fields.get("descriptors"),
+                build_us=fields.get("build_us"),
+            )
         elif event in ("msg_in", "msg_out"):
             kind = str(fields.get("kind", ""))
             if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):
@@ -77,9 +83,11 @@ class TransferSpans:
         )
 
         context = TraceContextTextMapPropagator().extract(dict(headers)) if headers else None
-        span = self._tracer.start_span(self._name, context=context,
-                                       attributes=_attrs(transfer_id=tid, side=self._side,
-                                                         **attrs))
+        span = self._tracer.start_span(
+            self._name,
+            context=context,
+            attributes=_attrs(transfer_id=tid, side=self._side, **attrs),
+        )
         self._open[tid] = span
         while len(self._open) > self._max_open:
             _, oldest = self._open.popitem(last=False)
@@ -111,13 +119,11 @@ class TransferSpans:
 
 
 def _snake(name: str) -> str:
-    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower()
-                   for i, c in enumerate(name))
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 def _attrs(**kw: Any) -> dict[str, Any]:
-    return {f"kvpush.{k}": v for k, v in kw.items()
-            if isinstance(v, (str, bool, int, float))}
+    return {f"kvpush.{k}": v for k, v in kw.items() if isinstance(v, (str, bool, int, float))}
 
 
 def transfer_spans(side: str, endpoint: str | None) -> TransferSpans | None:
@@ -131,8 +137,12 @@ def transfer_spans(side: str, endpoint: str | None) -> TransferSpans | None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        logger.warning("kvpush: vLLM tracing is on (%s) but OpenTelemetry is not installed "
-                       "(%s): no kvpush spans; pip install 'kvpush-prod[otel]'", endpoint, exc)
+        logger.warning(
+            "kvpush: vLLM tracing is on (%s) but OpenTelemetry is not installed "
+            "(%s): no kvpush spans; pip install 'kvpush-prod[otel]'",
+            endpoint,
+            exc,
+        )
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": f"kvpush-{side}"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))

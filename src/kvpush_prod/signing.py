@@ -41,8 +41,18 @@ LEGS = (PREFILL, DECODE)
 # under a signature, so no field can ride along unauthorised.
 LEG_FIELDS: dict[str, frozenset[str]] = {
     PREFILL: frozenset({"do_remote_decode", "do_remote_prefill", "transfer_id", "decode_key"}),
-    DECODE: frozenset({"do_remote_prefill", "do_remote_decode", "remote_engine_id",
-                       "remote_host", "remote_port", "tp_size", "transfer_id", "remote_key"}),
+    DECODE: frozenset(
+        {
+            "do_remote_prefill",
+            "do_remote_decode",
+            "remote_engine_id",
+            "remote_host",
+            "remote_port",
+            "tp_size",
+            "transfer_id",
+            "remote_key",
+        }
+    ),
 }
 
 
@@ -68,10 +78,16 @@ def _canonical(params: dict[str, Any], leg: str, nonce: str, expires_at: float) 
     # The fields and the signature's own terms in separate members: no field of the params
     # can pose as a term of the signature (or the other way round).
     body = {k: v for k, v in params.items() if k != SIG_FIELD}
-    doc = {"params": body, "sig": {"v": SIG_VERSION, "leg": leg, "nonce": nonce,
-                                   "expires_at": expires_at}}
-    return _DOMAIN + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                                allow_nan=False).encode()
+    doc = {
+        "params": body,
+        "sig": {"v": SIG_VERSION, "leg": leg, "nonce": nonce, "expires_at": expires_at},
+    }
+    return (
+        _DOMAIN
+        + json.dumps(
+            doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode()
+    )
 
 
 def _hex_bytes(key: bytes) -> int | None:
@@ -84,20 +100,23 @@ def _hex_bytes(key: bytes) -> int | None:
 
 def check_key(key: bytes, where: str = "the params key") -> bytes:
     """``key`` if it holds at least 32 random bytes, else SignatureError naming the fix."""
-    fix = "make one with `openssl rand -hex 32 > params.key` and give it to the router and " \
-          "every engine"
+    fix = (
+        "make one with `openssl rand -hex 32 > params.key` and give it to the router and "
+        "every engine"
+    )
     n = _hex_bytes(key)
     size = n if n is not None else len(key)
     if size < MIN_KEY_BYTES:
         raise SignatureError(
             KeyProblem.WEAK_KEY,
             f"{where} holds {size} bytes; it must hold at least {MIN_KEY_BYTES} "
-            f"random bytes: {fix}")
+            f"random bytes: {fix}",
+        )
     if len(set(key)) < _MIN_DISTINCT:
         raise SignatureError(
             KeyProblem.WEAK_KEY,
-            f"{where} uses {len(set(key))} distinct characters: it is not random; "
-            f"{fix}")
+            f"{where} uses {len(set(key))} distinct characters: it is not random; {fix}",
+        )
     return key
 
 
@@ -110,13 +129,14 @@ def read_key_file(path: str | Path, what: str = "params key file") -> bytes:
         key = p.read_bytes().strip()
     except OSError as exc:
         raise SignatureError(
-            KeyProblem.KEY_FILE,
-            f"cannot read the {what} {str(p)!r} ({exc.strerror})") from None
+            KeyProblem.KEY_FILE, f"cannot read the {what} {str(p)!r} ({exc.strerror})"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SignatureError(
             KeyProblem.KEY_FILE,
             f"the {what} {str(p)!r} has mode {stat.S_IMODE(mode):04o}: group and "
-            f"others may read it; make it readable by its owner only: chmod 600 {p}")
+            f"others may read it; make it readable by its owner only: chmod 600 {p}",
+        )
     return check_key(key, f"the {what} {str(p)!r}")
 
 
@@ -124,8 +144,14 @@ def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
 
 
-def sign_params(params: dict[str, Any], key: bytes, now: float, leg: str,
-                ttl_s: float = DEFAULT_TTL_S, nonce: str | None = None) -> dict[str, Any]:
+def sign_params(
+    params: dict[str, Any],
+    key: bytes,
+    now: float,
+    leg: str,
+    ttl_s: float = DEFAULT_TTL_S,
+    nonce: str | None = None,
+) -> dict[str, Any]:
     """``params`` plus a signature binding every field, the ``leg`` they are for, an expiry
     ``now + ttl_s`` and a fresh nonce."""
     if leg not in LEGS:
@@ -134,32 +160,42 @@ def sign_params(params: dict[str, Any], key: bytes, now: float, leg: str,
     expires_at = round(now + ttl_s, 3)
     nonce = nonce or new_nonce()
     mac = hmac.new(key, _canonical(params, leg, nonce, expires_at), hashlib.sha256).hexdigest()
-    return {**{k: v for k, v in params.items() if k != SIG_FIELD},
-            SIG_FIELD: {"v": SIG_VERSION, "leg": leg, "nonce": nonce, "expires_at": expires_at,
-                        "mac": mac}}
+    return {
+        **{k: v for k, v in params.items() if k != SIG_FIELD},
+        SIG_FIELD: {
+            "v": SIG_VERSION,
+            "leg": leg,
+            "nonce": nonce,
+            "expires_at": expires_at,
+            "mac": mac,
+        },
+    }
 
 
-def verify_params(params: dict[str, Any], key: bytes, now: float, leg: str,
-                  max_ttl_s: float = MAX_TTL_S) -> Signed:
+def verify_params(
+    params: dict[str, Any], key: bytes, now: float, leg: str, max_ttl_s: float = MAX_TTL_S
+) -> Signed:
     """What the signature vouches for, once ``params`` carry a valid, unexpired signature by
     ``key`` for ``leg`` over the fields that leg may carry; else SignatureError."""
     sig = _signature_of(params, leg)
     expires_at = float(sig["expires_at"])
     if not math.isfinite(expires_at) or expires_at < now:
         raise SignatureError(
-            ParamsRejectReason.EXPIRED,
-            "the router's signature on kv_transfer_params expired")
+            ParamsRejectReason.EXPIRED, "the router's signature on kv_transfer_params expired"
+        )
     if expires_at > now + max_ttl_s:
         raise SignatureError(
             ParamsRejectReason.EXPIRED,
-            "the router's signature on kv_transfer_params expires too far ahead")
+            "the router's signature on kv_transfer_params expires too far ahead",
+        )
     try:
-        want = hmac.new(key, _canonical(params, leg, sig["nonce"], sig["expires_at"]),
-                        hashlib.sha256).hexdigest()
+        want = hmac.new(
+            key, _canonical(params, leg, sig["nonce"], sig["expires_at"]), hashlib.sha256
+        ).hexdigest()
     except (TypeError, ValueError) as exc:
         raise SignatureError(
-            ParamsRejectReason.MALFORMED,
-            f"kv_transfer_params cannot be signed: {exc}") from None
+            ParamsRejectReason.MALFORMED, f"kv_transfer_params cannot be signed: {exc}"
+        ) from None
     if not hmac.compare_digest(want, sig["mac"]):
         raise SignatureError(
             ParamsRejectReason.BAD_SIGNATURE,
@@ -180,36 +216,45 @@ def _signature_of(params: dict[str, Any], leg: str) -> dict[str, Any]:
             "params (control.params_key is set): send requests through a router that holds "
             "the same params key",
         )
-    if not isinstance(sig, dict) or set(sig) != {"v", "leg", "nonce", "expires_at", "mac"} \
-            or not isinstance(sig.get("mac"), str) or not isinstance(sig.get("nonce"), str) \
-            or isinstance(sig.get("expires_at"), bool) \
-            or not isinstance(sig.get("expires_at"), (int, float)):
+    if (
+        not isinstance(sig, dict)
+        or set(sig) != {"v", "leg", "nonce", "expires_at", "mac"}
+        or not isinstance(sig.get("mac"), str)
+        or not isinstance(sig.get("nonce"), str)
+        or isinstance(sig.get("expires_at"), bool)
+        or not isinstance(sig.get("expires_at"), (int, float))
+    ):
         raise SignatureError(
             ParamsRejectReason.MALFORMED,
             f"kv_transfer_params.{SIG_FIELD} is malformed (a router of another "
-            "kvpush version?): run the router and the engines from the same release")
+            "kvpush version?): run the router and the engines from the same release",
+        )
     if sig["v"] != SIG_VERSION or not _NONCE.match(sig["nonce"]):
         raise SignatureError(
             ParamsRejectReason.MALFORMED,
             f"kv_transfer_params.{SIG_FIELD} has version {str(sig['v'])[:8]!r}; this "
-            f"engine takes {SIG_VERSION}")
+            f"engine takes {SIG_VERSION}",
+        )
     if sig["leg"] != leg:
         raise SignatureError(
             ParamsRejectReason.WRONG_LEG,
             f"kv_transfer_params were signed for the {str(sig['leg'])[:10]} leg "
-            f"and sent to a {leg} engine")
+            f"and sent to a {leg} engine",
+        )
     unknown = sorted(k for k in params if k != SIG_FIELD and k not in LEG_FIELDS[leg])
     if unknown:
         raise SignatureError(
             ParamsRejectReason.UNKNOWN_FIELD,
             f"kv_transfer_params carry {', '.join(u[:40] for u in unknown[:5])}"
-            f", which a router does not sign on the {leg} leg")
+            f", which a router does not sign on the {leg} leg",
+        )
     tid = params.get("transfer_id")
     if not isinstance(tid, str) or not tid:
         raise SignatureError(
             ParamsRejectReason.MALFORMED,
             "signed kv_transfer_params name no transfer_id: a signing router "
-            "binds each leg to its transfer id (kvpush router does)")
+            "binds each leg to its transfer id (kvpush router does)",
+        )
     return sig
 
 
@@ -239,12 +284,14 @@ class NonceMemory:
             raise SignatureError(
                 ParamsRejectReason.REPLAYED,
                 "kv_transfer_params were already used by another request (a "
-                "replayed leg); the router signs each leg once")
+                "replayed leg); the router signs each leg once",
+            )
         if len(self._by_nonce) >= self.capacity:
             raise SignatureError(
                 ParamsRejectReason.REPLAY_MEMORY_FULL,
                 f"{self.capacity} signed requests are remembered within "
-                "their signatures' lifetime; lower the router's params_ttl_s")
+                "their signatures' lifetime; lower the router's params_ttl_s",
+            )
         self._by_nonce[signed.nonce] = (signed.expires_at, request_id)
         self._expiry[signed.nonce] = signed.expires_at
 

@@ -40,7 +40,8 @@ class Tracer:
             except Exception as exc:  # noqa: BLE001 - tracing never breaks a transfer
                 self.spans = None
                 logging.getLogger(__name__).error(
-                    "kvpush: transfer spans turned off after an error: %r", exc)
+                    "kvpush: transfer spans turned off after an error: %r", exc
+                )
         if self._file is None:
             return
         line = json.dumps({"t": time.time(), "e": event, "tid": tid, **fields}, default=str)

@@ -156,10 +156,18 @@ class KeyProblem(Word):
 
 # The params refusals that say the params are no one's word (they failed the router's
 # signature): nothing in them, the transfer id included, may be acted on.
-SIGNATURE_REASONS = frozenset({
-    ParamsRejectReason.UNSIGNED, ParamsRejectReason.MALFORMED, ParamsRejectReason.BAD_SIGNATURE,
-    ParamsRejectReason.EXPIRED, ParamsRejectReason.WRONG_LEG, ParamsRejectReason.UNKNOWN_FIELD,
-    ParamsRejectReason.REPLAYED, ParamsRejectReason.REPLAY_MEMORY_FULL})
+SIGNATURE_REASONS = frozenset(
+    {
+        ParamsRejectReason.UNSIGNED,
+        ParamsRejectReason.MALFORMED,
+        ParamsRejectReason.BAD_SIGNATURE,
+        ParamsRejectReason.EXPIRED,
+        ParamsRejectReason.WRONG_LEG,
+        ParamsRejectReason.UNKNOWN_FIELD,
+        ParamsRejectReason.REPLAYED,
+        ParamsRejectReason.REPLAY_MEMORY_FULL,
+    }
+)
 
 
 class Notice(Word):

@@ -50,8 +50,10 @@ def test_plan_skips_cells_already_in_results_json_unless_forced(tmp_path):
     store.put("kvpush", cell_key(1024, 1), {"length": 1024, "concurrency": 1})
     s = _settings(tmp_path, ["kvpush", "single"], lengths=[1024], concurrency=[1, 4])
     again = ResultStore(tmp_path / "results.json")  # reloaded from disk
-    assert plan(again, s) == {"kvpush": [(1024, 4, 0.0)],
-                              "single": [(1024, 1, 0.0), (1024, 4, 0.0)]}
+    assert plan(again, s) == {
+        "kvpush": [(1024, 4, 0.0)],
+        "single": [(1024, 1, 0.0), (1024, 4, 0.0)],
+    }
     s.force = True
     assert plan(again, s)["kvpush"] == [(1024, 1, 0.0), (1024, 4, 0.0)]
     assert estimate_wall_s(plan(again, s), s.workload) > 0
@@ -179,8 +181,10 @@ def test_open_loop_rows_compare_tpot_at_the_same_arrival_rate_and_show_d_batches
 
 
 def test_what_authentication_costs_is_kvpush_against_itself_without_keys():
-    data = {**RESULTS, "cells": {**RESULTS["cells"],
-                                 "kvpush-insecure": {"1024x1": _cell(1024, 1, 24.0, 5.0)}}}
+    data = {
+        **RESULTS,
+        "cells": {**RESULTS["cells"], "kvpush-insecure": {"1024x1": _cell(1024, 1, 24.0, 5.0)}},
+    }
     (row,) = report.auth_cost(data)
     assert row["ttft_p50"] == pytest.approx(25.0 / 24.0)
     assert "## What authentication costs" in report.markdown(data)
@@ -189,8 +193,10 @@ def test_what_authentication_costs_is_kvpush_against_itself_without_keys():
 
 
 def test_the_sequential_flow_is_compared_with_the_concurrent_one():
-    data = {**RESULTS, "cells": {**RESULTS["cells"],
-                                 "kvpush-sequential": {"1024x1": _cell(1024, 1, 50.0, 5.0)}}}
+    data = {
+        **RESULTS,
+        "cells": {**RESULTS["cells"], "kvpush-sequential": {"1024x1": _cell(1024, 1, 50.0, 5.0)}},
+    }
     (row,) = report.flow_cost(data)
     assert row["ttft_p50"] == pytest.approx(50.0 / 25.0)
     assert "## Router flow: sequential / concurrent" in report.markdown(data)
@@ -267,8 +273,10 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
     from kvpush_prod.lab.launch import Proc, free_port
 
     # vLLM's API server stays alive when its EngineCore dies; only the log says so.
-    script = "print('zmq.error.ZMQError: Address already in use', flush=True); " \
-             "import time; time.sleep(60)"
+    script = (
+        "print('zmq.error.ZMQError: Address already in use', flush=True); "
+        "import time; time.sleep(60)"
+    )
     proc = Proc("prefill", [sys.executable, "-c", script], {}, tmp_path / "p.log")
     t0 = time.monotonic()
     try:
@@ -280,11 +288,19 @@ def test_an_engine_whose_core_died_is_given_up_at_once_not_after_the_timeout(tmp
 
 
 def _round(ttfts, tpots):
-    samples = [Sample(True, a, a + b * 63, (b,) * 63, 64) for a, b in zip(ttfts, tpots, strict=True)]
+    samples = [
+        Sample(True, a, a + b * 63, (b,) * 63, 64) for a, b in zip(ttfts, tpots, strict=True)
+    ]
     from kvpush_prod.bench.stats import summarise
 
-    return {**summarise(samples, 1.0), "raw": raw_values(samples), "length": 1024,
-            "concurrency": 1, "rate": 0.0, "d_cpu_ms_per_token": sum(tpots)}
+    return {
+        **summarise(samples, 1.0),
+        "raw": raw_values(samples),
+        "length": 1024,
+        "concurrency": 1,
+        "rate": 0.0,
+        "d_cpu_ms_per_token": sum(tpots),
+    }
 
 
 def test_rounds_pool_every_rounds_requests_and_keep_each_rounds_p50(tmp_path):
@@ -310,7 +326,8 @@ def test_rounds_are_planned_per_round_and_resume(tmp_path):
     assert set(plan(store, s)) == {"kvpush", "vllm-push"}  # neither has all three rounds
     one = _settings(tmp_path, ["kvpush"], lengths=[1024], concurrency=[1])
     assert estimate_wall_s(plan(store, s), s.workload) == pytest.approx(
-        3 * estimate_wall_s(plan(store, s), one.workload))
+        3 * estimate_wall_s(plan(store, s), one.workload)
+    )
 
 
 def test_round_by_round_ratios_pair_round_i_of_each_side(tmp_path):
@@ -374,10 +391,14 @@ def test_a_side_binds_its_workers_to_the_engines_cores_and_frontends_to_theirs(t
     from kvpush_prod.bench.sides import RunningSide
 
     cores = sorted(os.sched_getaffinity(0))
-    named = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
-             " print('up', flush=True); time.sleep(60)")
-    children = [subprocess.Popen([sys.executable, "-c", named, n], stdout=subprocess.PIPE)
-                for n in ("VLLM::Worker", "VLLM::EngineC")]
+    named = (
+        "import ctypes, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0);"
+        " print('up', flush=True); time.sleep(60)"
+    )
+    children = [
+        subprocess.Popen([sys.executable, "-c", named, n], stdout=subprocess.PIPE)
+        for n in ("VLLM::Worker", "VLLM::EngineC")
+    ]
     try:
         for c in children:
             c.stdout.readline()
@@ -386,8 +407,10 @@ def test_a_side_binds_its_workers_to_the_engines_cores_and_frontends_to_theirs(t
             def tree(self):
                 return [psutil.Process(c.pid) for c in children]
 
-        side = RunningSide(SIDES["kvpush"], SideSettings(
-            workdir=tmp_path, frontend_cores={"prefill": str(cores[-1])}))
+        side = RunningSide(
+            SIDES["kvpush"],
+            SideSettings(workdir=tmp_path, frontend_cores={"prefill": str(cores[-1])}),
+        )
         side.procs["prefill"] = Tree()
         side.binding["prefill"] = str(cores[0])
         assert side.rebind_workers() == {"prefill": 1}  # the worker's one thread
@@ -404,8 +427,11 @@ def test_each_engine_keeps_its_frontends_on_its_own_core_unless_told_otherwise(t
     from kvpush_prod.bench.sides import FRONTENDS
 
     a = build_parser().parse_args([])
-    assert a.frontends == "own" and FRONTENDS["own"] == {"prefill": "0", "decode": "1",
-                                                          "single": "0"}
+    assert a.frontends == "own" and FRONTENDS["own"] == {
+        "prefill": "0",
+        "decode": "1",
+        "single": "0",
+    }
     assert FRONTENDS["os"] == {}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--frontends", "anywhere"])

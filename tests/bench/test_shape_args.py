@@ -16,14 +16,20 @@ from kvpush_prod.lab.tinymodel import TinyModelSpec
 
 def test_a_shape_names_the_model_fields_and_intermediate_follows_hidden() -> None:
     assert _shape("layers=32,hidden=64,heads=4,kv_heads=2,head_dim=16") == {
-        "num_layers": 32, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
-        "head_dim": 16, "intermediate_size": 128}
+        "num_layers": 32,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+    }
     assert _shape("layers=8") == {"num_layers": 8}
     assert _shape("hidden=64,intermediate=96")["intermediate_size"] == 96
 
 
-@pytest.mark.parametrize("bad", ["layers", "layers=0", "layers=-1", "depth=4", "layers=x",
-                                 "layers=32,,hidden=8"])
+@pytest.mark.parametrize(
+    "bad", ["layers", "layers=0", "layers=-1", "depth=4", "layers=x", "layers=32,,hidden=8"]
+)
 def test_a_bad_shape_is_refused_naming_the_keys(bad: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="layers, hidden"):
         _shape(bad)
@@ -41,8 +47,10 @@ def test_the_shape_and_the_churn_reach_the_sides_and_the_model_written(tmp_path:
     plain = _settings(build_parser().parse_args(["--out", str(tmp_path)]), [])
     default = Path(RunningSide(SIDES["kvpush"], plain.side)._model())
     assert default.name == "tiny-llama"
-    assert TinyModelSpec().num_layers == json.loads(
-        (default / "config.json").read_text())["num_hidden_layers"]
+    assert (
+        TinyModelSpec().num_layers
+        == json.loads((default / "config.json").read_text())["num_hidden_layers"]
+    )
 
 
 def test_a_negative_churn_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,8 +60,9 @@ class ClusterPool:
 
 
 @pytest.fixture(scope="session")
-def cluster_pool(tmp_path_factory: pytest.TempPathFactory,
-                 shared_reference: SharedReference) -> Iterator[ClusterPool]:
+def cluster_pool(
+    tmp_path_factory: pytest.TempPathFactory, shared_reference: SharedReference
+) -> Iterator[ClusterPool]:
     root_env = os.environ.get("KVPUSH_TEST_WORKDIR")
     root = Path(root_env) / "chaos" if root_env else tmp_path_factory.mktemp("chaos")
     root.mkdir(parents=True, exist_ok=True)

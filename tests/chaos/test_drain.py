@@ -17,11 +17,16 @@ from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, wri
 pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
 
 
-def test_a_rolling_restart_by_drain_loses_no_request(cluster_pool: Any,
-                                                     reports_dir: Path) -> None:
+def test_a_rolling_restart_by_drain_loses_no_request(cluster_pool: Any, reports_dir: Path) -> None:
     module = scenario("drain")
-    opts = Options(requests=32, concurrency=6, timeout=180.0, quiesce_timeout=90.0,
-                   progress_every=8, policy="recompute")
+    opts = Options(
+        requests=32,
+        concurrency=6,
+        timeout=180.0,
+        quiesce_timeout=90.0,
+        progress_every=8,
+        policy="recompute",
+    )
     needs = module.needs(opts)
     cluster = cluster_pool.get("drain", needs)
     report = asyncio.run(run_on_cluster(module, cluster, opts, log=print, needs=needs))

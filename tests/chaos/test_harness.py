@@ -24,13 +24,21 @@ from kvpush_prod.chaos.workload import Mix, make_request, workload
 
 
 def _rec(**kw: Any) -> Record:
-    base: dict[str, Any] = {"idx": 0, "phase": "p", "stream": False, "chat": False,
-                            "prompt_len": 10, "max_tokens": 4, "started": 0.0}
+    base: dict[str, Any] = {
+        "idx": 0,
+        "phase": "p",
+        "stream": False,
+        "chat": False,
+        "prompt_len": 10,
+        "max_tokens": 4,
+        "started": 0.0,
+    }
     base.update(kw)
     return Record(**base)
 
 
 # ------------------------------------------------------------------ workload
+
 
 def test_workload_is_deterministic_by_seed_and_index() -> None:
     a = [s for _, s in zip(range(20), workload(3, Mix()), strict=False)]
@@ -61,13 +69,15 @@ def test_cancel_plans_mix_times_and_token_counts() -> None:
 
 # ------------------------------------------------------------------ classification
 
+
 def test_clear_errors_need_a_status_and_a_message() -> None:
     body = json.dumps({"error": {"message": "no healthy prefill backend", "code": 503}})
     assert clear_error(_rec(status=503, error_kind="http", error=body))
     assert clear_error(_rec(status=502, error_kind="sse", error='{"message": "x"}'))
     assert not clear_error(_rec(status=500, error_kind="http", error=""))
-    assert not clear_error(_rec(status=500, error_kind="http",
-                                error=json.dumps({"error": {"message": ""}})))
+    assert not clear_error(
+        _rec(status=500, error_kind="http", error=json.dumps({"error": {"message": ""}}))
+    )
     assert not clear_error(_rec(status=200, error_kind="truncated", error="no [DONE]"))
     assert not clear_error(_rec(status=0, error_kind="transport", error="ReadError"))
 
@@ -79,8 +89,15 @@ def test_tally_classifies_every_request_once() -> None:
         _rec(idx=2, status=200, text="x", kvpush={"outcome": "failed"}),  # recomputed
         _rec(idx=3, status=200, text="y"),  # no summary: local compute
         _rec(idx=4, status=200, text="z", stream=True, done_marker=True),
-        _rec(idx=5, status=200, text="z", stream=True, done_marker=False,
-             error_kind="truncated", error="the stream ended without [DONE]"),
+        _rec(
+            idx=5,
+            status=200,
+            text="z",
+            stream=True,
+            done_marker=False,
+            error_kind="truncated",
+            error="the stream ended without [DONE]",
+        ),
         _rec(idx=6, status=503, error_kind="http", error='{"error": {"message": "down"}}'),
         _rec(idx=7, error_kind="timeout", error="no answer"),
         _rec(idx=8, error_kind="cancelled", error="cancelled by the client"),
@@ -88,20 +105,27 @@ def test_tally_classifies_every_request_once() -> None:
     ]
     refs = {0: "a b", 1: "a b", 2: "x", 3: "y", 4: "z", 9: "q"}
     t = tally(records, refs)
-    assert (t.sent, t.correct, t.wrong_tokens, t.failed_clear, t.failed_unclear, t.hung,
-            t.cancelled) == (10, 5, 1, 1, 1, 1, 1)
+    assert (
+        t.sent,
+        t.correct,
+        t.wrong_tokens,
+        t.failed_clear,
+        t.failed_unclear,
+        t.hung,
+        t.cancelled,
+    ) == (10, 5, 1, 1, 1, 1, 1)
     assert t.served == {"push": 1, "recompute": 1, "local": 1, "pull_fallback": 1}
     assert t.streamed_ok == 1
     assert t.wrong[0]["idx"] == 1
 
 
 def test_streaming_successes_are_attributed_from_the_consumer_counters() -> None:
-    t = tally([_rec(idx=i, status=200, text="t", stream=True, done_marker=True)
-               for i in range(5)] + [_rec(idx=9, status=200, text="t",
-                                          kvpush={"outcome": "pushed"})],
-              {i: "t" for i in (0, 1, 2, 3, 4, 9)})
-    got = attribute_streaming(t, {"pushed": 3, "retried": 1, "pull_fallback": 1,
-                                  "recompute": 7})
+    t = tally(
+        [_rec(idx=i, status=200, text="t", stream=True, done_marker=True) for i in range(5)]
+        + [_rec(idx=9, status=200, text="t", kvpush={"outcome": "pushed"})],
+        {i: "t" for i in (0, 1, 2, 3, 4, 9)},
+    )
+    got = attribute_streaming(t, {"pushed": 3, "retried": 1, "pull_fallback": 1, "recompute": 7})
     assert got == {"push": 3, "pull_fallback": 1, "recompute": 1, "unknown": 0}
 
 
@@ -128,7 +152,11 @@ def test_idle_problems_name_the_engine_and_the_series() -> None:
 
 def test_every_decode_engine_of_many_is_checked_for_credits_left() -> None:
     assert [role_of(n) for n in ("decode", "decode-1", "prefill", "prefill-1")] == [
-        "decode", "decode", "prefill", "prefill"]
+        "decode",
+        "decode",
+        "prefill",
+        "prefill",
+    ]
     d1 = Reading("decode-1", 0.0, True, blocks=0, active=0, credits=4, kv_usage=0.0)
     assert idle_problems(d1, 0.0) == ["decode-1: kvpush_credits_in_use_blocks=4"]
     p1 = Reading("prefill-1", 0.0, True, blocks=0, active=0, credits=None, kv_usage=0.0)
@@ -136,37 +164,60 @@ def test_every_decode_engine_of_many_is_checked_for_credits_left() -> None:
 
 
 def _failed(idx: int, started: float, ended: float) -> Any:
-    return _rec(idx=idx, started=started, ended=ended, status=502, error_kind="http",
-                error='{"error": {"message": "decode leg failed"}}')
+    return _rec(
+        idx=idx,
+        started=started,
+        ended=ended,
+        status=502,
+        error_kind="http",
+        error='{"error": {"message": "decode leg failed"}}',
+    )
 
 
 def test_failures_in_flight_at_a_kill_are_allowed_up_to_its_count() -> None:
-    kills = [Kill("decode-1", at=10.0, in_flight=2, until=10.2),
-             Kill("prefill-1", at=50.0, in_flight=1)]
+    kills = [
+        Kill("decode-1", at=10.0, in_flight=2, until=10.2),
+        Kill("prefill-1", at=50.0, in_flight=1),
+    ]
     ok = [_rec(idx=0, status=200, started=9.0, ended=12.0)]
     # Two failures spanning the first kill (one started while the kill ran), one the second.
-    assert failures_beyond_kills(
-        ok + [_failed(1, 8.0, 10.5), _failed(2, 10.1, 10.4), _failed(3, 49.0, 51.0)],
-        kills) == []
+    assert (
+        failures_beyond_kills(
+            ok + [_failed(1, 8.0, 10.5), _failed(2, 10.1, 10.4), _failed(3, 49.0, 51.0)], kills
+        )
+        == []
+    )
     # A third failure at the first kill is one more than were in flight on the victim.
     too_many = failures_beyond_kills(
-        [_failed(1, 8.0, 10.5), _failed(2, 9.0, 11.0), _failed(4, 9.5, 10.3)], kills)
-    assert too_many == ["3 requests failed at the kill of decode-1 (10.0 s), but only 2 were "
-                        "in flight on it"]
+        [_failed(1, 8.0, 10.5), _failed(2, 9.0, 11.0), _failed(4, 9.5, 10.3)], kills
+    )
+    assert too_many == [
+        "3 requests failed at the kill of decode-1 (10.0 s), but only 2 were in flight on it"
+    ]
     # A request sent while the victim was down must not fail (the other engines serve it).
     later = failures_beyond_kills([_failed(5, 20.0, 21.0)], kills)
     assert len(later) == 1 and later[0].startswith("request #5 (p) failed without a kill")
     # Hung and cancelled requests are judged by their own checks.
-    assert failures_beyond_kills([_rec(idx=6, error_kind="timeout", started=20.0),
-                                  _rec(idx=7, error_kind="cancelled", started=20.0)],
-                                 kills) == []
+    assert (
+        failures_beyond_kills(
+            [
+                _rec(idx=6, error_kind="timeout", started=20.0),
+                _rec(idx=7, error_kind="cancelled", started=20.0),
+            ],
+            kills,
+        )
+        == []
+    )
 
 
 # ------------------------------------------------------------------ counters across restarts
 
+
 def _samples(start: float, pushed: float) -> dict[Any, float]:
-    return {("process_start_time_seconds", ()): start,
-            (TRANSFERS, (("outcome", "pushed"), ("role", "consumer"))): pushed}
+    return {
+        ("process_start_time_seconds", ()): start,
+        (TRANSFERS, (("outcome", "pushed"), ("role", "consumer"))): pushed,
+    }
 
 
 def test_counter_increases_survive_an_engine_restart() -> None:
@@ -182,6 +233,7 @@ def test_counter_increases_survive_an_engine_restart() -> None:
 
 
 # ------------------------------------------------------------------ the load generator
+
 
 class FakeRouter:
     """Answers by prompt: 'ok', 'stream-ok', 'truncated', 'sse-error', 'down', 'slow'."""
@@ -204,10 +256,15 @@ class FakeRouter:
                 await asyncio.sleep(5)
             if not body.get("stream"):
                 reason = "abort" if mode == "abort" else "length"
-                return httpx.Response(200, json={
-                    "choices": [{"text": "" if mode == "abort" else " w1 w2",
-                                 "finish_reason": reason}],
-                    "usage": {"prompt_tokens": 3}})
+                return httpx.Response(
+                    200,
+                    json={
+                        "choices": [
+                            {"text": "" if mode == "abort" else " w1 w2", "finish_reason": reason}
+                        ],
+                        "usage": {"prompt_tokens": 3},
+                    },
+                )
             events = [{"choices": [{"text": f" w{i}"}]} for i in range(5)]
             lines = [f"data: {json.dumps(e)}\n\n" for e in events]
             if mode == "truncated":
@@ -216,15 +273,23 @@ class FakeRouter:
                 lines = lines[:1] + [f"data: {json.dumps({'error': {'message': 'boom'}})}\n\n"]
             else:
                 lines.append("data: [DONE]\n\n")
-            return httpx.Response(200, content="".join(lines).encode(),
-                                  headers={"content-type": "text/event-stream"})
+            return httpx.Response(
+                200, content="".join(lines).encode(), headers={"content-type": "text/event-stream"}
+            )
         finally:
             self.inflight -= 1
 
 
 def _gen(router: FakeRouter, n: int, mix: Mix, **kw: Any) -> LoadGenerator:
-    return LoadGenerator("http://router", workload(0, mix), concurrency=kw.pop("c", 4), limit=n,
-                         log=lambda m: None, transport=httpx.MockTransport(router), **kw)
+    return LoadGenerator(
+        "http://router",
+        workload(0, mix),
+        concurrency=kw.pop("c", 4),
+        limit=n,
+        log=lambda m: None,
+        transport=httpx.MockTransport(router),
+        **kw,
+    )
 
 
 def test_generator_records_answers_and_respects_concurrency() -> None:
@@ -249,8 +314,9 @@ def test_generator_flags_truncated_streams_and_stream_errors() -> None:
 def test_a_200_that_says_abort_is_an_unclear_failure_not_an_answer() -> None:
     router = FakeRouter()
     router.mode = "abort"
-    records = asyncio.run(_gen(router, 2, Mix(min_prompt=5, max_prompt=10,
-                                              stream_fraction=0.0)).run())
+    records = asyncio.run(
+        _gen(router, 2, Mix(min_prompt=5, max_prompt=10, stream_fraction=0.0)).run()
+    )
     assert [r.error_kind for r in records] == ["aborted", "aborted"]
     t = tally(records, {r.idx: " w1 w2" for r in records})
     assert (t.wrong_tokens, t.failed_unclear, t.failed_clear) == (0, 2, 0)
@@ -285,8 +351,15 @@ def test_generator_probes_one_at_a_time_during_an_outage() -> None:
 
 def test_generator_cancels_after_some_streamed_tokens() -> None:
     router = FakeRouter()
-    mix = Mix(min_prompt=5, max_prompt=10, stream_fraction=1.0, cancel_fraction=1.0,
-              cancel_tokens_fraction=1.0, min_tokens=4, max_tokens=6)
+    mix = Mix(
+        min_prompt=5,
+        max_prompt=10,
+        stream_fraction=1.0,
+        cancel_fraction=1.0,
+        cancel_tokens_fraction=1.0,
+        min_tokens=4,
+        max_tokens=6,
+    )
     records = asyncio.run(_gen(router, 4, mix).run())
     assert all(r.error_kind == "cancelled" and "tokens" in r.error for r in records)
     assert all(r.first_byte is not None for r in records)

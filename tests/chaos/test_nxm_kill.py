@@ -17,11 +17,19 @@ pytestmark = [pytest.mark.chaos, pytest.mark.full, pytest.mark.timeout(900)]
 
 
 def test_killing_one_of_two_engines_per_role_costs_at_most_its_requests(
-        cluster_pool: Any, reports_dir: Path) -> None:
+    cluster_pool: Any, reports_dir: Path
+) -> None:
     module = scenario("nxm_kill")
-    opts = Options(requests=32, concurrency=4, timeout=180.0, quiesce_timeout=90.0,
-                   progress_every=8, policy="recompute", max_prompt=1200,
-                   extra={"outage_rate": 0.5})
+    opts = Options(
+        requests=32,
+        concurrency=4,
+        timeout=180.0,
+        quiesce_timeout=90.0,
+        progress_every=8,
+        policy="recompute",
+        max_prompt=1200,
+        extra={"outage_rate": 0.5},
+    )
     needs = module.needs(opts)
     try:
         cluster = cluster_pool.get("nxm", needs)

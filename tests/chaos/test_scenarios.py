@@ -21,8 +21,13 @@ from kvpush_prod.chaos.verdict import table_markdown
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
-SHORT: dict[str, Any] = {"requests": 32, "concurrency": 6, "timeout": 120.0,
-                         "quiesce_timeout": 90.0, "progress_every": 8}
+SHORT: dict[str, Any] = {
+    "requests": 32,
+    "concurrency": 6,
+    "timeout": 120.0,
+    "quiesce_timeout": 90.0,
+    "progress_every": 8,
+}
 
 # group -> (the scenario whose needs define the cluster, D's kv_load_failure_policy)
 GROUPS = {
@@ -30,6 +35,8 @@ GROUPS = {
     "write30": ("write_failures", "recompute"),
     "switch": ("bad_peer", "fail"),
 }
+
+
 def case(group: str, name: str, extra: dict[str, Any], full: bool = False) -> Any:
     """One scenario on its group's cluster; ``full``: in the full run only
     (KVPUSH_E2E_EXTRA=1)."""
@@ -40,8 +47,12 @@ CASES = [
     case("plain", "kill_prefill", {}),
     case("plain", "kill_decode", {}),
     # Three restarts, ~4 min: kill_prefill and kill_decode restart their victims in CI.
-    case("plain", "restart_under_load",
-         {"events": "prefill:term,decode:kill,prefill:rolling"}, full=True),
+    case(
+        "plain",
+        "restart_under_load",
+        {"events": "prefill:term,decode:kill,prefill:rolling"},
+        full=True,
+    ),
     # Its own cluster, ~2 min: tests/e2e/test_multichunk.py fails 30% of WRITEs on the
     # same profile in CI and checks retries, caps and pulls only after retries.
     case("write30", "write_failures", {}, full=True),
@@ -53,8 +64,9 @@ _REPORTS: list[dict[str, Any]] = []
 
 
 @pytest.mark.parametrize(("group", "name", "extra"), CASES)
-def test_chaos_scenario_verdict_is_pass(cluster_pool: Any, reports_dir: Path, group: str,
-                                        name: str, extra: dict[str, Any]) -> None:
+def test_chaos_scenario_verdict_is_pass(
+    cluster_pool: Any, reports_dir: Path, group: str, name: str, extra: dict[str, Any]
+) -> None:
     definer, policy = GROUPS[group]
     opts = Options(**SHORT, policy=policy, extra=extra)
     needs = scenario(definer).needs(opts)

@@ -35,16 +35,20 @@ def test_validate_reaches_through_the_kvpush_command(capsys: pytest.CaptureFixtu
     assert capsys.readouterr().out.startswith("OK: ")
 
 
-@pytest.mark.parametrize(("extra", "needles"), [
-    ('{"push": {"chunk_bytes": 10}}', ["push.chunk_bytes = 10", ">= 4096", "Fix:"]),
-    ('{"push": {"chunk_byts": 1}}', ["push.chunk_byts", "did you mean 'chunk_bytes'"]),
-    ('{"faultz": {}}', ["faultz", "unknown section"]),
-    ('{bad json', ["not valid JSON"]),
-    ('[1, 2]', ["JSON object"]),
-    ('{"profile": "other.yaml"}', ["two profiles"]),
-])
-def test_validate_errors_exit_2_and_say_why(capsys: pytest.CaptureFixture[str], extra: str,
-                                            needles: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ('{"push": {"chunk_bytes": 10}}', ["push.chunk_bytes = 10", ">= 4096", "Fix:"]),
+        ('{"push": {"chunk_byts": 1}}', ["push.chunk_byts", "did you mean 'chunk_bytes'"]),
+        ('{"faultz": {}}', ["faultz", "unknown section"]),
+        ("{bad json", ["not valid JSON"]),
+        ("[1, 2]", ["JSON object"]),
+        ('{"profile": "other.yaml"}', ["two profiles"]),
+    ],
+)
+def test_validate_errors_exit_2_and_say_why(
+    capsys: pytest.CaptureFixture[str], extra: str, needles: list[str]
+) -> None:
     assert main(["validate", EFA, "--extra", extra]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -52,16 +56,21 @@ def test_validate_errors_exit_2_and_say_why(capsys: pytest.CaptureFixture[str], 
         assert needle in captured.err
 
 
-def test_validate_missing_profile_exits_2(capsys: pytest.CaptureFixture[str],
-                                          tmp_path: Path) -> None:
+def test_validate_missing_profile_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     assert main(["validate", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_extra_from_a_file_and_as_a_whole_kv_transfer_config(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    ktc = {"kv_connector": "PushConnector", "kv_role": "kv_consumer",
-           "kv_connector_extra_config": {"profile": EFA, "control": {"port": 16000}}}
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ktc = {
+        "kv_connector": "PushConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"profile": EFA, "control": {"port": 16000}},
+    }
     path = tmp_path / "ktc.json"
     path.write_text(json.dumps(ktc))
     assert main(["show", "--extra", f"@{path}", "--format", "json"]) == 0
@@ -74,7 +83,8 @@ def test_extra_from_a_file_and_as_a_whole_kv_transfer_config(
 
 
 def test_show_says_where_each_value_came_from_and_masks_the_secret(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVPUSH_PARAMS_KEY", "hunter2-very-secret")
     assert main(["show", EFA, "--extra", '{"control": {"port": 15600}}']) == 0
     out = capsys.readouterr().out
@@ -87,16 +97,17 @@ def test_show_says_where_each_value_came_from_and_masks_the_secret(
 
 
 def test_show_output_is_a_profile_that_loads_to_the_same_config(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["show", EFA, "--extra", '{"push": {"chunk_bytes": 1048576}}']) == 0
     path = tmp_path / "effective.yaml"
     path.write_text(capsys.readouterr().out)
-    assert load_config(path, env={}) == load_config(EFA, {"push": {"chunk_bytes": 1048576}},
-                                                    env={})
+    assert load_config(path, env={}) == load_config(EFA, {"push": {"chunk_bytes": 1048576}}, env={})
 
 
-def test_profile_from_the_environment(monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("KVPUSH_PROFILE", EFA)
     assert main(["show"]) == 0
     assert f"# profile: {EFA}" in capsys.readouterr().out

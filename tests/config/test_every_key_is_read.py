@@ -63,9 +63,19 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
     "push.layerwise_min_transfer_ms": ("connector/worker.py", "p.layerwise_min_transfer_ms"),
     "verify.checksums": ("connector/worker.py", "cfg.verify.checksums"),
     # The fault injector takes its whole section (model_dump) and reads each field.
-    **{f"faults.{k}": ("transport/faults.py", f"self.s.{k}")
-       for k in ("post_fail_rate", "complete_fail_rate", "error", "fail_nth", "delay_ms",
-                 "stall_rate", "drop_done_rate", "active_file")},
+    **{
+        f"faults.{k}": ("transport/faults.py", f"self.s.{k}")
+        for k in (
+            "post_fail_rate",
+            "complete_fail_rate",
+            "error",
+            "fail_nth",
+            "delay_ms",
+            "stall_rate",
+            "drop_done_rate",
+            "active_file",
+        )
+    },
     "faults.op": ("transport/faults.py", "s.op"),
     "faults.peers": ("transport/faults.py", "s.peers"),
     "faults.enabled": ("connector/worker.py", "faults.enabled"),
@@ -121,8 +131,11 @@ def _core(cfg: KvpushConfig, fns: CoreFns = (core_settings, credit_settings)) ->
 def attribute_reads(source: str) -> frozenset[str]:
     """Every attribute read (``a.b.c``, as written) in the code of ``source``: comments,
     strings and docstrings hold none."""
-    return frozenset(ast.unparse(node) for node in ast.walk(ast.parse(source))
-                     if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load))
+    return frozenset(
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+    )
 
 
 def _shell_problem(name: str, src: Path) -> str | None:
@@ -155,8 +168,10 @@ def _unread(src: Path = SRC, fns: CoreFns = (core_settings, credit_settings)) ->
         if cfg is None:
             out.append(f"{name}: no valid value other than the default to trace it with")
         elif _core(cfg, fns) == base:
-            out.append(f"{name}: a distinctive value reaches none of the core's settings "
-                       "(config.core) and no shell reads it (SHELL_READERS)")
+            out.append(
+                f"{name}: a distinctive value reaches none of the core's settings "
+                "(config.core) and no shell reads it (SHELL_READERS)"
+            )
     return out
 
 
@@ -164,8 +179,16 @@ def test_every_key_in_the_configuration_reference_is_read_on_the_real_path() -> 
     assert _unread() == []
 
 
-@pytest.mark.parametrize("key", ["push.max_inflight_chunks", "retry.done_query_timeout_ms",
-                                 "push.chunk_bytes", "breaker.window_s", "fallback.pull"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "push.max_inflight_chunks",
+        "retry.done_query_timeout_ms",
+        "push.chunk_bytes",
+        "breaker.window_s",
+        "fallback.pull",
+    ],
+)
 def test_a_key_of_the_push_sections_reaches_the_core(key: str) -> None:
     section, name = key.split(".")
     cfg = _distinct(section, name)
@@ -178,18 +201,24 @@ def test_the_trace_catches_a_key_nothing_reads() -> None:
     def forgetful(cfg: KvpushConfig, block_bytes: int) -> Any:
         # As if config.core dropped push.max_inflight_chunks (as it did): the default goes
         # through whatever the configuration says.
-        return real(cfg.model_copy(update={"push": cfg.push.model_copy(
-            update={"max_inflight_chunks": 64})}), block_bytes)
+        return real(
+            cfg.model_copy(
+                update={"push": cfg.push.model_copy(update={"max_inflight_chunks": 64})}
+            ),
+            block_bytes,
+        )
 
     unread = _unread(fns=(forgetful, credit_settings))
     assert any(u.startswith("push.max_inflight_chunks:") for u in unread)
 
 
 def test_a_read_in_a_comment_or_a_string_is_not_a_read() -> None:
-    source = ('"""self.cfg.transport.idle_poll_ms"""\n'
-              "# idle = self.cfg.transport.idle_poll_ms\n"
-              "x = 'self.cfg.transport.idle_poll_ms'\n"
-              "y = self.cfg.transport.active_poll_ms\n")
+    source = (
+        '"""self.cfg.transport.idle_poll_ms"""\n'
+        "# idle = self.cfg.transport.idle_poll_ms\n"
+        "x = 'self.cfg.transport.idle_poll_ms'\n"
+        "y = self.cfg.transport.active_poll_ms\n"
+    )
     reads = attribute_reads(source)
     assert "self.cfg.transport.idle_poll_ms" not in reads
     assert "self.cfg.transport.active_poll_ms" in reads
@@ -208,9 +237,11 @@ def _copy_src(tmp_path: Path) -> Path:
 
 
 def _reader_nodes(source: str, expr: str) -> list[ast.Attribute]:
-    return [n for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)
-            and ast.unparse(n) == expr]
+    return [
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and ast.unparse(n) == expr
+    ]
 
 
 def _replace_reads(source: str, expr: str, by: str) -> str:
@@ -222,7 +253,7 @@ def _replace_reads(source: str, expr: str, by: str) -> str:
     for n in sorted(nodes, key=lambda n: (n.lineno, n.col_offset), reverse=True):
         assert n.end_lineno == n.lineno and n.end_col_offset is not None
         line = lines[n.lineno - 1]
-        lines[n.lineno - 1] = line[: n.col_offset] + by + line[n.end_col_offset:]
+        lines[n.lineno - 1] = line[: n.col_offset] + by + line[n.end_col_offset :]
     return "".join(lines)
 
 
@@ -238,8 +269,14 @@ def test_any_shell_reader_replaced_by_a_constant_is_caught(tmp_path: Path, key: 
 
 # Readers on a line of their own: commented out, the module still parses, and the key's
 # name is still in its text (the substring check that came before let these pass).
-COMMENTED_OUT = ["transport.idle_poll_ms", "transport.active_poll_ms", "push.chunk_timeout_s",
-                 "faults.seed", "control.port", "faults.enabled"]
+COMMENTED_OUT = [
+    "transport.idle_poll_ms",
+    "transport.active_poll_ms",
+    "push.chunk_timeout_s",
+    "faults.seed",
+    "control.port",
+    "faults.enabled",
+]
 
 
 def _comment_out_reads(source: str, expr: str) -> str:
@@ -274,20 +311,29 @@ def _config_reads(tree: ast.Module) -> Iterator[tuple[ast.Attribute, str, str]]:
     aliases: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
-            targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else \
-                node.targets
+            targets = (
+                node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+            )
             values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
             for t, v in zip(targets, values, strict=False):
-                if (isinstance(t, ast.Name) and isinstance(v, ast.Attribute)
-                        and isinstance(v.value, ast.Name) and v.value.id == "cfg"):
+                if (
+                    isinstance(t, ast.Name)
+                    and isinstance(v, ast.Attribute)
+                    and isinstance(v.value, ast.Name)
+                    and v.value.id == "cfg"
+                ):
                     aliases[t.id] = v.attr
     sections = {s for s, _, _ in field_rows()}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ast.Load):
             continue
         owner = node.value
-        if (isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name)
-                and owner.value.id == "cfg" and owner.attr in sections):
+        if (
+            isinstance(owner, ast.Attribute)
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id == "cfg"
+            and owner.attr in sections
+        ):
             yield node, owner.attr, node.attr
         elif isinstance(owner, ast.Name) and owner.id in aliases:
             yield node, aliases[owner.id], node.attr
@@ -305,9 +351,11 @@ def _equivalent(line: str, section: str, key: str) -> bool:
 
 
 _CORE_LINES = CORE_PY.read_text().splitlines()
-CORE_READS = [(n.lineno, n.col_offset, s, k)
-              for n, s, k in _config_reads(ast.parse(CORE_PY.read_text()))
-              if not _equivalent(_CORE_LINES[n.lineno - 1], s, k)]
+CORE_READS = [
+    (n.lineno, n.col_offset, s, k)
+    for n, s, k in _config_reads(ast.parse(CORE_PY.read_text()))
+    if not _equivalent(_CORE_LINES[n.lineno - 1], s, k)
+]
 
 
 def _load(path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -345,22 +393,29 @@ def test_the_unmutated_mapping_passes_every_check(monkeypatch: pytest.MonkeyPatc
     assert _failures((core_settings, credit_settings), monkeypatch) == []
 
 
-@pytest.mark.parametrize(("line", "col", "section", "key"), CORE_READS,
-                         ids=[f"{s}.{k}@{ln}" for ln, _, s, k in CORE_READS])
+@pytest.mark.parametrize(
+    ("line", "col", "section", "key"),
+    CORE_READS,
+    ids=[f"{s}.{k}@{ln}" for ln, _, s, k in CORE_READS],
+)
 def test_any_reader_of_config_core_ignoring_its_key_is_caught(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: int, col: int, section: str,
-        key: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: int, col: int, section: str, key: str
+) -> None:
     # The read becomes the key's default: what commenting out a keyword argument does (the
     # core's defaults equal the configuration's), and possible for positional ones too.
     default = getattr(getattr(KvpushConfig(), section), key)
     lines = CORE_PY.read_text().splitlines(keepends=True)
-    (node,) = [n for n, _, _ in _config_reads(ast.parse(CORE_PY.read_text()))
-               if (n.lineno, n.col_offset) == (line, col)]
+    (node,) = [
+        n
+        for n, _, _ in _config_reads(ast.parse(CORE_PY.read_text()))
+        if (n.lineno, n.col_offset) == (line, col)
+    ]
     assert node.end_lineno == line and node.end_col_offset is not None
     text = lines[line - 1]
-    lines[line - 1] = text[:col] + repr(default) + text[node.end_col_offset:]
+    lines[line - 1] = text[:col] + repr(default) + text[node.end_col_offset :]
     path = tmp_path / "core.py"
     path.write_text("".join(lines))
     mutant = _load(path, monkeypatch)
-    assert _failures((mutant.core_settings, mutant.credit_settings), monkeypatch), \
+    assert _failures((mutant.core_settings, mutant.credit_settings), monkeypatch), (
         f"{section}.{key} at config/core.py:{line} ignored and no check failed"
+    )

@@ -34,11 +34,15 @@ def test_every_shipped_profile_is_valid() -> None:
 
 
 def test_overrides_win_over_the_profile_and_the_environment_wins_over_both() -> None:
-    cfg = config_from_extra({"profile": str(CONFIGS / "cpu-loopback.yaml"),
-                             "control": {"port": 17000}})
+    cfg = config_from_extra(
+        {"profile": str(CONFIGS / "cpu-loopback.yaml"), "control": {"port": 17000}}
+    )
     assert cfg.control.port == 17000
-    cfg = load_config(None, {"control": {"key_file": "a", "allowed_keys": "d"}},
-                      env={"KVPUSH_KEY_FILE": "b", "KVPUSH_PARAMS_KEY": "p" * 32})
+    cfg = load_config(
+        None,
+        {"control": {"key_file": "a", "allowed_keys": "d"}},
+        env={"KVPUSH_KEY_FILE": "b", "KVPUSH_PARAMS_KEY": "p" * 32},
+    )
     assert cfg.control.key_file == "b" and cfg.control.params_key == "p" * 32
 
 
@@ -79,7 +83,8 @@ def test_default_profile_spells_out_exactly_the_built_in_defaults() -> None:
     raw = yaml.safe_load((CONFIGS / "default.yaml").read_text())
     assert load_config(CONFIGS / "default.yaml", env={}) == KvpushConfig()
     assert {(s, k) for s, keys in raw.items() for k in keys} == {
-        (s, k) for s, k, _ in field_rows()}, "default.yaml must list every key"
+        (s, k) for s, k, _ in field_rows()
+    }, "default.yaml must list every key"
 
 
 def test_cpu_loopback_keeps_the_values_tests_and_demo_rely_on() -> None:
@@ -113,7 +118,8 @@ def test_every_profile_explains_itself_in_comments() -> None:
 
 
 def test_errors_give_the_allowed_range_where_the_value_came_from_and_the_fix(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     profile = tmp_path / "p.yaml"
     profile.write_text("push:\n  max_inflight_chunks: 0\n")
     with pytest.raises(ConfigError) as info:
@@ -160,43 +166,56 @@ def test_the_removed_shared_secret_says_what_replaced_it() -> None:
         load_config(None, None, env={"KVPUSH_SECRET": "hunter2"})
 
 
-@pytest.mark.parametrize(("control", "needle"), [
-    ({"host": "10.0.0.5"}, "without authentication"),
-    ({"host": "0.0.0.0", "advertise_host": "10.0.0.5"}, "without authentication"),
-    ({"key_file": "k"}, "allowed_keys is not"),
-    ({"allowed_keys": "d"}, "key_file is not"),
-    ({"key_file": "k", "allowed_keys": "d", "insecure": True}, "remove insecure"),
-    ({"allowed_peers": ["10.0.0.0/33"]}, "not a network"),
-])
-def test_a_network_control_port_needs_keys_or_an_explicit_insecure(control: dict,
-                                                                   needle: str) -> None:
+@pytest.mark.parametrize(
+    ("control", "needle"),
+    [
+        ({"host": "10.0.0.5"}, "without authentication"),
+        ({"host": "0.0.0.0", "advertise_host": "10.0.0.5"}, "without authentication"),
+        ({"key_file": "k"}, "allowed_keys is not"),
+        ({"allowed_keys": "d"}, "key_file is not"),
+        ({"key_file": "k", "allowed_keys": "d", "insecure": True}, "remove insecure"),
+        ({"allowed_peers": ["10.0.0.0/33"]}, "not a network"),
+    ],
+)
+def test_a_network_control_port_needs_keys_or_an_explicit_insecure(
+    control: dict, needle: str
+) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(None, {"control": control}, env={})
 
 
 def test_keys_or_an_explicit_insecure_allow_a_network_address() -> None:
-    for control in ({"host": "10.0.0.5", "key_file": "k", "allowed_keys": "d"},
-                    {"host": "10.0.0.5", "insecure": True},
-                    {"host": "::1"}, {"host": "localhost"}):
+    for control in (
+        {"host": "10.0.0.5", "key_file": "k", "allowed_keys": "d"},
+        {"host": "10.0.0.5", "insecure": True},
+        {"host": "::1"},
+        {"host": "localhost"},
+    ):
         load_config(None, {"control": control}, env={})
 
 
-@pytest.mark.parametrize(("overrides", "needle"), [
-    ({"control": {"host": "0.0.0.0"}}, "set advertise_host"),
-    ({"control": {"host": "0.0.0.0", "advertise_host": "0.0.0.0"}}, "not an address peers"),
-    ({"leases": {"send_lease_ttl_s": 1.5}}, "half of send_lease_ttl_s"),
-    ({"retry": {"base_backoff_ms": 300}}, "max_backoff_ms=200.0 must be >= base_backoff_ms"),
-    ({"breaker": {"cooldown_s": 600}}, "max_cooldown_s=300.0 must be >= cooldown_s"),
-    ({"push": {"target_latency_ms": float("nan")}}, "push.target_latency_ms"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"control": {"host": "0.0.0.0"}}, "set advertise_host"),
+        ({"control": {"host": "0.0.0.0", "advertise_host": "0.0.0.0"}}, "not an address peers"),
+        ({"leases": {"send_lease_ttl_s": 1.5}}, "half of send_lease_ttl_s"),
+        ({"retry": {"base_backoff_ms": 300}}, "max_backoff_ms=200.0 must be >= base_backoff_ms"),
+        ({"breaker": {"cooldown_s": 600}}, "max_cooldown_s=300.0 must be >= cooldown_s"),
+        ({"push": {"target_latency_ms": float("nan")}}, "push.target_latency_ms"),
+    ],
+)
 def test_rules_across_keys_are_enforced(overrides: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, overrides, env={})
 
 
 def test_a_wildcard_bind_with_an_advertised_address_is_fine() -> None:
-    cfg = load_config(None, {"control": {"host": "0.0.0.0", "advertise_host": "10.0.0.5",
-                                         "insecure": True}}, env={})
+    cfg = load_config(
+        None,
+        {"control": {"host": "0.0.0.0", "advertise_host": "10.0.0.5", "insecure": True}},
+        env={},
+    )
     assert cfg.control.advertise_host == "10.0.0.5"
 
 
@@ -225,11 +244,16 @@ def test_any_out_of_range_number_is_refused_naming_key_value_and_range(data: st.
     section, key, f = data.draw(st.sampled_from(_numeric_fields()))
     lo, lo_open, hi, hi_open = _bounds(f)
     assert lo is not None and hi is not None, f"{section}.{key} needs both bounds"
-    below = st.integers(max_value=int(lo) - (0 if lo_open else 1)) if f.annotation is int \
-        else st.floats(max_value=lo, exclude_max=not lo_open, allow_nan=False,
-                       allow_infinity=False)
-    above = st.integers(min_value=int(hi) + 1) if f.annotation is int \
+    below = (
+        st.integers(max_value=int(lo) - (0 if lo_open else 1))
+        if f.annotation is int
+        else st.floats(max_value=lo, exclude_max=not lo_open, allow_nan=False, allow_infinity=False)
+    )
+    above = (
+        st.integers(min_value=int(hi) + 1)
+        if f.annotation is int
         else st.floats(min_value=hi, exclude_min=True, allow_nan=False, allow_infinity=False)
+    )
     value = data.draw(st.one_of(below, above))
     with pytest.raises(ConfigError) as info:
         load_config(None, {section: {key: value}}, env={})
@@ -247,8 +271,10 @@ def test_in_range_values_of_one_key_are_accepted(data: st.DataObject) -> None:
     lo, lo_open, hi, hi_open = _bounds(f)
     assert lo is not None and hi is not None
     value = data.draw(
-        st.integers(min_value=int(lo) + int(lo_open), max_value=int(hi)) if f.annotation is int
-        else st.floats(min_value=lo, max_value=hi, exclude_min=lo_open, exclude_max=hi_open))
+        st.integers(min_value=int(lo) + int(lo_open), max_value=int(hi))
+        if f.annotation is int
+        else st.floats(min_value=lo, max_value=hi, exclude_min=lo_open, exclude_max=hi_open)
+    )
     cfg = load_config(None, {section: {key: value}}, env={})
     assert getattr(getattr(cfg, section), key) == value
 
@@ -259,8 +285,7 @@ def test_in_range_values_of_one_key_are_accepted(data: st.DataObject) -> None:
 def test_resolve_config_says_where_each_value_came_from(tmp_path: Path) -> None:
     profile = tmp_path / "p.yaml"
     profile.write_text("push:\n  chunk_bytes: 1048576\ncontrol:\n  port: 16000\n")
-    r = resolve_config(profile, {"control": {"port": 17000}},
-                       env={"KVPUSH_PARAMS_KEY": "s" * 32})
+    r = resolve_config(profile, {"control": {"port": 17000}}, env={"KVPUSH_PARAMS_KEY": "s" * 32})
     assert r.source_of("push", "chunk_bytes") == "profile"
     assert r.source_of("control", "port") == "extra"
     assert r.source_of("control", "params_key") == "env"

@@ -82,8 +82,7 @@ def test_the_engine_thread_never_waits_for_the_lock_the_pump_holds() -> None:
         assert held.wait(5)
         t0 = time.monotonic()
         if pump is pair.d:
-            d.on_metadata(PushMetadata(recv=[RecvSpec("d-t", "t", "p", 1, [10, 11, 12], 0,
-                                                      300)]))
+            d.on_metadata(PushMetadata(recv=[RecvSpec("d-t", "t", "p", 1, [10, 11, 12], 0, 300)]))
             d.get_finished()
         else:
             p.on_metadata(PushMetadata(expect_send=[("t", "")]))

@@ -8,16 +8,27 @@ from kvpush_prod.connector.compat import attention_facts, layout_facts
 
 
 def _configs(use_mla: bool) -> tuple[SimpleNamespace, SimpleNamespace]:
-    hf = SimpleNamespace(model_type="deepseek_v2", num_hidden_layers=2, kv_lora_rank=512,
-                         qk_rope_head_dim=64)
-    model = SimpleNamespace(model="m", served_model_name="tiny", revision=None, dtype="float32",
-                            hf_config=hf, hf_text_config=hf, use_mla=use_mla)
-    vllm_config = SimpleNamespace(model_config=model,
-                                  cache_config=SimpleNamespace(cache_dtype="auto"),
-                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    hf = SimpleNamespace(
+        model_type="deepseek_v2", num_hidden_layers=2, kv_lora_rank=512, qk_rope_head_dim=64
+    )
+    model = SimpleNamespace(
+        model="m",
+        served_model_name="tiny",
+        revision=None,
+        dtype="float32",
+        hf_config=hf,
+        hf_text_config=hf,
+        use_mla=use_mla,
+    )
+    vllm_config = SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
     spec = SimpleNamespace(block_size=16, num_kv_heads=1, head_size=576 if use_mla else 192)
-    kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)],
-                         kv_cache_layout="NHD")
+    kv = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)], kv_cache_layout="NHD"
+    )
     return vllm_config, kv
 
 

@@ -18,8 +18,13 @@ from kvpush_prod.core.vocabulary import Side
 from kvpush_prod.metrics import StatsBuffer
 
 BS = 16
-PREFILL = {"do_remote_prefill": True, "remote_engine_id": "prefill-0",
-           "remote_host": "10.0.0.1", "remote_port": 15500, "tp_size": 1}
+PREFILL = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_host": "10.0.0.1",
+    "remote_port": 15500,
+    "tp_size": 1,
+}
 DECODE = {"do_remote_decode": True, "transfer_id": "t1", "remote_engine_id": "decode-0"}
 
 
@@ -32,9 +37,13 @@ def boom(*_: Any, **__: Any) -> Any:
 
 
 def request(rid: str, prompt: int, params: dict[str, Any] | None, computed: int = 0) -> Any:
-    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           kv_transfer_params=params,
-                           prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)])
+    return SimpleNamespace(
+        request_id=rid,
+        num_prompt_tokens=prompt,
+        num_computed_tokens=computed,
+        kv_transfer_params=params,
+        prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)],
+    )
 
 
 def blocks(ids: list[int]) -> Any:
@@ -42,8 +51,12 @@ def blocks(ids: list[int]) -> Any:
 
 
 def output(**kw: Any) -> Any:
-    base: dict[str, Any] = {"finished_sending": None, "finished_recving": None,
-                            "failed_recving": None, "kv_connector_worker_meta": None}
+    base: dict[str, Any] = {
+        "finished_sending": None,
+        "finished_recving": None,
+        "failed_recving": None,
+        "kv_connector_worker_meta": None,
+    }
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -59,8 +72,16 @@ def connector(side: Side, scheduler: Any = None, worker: Any = None) -> Any:
 
 
 def d_connector(cfg: KvpushConfig | None = None) -> tuple[Any, ConsumerSide]:
-    d = scheduler_side(cfg or config_from_extra({"credits": {"budget_fraction": 0.5}}),
-                       Side.CONSUMER, "decode-0", BS, 1000, 1, 0, 100)
+    d = scheduler_side(
+        cfg or config_from_extra({"credits": {"budget_fraction": 0.5}}),
+        Side.CONSUMER,
+        "decode-0",
+        BS,
+        1000,
+        1,
+        0,
+        100,
+    )
     assert isinstance(d, ConsumerSide)
     return connector(Side.CONSUMER, scheduler=d), d
 
@@ -74,8 +95,9 @@ def p_connector() -> tuple[Any, ProducerSide]:
 def hook_errors(c: Any) -> dict[tuple[str, ...], float]:
     stats = c.get_kv_connector_stats()
     data = stats.data if stats is not None else {}
-    return {tuple(labels): v for name, labels, v in data.get("c", [])
-            if name == "kvpush_hook_errors"}
+    return {
+        tuple(labels): v for name, labels, v in data.get("c", []) if name == "kvpush_hook_errors"
+    }
 
 
 # ------------------------------------------------------------------ D, scheduler side
@@ -314,7 +336,8 @@ def spec(rid: str, tid: str) -> RecvSpec:
 
 @pytest.mark.parametrize("reached", [False, True])
 def test_metadata_that_fails_to_reach_the_pump_fails_its_receives_and_only_then(
-        reached: bool) -> None:
+    reached: bool,
+) -> None:
     worker = FakeWorker()
 
     def on_metadata(meta: PushMetadata) -> None:
@@ -333,8 +356,9 @@ def test_metadata_that_fails_to_reach_the_pump_fails_its_receives_and_only_then(
     assert hook_errors(c) == {("consumer", "bind_connector_metadata"): 1}
 
 
-@pytest.mark.parametrize("hook", ["get_finished", "take_outcomes", "after_forward", "shutdown",
-                                  "get_stats"])
+@pytest.mark.parametrize(
+    "hook", ["get_finished", "take_outcomes", "after_forward", "shutdown", "get_stats"]
+)
 def test_a_worker_hook_that_raises_is_contained(hook: str) -> None:
     worker = FakeWorker()
     setattr(worker, hook, boom)
@@ -344,6 +368,9 @@ def test_a_worker_hook_that_raises_is_contained(hook: str) -> None:
     assert c.build_connector_worker_meta() is None
     c.wait_for_save()
     c.shutdown()
-    label = {"take_outcomes": "build_connector_worker_meta", "after_forward": "wait_for_save",
-             "get_stats": "get_kv_connector_stats"}.get(hook, hook)
+    label = {
+        "take_outcomes": "build_connector_worker_meta",
+        "after_forward": "wait_for_save",
+        "get_stats": "get_kv_connector_stats",
+    }.get(hook, hook)
     assert hook_errors(c) == {("producer", label): 1}

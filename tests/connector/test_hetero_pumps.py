@@ -26,8 +26,15 @@ TOTAL_HEADS = 2
 
 def layout(tp: int, rank: int) -> m.Layout:
     local = TOTAL_HEADS // tp
-    return m.Layout("c", "DRAM", [m.Region(0, 100, 50 * local, 64)], tp_size=tp,
-                    tp_rank=rank, kv_heads=local, total_kv_heads=TOTAL_HEADS)
+    return m.Layout(
+        "c",
+        "DRAM",
+        [m.Region(0, 100, 50 * local, 64)],
+        tp_size=tp,
+        tp_rank=rank,
+        kv_heads=local,
+        total_kv_heads=TOTAL_HEADS,
+    )
 
 
 class TpTransport(Transport):
@@ -43,8 +50,9 @@ class TpTransport(Transport):
     def connect(self, agent_meta: bytes, lay: m.Layout, expect_name: str = "") -> RemotePeer:
         from kvpush_prod.transport.layout import pair_views
 
-        local, remote = pair_views(self._lay, lay, producer=self._lay is not None
-                                   and self.side_is_p)
+        local, remote = pair_views(
+            self._lay, lay, producer=self._lay is not None and self.side_is_p
+        )
         self.views.append((local, remote))
         return RemotePeer(expect_name, remote, None, local)
 
@@ -62,20 +70,29 @@ class World:
                 host = "p" if role is Side.PRODUCER else "d"
                 control = f"tcp://{host}:{1 + rank}"
                 lay = layout(tp, rank)
-                me = m.PeerInfo(host.upper(), 1, rank, control,
-                                agent_name(f"agent-{host}{rank}", control), b"meta", lay)
+                me = m.PeerInfo(
+                    host.upper(),
+                    1,
+                    rank,
+                    control,
+                    agent_name(f"agent-{host}{rank}", control),
+                    b"meta",
+                    lay,
+                )
                 t = TpTransport(self.nic, me.agent_name, lay)
                 t.side_is_p = role is Side.PRODUCER
                 ws = WorkerSide(CFG, role, host.upper(), rank, tp, 0, "sig", 64)
                 ws.layout = lay
                 ep: Any = Endpoint(self.wire, control)
                 if role is Side.PRODUCER:
-                    ws._tx = SenderPump(CFG, Sender(me, settings.sender, _Rng()), t, ep,
-                                        ws.results, ws.stats)
+                    ws._tx = SenderPump(
+                        CFG, Sender(me, settings.sender, _Rng()), t, ep, ws.results, ws.stats
+                    )
                     ws._tx.splits = Splits(rank, tp, TOTAL_HEADS)
                 else:
-                    ws._rx = ReceiverPump(CFG, Receiver(me, settings.receiver, _Rng()), t, ep,
-                                          ws.results, ws.stats)
+                    ws._rx = ReceiverPump(
+                        CFG, Receiver(me, settings.receiver, _Rng()), t, ep, ws.results, ws.stats
+                    )
                 out.append(ws)
 
     def step(self, n: int = 4) -> None:
@@ -87,8 +104,7 @@ class World:
                     pump._pass(True)
 
     def run(self, p_tp: int, blocks_ready_first: bool = False) -> None:
-        recv = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200,
-                                           p_tp=p_tp)])
+        recv = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=p_tp)])
         for ws in self.p:
             ws.on_metadata(PushMetadata(expect_send=[("t", "")]))
         if not blocks_ready_first:
@@ -117,9 +133,9 @@ def test_two_p_ranks_fill_one_d_rank_and_d_reports_once_both_arrived() -> None:
     for ws in w.p:
         assert w.posts(ws) == [("WRITE", [1], [10]), ("WRITE", [2], [11])]
         # P's whole block into this rank's half of D's block.
-        t = (ws._tx.transport)  # type: ignore[union-attr]
+        t = ws._tx.transport  # type: ignore[union-attr]
         assert isinstance(t, TpTransport)
-        (local, remote), = t.views
+        ((local, remote),) = t.views
         assert local.regions[0].block_len == 50 and remote.regions[0].block_len == 50
         assert remote.regions[0].base == 50 * ws.tp_rank
         assert ws.results.take()[0] == {"p-req"}
@@ -168,8 +184,9 @@ def test_a_prefill_size_that_cannot_map_fails_the_receive_at_once() -> None:
 def test_a_refused_size_lets_every_p_rank_free_its_blocks_at_once() -> None:
     w = World(1, 2)
     (p,) = w.p
-    p.on_metadata(PushMetadata(expect_send=[("t", "")], send=[SendSpec("p-req", "t", [1, 2])],
-                               hold=["t"]))
+    p.on_metadata(
+        PushMetadata(expect_send=[("t", "")], send=[SendSpec("p-req", "t", [1, 2])], hold=["t"])
+    )
     p.after_forward()
     w.step()
     bad = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=3)])
@@ -190,9 +207,11 @@ def test_a_prefix_hit_from_a_refused_size_also_frees_every_p_rank() -> None:
     for ws in w.d:
         ws.on_metadata(PushMetadata(notices=[(PeerRef("t", "p", 1, p_tp=3), Notice.NOT_NEEDED)]))
         ws._rx._pass(True)  # type: ignore[union-attr]
-    assert sorted(a for a, box in w.wire.inbox.items() if a.startswith("tcp://p:")
-                  and any(isinstance(x, m.Cancel) for x in box)) == [
-        "tcp://p:1", "tcp://p:2", "tcp://p:3"]
+    assert sorted(
+        a
+        for a, box in w.wire.inbox.items()
+        if a.startswith("tcp://p:") and any(isinstance(x, m.Cancel) for x in box)
+    ) == ["tcp://p:1", "tcp://p:2", "tcp://p:3"]
 
 
 def test_a_p_rank_that_feeds_no_d_rank_is_told_at_once() -> None:
@@ -200,12 +219,12 @@ def test_a_p_rank_that_feeds_no_d_rank_is_told_at_once() -> None:
     w = World(2, 1)
     (d,) = w.d
     d.layout = msgspec.structs.replace(layout(1, 0), replicated=True)
-    d.on_metadata(PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200,
-                                              p_tp=2)]))
+    d.on_metadata(PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=2)]))
     d._rx._pass(True)  # type: ignore[union-attr]
-    kinds = {address: [type(x) for x in w.wire.inbox[address]
-                       if not isinstance(x, m.Heartbeat)]
-             for address in ("tcp://p:1", "tcp://p:2")}
+    kinds = {
+        address: [type(x) for x in w.wire.inbox[address] if not isinstance(x, m.Heartbeat)]
+        for address in ("tcp://p:1", "tcp://p:2")
+    }
     assert kinds == {"tcp://p:1": [m.Register], "tcp://p:2": [m.Cancel]}
     (msg,) = [x for x in w.wire.inbox["tcp://p:2"] if isinstance(x, m.Cancel)]
     assert msg.reason == "not_needed" and msg.transfer_id == "t"
@@ -217,8 +236,9 @@ def test_one_part_failing_fails_the_request_only_after_the_other_part_ended() ->
     recv = PushMetadata(recv=[RecvSpec("d-req", "t", "p", 1, [10, 11], 0, 200, p_tp=2)])
     w.d[0].on_metadata(recv)
     w.step()
-    w.p[0].on_metadata(PushMetadata(expect_send=[("t", "")],
-                                    send=[SendSpec("p-req", "t", [1, 2])], hold=["t"]))
+    w.p[0].on_metadata(
+        PushMetadata(expect_send=[("t", "")], send=[SendSpec("p-req", "t", [1, 2])], hold=["t"])
+    )
     w.p[0].after_forward()
     w.step(8)
     assert w.d[0].results.take()[1] == set()  # P rank 1's part is still open: no report

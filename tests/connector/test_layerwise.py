@@ -21,8 +21,9 @@ from tests.connector.test_pump import Nic, Pair, Transport, counters
 
 # Two layers, one region each: a 4 KiB block is two 2 KiB parts; a chunk is 4 KiB.
 TWO = m.Layout("c", "DRAM", [m.Region(0, 2048, 2048, 64), m.Region(1 << 20, 2048, 2048, 64)])
-CFG = config_from_extra({"transport": {"progress_thread": True},
-                         "push": {"chunk_bytes": 4096, "layerwise": "on"}})
+CFG = config_from_extra(
+    {"transport": {"progress_thread": True}, "push": {"chunk_bytes": 4096, "layerwise": "on"}}
+)
 
 
 class TwoLayers(Transport):
@@ -34,8 +35,15 @@ class TwoLayers(Transport):
     def layout(self) -> m.Layout:
         return TWO
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"", regions: tuple[int, int] | None = None) -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+        regions: tuple[int, int] | None = None,
+    ) -> Any:
         self.regions.append(regions)
         return super().post(op, peer, local_blocks, remote_blocks, notif)
 
@@ -120,14 +128,19 @@ def test_layers_are_told_in_order_from_the_first() -> None:
     assert step.saved(3) == 0 and step.saved(2) == 4
 
 
-@pytest.mark.parametrize(("mode", "blocks", "bandwidth", "want"), [
-    ("on", 1, 1e12, True), ("off", 1000, 1.0, False),
-    ("auto", 10, 1e6, False),  # 160 tokens: under layerwise_min_tokens
-    ("auto", 100, 1e12, False),  # 1600 tokens but a fast link: the transfer is too short
-    ("auto", 100, 1e6, True),  # 1600 tokens, 400 KB at 1 MB/s: 400 ms of transfer
-])
+@pytest.mark.parametrize(
+    ("mode", "blocks", "bandwidth", "want"),
+    [
+        ("on", 1, 1e12, True),
+        ("off", 1000, 1.0, False),
+        ("auto", 10, 1e6, False),  # 160 tokens: under layerwise_min_tokens
+        ("auto", 100, 1e12, False),  # 1600 tokens but a fast link: the transfer is too short
+        ("auto", 100, 1e6, True),  # 1600 tokens, 400 KB at 1 MB/s: 400 ms of transfer
+    ],
+)
 def test_auto_chooses_by_prompt_tokens_and_measured_bandwidth(
-        mode: str, blocks: int, bandwidth: float, want: bool) -> None:
+    mode: str, blocks: int, bandwidth: float, want: bool
+) -> None:
     sends = [SendSpec("r", "t", list(range(blocks)))]
     assert layerwise_now(mode, sends, 4096, 16, bandwidth, 1024, 2.0) is want
 

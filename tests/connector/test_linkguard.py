@@ -31,7 +31,8 @@ def guard() -> LinkGuard:
 
 
 def test_below_the_fraction_for_the_window_is_slow_and_logged_once(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     g = guard()
     with caplog.at_level(logging.INFO, "kvpush_prod.connector.linkguard"):
         got = [g.observe("decode-0", measured(0.3), t) for t in (0.0, 5.0, 9.9, 10.0, 11.0, 30.0)]
@@ -39,21 +40,23 @@ def test_below_the_fraction_for_the_window_is_slow_and_logged_once(
     (record,) = caplog.records
     assert record.levelno == logging.WARNING
     message = record.getMessage()
-    assert "link to decode-0 is slow: measured 3.750 GB/s (30.00 Gbit/s), below 50% of " \
-           "links.expected_gbps=100 for 10 s" in message
+    assert (
+        "link to decode-0 is slow: measured 3.750 GB/s (30.00 Gbit/s), below 50% of "
+        "links.expected_gbps=100 for 10 s" in message
+    )
     assert "transports in use: NIXL backend UCX; UCX between hosts: tcp" in message
 
 
 def test_one_fast_tick_clears_it_and_the_window_starts_again(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     g = guard()
     for t in (0.0, 10.0):
         g.observe("d", measured(0.1), t)
     with caplog.at_level(logging.INFO, "kvpush_prod.connector.linkguard"):
         assert g.observe("d", EXPECTED * 0.5, 11.0) is False  # at the fraction: fine
     assert "back to" in caplog.records[-1].getMessage()
-    assert [g.observe("d", measured(0.1), t) for t in (12.0, 21.9, 22.0)] == \
-        [False, False, True]
+    assert [g.observe("d", measured(0.1), t) for t in (12.0, 21.9, 22.0)] == [False, False, True]
 
 
 def test_a_dip_shorter_than_the_window_is_not_slow() -> None:
@@ -85,8 +88,9 @@ def test_links_are_judged_apart_and_forgotten() -> None:
 
 def test_the_profile_sets_the_guard_and_no_expectation_means_none() -> None:
     assert LinkGuard.from_config(load_config()) is None
-    cfg = load_config(None, {"links": {"expected_gbps": 8, "slow_fraction": 0.25,
-                                       "slow_window_s": 3}})
+    cfg = load_config(
+        None, {"links": {"expected_gbps": 8, "slow_fraction": 0.25, "slow_window_s": 3}}
+    )
     g = LinkGuard.from_config(cfg)
     assert g is not None
     assert (g.expected, g.threshold, g.window_s) == (1e9, 0.25e9, 3)

@@ -13,8 +13,13 @@ from kvpush_prod.connector.params import (
 )
 from kvpush_prod.errors import KVTransferParamsError
 
-GOOD = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "10.0.0.1",
-        "remote_port": 15500, "tp_size": 1}
+GOOD = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "p",
+    "remote_host": "10.0.0.1",
+    "remote_port": 15500,
+    "tp_size": 1,
+}
 
 
 def test_both_legs_pair_on_the_request_id_without_vllms_random_suffix() -> None:

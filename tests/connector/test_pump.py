@@ -86,8 +86,14 @@ class Transport:
 
     def disconnect(self, agent_name: str) -> None: ...
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"") -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+    ) -> Any:
         if self.post_error is not None:
             raise self.post_error
         self.posts.append((op, local_blocks, remote_blocks))
@@ -112,8 +118,7 @@ class Transport:
 
 
 def info(name: str, control: str) -> m.PeerInfo:
-    return m.PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control),
-                      b"meta", LAYOUT)
+    return m.PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control), b"meta", LAYOUT)
 
 
 class Pair:
@@ -129,12 +134,22 @@ class Pair:
         settings = core_settings(cfg, block_bytes)
         self.p_stats, self.d_stats = StatsBuffer(), StatsBuffer()
         self.p_results, self.d_results = _Results(), _Results()
-        self.p = SenderPump(cfg, Sender(p_info, settings.sender, _Rng()), self.tx,
-                            Endpoint(wire, p_info.control), self.p_results,  # type: ignore[arg-type]
-                            self.p_stats)
-        self.d = ReceiverPump(cfg, Receiver(d_info, settings.receiver, _Rng()), self.rx,
-                              Endpoint(wire, d_info.control), self.d_results,  # type: ignore[arg-type]
-                              self.d_stats)
+        self.p = SenderPump(
+            cfg,
+            Sender(p_info, settings.sender, _Rng()),
+            self.tx,
+            Endpoint(wire, p_info.control),
+            self.p_results,  # type: ignore[arg-type]
+            self.p_stats,
+        )
+        self.d = ReceiverPump(
+            cfg,
+            Receiver(d_info, settings.receiver, _Rng()),
+            self.rx,
+            Endpoint(wire, d_info.control),
+            self.d_results,  # type: ignore[arg-type]
+            self.d_stats,
+        )
 
     def step(self, n: int = 3) -> None:
         for _ in range(n):
@@ -191,12 +206,16 @@ def test_a_chunk_that_fails_with_a_retryable_error_is_posted_again() -> None:
     assert c[("kvpush_transfers", "producer", "retried")] == 1
 
 
-@pytest.mark.parametrize(("error", "reason"), [
-    (ChunkFailed(ChunkError(ErrorKind.REMOTE_DISCONNECT, "injected")), "REMOTE_DISCONNECT"),
-    (RuntimeError("NIXL_ERR_NOT_FOUND: gone"), "NOT_FOUND"),
-])
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ChunkFailed(ChunkError(ErrorKind.REMOTE_DISCONNECT, "injected")), "REMOTE_DISCONNECT"),
+        (RuntimeError("NIXL_ERR_NOT_FOUND: gone"), "NOT_FOUND"),
+    ],
+)
 def test_a_post_that_raises_fails_the_chunk_by_its_kind_and_d_pulls(
-        error: Exception, reason: str) -> None:
+    error: Exception, reason: str
+) -> None:
     pair = Pair()
     pair.tx.post_error = error
     pair.push()
@@ -231,8 +250,9 @@ def test_a_malformed_done_notification_is_counted_as_rejected() -> None:
     pair.step(1)
     pair.tx.nic.notifs[pair.rx.name][pair.tx.name] = [m.NOTIF_PREFIX + b"\xff\x00"]
     pair.step(1)
-    assert counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer",
-                                   "malformed")] == 1
+    assert (
+        counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer", "malformed")] == 1
+    )
 
 
 class _Cost:
@@ -251,8 +271,14 @@ class CostingTransport(Transport):
         super().__init__(nic, name)
         self.last_post: _Cost | None = None
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"") -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+    ) -> Any:
         handle = super().post(op, peer, local_blocks, remote_blocks, notif)
         self.last_post = _Cost(2 * len(local_blocks))
         return handle

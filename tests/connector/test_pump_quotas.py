@@ -171,12 +171,19 @@ def test_a_register_flood_from_one_key_is_refused_and_counted_through_a_real_end
     p_key, d_key, evil = keypair("prefill-0"), keypair("decode-0"), keypair("decode-9")
     allowed = {k.public: k.name for k in (p_key, d_key, evil)}
     port = free_port()
-    endpoint = ControlEndpoint(ControlCodec(1 << 20), "127.0.0.1", port,
-                               EndpointSecurity(p_key, allowed))
+    endpoint = ControlEndpoint(
+        ControlCodec(1 << 20), "127.0.0.1", port, EndpointSecurity(p_key, allowed)
+    )
     p_info = info("P", f"tcp://127.0.0.1:{port}")
     stats = StatsBuffer()
-    pump = SenderPump(CFG, Sender(p_info, core_settings(CFG, 4096).sender, _Rng()), Transport(Nic(), p_info.agent_name),
-                      endpoint, _Results(), stats)
+    pump = SenderPump(
+        CFG,
+        Sender(p_info, core_settings(CFG, 4096).sender, _Rng()),
+        Transport(Nic(), p_info.agent_name),
+        endpoint,
+        _Results(),
+        stats,
+    )
     ctx = zmq.Context()
     quota = pump.engine.s.max_unknown_per_origin
     n = quota + 300
@@ -187,8 +194,9 @@ def test_a_register_flood_from_one_key_is_refused_and_counted_through_a_real_end
         sock.curve_publickey, sock.curve_secretkey = evil.public, evil.secret
         sock.curve_serverkey = p_key.public
         sock.connect(endpoint.address)
-        sender = m.PeerInfo("D9", 5, 0, "tcp://127.0.0.1:9", agent_name("a9", evil.public.decode()),
-                            b"meta", LAYOUT)
+        sender = m.PeerInfo(
+            "D9", 5, 0, "tcp://127.0.0.1:9", agent_name("a9", evil.public.decode()), b"meta", LAYOUT
+        )
         for i in range(n):
             sock.send(m.encode(m.Register(V, f"ghost-{i}", sender, [1], 0, 10, 1 + i, 60_000)))
         seen: Counter[str] = Counter()

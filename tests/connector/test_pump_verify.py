@@ -16,8 +16,13 @@ from tests.connector import test_pump as pump_test
 from tests.connector.test_pump import Nic, Transport, counters
 
 BLOCK, NBLOCKS = 100, 64
-CFG = config_from_extra({"transport": {"progress_thread": True},
-                         "push": {"chunk_bytes": 4096}, "verify": {"checksums": True}})
+CFG = config_from_extra(
+    {
+        "transport": {"progress_thread": True},
+        "push": {"chunk_bytes": 4096},
+        "verify": {"checksums": True},
+    }
+)
 
 
 class Memory(Transport):
@@ -31,8 +36,9 @@ class Memory(Transport):
         self.buf = ctypes.create_string_buffer(BLOCK * NBLOCKS)
         Memory.buffers[name] = self.buf
         self.corrupt = False
-        self._layout = m.Layout("c", "DRAM", [m.Region(ctypes.addressof(self.buf), BLOCK,
-                                                        BLOCK, NBLOCKS)])
+        self._layout = m.Layout(
+            "c", "DRAM", [m.Region(ctypes.addressof(self.buf), BLOCK, BLOCK, NBLOCKS)]
+        )
 
     @property
     def layout(self) -> m.Layout:
@@ -41,15 +47,25 @@ class Memory(Transport):
     def fill(self, block: int, byte: int) -> None:
         ctypes.memset(ctypes.addressof(self.buf) + block * BLOCK, byte, BLOCK)
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"") -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+    ) -> Any:
         handle = super().post(op, peer, local_blocks, remote_blocks, notif)
         here, there = self.buf, Memory.buffers[peer.agent_name]
         src, dst = (here, there) if op == "WRITE" else (there, here)
-        for s, d in zip(local_blocks if op == "WRITE" else remote_blocks,
-                        remote_blocks if op == "WRITE" else local_blocks, strict=True):
-            ctypes.memmove(ctypes.addressof(dst) + d * BLOCK, ctypes.addressof(src) + s * BLOCK,
-                           BLOCK)
+        for s, d in zip(
+            local_blocks if op == "WRITE" else remote_blocks,
+            remote_blocks if op == "WRITE" else local_blocks,
+            strict=True,
+        ):
+            ctypes.memmove(
+                ctypes.addressof(dst) + d * BLOCK, ctypes.addressof(src) + s * BLOCK, BLOCK
+            )
             if op == "READ" and self.corrupt:
                 ctypes.memset(ctypes.addressof(dst) + d * BLOCK, 0xEE, 1)
         return handle
@@ -87,8 +103,10 @@ def test_kv_computed_for_another_prompt_fails_the_receive_and_is_counted() -> No
     pair.push(prompt_digest([5, 6]), prompt_digest([5, 7]))
     _, recving, failed = pair.d_results.take()
     assert recving == {"d-t"} and failed == {"d-t"}
-    assert counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer",
-                                   "prompt_mismatch")] == 1
+    assert (
+        counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer", "prompt_mismatch")]
+        == 1
+    )
     assert pair.p_results.take()[0] == {"p-t"}  # P's blocks come back all the same
 
 
@@ -105,5 +123,9 @@ def test_pulled_blocks_are_verified_like_pushed_ones() -> None:
             assert failed == set() and pair.d_block(11) == bytes([0x22]) * BLOCK
             continue
         assert failed == {"d-t"}
-        assert counters(pair.d_stats)[("kvpush_control_messages_rejected", "consumer",
-                                       "checksum_mismatch")] == 1
+        assert (
+            counters(pair.d_stats)[
+                ("kvpush_control_messages_rejected", "consumer", "checksum_mismatch")
+            ]
+            == 1
+        )

@@ -20,21 +20,32 @@ from kvpush_prod.connector.scheduler import (
 from kvpush_prod.core.vocabulary import Side
 
 BS = 16
-PREFILL = {"do_remote_prefill": True, "remote_engine_id": "prefill-0",
-           "remote_host": "10.0.0.1", "remote_port": 15500, "tp_size": 1}
+PREFILL = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_host": "10.0.0.1",
+    "remote_port": 15500,
+    "tp_size": 1,
+}
 
 
 def request(rid: str, prompt: int, params: dict[str, Any] | None, computed: int = 0) -> Any:
-    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed,
-                           kv_transfer_params=params,
-                           prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)])
+    return SimpleNamespace(
+        request_id=rid,
+        num_prompt_tokens=prompt,
+        num_computed_tokens=computed,
+        kv_transfer_params=params,
+        prompt_token_ids=[hash(rid) % 1000 + i for i in range(prompt)],
+    )
 
 
-def d_side(budget: float = 0.5, cfg: KvpushConfig | None = None, blocks: int = 100,
-           recompute: bool = False) -> ConsumerSide:
+def d_side(
+    budget: float = 0.5, cfg: KvpushConfig | None = None, blocks: int = 100, recompute: bool = False
+) -> ConsumerSide:
     cfg = cfg or config_from_extra({"credits": {"budget_fraction": budget}})
-    side = scheduler_side(cfg, Side.CONSUMER, "decode-0", BS, 1000, 1, 0, blocks,
-                          recompute_on_failure=recompute)
+    side = scheduler_side(
+        cfg, Side.CONSUMER, "decode-0", BS, 1000, 1, 0, blocks, recompute_on_failure=recompute
+    )
     assert isinstance(side, ConsumerSide)
     return side
 
@@ -61,8 +72,12 @@ def allocate(side: ConsumerSide, req: Any, ids: list[int], external: int) -> Non
 
 
 def output(**kw: Any) -> Any:
-    base: dict[str, Any] = {"finished_sending": None, "finished_recving": None,
-                            "failed_recving": None, "kv_connector_worker_meta": None}
+    base: dict[str, Any] = {
+        "finished_sending": None,
+        "finished_recving": None,
+        "failed_recving": None,
+        "kv_connector_worker_meta": None,
+    }
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -82,11 +97,16 @@ def test_an_admitted_transfer_loads_its_missing_tokens_and_registers_what_was_al
     allocate(d, req, [40, 41, 42, 43, 44, 45, 46], 84)
     (spec,) = d.build_connector_meta(None).recv  # type: ignore[arg-type]
     assert (spec.request_id, spec.transfer_id, spec.p_host, spec.p_port) == (
-        "r", "t1", "10.0.0.1", 15500)
-    assert (spec.block_ids, spec.first_block, spec.num_tokens) == ([41, 42, 43, 44, 45, 46], 1,
-                                                                   100)
-    assert counters(d) == {("kvpush_admissions", "consumer", "admit"): 1,
-                           ("kvpush_credits_granted_blocks", "consumer"): 6}
+        "r",
+        "t1",
+        "10.0.0.1",
+        15500,
+    )
+    assert (spec.block_ids, spec.first_block, spec.num_tokens) == ([41, 42, 43, 44, 45, 46], 1, 100)
+    assert counters(d) == {
+        ("kvpush_admissions", "consumer", "admit"): 1,
+        ("kvpush_credits_granted_blocks", "consumer"): 6,
+    }
     # Allocated: its transfer is in flight, the scheduler is told nothing more.
     assert d.get_num_new_matched_tokens(req, 16) == (0, False)
 
@@ -114,9 +134,12 @@ def test_a_transfer_larger_than_the_budget_is_computed_locally_and_p_told() -> N
     req = request("r", 160, {**PREFILL, "transfer_id": "t1"})
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)
     assert d.build_connector_meta(None).not_needed == [  # type: ignore[arg-type]
-        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
-    assert counters(d) == {("kvpush_admissions", "consumer", "refuse"): 1,
-                           ("kvpush_transfers", "consumer", "recompute"): 1}
+        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)
+    ]
+    assert counters(d) == {
+        ("kvpush_admissions", "consumer", "refuse"): 1,
+        ("kvpush_transfers", "consumer", "recompute"): 1,
+    }
     assert d.get_num_new_matched_tokens(req, 0) == (0, False)  # not asked about again
     assert d.build_connector_meta(None).empty()  # type: ignore[arg-type]
 
@@ -161,23 +184,38 @@ def test_a_receive_aborted_in_flight_waits_for_its_fence() -> None:
     assert gauges(d)[("kvpush_credits_in_use_blocks", "consumer")] == 0
 
 
-@pytest.mark.parametrize(("failed", "recompute", "reply", "counted"), [
-    (False, False, {"transfer_id": "t1", "outcome": "pull_fallback", "blocks": 3,
-                    "bytes": 3000}, {("kvpush_transfer_bytes", "consumer"): 3000}),
-    (True, True, {"transfer_id": "t1", "outcome": "failed", "blocks": 0, "bytes": 0},
-     {("kvpush_transfers", "consumer", "recompute"): 1}),
-])
+@pytest.mark.parametrize(
+    ("failed", "recompute", "reply", "counted"),
+    [
+        (
+            False,
+            False,
+            {"transfer_id": "t1", "outcome": "pull_fallback", "blocks": 3, "bytes": 3000},
+            {("kvpush_transfer_bytes", "consumer"): 3000},
+        ),
+        (
+            True,
+            True,
+            {"transfer_id": "t1", "outcome": "failed", "blocks": 0, "bytes": 0},
+            {("kvpush_transfers", "consumer", "recompute"): 1},
+        ),
+    ],
+)
 def test_a_finished_receive_is_summed_up_in_the_reply(
-        failed: bool, recompute: bool, reply: dict[str, Any],
-        counted: dict[tuple[str, ...], float]) -> None:
+    failed: bool, recompute: bool, reply: dict[str, Any], counted: dict[tuple[str, ...], float]
+) -> None:
     d = d_side(recompute=recompute)
     req = request("r", 48, {**PREFILL, "transfer_id": "t1"})
     d.get_num_new_matched_tokens(req, 0)
     allocate(d, req, [1, 2, 3], 48)
     d.get_stats()
-    d.update_connector_output(output(
-        finished_recving={"r"}, failed_recving={"r"} if failed else None,
-        kv_connector_worker_meta=PushWorkerMeta({"r": "pull_fallback"})))
+    d.update_connector_output(
+        output(
+            finished_recving={"r"},
+            failed_recving={"r"} if failed else None,
+            kv_connector_worker_meta=PushWorkerMeta({"r": "pull_fallback"}),
+        )
+    )
     assert counters(d) == counted
     assert d.request_finished(req, []) == (False, {"kvpush": reply})
 
@@ -197,8 +235,7 @@ def test_the_consumer_gauges_follow_its_receives() -> None:
 
 def test_a_probe_gets_this_engines_identity() -> None:
     d = d_side()
-    assert d.request_finished(request("r", 1, {"kvpush_probe": True}), []) == (
-        False, d.identity())
+    assert d.request_finished(request("r", 1, {"kvpush_probe": True}), []) == (False, d.identity())
     assert d.identity()["remote_port"] == KvpushConfig().control.port
 
 
@@ -212,7 +249,8 @@ def test_p_pushes_a_prompt_once_computed_and_holds_its_blocks_until_sent() -> No
     req = request("r", 40, DECODE)
     p.on_new_request(req)
     assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).expect_send == [
-        ("t1", "")]
+        ("t1", "")
+    ]
     p.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9, 10],)))
     partial = p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": 20}))
     assert partial.send == []  # chunked prefill: the prompt completes in a later step
@@ -294,7 +332,8 @@ def test_d_admits_only_what_its_kv_cache_has_free_and_waits_for_room() -> None:
     req = request("r", 100, {**PREFILL, "transfer_id": "t1"})  # 7 blocks
     assert d.get_num_new_matched_tokens(req, 0) == (None, False)
     assert d.build_connector_meta(None).wait_admission == [  # type: ignore[arg-type]
-        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)]
+        PeerRef("t1", "10.0.0.1", 15500, p_tp=1)
+    ]
     pool.free = 7  # running requests finished
     assert d.get_num_new_matched_tokens(req, 0) == (100, True)
 
@@ -352,8 +391,10 @@ def test_p_behind_a_data_parallel_api_server_names_its_rank_and_its_own_port() -
 
 def test_d_refuses_a_second_live_request_with_the_same_transfer_id_and_leaves_the_first() -> None:
     d = d_side()
-    first, second = request("r1", 100, {**PREFILL, "transfer_id": "t"}), \
-        request("r2", 100, {**PREFILL, "transfer_id": "t"})
+    first, second = (
+        request("r1", 100, {**PREFILL, "transfer_id": "t"}),
+        request("r2", 100, {**PREFILL, "transfer_id": "t"}),
+    )
     assert d.get_num_new_matched_tokens(first, 0) == (100, True)
     # The second computes its prompt here; P hears nothing of it (the transfer is r1's).
     assert d.get_num_new_matched_tokens(second, 0) == (0, False)
@@ -381,8 +422,9 @@ def test_d_states_the_digest_of_its_own_prompt_with_the_blocks_it_registers() ->
     assert spec.prompt == prompt_digest(req.prompt_token_ids) and len(spec.prompt) == 16
 
 
-def test_p_refuses_a_second_live_request_with_the_same_transfer_id_and_never_aborts_the_first(
-) -> None:
+def test_p_refuses_a_second_live_request_with_the_same_transfer_id_and_never_aborts_the_first() -> (
+    None
+):
     from kvpush_prod.core.digest import prompt_digest
 
     p = p_side()
@@ -403,7 +445,8 @@ def test_p_refuses_a_second_live_request_with_the_same_transfer_id_and_never_abo
     p.update_connector_output(output(finished_sending={"r1"}))
     p.on_new_request(request("r3", 40, DECODE))  # the id is free again once r1's push ended
     assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).expect_send == [
-        ("t1", "")]
+        ("t1", "")
+    ]
 
 
 def test_p_never_acts_on_a_transfer_id_from_params_that_failed_the_signature() -> None:
@@ -414,8 +457,9 @@ def test_p_never_acts_on_a_transfer_id_from_params_that_failed_the_signature() -
     from kvpush_prod.signing import sign_params
 
     key = secrets.token_hex(32).encode()
-    p = scheduler_side(KvpushConfig(), Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100,
-                       trust=Trust(params_key=key))
+    p = scheduler_side(
+        KvpushConfig(), Side.PRODUCER, "prefill-0", BS, 1000, 1, 0, 100, trust=Trust(params_key=key)
+    )
     import time
 
     leg = sign_params(DECODE, key, time.time(), P_LEG)

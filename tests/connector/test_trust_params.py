@@ -20,8 +20,14 @@ KEY = secrets.token_hex(32).encode()
 P_KEY = zmq.curve_keypair()[0].decode()
 D_KEY = zmq.curve_keypair()[0].decode()
 OTHER = zmq.curve_keypair()[0].decode()
-PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "10.0.0.1",
-          "remote_port": 15500, "tp_size": 1, "transfer_id": "t1"}
+PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_host": "10.0.0.1",
+    "remote_port": 15500,
+    "tp_size": 1,
+    "transfer_id": "t1",
+}
 
 
 def keyed(**kw: object) -> Trust:
@@ -56,10 +62,14 @@ def test_signed_params_are_taken_and_anything_else_is_refused() -> None:
     forged = {**sign_params(PARAMS, KEY, now, DECODE), "remote_host": "10.6.6.6"}
     assert reason(trust.remote_prefill, "r", forged) == "bad_signature"
     other_key = secrets.token_hex(32).encode()
-    assert reason(trust.remote_prefill, "r", sign_params(PARAMS, other_key, now, DECODE)) \
+    assert (
+        reason(trust.remote_prefill, "r", sign_params(PARAMS, other_key, now, DECODE))
         == "bad_signature"
-    assert reason(trust.remote_prefill, "r", sign_params(PARAMS, KEY, now - 600, DECODE, 60)) \
+    )
+    assert (
+        reason(trust.remote_prefill, "r", sign_params(PARAMS, KEY, now - 600, DECODE, 60))
         == "expired"
+    )
     assert reason(trust.remote_prefill, "r", {**PARAMS, "kvpush_sig": "x"}) == "malformed"
 
 
@@ -78,8 +88,7 @@ def test_a_signed_leg_is_taken_once_for_its_own_leg_with_the_fields_the_router_s
     # No field rides along unsigned, nor poses as a term of the signature.
     extra = sign_params({**PARAMS, "__expires_at": 9e9}, KEY, now, DECODE)
     assert reason(trust.remote_prefill, "r5", extra) == "unknown_field"
-    unbound = sign_params({k: v for k, v in PARAMS.items() if k != "transfer_id"}, KEY, now,
-                          DECODE)
+    unbound = sign_params({k: v for k, v in PARAMS.items() if k != "transfer_id"}, KEY, now, DECODE)
     assert reason(trust.remote_prefill, "r6", unbound) == "malformed"
 
 
@@ -90,8 +99,10 @@ def test_the_nonce_memory_is_bounded_and_forgets_only_expired_nonces() -> None:
     assert trust.remote_prefill("a", sign_params(PARAMS, KEY, now, DECODE, 1.0)) is not None
     assert trust.remote_prefill("b", sign_params(PARAMS, KEY, now, DECODE, 60.0)) is not None
     # Full of live nonces: a new one is refused rather than an old one forgotten early.
-    assert reason(trust.remote_prefill, "c", sign_params(PARAMS, KEY, now, DECODE)) \
+    assert (
+        reason(trust.remote_prefill, "c", sign_params(PARAMS, KEY, now, DECODE))
         == "replay_memory_full"
+    )
     assert len(memory) == 2
     time.sleep(1.1)  # the first signature expired: its nonce may go
     assert trust.remote_prefill("d", sign_params(PARAMS, KEY, time.time(), DECODE)) is not None
@@ -103,8 +114,9 @@ def test_weak_or_exposed_params_keys_are_refused_naming_the_fix(tmp_path: Path) 
         path = tmp_path / "params.key"
         path.write_text(text)
         path.chmod(mode)
-        return read_params_key(KvpushConfig.model_validate(
-            {"control": {"params_key_file": str(path)}}))
+        return read_params_key(
+            KvpushConfig.model_validate({"control": {"params_key_file": str(path)}})
+        )
 
     good = secrets.token_hex(32)
     assert load(good + "\n", 0o600) == good.encode()
@@ -123,10 +135,13 @@ def test_a_prefill_outside_the_allowed_networks_is_refused() -> None:
 
     trust = Trust(networks=(ipaddress.ip_network("10.0.0.0/16"),))
     assert trust.remote_prefill("r", PARAMS) is not None
-    assert reason(trust.remote_prefill, "r", {**PARAMS, "remote_host": "192.168.1.1"}) \
+    assert (
+        reason(trust.remote_prefill, "r", {**PARAMS, "remote_host": "192.168.1.1"})
         == "foreign_peer"
-    assert reason(trust.remote_prefill, "r", {**PARAMS, "remote_host": "127.0.0.1"}) \
-        == "foreign_peer"
+    )
+    assert (
+        reason(trust.remote_prefill, "r", {**PARAMS, "remote_host": "127.0.0.1"}) == "foreign_peer"
+    )
 
 
 def test_with_keys_the_prefill_key_must_be_in_the_allow_list() -> None:
@@ -140,8 +155,10 @@ def test_with_keys_the_prefill_key_must_be_in_the_allow_list() -> None:
 def test_with_keys_and_no_remote_key_the_engine_id_may_name_the_key() -> None:
     remote = keyed().remote_prefill("r", PARAMS)  # remote_engine_id "prefill-0" names P_KEY
     assert remote is not None and remote.key == P_KEY
-    assert reason(keyed().remote_prefill, "r", {**PARAMS, "remote_engine_id": "nobody"}) \
+    assert (
+        reason(keyed().remote_prefill, "r", {**PARAMS, "remote_engine_id": "nobody"})
         == "unknown_key"
+    )
 
 
 def test_prefill_takes_the_decode_the_router_named_only_from_the_allow_list() -> None:
@@ -159,5 +176,11 @@ def test_a_host_name_is_resolved_once_and_the_checked_address_is_the_one_used() 
     trust = Trust(networks=(ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1")))
     remote = trust.remote_prefill("r", {**PARAMS, "remote_host": "localhost"})
     assert remote is not None and remote.host in ("127.0.0.1", "[::1]")
-    assert reason(Trust(networks=(ipaddress.ip_network("10.0.0.0/8"),)).remote_prefill, "r",
-                  {**PARAMS, "remote_host": "localhost"}) == "foreign_peer"
+    assert (
+        reason(
+            Trust(networks=(ipaddress.ip_network("10.0.0.0/8"),)).remote_prefill,
+            "r",
+            {**PARAMS, "remote_host": "localhost"},
+        )
+        == "foreign_peer"
+    )

@@ -32,10 +32,15 @@ def declared(source: str, cls: str = "KVConnectorBase_V1") -> tuple[set[str], se
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef) and node.name == cls:
             methods = [n for n in node.body if isinstance(n, ast.FunctionDef)]
-            abstract = {m.name for m in methods if any(
-                (isinstance(d, ast.Name) and d.id == "abstractmethod")
-                or (isinstance(d, ast.Attribute) and d.attr == "abstractmethod")
-                for d in m.decorator_list)}
+            abstract = {
+                m.name
+                for m in methods
+                if any(
+                    (isinstance(d, ast.Name) and d.id == "abstractmethod")
+                    or (isinstance(d, ast.Attribute) and d.attr == "abstractmethod")
+                    for d in m.decorator_list
+                )
+            }
             return abstract, {m.name for m in methods}
     raise AssertionError(f"no class {cls} in the source")
 
@@ -78,7 +83,7 @@ class _Ranged(io.RawIOBase):
         end = min(self.pos + len(buf), self.size) - 1
         r = self.client.get(self.url, headers={"Range": f"bytes={self.pos}-{end}"})
         assert r.status_code == 206, f"{self.url}: no range request support ({r.status_code})"
-        buf[:len(r.content)] = r.content
+        buf[: len(r.content)] = r.content
         self.pos += len(r.content)
         return len(r.content)
 
@@ -89,14 +94,17 @@ def future_base_source() -> str:
         with httpx.Client(timeout=30, follow_redirects=True, verify=verify) as client:
             index = "https://pypi.org/pypi/vllm/json"
             files = client.get(index).raise_for_status().json()["releases"][FUTURE]
-            (wheel,) = [f["url"] for f in files
-                        if f["filename"].endswith("manylinux_2_28_x86_64.whl")]
+            (wheel,) = [
+                f["url"] for f in files if f["filename"].endswith("manylinux_2_28_x86_64.whl")
+            ]
             remote = _Ranged(client, urljoin(index, wheel))
             with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as z:
                 return z.read(BASE).decode()
     except (httpx.HTTPError, OSError, KeyError, ValueError) as exc:
-        pytest.skip(f"vLLM {FUTURE}'s wheel is out of reach here ({type(exc).__name__}: "
-                    f"{exc}); the installed vLLM is still checked")
+        pytest.skip(
+            f"vLLM {FUTURE}'s wheel is out of reach here ({type(exc).__name__}: "
+            f"{exc}); the installed vLLM is still checked"
+        )
 
 
 def test_every_abstract_hook_of_the_installed_vllm_is_ours() -> None:
@@ -113,9 +121,11 @@ def test_every_abstract_and_sleep_mode_hook_of_vllm_0_33_is_ours() -> None:
 
 
 def test_the_checker_sees_a_hook_we_lack() -> None:
-    fake = ("from abc import abstractmethod\nclass KVConnectorBase_V1:\n"
-            "    @abstractmethod\n    def brand_new_hook(self): ...\n"
-            "    def restore_kv_caches(self): ...\n")
+    fake = (
+        "from abc import abstractmethod\nclass KVConnectorBase_V1:\n"
+        "    @abstractmethod\n    def brand_new_hook(self): ...\n"
+        "    def restore_kv_caches(self): ...\n"
+    )
     assert missing(fake) == ["brand_new_hook"]
 
 
@@ -123,11 +133,16 @@ def test_kvpush_declines_sleep_mode() -> None:
     assert PushConnector.supports_sleep_mode(None) is False
 
 
-@pytest.mark.parametrize(("field", "flag"), [("pipeline_parallel_size", "--pipeline-parallel-size"),
-                                             ("decode_context_parallel_size",
-                                              "--decode-context-parallel-size")])
-def test_unsupported_parallelism_is_refused_at_start_up_naming_the_flag(field: str,
-                                                                         flag: str) -> None:
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ],
+)
+def test_unsupported_parallelism_is_refused_at_start_up_naming_the_flag(
+    field: str, flag: str
+) -> None:
     from types import SimpleNamespace
 
     from kvpush_prod.connector.connector import unsupported_topology

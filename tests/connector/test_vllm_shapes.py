@@ -18,7 +18,8 @@ from kvpush_prod.errors import KVTransferParamsError
 from tests.connector.test_scheduler_side import p_side, request
 
 push_scheduler = pytest.importorskip(
-    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler")
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler"
+)
 
 
 def vllm_push_answer(req: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -30,8 +31,9 @@ def vllm_push_answer(req: Any, block_ids: list[int]) -> tuple[bool, dict[str, An
     s.side_channel_host = "10.0.0.1"
     s.side_channel_port = 5600
     s.transfer_tp_size = 1
-    s.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
-        decode_context_parallel_size=1, pipeline_parallel_size=1))
+    s.vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, pipeline_parallel_size=1)
+    )
     s._kv_lease_duration = 30
     s._heartbeat_req_engine, s._heartbeat_by_engine = {}, {}
     s._push_registration_deadlines = {}
@@ -49,8 +51,9 @@ def test_p_answers_with_every_key_vllms_push_connector_answers_with() -> None:
     ours.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda rid: ([7, 8, 9, 10],)))
     ours.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r-1": 1}))
     delay, mine = ours.request_finished(req, [7, 8, 9])
-    vllm_delay, theirs = vllm_push_answer(request("r-1", 40, {"do_remote_decode": True},
-                                                  computed=40), [7, 8, 9])
+    vllm_delay, theirs = vllm_push_answer(
+        request("r-1", 40, {"do_remote_decode": True}, computed=40), [7, 8, 9]
+    )
     assert delay == vllm_delay is True
     assert mine is not None and theirs is not None
     missing = sorted(set(theirs) - set(mine))
@@ -60,7 +63,10 @@ def test_p_answers_with_every_key_vllms_push_connector_answers_with() -> None:
             continue  # ours names our engine and our control port
         assert mine[key] == (list(value) if isinstance(value, tuple) else value), key
     assert (mine["remote_engine_id"], mine["remote_host"], mine["remote_port"]) == (
-        "prefill-0", ours.control_host, ours.control_port)
+        "prefill-0",
+        ours.control_host,
+        ours.control_port,
+    )
     assert mine["transfer_id"] == "t1" and mine["kvpush"] is True
 
 
@@ -88,12 +94,19 @@ def test_no_kv_means_do_remote_prefill_false() -> None:
     assert parse_remote_prefill("r", answer) is None  # D computes it, nothing to refuse
 
 
-@pytest.mark.parametrize("params", [
-    {"kvpush": True, "transfer_id": "t1", "remote_host": "10.0.0.1", "remote_port": 5600},
-    {"transfer_id": "t1"},
-    {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 5600,
-     "transfer_mode": "pull"},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kvpush": True, "transfer_id": "t1", "remote_host": "10.0.0.1", "remote_port": 5600},
+        {"transfer_id": "t1"},
+        {
+            "do_remote_prefill": True,
+            "remote_host": "10.0.0.1",
+            "remote_port": 5600,
+            "transfer_mode": "pull",
+        },
+    ],
+)
 def test_d_refuses_kvpush_params_it_cannot_use_with_a_reason(params: dict[str, Any]) -> None:
     with pytest.raises(KVTransferParamsError) as info:
         parse_remote_prefill("r", params)
@@ -101,11 +114,20 @@ def test_d_refuses_kvpush_params_it_cannot_use_with_a_reason(params: dict[str, A
 
 
 def test_d_reads_vllms_push_shape_without_our_fields() -> None:
-    vllm_shape = {"do_remote_prefill": True, "do_remote_decode": False,
-                  "remote_block_ids": [[1, 2]], "remote_engine_id": "prefill-0",
-                  "remote_request_id": "r-1", "remote_host": "10.0.0.1", "remote_port": 5600,
-                  "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 40,
-                  "transfer_mode": "push"}
+    vllm_shape = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1, 2]],
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": "r-1",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 40,
+        "transfer_mode": "push",
+    }
     remote = parse_remote_prefill("r-1-0a1b2c3d", vllm_shape)
     assert remote is not None and remote.transfer_id == "r-1"
     assert parse_remote_prefill("r", {"do_remote_prefill": False}) is None

@@ -33,12 +33,17 @@ def two_keys() -> tuple[tuple[KeyPair, KeyPair], dict[bytes, str]]:
 
 
 def secure_endpoint(pair: KeyPair, allowed: dict[bytes, str], **kw: Any) -> ControlEndpoint:
-    return ControlEndpoint(ControlCodec(4096), "127.0.0.1", free_port(),
-                           EndpointSecurity(pair, allowed), **kw)
+    return ControlEndpoint(
+        ControlCodec(4096), "127.0.0.1", free_port(), EndpointSecurity(pair, allowed), **kw
+    )
 
 
-def drain(ep: ControlEndpoint, count: int | None = None,
-          until: Callable[[Got], bool] | None = None, seconds: float = WAIT_S) -> Got:
+def drain(
+    ep: ControlEndpoint,
+    count: int | None = None,
+    until: Callable[[Got], bool] | None = None,
+    seconds: float = WAIT_S,
+) -> Got:
     """Messages ``ep`` receives until ``count`` arrived or ``until`` holds (or time is up)."""
     got: Got = []
     deadline = time.monotonic() + seconds

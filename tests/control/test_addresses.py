@@ -9,8 +9,12 @@ from kvpush_prod.control.addresses import address_problem, is_ipv6
 
 @pytest.mark.parametrize(
     "address",
-    ["tcp://10.0.0.7:15500", "tcp://[fd00::7]:1", "tcp://decode-0.kv.svc.cluster.local.:65535",
-     "tcp://localhost:15500"],
+    [
+        "tcp://10.0.0.7:15500",
+        "tcp://[fd00::7]:1",
+        "tcp://decode-0.kv.svc.cluster.local.:65535",
+        "tcp://localhost:15500",
+    ],
 )
 def test_a_usable_address_has_no_problem(address: str) -> None:
     assert address_problem(address) is None

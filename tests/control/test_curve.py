@@ -102,6 +102,7 @@ def test_a_plaintext_client_to_a_curve_server_is_refused_and_counted() -> None:
         # peer would wait forever (CI hung here for pytest-timeout's 900 s).
         with contextlib.suppress(zmq.Again):
             raw.send_multipart([m.encode(cancel("raw"))], zmq.NOBLOCK)
+
         # Whichever side sees the mismatch first hangs up: the other may only see the
         # connection drop mid-handshake.
         def refused() -> int:
@@ -163,8 +164,9 @@ def test_without_its_zap_handler_the_server_refuses_every_client() -> None:
         b.close()
 
 
-@pytest.mark.parametrize(("stepwise", "reason"),
-                         [(True, "handshake_crypto"), (False, "handshake_protocol")])
+@pytest.mark.parametrize(
+    ("stepwise", "reason"), [(True, "handshake_crypto"), (False, "handshake_protocol")]
+)
 def test_a_replayed_connection_is_not_accepted(stepwise: bool, reason: str) -> None:
     (ka, kb), allowed = two_keys()
     a, b = secure_endpoint(ka, allowed), secure_endpoint(kb, allowed)
@@ -198,7 +200,8 @@ def test_a_replayed_connection_is_not_accepted(stepwise: bool, reason: str) -> N
 
 
 def test_a_silent_client_is_dropped_after_the_handshake_interval(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(endpoint_mod, "HANDSHAKE_IVL_MS", 200)
     (_, kb), allowed = two_keys()
     b = secure_endpoint(kb, allowed)
@@ -216,13 +219,29 @@ def test_a_silent_client_is_dropped_after_the_handshake_interval(
 
 @pytest.mark.parametrize(
     "address",
-    ["tcp://a b:1", "tcp://host:0", "udp://x:1", "tcp://host:65536", "tcp://host", "",
-     "tcp://*:5", "tcp://0.0.0.0:5", "tcp://[::]:5", "tcp://224.0.0.1:5", "tcp://h;x:1",
-     "tcp://999.1.1.1:5", "tcp://-bad.example:5", "ipc:///tmp/x", "tcp://[zz::1]:5",
-     "tcp://example.com:5/extra", "tcp://" + "a" * 300 + ":5"],
+    [
+        "tcp://a b:1",
+        "tcp://host:0",
+        "udp://x:1",
+        "tcp://host:65536",
+        "tcp://host",
+        "",
+        "tcp://*:5",
+        "tcp://0.0.0.0:5",
+        "tcp://[::]:5",
+        "tcp://224.0.0.1:5",
+        "tcp://h;x:1",
+        "tcp://999.1.1.1:5",
+        "tcp://-bad.example:5",
+        "ipc:///tmp/x",
+        "tcp://[zz::1]:5",
+        "tcp://example.com:5/extra",
+        "tcp://" + "a" * 300 + ":5",
+    ],
 )
 def test_send_to_a_malformed_address_is_dropped_and_counted(
-        address: str, caplog: pytest.LogCaptureFixture) -> None:
+    address: str, caplog: pytest.LogCaptureFixture
+) -> None:
     (ka, kb), allowed = two_keys()
     a = secure_endpoint(ka, allowed)
     try:
@@ -247,8 +266,9 @@ def test_plaintext_send_to_a_malformed_address_is_dropped_and_counted() -> None:
 
 
 @pytest.mark.parametrize(
-    "address", ["tcp://127.0.0.1:5", "tcp://[::1]:5", "tcp://engine-0.kv.svc:15500",
-                "tcp://localhost:65535"])
+    "address",
+    ["tcp://127.0.0.1:5", "tcp://[::1]:5", "tcp://engine-0.kv.svc:15500", "tcp://localhost:65535"],
+)
 def test_send_accepts_a_well_formed_address(address: str) -> None:
     a = ControlEndpoint(ControlCodec(4096), "127.0.0.1", free_port())
     try:
@@ -259,7 +279,8 @@ def test_send_accepts_a_well_formed_address(address: str) -> None:
 
 
 def test_send_with_an_unknown_or_missing_peer_key_is_dropped_and_counted(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     (ka, kb), allowed = two_keys()
     a, b = secure_endpoint(ka, allowed), secure_endpoint(kb, allowed)
     stranger = keypair("stranger").public.decode()
@@ -284,8 +305,9 @@ def fd_count() -> int:
 def test_many_reply_addresses_keep_open_sockets_within_max_peers() -> None:
     (ka, kb), allowed = two_keys()
     # One key's addresses are bounded too (test_key_quotas); lifted here to reach max_peers.
-    a = secure_endpoint(ka, allowed, max_peers=32, quotas=KeyQuotas(addresses=10_000,
-                                                        new_addresses_burst=10_000))
+    a = secure_endpoint(
+        ka, allowed, max_peers=32, quotas=KeyQuotas(addresses=10_000, new_addresses_burst=10_000)
+    )
     to = kb.public.decode()
     try:
         before = fd_count()

@@ -56,10 +56,13 @@ class Clock:
 
 def test_kind_of_reads_the_tag_of_every_message_our_encoder_writes() -> None:
     peer = m.PeerInfo("e", 1, 0, "tcp://a:1")
-    for msg, tag in ((note("t"), b"cancel"), (m.Heartbeat(V, peer, 0, []), b"heartbeat"),
-                     (m.Register(V, "t", peer, [1], 0, 1, 1, 1), b"register"),
-                     (m.Fallback(V, "t", 1, peer, [1], 0, "x"), b"fallback"),
-                     (m.DoneQuery(V, "t", 1, peer, 0), b"done_query")):
+    for msg, tag in (
+        (note("t"), b"cancel"),
+        (m.Heartbeat(V, peer, 0, []), b"heartbeat"),
+        (m.Register(V, "t", peer, [1], 0, 1, 1, 1), b"register"),
+        (m.Fallback(V, "t", 1, peer, [1], 0, "x"), b"fallback"),
+        (m.DoneQuery(V, "t", 1, peer, 0), b"done_query"),
+    ):
         assert kind_of(m.encode(msg)) == tag
     assert kind_of(b"\xc1" * 64) is None
     assert {b"register", b"fallback"} == LARGE_KINDS
@@ -71,7 +74,8 @@ def big_heartbeat() -> m.Heartbeat:
 
 
 def test_a_heartbeat_over_the_small_limit_is_refused_before_it_is_decoded(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     codec = ControlCodec(1 << 20)
     body = m.encode(big_heartbeat())
     assert SMALL_MESSAGE_BYTES < len(body) < 1 << 20
@@ -119,8 +123,7 @@ def test_an_outbound_heartbeat_over_the_small_limit_is_refused() -> None:
 # ------------------------------------------------------------------ receiving
 
 
-def test_a_flooding_key_gets_its_share_and_another_keys_messages_come_in_the_same_receive(
-        ) -> None:
+def test_a_flooding_key_gets_its_share_and_another_keys_messages_come_in_the_same_receive() -> None:
     (ka, kb, kc), allowed = three_keys()
     a, b = secure_endpoint(ka, allowed), secure_endpoint(kb, allowed)
     c = secure_endpoint(kc, allowed, quotas=KeyQuotas(messages_per_receive=16))
@@ -138,8 +141,11 @@ def test_a_flooding_key_gets_its_share_and_another_keys_messages_come_in_the_sam
         rest = list(got)
         while c.backlog:
             rest += list(c.receive(limit=256))
-        from_a = [msg.transfer_id for msg, origin in rest  # type: ignore[union-attr]
-                  if origin == ka.public.decode()]
+        from_a = [
+            msg.transfer_id
+            for msg, origin in rest  # type: ignore[union-attr]
+            if origin == ka.public.decode()
+        ]
         assert from_a == [f"a{i}" for i in range(300)]  # each key's in the order sent
         assert not c.rejected
     finally:
@@ -170,8 +176,7 @@ def test_a_key_takes_at_most_its_bytes_per_receive_and_at_least_one_message() ->
         c.close()
 
 
-def test_messages_over_a_keys_backlog_are_dropped_and_counted_and_other_keys_still_come(
-        ) -> None:
+def test_messages_over_a_keys_backlog_are_dropped_and_counted_and_other_keys_still_come() -> None:
     (ka, kb, kc), allowed = three_keys()
     a, b = secure_endpoint(ka, allowed), secure_endpoint(kb, allowed)
     c = secure_endpoint(kc, allowed, quotas=KeyQuotas(backlog_messages=10))
@@ -185,8 +190,9 @@ def test_messages_over_a_keys_backlog_are_dropped_and_counted_and_other_keys_sti
         read_until(c, lambda: c.backlog == 11)
         got = [(msg.transfer_id, origin) for msg, origin in c.receive()]  # type: ignore[union-attr]
         assert ("b", kb.public.decode()) in got
-        assert [t for t, origin in got if origin == ka.public.decode()] == \
-            [f"a{i}" for i in range(10)]
+        assert [t for t, origin in got if origin == ka.public.decode()] == [
+            f"a{i}" for i in range(10)
+        ]
     finally:
         for ep in (a, b, c):
             ep.close()
@@ -199,8 +205,9 @@ def test_a_key_naming_more_control_addresses_than_its_quota_is_refused_and_count
     (ka, _, kc), allowed = three_keys()
     clock = Clock()
     a = secure_endpoint(ka, allowed)
-    c = secure_endpoint(kc, allowed, clock=clock,
-                        quotas=KeyQuotas(addresses=2, address_idle_s=10.0))
+    c = secure_endpoint(
+        kc, allowed, clock=clock, quotas=KeyQuotas(addresses=2, address_idle_s=10.0)
+    )
     to, key = kc.public.decode(), ka.public.decode()
     addr = [f"tcp://127.0.0.1:{20_000 + i}" for i in range(3)]
     try:
@@ -224,8 +231,7 @@ def test_a_key_naming_more_control_addresses_than_its_quota_is_refused_and_count
         c.close()
 
 
-def test_replies_go_to_at_most_the_quota_of_addresses_per_key_and_open_no_more_sockets(
-        ) -> None:
+def test_replies_go_to_at_most_the_quota_of_addresses_per_key_and_open_no_more_sockets() -> None:
     (ka, kb, _), allowed = three_keys()
     a = secure_endpoint(ka, allowed, quotas=KeyQuotas(addresses=2))
     b = secure_endpoint(kb, allowed)
@@ -245,8 +251,9 @@ def test_replies_go_to_at_most_the_quota_of_addresses_per_key_and_open_no_more_s
 def test_new_addresses_of_a_key_come_at_most_a_burst_then_a_few_a_second() -> None:
     (ka, kb, _), allowed = three_keys()
     clock = Clock()
-    a = secure_endpoint(ka, allowed, clock=clock,
-                        quotas=KeyQuotas(new_addresses_burst=3, new_addresses_per_s=1.0))
+    a = secure_endpoint(
+        ka, allowed, clock=clock, quotas=KeyQuotas(new_addresses_burst=3, new_addresses_per_s=1.0)
+    )
     to = kb.public.decode()
     try:
         for port in range(5):
@@ -263,7 +270,8 @@ def test_new_addresses_of_a_key_come_at_most_a_burst_then_a_few_a_second() -> No
 
 
 def test_a_send_to_a_new_peer_connects_a_socket_the_pumps_wait_made_ahead(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     (ka, kb, _), allowed = three_keys()
     a, b = secure_endpoint(ka, allowed), secure_endpoint(kb, allowed)
     try:
@@ -274,8 +282,11 @@ def test_a_send_to_a_new_peer_connects_a_socket_the_pumps_wait_made_ahead(
 
         monkeypatch.setattr(a, "_new_dealer", made_in_send)
         for i in range(MAX_SPARE_PEERS):
-            a.send(b.address if i == 0 else f"tcp://127.0.0.1:{30_300 + i}", note(f"s{i}"),
-                   to=kb.public.decode())
+            a.send(
+                b.address if i == 0 else f"tcp://127.0.0.1:{30_300 + i}",
+                note(f"s{i}"),
+                to=kb.public.decode(),
+            )
         assert a.open_peers == MAX_SPARE_PEERS and not a.rejected
         got = read_received(b, 1)
         assert [msg.transfer_id for msg, _ in got] == ["s0"]  # type: ignore[union-attr]
@@ -293,8 +304,7 @@ def read_received(ep: ControlEndpoint, n: int) -> list[tuple[m.ControlMessage, s
 
 
 def test_without_keys_addresses_are_not_bounded_per_key() -> None:
-    a = ControlEndpoint(ControlCodec(4096), "127.0.0.1", free_port(),
-                        quotas=KeyQuotas(addresses=1))
+    a = ControlEndpoint(ControlCodec(4096), "127.0.0.1", free_port(), quotas=KeyQuotas(addresses=1))
     try:
         for port in range(5):
             a.send(f"tcp://127.0.0.1:{30_100 + port}", note("x"))

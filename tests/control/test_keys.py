@@ -23,7 +23,8 @@ def test_generated_pair_loads_back_with_its_name_and_a_private_secret(tmp_path: 
     assert zmq.curve_public(pair.secret) == pair.public
     assert keys.load_allowed(public) == {pair.public: "prefill-0"}
     assert list(tmp_path.iterdir()) != [] and not any(
-        p.name.startswith(".kvpush-keys-") for p in tmp_path.iterdir())
+        p.name.startswith(".kvpush-keys-") for p in tmp_path.iterdir()
+    )
 
 
 def test_key_pair_repr_never_shows_the_secret(tmp_path: Path) -> None:
@@ -65,8 +66,8 @@ def test_loading_the_public_file_as_key_file_names_the_secret_one(tmp_path: Path
     "text",
     [
         "just some text\n",
-        "curve\n    public-key = \"short\"\n",
-        "curve\n    public-key = \"" + "\x7f" * 40 + "\"\n",
+        'curve\n    public-key = "short"\n',
+        'curve\n    public-key = "' + "\x7f" * 40 + '"\n',
     ],
 )
 def test_a_corrupt_key_file_is_refused(tmp_path: Path, text: str) -> None:
@@ -154,8 +155,9 @@ def test_fingerprint_is_short_stable_and_differs_per_key() -> None:
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
-def test_a_secret_key_file_others_may_read_is_refused_naming_the_fix(tmp_path: Path,
-                                                                     mode: int) -> None:
+def test_a_secret_key_file_others_may_read_is_refused_naming_the_fix(
+    tmp_path: Path, mode: int
+) -> None:
     _, secret = keys.generate("decode-0", tmp_path)
     secret.chmod(mode)
     with pytest.raises(ConfigError, match=f"mode {mode:04o}.*chmod 600") as info:

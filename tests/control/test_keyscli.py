@@ -24,7 +24,8 @@ def test_usage_lists_the_keys_command(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_generate_writes_each_pair_and_says_where_the_files_go(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, out, _ = run(capsys, "generate", "prefill-0", "decode-0", "--dir", str(tmp_path))
     assert rc == 0
     for name in ("prefill-0", "decode-0"):
@@ -36,7 +37,8 @@ def test_generate_writes_each_pair_and_says_where_the_files_go(
 
 
 def test_generate_writes_nothing_when_one_name_is_bad_or_taken(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, _, err = run(capsys, "generate", "good", "bad name", "--dir", str(tmp_path))
     assert rc == 2 and "bad name" in err
     assert list(tmp_path.iterdir()) == []
@@ -50,7 +52,8 @@ def test_generate_writes_nothing_when_one_name_is_bad_or_taken(
 
 
 def test_list_shows_name_fingerprint_key_and_whether_the_secret_is_beside(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run(capsys, "generate", "p0", "d0", "--dir", str(tmp_path))
     (tmp_path / "d0.key_secret").unlink()
     p0 = keys.load_keypair(tmp_path / "p0.key_secret")
@@ -64,7 +67,8 @@ def test_list_shows_name_fingerprint_key_and_whether_the_secret_is_beside(
 
 
 def test_list_reports_a_bad_file_and_exits_2(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run(capsys, "generate", "p0", "--dir", str(tmp_path))
     (tmp_path / "broken.key").write_text("garbage\n")
     rc, out, err = run(capsys, "list", str(tmp_path))
@@ -75,26 +79,45 @@ def test_list_reports_a_bad_file_and_exits_2(
     assert rc == 2 and "not a directory" in err
 
 
-def test_check_passes_for_a_listed_key(tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_passes_for_a_listed_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run(capsys, "generate", "p0", "--dir", str(tmp_path))
-    rc, out, _ = run(capsys, "check", "--key-file", str(tmp_path / "p0.key_secret"),
-                     "--allowed", str(tmp_path))
+    rc, out, _ = run(
+        capsys, "check", "--key-file", str(tmp_path / "p0.key_secret"), "--allowed", str(tmp_path)
+    )
     assert rc == 0 and out.startswith("ok:")
 
 
 def test_check_fails_with_the_reason_for_an_unlisted_key_or_a_bad_file(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run(capsys, "generate", "p0", "--dir", str(tmp_path / "engine"))
     run(capsys, "generate", "d0", "--dir", str(tmp_path / "list"))
-    rc, _, err = run(capsys, "check", "--key-file", str(tmp_path / "engine" / "p0.key_secret"),
-                     "--allowed", str(tmp_path / "list"))
+    rc, _, err = run(
+        capsys,
+        "check",
+        "--key-file",
+        str(tmp_path / "engine" / "p0.key_secret"),
+        "--allowed",
+        str(tmp_path / "list"),
+    )
     assert rc == 2 and "not in the allow-list" in err and "p0.key" in err
-    rc, _, err = run(capsys, "check", "--key-file", str(tmp_path / "engine" / "p0.key"),
-                     "--allowed", str(tmp_path / "list"))
+    rc, _, err = run(
+        capsys,
+        "check",
+        "--key-file",
+        str(tmp_path / "engine" / "p0.key"),
+        "--allowed",
+        str(tmp_path / "list"),
+    )
     assert rc == 2 and "p0.key_secret" in err
-    rc, _, err = run(capsys, "check", "--key-file", str(tmp_path / "engine" / "p0.key_secret"),
-                     "--allowed", str(tmp_path / "missing"))
+    rc, _, err = run(
+        capsys,
+        "check",
+        "--key-file",
+        str(tmp_path / "engine" / "p0.key_secret"),
+        "--allowed",
+        str(tmp_path / "missing"),
+    )
     assert rc == 2 and "no such allow-list" in err
 
 

@@ -48,12 +48,14 @@ def engine() -> Iterator[tuple[Pumped, dict[bytes, str]]]:
 
 
 def test_an_allow_listed_key_measures_latency_bandwidth_and_skew(
-        engine: tuple[Pumped, dict[bytes, str]]) -> None:
+    engine: tuple[Pumped, dict[bytes, str]],
+) -> None:
     pumped, _ = engine
     result = probe_peer(pumped.ep.address, pumped.doctor, pumped.server, PLAN)
     assert len(result.rtts_s) == PLAN.pings and 0 < result.rtt_p50_s < 1
     assert result.burst_bytes == (PLAN.burst_bytes // PLAN.frame_bytes) * (
-        PLAN.frame_bytes + len(probe.PROBE_PREFIX) + 8)
+        PLAN.frame_bytes + len(probe.PROBE_PREFIX) + 8
+    )
     assert result.bandwidth_bytes_per_s > 0
     assert abs(result.skew_s) < 0.05  # one clock: no skew beyond the round trip
     assert pumped.ep.probes == PLAN.pings + PLAN.burst_bytes // PLAN.frame_bytes
@@ -61,7 +63,8 @@ def test_an_allow_listed_key_measures_latency_bandwidth_and_skew(
 
 
 def test_a_key_not_in_the_allow_list_gets_no_handshake(
-        engine: tuple[Pumped, dict[bytes, str]]) -> None:
+    engine: tuple[Pumped, dict[bytes, str]],
+) -> None:
     pumped, _ = engine
     with pytest.raises(ProbeError, match="handshake"):
         probe_peer(pumped.ep.address, keypair("stranger"), pumped.server, PLAN)
@@ -69,7 +72,8 @@ def test_a_key_not_in_the_allow_list_gets_no_handshake(
 
 
 def test_a_control_message_still_arrives_beside_probes(
-        engine: tuple[Pumped, dict[bytes, str]]) -> None:
+    engine: tuple[Pumped, dict[bytes, str]],
+) -> None:
     pumped, allowed = engine
     pumped.stop()
     sender = secure_endpoint(pumped.doctor, allowed)

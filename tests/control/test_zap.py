@@ -10,8 +10,9 @@ from kvpush_prod.control.security import ZAP_DOMAIN, ZAP_ENDPOINT, AllowListAuth
 from tests.control.helpers import keypair
 
 
-def request(key: bytes, domain: bytes = ZAP_DOMAIN.encode(), mechanism: bytes = b"CURVE",
-            rid: bytes = b"7") -> list[bytes]:
+def request(
+    key: bytes, domain: bytes = ZAP_DOMAIN.encode(), mechanism: bytes = b"CURVE", rid: bytes = b"7"
+) -> list[bytes]:
     return [b"1.0", rid, domain, b"127.0.0.1", b"", mechanism, z85.decode(key)]
 
 

@@ -94,6 +94,8 @@ def with_layer(content: Any, part: int, value: Any) -> Any:
     layers = list(content) if isinstance(content, Parts) else [content] * LAYERS
     layers[part] = value
     return layers[0] if all(x == layers[0] for x in layers) else Parts(layers)
+
+
 D_BLOCKS = 24  # decode KV cache, blocks
 P_BLOCKS = 48
 CREDIT_BUDGET = 16  # D's receive window, blocks
@@ -120,34 +122,67 @@ COMPUTE_MAX_S = 2.0  # P computes a prompt within this of the request's arrival
 NAMED_SHARE = 0.8  # of requests: the router names the decode engine to P (owner=)
 
 TIMEOUTS = TransferTimeouts.within(TOTAL_S, PULL_PERMIT_S)
-SCHED = SchedulerSettings(chunk_bytes=BLOCK_BYTES, target_latency_s=0.05,
-                          stop_margin_s=STOP_MARGIN_S, initial_bandwidth_bytes_per_s=1e5)
+SCHED = SchedulerSettings(
+    chunk_bytes=BLOCK_BYTES,
+    target_latency_s=0.05,
+    stop_margin_s=STOP_MARGIN_S,
+    initial_bandwidth_bytes_per_s=1e5,
+)
 RETRY = RetrySettings(max_attempts=3, max_delay_s=5.0, backoff_base_s=0.02, backoff_max_s=0.2)
 BUDGET = BudgetSettings(rate_per_s=5.0, burst=10.0)
-BREAKER = BreakerSettings(failure_threshold=3, window_s=10.0, cooldown_s=5.0,
-                          max_cooldown_s=20.0, probe_timeout_s=5.0)
+BREAKER = BreakerSettings(
+    failure_threshold=3, window_s=10.0, cooldown_s=5.0, max_cooldown_s=20.0, probe_timeout_s=5.0
+)
 # Peer directories small enough that the world can fill them: every engine, the attackers
 # and the engines that forge fit at rank 0 (at most 3 P + 2 attackers + 1 D on a D).
 PEER_DIR = 6
-SENDER = SenderSettings(block_bytes=BLOCK_BYTES, scheduler=SCHED, retry=RETRY, budget=BUDGET,
-                        breaker=BREAKER, timeouts=TIMEOUTS, send_lease_s=SEND_LEASE_S,
-                        stop_margin_s=STOP_MARGIN_S, skew_margin_s=SKEW_MARGIN_S,
-                        heartbeat_s=HEARTBEAT_S, fallback=True, pull_permit_s=PULL_PERMIT_S,
-                        register_grace_s=REGISTER_GRACE_S, tombstone_s=60.0,
-                        max_peers=PEER_DIR)
-RECEIVER = ReceiverSettings(block_bytes=BLOCK_BYTES, permit_ttl_s=PERMIT_TTL_S,
-                            skew_margin_s=SKEW_MARGIN_S, stop_margin_s=STOP_MARGIN_S,
-                            heartbeat_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S,
-                            scheduler=SCHED, retry=RETRY, budget=BUDGET, timeouts=TIMEOUTS,
-                            max_peers=PEER_DIR)
+SENDER = SenderSettings(
+    block_bytes=BLOCK_BYTES,
+    scheduler=SCHED,
+    retry=RETRY,
+    budget=BUDGET,
+    breaker=BREAKER,
+    timeouts=TIMEOUTS,
+    send_lease_s=SEND_LEASE_S,
+    stop_margin_s=STOP_MARGIN_S,
+    skew_margin_s=SKEW_MARGIN_S,
+    heartbeat_s=HEARTBEAT_S,
+    fallback=True,
+    pull_permit_s=PULL_PERMIT_S,
+    register_grace_s=REGISTER_GRACE_S,
+    tombstone_s=60.0,
+    max_peers=PEER_DIR,
+)
+RECEIVER = ReceiverSettings(
+    block_bytes=BLOCK_BYTES,
+    permit_ttl_s=PERMIT_TTL_S,
+    skew_margin_s=SKEW_MARGIN_S,
+    stop_margin_s=STOP_MARGIN_S,
+    heartbeat_s=HEARTBEAT_S,
+    peer_timeout_s=PEER_TIMEOUT_S,
+    scheduler=SCHED,
+    retry=RETRY,
+    budget=BUDGET,
+    timeouts=TIMEOUTS,
+    max_peers=PEER_DIR,
+)
 CREDITS = CreditSettings(budget_blocks=CREDIT_BUDGET, per_peer_cap_blocks=PEER_CAP)
 
 _SLACK_S = 0.5
 # How long a transfer may live: the whole-transfer bound plus what the leases add after it.
-BOUND_D_S = (TOTAL_S + PERMIT_TTL_S + HEARTBEAT_S + SKEW_MARGIN_S + CHUNK_MAX_S
-             + PAUSE_MAX_S + 2 * TICK_S + _SLACK_S)
-BOUND_P_S = (TOTAL_S + PULL_PERMIT_S + SKEW_MARGIN_S + CHUNK_MAX_S + PAUSE_MAX_S
-             + 2 * TICK_S + _SLACK_S)
+BOUND_D_S = (
+    TOTAL_S
+    + PERMIT_TTL_S
+    + HEARTBEAT_S
+    + SKEW_MARGIN_S
+    + CHUNK_MAX_S
+    + PAUSE_MAX_S
+    + 2 * TICK_S
+    + _SLACK_S
+)
+BOUND_P_S = (
+    TOTAL_S + PULL_PERMIT_S + SKEW_MARGIN_S + CHUNK_MAX_S + PAUSE_MAX_S + 2 * TICK_S + _SLACK_S
+)
 
 # Transport errors a chunk may fail with (the classification table's rows and spellings).
 RETRYABLE = ("ERR:nixlBackendError", "TIMEOUT", "NIXL_ERR_NOT_POSTED", "ERR")
@@ -227,10 +262,10 @@ class Attack:
     ttl_ms: int = 3000
 
 
-ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", "Failed",
-                      "DoneState"),
-                "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register",
-                      "DoneQuery")}
+ATTACK_KINDS = {
+    "P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", "Failed", "DoneState"),
+    "D": ("Heartbeat", "Failed", "CancelAck", "Fallback", "Done", "Register", "DoneQuery"),
+}
 
 # ------------------------------------------------------------------------------ the intruder
 # A third engine of the deployment, an authenticated peer of its own: the allow-lists hold its
@@ -244,12 +279,31 @@ ATTACK_KINDS = {"P": ("Register", "Heartbeat", "Waiting", "Cancel", "PullDone", 
 INTRUDER = "intruder"  # its name in the world (the source of its messages)
 INTRUDER_KEY = "intruder-key"  # the public key its channel authenticates: its origin
 INTRUDER_ADDRESS = "tcp://intruder:7300"
-INTRUDER_KINDS = ("Register", "Heartbeat", "Cancel", "CancelAck", "Failed", "Fallback",
-                  "PullDone", "DoneQuery", "DoneState", "Done")
+INTRUDER_KINDS = (
+    "Register",
+    "Heartbeat",
+    "Cancel",
+    "CancelAck",
+    "Failed",
+    "Fallback",
+    "PullDone",
+    "DoneQuery",
+    "DoneState",
+    "Done",
+)
 # The engine each kind is meant for (the intruder also sends them to the other one).
-INTRUDER_FOR = {"Register": "P", "Heartbeat": "P", "Cancel": "P", "PullDone": "P",
-                "DoneState": "P", "CancelAck": "D", "Failed": "D", "Fallback": "D",
-                "DoneQuery": "D", "Done": "D"}
+INTRUDER_FOR = {
+    "Register": "P",
+    "Heartbeat": "P",
+    "Cancel": "P",
+    "PullDone": "P",
+    "DoneState": "P",
+    "CancelAck": "D",
+    "Failed": "D",
+    "Fallback": "D",
+    "DoneQuery": "D",
+    "Done": "D",
+}
 
 
 def intruder_agent(inc: int) -> str:
@@ -281,7 +335,9 @@ class Move:
     kind: str
     to: str = "natural"  # natural | all | other
     target: str = "live"  # newest | live | seen | future | bogus
-    claim: str = "self"  # self | self_new | victim | victim_new | victim_dp | victim_agent | slim | foreign
+    claim: str = (
+        "self"  # self | self_new | victim | victim_new | victim_dp | victim_agent | slim | foreign
+    )
     gen: str = "current"  # observed | leaked | current | near | random | zero
     delay: float = 0.0
     detail: int = 0  # 0: the plainest message (own blocks, rank 0, a 3 s term, true clock)
@@ -290,17 +346,24 @@ class Move:
         """What ``detail`` picks (digit by digit, so 0 is the plainest and each shrinks)."""
         d = self.detail
         pick: list[Any] = []
-        for choices in (("own", "own", "own", "victim", "other", "wild"),  # blocks
-                        (0, 0, 0, 1, 3),  # rank
-                        (3000, 3000, 86_400_000, 1, 0),  # permit term, ms
-                        ("true", "true", "past", "future"),  # the sent_at it stamps
-                        (True, False),  # PullDone ok; DoneState "done" (else "gone")
-                        (0, 0, 1, 7),  # attempt
-                        (1, 1, 3)):  # transfers a heartbeat lists
+        for choices in (
+            ("own", "own", "own", "victim", "other", "wild"),  # blocks
+            (0, 0, 0, 1, 3),  # rank
+            (3000, 3000, 86_400_000, 1, 0),  # permit term, ms
+            ("true", "true", "past", "future"),  # the sent_at it stamps
+            (True, False),  # PullDone ok; DoneState "done" (else "gone")
+            (0, 0, 1, 7),  # attempt
+            (1, 1, 3),
+        ):  # transfers a heartbeat lists
             pick.append(choices[d % len(choices)])
             d //= len(choices)
-        return dict(zip(("blocks", "rank", "ttl_ms", "clock", "flag", "attempt", "entries"),
-                        pick, strict=True))
+        return dict(
+            zip(
+                ("blocks", "rank", "ttl_ms", "clock", "flag", "attempt", "entries"),
+                pick,
+                strict=True,
+            )
+        )
 
 
 @dataclass
@@ -388,8 +451,10 @@ class BlockPool:
     def release(self, blocks: list[int], owner: Any, why: str) -> None:
         for b in blocks:
             if self.owner[b] != owner:
-                raise Violation(f"{self.name}: {why} frees block {b} owned by {self.owner[b]!r},"
-                                f" not {owner!r} (double free or foreign block)")
+                raise Violation(
+                    f"{self.name}: {why} frees block {b} owned by {self.owner[b]!r},"
+                    f" not {owner!r} (double free or foreign block)"
+                )
         for b in blocks:
             self.owner[b] = None
             self.epoch[b] += 1
@@ -569,13 +634,18 @@ class NodeEffects:
 
     def note(self, note: Note) -> None:
         self.world.count(f"note:{note.kind}:{note.reason}")
-        if note.kind is NoteKind.LEASE_EXPIRED and note.reason == "permit" \
-                and self.node.role == "P":
+        if (
+            note.kind is NoteKind.LEASE_EXPIRED
+            and note.reason == "permit"
+            and self.node.role == "P"
+        ):
             # P's permit ran out mid-push: are chunks of it still on the wire? (The race the
             # fence is for: they must land before D reuses the blocks.)
             found = re.match(r"permit of (\S+) ran out", note.detail)
-            if found and any(fl.tid == found[1] and fl.key[:2] == (self.node.name, self.node.inc)
-                             for fl in self.world.flights.values()):
+            if found and any(
+                fl.tid == found[1] and fl.key[:2] == (self.node.name, self.node.inc)
+                for fl in self.world.flights.values()
+            ):
                 self.world.count("race:permit_ended_under_push")
 
     def contained(self, stage: Stage, what: str) -> None:
@@ -601,8 +671,7 @@ class Harmless:
     channel proves ``to``), its own agent connected, or a push of a transfer nobody else
     holds (first come, documented) may come of it."""
 
-    def __init__(self, engine: Any, origin: str, before: dict[str, Any],
-                 others: set[str]) -> None:
+    def __init__(self, engine: Any, origin: str, before: dict[str, Any], others: set[str]) -> None:
         self.engine, self.origin, self.before, self.others = engine, origin, before, others
 
     def note(self, a: Note, /) -> bool:
@@ -610,8 +679,12 @@ class Harmless:
             return a.detail not in self.before["transfers"]
         # LINK_CAPPED: the scheduler's count of chunks held back by a link's caps (the poll
         # that starts such a push reports it); what changes for others is checked anyway.
-        return a.kind in (NoteKind.REJECTED, NoteKind.FENCED, NoteKind.PEER_RESTART,
-                          NoteKind.LINK_CAPPED)
+        return a.kind in (
+            NoteKind.REJECTED,
+            NoteKind.FENCED,
+            NoteKind.PEER_RESTART,
+            NoteKind.LINK_CAPPED,
+        )
 
     def send_message(self, a: SendMessage, /) -> bool:
         return a.to == self.origin  # only the forger's own channel proves that identity
@@ -620,8 +693,12 @@ class Harmless:
         # P met a peer of the forger's own key; its agent must not be anyone else's.
         eng = self.engine
         slot = identity.peer_slot(a.info.engine_id, a.info.rank)
-        return (isinstance(eng, Sender) and eng._peers.get((self.origin, slot)) == a.info
-                and a.info.agent_name not in self.others and a.replaces not in self.others)
+        return (
+            isinstance(eng, Sender)
+            and eng._peers.get((self.origin, slot)) == a.info
+            and a.info.agent_name not in self.others
+            and a.replaces not in self.others
+        )
 
     def drop_peer(self, a: DropPeer, /) -> bool:
         return a.agent_name not in self.others
@@ -713,9 +790,12 @@ class World:
         self.broken = True
         tids = set(re.findall(r"\bt\d+\b", text))
         mine = [e for e in self.trace if tids & set(re.findall(r"\bt\d+\b", e))]
-        return Violation(f"at t={self.now:.4f}: {text}\nevents of {sorted(tids)}:\n"
-                         + "\n".join(mine[-60:]) + "\nlatest events:\n"
-                         + "\n".join(list(self.trace)[-30:]))
+        return Violation(
+            f"at t={self.now:.4f}: {text}\nevents of {sorted(tids)}:\n"
+            + "\n".join(mine[-60:])
+            + "\nlatest events:\n"
+            + "\n".join(list(self.trace)[-30:])
+        )
 
     def r(self, *key: Any) -> KeyedRandom:
         """The world's randomness for one thing (a message, a chunk, a request): keyed by what
@@ -798,9 +878,12 @@ class World:
         node.deferred.clear()
         node.died_at = self.now
         # A supervisor brings it back (the restart rule may do so earlier).
-        self._push(self.now + self.r("restart", node.name, node.inc).uniform(
-            RESTART_MIN_S, 4 * RESTART_MIN_S), "restart",
-                   (node.name, node.inc))
+        self._push(
+            self.now
+            + self.r("restart", node.name, node.inc).uniform(RESTART_MIN_S, 4 * RESTART_MIN_S),
+            "restart",
+            (node.name, node.inc),
+        )
 
     # ------------------------------------------------------------------ engine calls
     def command(self, node: Node, command: Command[Any]) -> None:
@@ -836,8 +919,10 @@ class World:
         """``node`` sends ``msg`` (stamped with its wall clock by the driver) to the endpoint
         at ``peer`` that must prove identity ``to``."""
         if not to:
-            raise self.fail(f"{node.name} sends {type(msg).__name__} to {peer} without "
-                            "naming the identity it must reach")
+            raise self.fail(
+                f"{node.name} sends {type(msg).__name__} to {peer} without "
+                "naming the identity it must reach"
+            )
         if peer == INTRUDER_ADDRESS and to == INTRUDER_KEY:
             self.intruder_hears(node, msg)
             return
@@ -846,12 +931,16 @@ class World:
             # The channel to that address cannot prove ``to`` (a reply to a forged claim): the
             # handshake fails and nothing is delivered.
             self.count(f"send:refused:{type(msg).__name__}")
-            self.log(f"{node.name} sends {type(msg).__name__} "
-                     f"{getattr(msg, 'transfer_id', '')} to {peer} as {to[:16]}: refused")
+            self.log(
+                f"{node.name} sends {type(msg).__name__} "
+                f"{getattr(msg, 'transfer_id', '')} to {peer} as {to[:16]}: refused"
+            )
             return
         self.count(f"send:{type(msg).__name__}")
-        self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
-                 f" g{getattr(msg, 'generation', '')} -> {peer}")
+        self.log(
+            f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
+            f" g{getattr(msg, 'generation', '')} -> {peer}"
+        )
         c = self.chaos
         n = self._sends[(node.name, node.inc)] = self._sends.get((node.name, node.inc), 0) + 1
         r = self.r("send", node.name, node.inc, n)
@@ -887,8 +976,9 @@ class World:
     def cut(self, src: str, dst: str) -> bool:
         return any(a == src and b == dst and until > self.now for a, b, until in self.cuts)
 
-    def enqueue(self, src: str, src_inc: int, dst: str, msg: m.ControlMessage,
-                at: float, origin: str) -> Wire:
+    def enqueue(
+        self, src: str, src_inc: int, dst: str, msg: m.ControlMessage, at: float, origin: str
+    ) -> Wire:
         w = Wire(next(self._ids), src, src_inc, dst, msg, self.now, at, origin)
         self.wires[w.id] = w
         self._push(w.at, "wire", w.id)
@@ -896,14 +986,30 @@ class World:
         return w
 
     # ------------------------------------------------------------------ stale generations
-    _FOR_D = {"Failed": "Failed", "CancelAck": "CancelAck", "Fallback": "Fallback",
-              "Done": "Done", "Register": "Failed", "Cancel": "CancelAck",
-              "PullDone": "Fallback", "Heartbeat": "Done", "DoneQuery": "DoneQuery",
-              "DoneState": "DoneQuery"}
-    _FOR_P = {"Register": "Register", "Cancel": "Cancel", "PullDone": "PullDone",
-              "Heartbeat": "Heartbeat", "Failed": "Register", "CancelAck": "Cancel",
-              "Fallback": "PullDone", "Done": "Heartbeat", "DoneQuery": "DoneState",
-              "DoneState": "DoneState"}
+    _FOR_D = {
+        "Failed": "Failed",
+        "CancelAck": "CancelAck",
+        "Fallback": "Fallback",
+        "Done": "Done",
+        "Register": "Failed",
+        "Cancel": "CancelAck",
+        "PullDone": "Fallback",
+        "Heartbeat": "Done",
+        "DoneQuery": "DoneQuery",
+        "DoneState": "DoneQuery",
+    }
+    _FOR_P = {
+        "Register": "Register",
+        "Cancel": "Cancel",
+        "PullDone": "PullDone",
+        "Heartbeat": "Heartbeat",
+        "Failed": "Register",
+        "CancelAck": "Cancel",
+        "Fallback": "PullDone",
+        "Done": "Heartbeat",
+        "DoneQuery": "DoneState",
+        "DoneState": "DoneState",
+    }
 
     def stale_candidates(self, role: str) -> list[tuple[str, str]]:
         """(node, transfer) pairs where a message with another generation can be made to
@@ -917,8 +1023,13 @@ class World:
                 for tid, inc in eng._in.items():
                     p = self.by_address(inc.address)
                     peer = eng._peers.get((inc.owner, 0))
-                    if p and p.alive and inc.owner == p.address and peer \
-                            and peer.incarnation == p.inc:
+                    if (
+                        p
+                        and p.alive
+                        and inc.owner == p.address
+                        and peer
+                        and peer.incarnation == p.inc
+                    ):
                         out.append((node.name, tid))
             else:
                 for tid, o in eng._out.items():
@@ -926,9 +1037,14 @@ class World:
                         continue
                     d = self.by_address(o.reg.sender.control)
                     known = eng._peers.get((o.owner, o.reg.sender.rank))
-                    if (d and d.alive and o.owner == d.address
-                            and d.inc == o.reg.sender.incarnation and known
-                            and known.incarnation == d.inc):
+                    if (
+                        d
+                        and d.alive
+                        and o.owner == d.address
+                        and d.inc == o.reg.sender.incarnation
+                        and known
+                        and known.incarnation == d.inc
+                    ):
                         out.append((node.name, tid))
         return out
 
@@ -946,8 +1062,12 @@ class World:
             kind = self._FOR_D[kind]
             if kind == "Done":
                 nid = next(self._ids)
-                self.notifs[nid] = (self.now, node.agent, m.Done(v, tid, g, len(inc.blocks)),
-                                    p.agent)
+                self.notifs[nid] = (
+                    self.now,
+                    node.agent,
+                    m.Done(v, tid, g, len(inc.blocks)),
+                    p.agent,
+                )
                 self.count("rule:stale")
                 self.deliver_notif(nid)
                 return
@@ -958,8 +1078,17 @@ class World:
             elif kind == "DoneQuery":
                 msg = m.DoneQuery(v, tid, g, p.info, inc.void_below)
             else:
-                msg = m.Fallback(v, tid, g, p.info, list(range(len(inc.blocks))), 0, "stale",
-                                 4000, sent_at=p.wall(self.now))
+                msg = m.Fallback(
+                    v,
+                    tid,
+                    g,
+                    p.info,
+                    list(range(len(inc.blocks))),
+                    0,
+                    "stale",
+                    4000,
+                    sent_at=p.wall(self.now),
+                )
             src = p
         else:
             assert isinstance(eng, Sender)
@@ -977,16 +1106,25 @@ class World:
             elif kind == "PullDone":
                 msg = m.PullDone(v, tid, g, d.info, True)
             elif kind == "DoneState":
-                msg = m.DoneState(v, tid, g, d.info, o.confirm.attempt if o.confirm else 0,
-                                  "done")
+                msg = m.DoneState(v, tid, g, d.info, o.confirm.attempt if o.confirm else 0, "done")
             else:
                 msg = m.Heartbeat(v, d.info, node.inc, [(tid, g)], 3000, sent_at=d.wall(self.now))
             src = d
         if not self.stale_key(node, msg, src.address):
             return  # e.g. a newer REGISTER while P waits: a re-registration, not stale
         self.count("rule:stale")
-        self.deliver(Wire(next(self._ids), src.name, src.inc, node.address, msg, self.now,
-                          self.now, src.address))
+        self.deliver(
+            Wire(
+                next(self._ids),
+                src.name,
+                src.inc,
+                node.address,
+                msg,
+                self.now,
+                self.now,
+                src.address,
+            )
+        )
 
     def deliver(self, w: Wire) -> None:
         self.wires.pop(w.id, None)
@@ -999,35 +1137,62 @@ class World:
         msg = w.msg
         # As the pump: how long the message travelled, by the two wall clocks.
         age = message_age(msg, node.wall(self.now))
-        self.log(f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
-                 f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}")
+        self.log(
+            f"{node.name} gets {type(msg).__name__} {getattr(msg, 'transfer_id', '')}"
+            f" g{getattr(msg, 'generation', '')} from {w.src}#{w.src_inc} age {age:.3f}"
+        )
         if w.attack:
             tomb = getattr(eng, "_tombstones", {}).get(getattr(msg, "transfer_id", ""))
-            if (KNOWN_BUGS.get("tombstone_overwrite") and isinstance(msg, m.Cancel)
-                    and tomb is not None and w.origin not in tomb):
+            if (
+                KNOWN_BUGS.get("tombstone_overwrite")
+                and isinstance(msg, m.Cancel)
+                and tomb is not None
+                and w.origin not in tomb
+            ):
                 self.count("attack:skipped:tombstone_overwrite")
                 return []
-            if (KNOWN_BUGS.get("registrant_drops_contenders") and isinstance(eng, Sender)
-                    and self._may_drop_contenders(eng, w.origin, msg)):
+            if (
+                KNOWN_BUGS.get("registrant_drops_contenders")
+                and isinstance(eng, Sender)
+                and self._may_drop_contenders(eng, w.origin, msg)
+            ):
                 self.count("attack:skipped:registrant_drops_contenders")
                 return []
             contends = self._would_contend(eng, w.origin, msg)
-            if (KNOWN_BUGS.get("contender_zero_ttl") and contends
-                    and isinstance(msg, m.Register) and msg.permit_ttl_ms <= 0):
+            if (
+                KNOWN_BUGS.get("contender_zero_ttl")
+                and contends
+                and isinstance(msg, m.Register)
+                and msg.permit_ttl_ms <= 0
+            ):
                 self.count("attack:skipped:contender_zero_ttl")
                 return []
-            if (KNOWN_BUGS.get("contenders_outlive_bound") and contends
-                    and not eng._out[msg.transfer_id].expected):
+            if (
+                KNOWN_BUGS.get("contenders_outlive_bound")
+                and contends
+                and not eng._out[msg.transfer_id].expected
+            ):
                 self.count("attack:skipped:contenders_outlive_bound")
                 return []
-            first = [f for f in ("contenders_not_renewed", "expired_registration_tombstones")
-                     if KNOWN_BUGS.get(f)]
-            if (first and isinstance(eng, Sender) and isinstance(msg, m.Register)
-                    and self._registers_first(eng, msg)):
+            first = [
+                f
+                for f in ("contenders_not_renewed", "expired_registration_tombstones")
+                if KNOWN_BUGS.get(f)
+            ]
+            if (
+                first
+                and isinstance(eng, Sender)
+                and isinstance(msg, m.Register)
+                and self._registers_first(eng, msg)
+            ):
                 self.count(f"attack:skipped:{first[0]}")
                 return []
-            return self._under_attack(node, w.origin, type(msg).__name__,
-                                      lambda: eng.on_message(msg, now, age, origin=w.origin))
+            return self._under_attack(
+                node,
+                w.origin,
+                type(msg).__name__,
+                lambda: eng.on_message(msg, now, age, origin=w.origin),
+            )
         stale = self.stale_key(node, msg, w.origin)
         before = self.snapshot(node, stale) if stale else None
         out: list[Action] = eng.on_message(msg, now, age, origin=w.origin)
@@ -1037,9 +1202,11 @@ class World:
             bad += [n for n in notes if n.kind not in (NoteKind.FENCED, NoteKind.REJECTED)]
             after = self.snapshot(node, stale)
             if bad or before != after:
-                raise self.fail(f"{node.name}: a {type(msg).__name__} of {stale} with a stale "
-                                f"generation {getattr(msg, 'generation', msg)} changed state: "
-                                f"actions {bad}, state {before} -> {after}")
+                raise self.fail(
+                    f"{node.name}: a {type(msg).__name__} of {stale} with a stale "
+                    f"generation {getattr(msg, 'generation', msg)} changed state: "
+                    f"actions {bad}, state {before} -> {after}"
+                )
         return out
 
     def stale_key(self, node: Node, msg: m.ControlMessage, origin: str) -> str:
@@ -1054,8 +1221,11 @@ class World:
             if peer is None or peer.incarnation != msg.sender.incarnation:
                 return ""
             inc = eng._in.get(msg.transfer_id)
-            return msg.transfer_id if (inc is not None and inc.owner == origin
-                                       and inc.generation != msg.generation) else ""
+            return (
+                msg.transfer_id
+                if (inc is not None and inc.owner == origin and inc.generation != msg.generation)
+                else ""
+            )
         assert isinstance(eng, Sender)
         if isinstance(msg, m.Heartbeat):
             if len(msg.live) != 1:
@@ -1067,8 +1237,9 @@ class World:
         if not isinstance(msg, (m.Register, m.Cancel, m.PullDone, m.DoneState)):
             return ""
         known = eng._peers.get((origin, msg.sender.rank))
-        if isinstance(msg, m.Register) and (known is None
-                                            or known.incarnation != msg.sender.incarnation):
+        if isinstance(msg, m.Register) and (
+            known is None or known.incarnation != msg.sender.incarnation
+        ):
             return ""
         o = eng._out.get(msg.transfer_id)
         if o is None or o.reg is None or o.owner != origin:
@@ -1117,14 +1288,29 @@ class World:
             if kind == "notice" and tids:
                 msg = m.Failed(v, tids[0], eng._in[tids[0]].generation, old, "zombie")
             else:
-                msg = m.Heartbeat(v, old, r.inc, [(t, eng._in[t].generation) for t in tids],
-                                  sent_at=peer.wall(self.now))
+                msg = m.Heartbeat(
+                    v,
+                    old,
+                    r.inc,
+                    [(t, eng._in[t].generation) for t in tids],
+                    sent_at=peer.wall(self.now),
+                )
         elif kind == "notice":
-            msg = m.Register(v, f"z{next(self._ids)}", old, [0], 0, 16, 1,
-                             int(PERMIT_TTL_S * 1000), sent_at=peer.wall(self.now))
+            msg = m.Register(
+                v,
+                f"z{next(self._ids)}",
+                old,
+                [0],
+                0,
+                16,
+                1,
+                int(PERMIT_TTL_S * 1000),
+                sent_at=peer.wall(self.now),
+            )
         else:
-            msg = m.Heartbeat(v, old, r.inc, [], int(PERMIT_TTL_S * 1000),
-                              sent_at=peer.wall(self.now))
+            msg = m.Heartbeat(
+                v, old, r.inc, [], int(PERMIT_TTL_S * 1000), sent_at=peer.wall(self.now)
+            )
         self.count("rule:dead")
 
         def run(e: Any, now: float) -> list[Action]:
@@ -1132,8 +1318,10 @@ class World:
             # Its key is the engine's: a restarted process speaks with the same identity.
             out: list[Action] = e.on_message(msg, now, 0.0, origin=peer.address)
             if split_notes(out)[1] or self.full_snapshot(r) != before:
-                raise self.fail(f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
-                                f"incarnation {old.incarnation} was acted on: {out}")
+                raise self.fail(
+                    f"{r.name}: a {type(msg).__name__} of {peer.name}'s dead "
+                    f"incarnation {old.incarnation} was acted on: {out}"
+                )
             return out
 
         self.call(r, run)
@@ -1150,23 +1338,55 @@ class World:
             inc = eng._in.get(tid)
             lease = eng.leases.get(tid)
             state = eng.leases.state(tid)
-            return (None if inc is None else (inc.generation, inc.cancelling, inc.renew,
-                                              inc.fallback, inc.machine.state, inc.listed_at,
-                                              inc.read_failed, frozenset(inc.reads)),
-                    lease, state, tid in eng._waiting)
+            return (
+                None
+                if inc is None
+                else (
+                    inc.generation,
+                    inc.cancelling,
+                    inc.renew,
+                    inc.fallback,
+                    inc.machine.state,
+                    inc.listed_at,
+                    inc.read_failed,
+                    frozenset(inc.reads),
+                ),
+                lease,
+                state,
+                tid in eng._waiting,
+            )
         assert isinstance(eng, Sender)
         o = eng._out.get(tid)
-        return (None if o is None else (o.reg, o.permit, o.machine.state, o.lease_until,
-                                        o.drain_then, o.queued, o.outcome, o.released,
-                                        o.held, frozenset(o.inflight), o.pull_until, o.blocks),
-                tid in eng._tombstones, eng.sched.has_transfer(tid))
-
+        return (
+            None
+            if o is None
+            else (
+                o.reg,
+                o.permit,
+                o.machine.state,
+                o.lease_until,
+                o.drain_then,
+                o.queued,
+                o.outcome,
+                o.released,
+                o.held,
+                frozenset(o.inflight),
+                o.pull_until,
+                o.blocks,
+            ),
+            tid in eng._tombstones,
+            eng.sched.has_transfer(tid),
+        )
 
     # ------------------------------------------------------------------ the attacker
     def live_transfers(self) -> list[tuple[str, str]]:
         """(engine, transfer id) of every transfer an engine of the world holds now."""
-        return [(n.name, t) for n in self.nodes.values() if n.alive
-                for t in (n.engine._in if n.role == "D" else n.engine._out)]
+        return [
+            (n.name, t)
+            for n in self.nodes.values()
+            if n.alive
+            for t in (n.engine._in if n.role == "D" else n.engine._out)
+        ]
 
     def attack_targets(self, node: Node, how: str) -> list[str]:
         """Transfer ids the attacker aims at on ``node``: its live ones, or any id seen, or
@@ -1175,8 +1395,7 @@ class World:
         if how == "live":
             return sorted(eng._in if isinstance(eng, Receiver) else eng._out)
         if how == "any":
-            return sorted({t for n in self.nodes.values()
-                           for t in (*n.preqs, *n.dreqs, *n.closed)})
+            return sorted({t for n in self.nodes.values() for t in (*n.preqs, *n.dreqs, *n.closed)})
         if how == "future":
             return [f"t{self.tid_count + 1}"]
         return ["x-bogus"]
@@ -1214,10 +1433,15 @@ class World:
         # (never the owner itself: it speaks for its own transfers).
         forger: Node | None = None
         if a.forger == "engine":
-            others = sorted(n.name for n in self.nodes.values()
-                            if n.alive and n is not node and n.address != owner
-                            and (owner_node is None or n is not owner_node)
-                            and (node.role == "D" or n.name != self._d_of(node, tid)))
+            others = sorted(
+                n.name
+                for n in self.nodes.values()
+                if n.alive
+                and n is not node
+                and n.address != owner
+                and (owner_node is None or n is not owner_node)
+                and (node.role == "D" or n.name != self._d_of(node, tid))
+            )
             forger = self.nodes[r.choice(others)] if others else None
         if forger is not None:
             origin, rank = forger.address, 0
@@ -1226,8 +1450,15 @@ class World:
         else:
             origin = a.forger if a.forger in ATTACKERS else ATTACKERS[0]
             rank = 0 if KNOWN_BUGS.get("peer_eviction") else a.rank
-            own = m.PeerInfo(origin, 7000 + rank, rank, ATTACKER_ADDRESS, f"agent-{origin}-r{rank}",
-                             b"meta", self._layout("P" if node.role == "D" else "D"))
+            own = m.PeerInfo(
+                origin,
+                7000 + rank,
+                rank,
+                ATTACKER_ADDRESS,
+                f"agent-{origin}-r{rank}",
+                b"meta",
+                self._layout("P" if node.role == "D" else "D"),
+            )
         claim = self._claim(a, own, owner_node, node, r)
         if forger is not None:
             # With its own key an engine can only hurt itself by announcing a restart of its
@@ -1240,8 +1471,12 @@ class World:
         if a.layout == "slim":
             claim = msgspec.structs.replace(claim, agent_meta=b"", layout=None)
         elif a.layout == "foreign":
-            claim = msgspec.structs.replace(claim, layout=m.Layout(
-                "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]))
+            claim = msgspec.structs.replace(
+                claim,
+                layout=m.Layout(
+                    "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]
+                ),
+            )
         gen = self._guess(node, tid, a.guess, kind, r)
         v = m.PROTOCOL_VERSION
         sent_at = (forger or node).wall(self.now)
@@ -1253,18 +1488,24 @@ class World:
             n = self._size(node, tid, r)
             if kind == "Register":
                 o = eng._out.get(tid)
-                if forger is not None and not (o is not None and o.required
-                                               and o.required != origin):
+                if forger is not None and not (
+                    o is not None and o.required and o.required != origin
+                ):
                     # An engine registering a transfer nobody named with its own key gets
                     # P's writes into its own memory: its own doing, not the core's.
                     self.count("attack:skipped:engine_register")
                     return
                 blocks = [r.choice(range(D_BLOCKS)) for _ in range(n)]
-                msg = m.Register(v, tid, claim, blocks, 0, n * 16, gen, a.ttl_ms,
-                                 sent_at=sent_at)
+                msg = m.Register(v, tid, claim, blocks, 0, n * 16, gen, a.ttl_ms, sent_at=sent_at)
             elif kind in ("Heartbeat", "Waiting"):
-                msg = m.Heartbeat(v, claim, node.inc, [(tid, 0 if kind == "Waiting" else gen)],
-                                  a.ttl_ms, sent_at=sent_at)
+                msg = m.Heartbeat(
+                    v,
+                    claim,
+                    node.inc,
+                    [(tid, 0 if kind == "Waiting" else gen)],
+                    a.ttl_ms,
+                    sent_at=sent_at,
+                )
             elif kind == "Cancel":
                 msg = m.Cancel(v, tid, gen if a.guess != "zero" else 0, claim, "forged")
             elif kind == "PullDone":
@@ -1273,8 +1514,9 @@ class World:
                 # The attempt P asks about, where it asks (the attacker may have seen it).
                 o = eng._out.get(tid)
                 attempt = o.confirm.attempt if o is not None and o.confirm else 0
-                msg = m.DoneState(v, tid, gen, claim, attempt,
-                                  r.choice(("done", "pending", "gone")))
+                msg = m.DoneState(
+                    v, tid, gen, claim, attempt, r.choice(("done", "pending", "gone"))
+                )
             else:
                 msg = m.Failed(v, tid, gen, claim, "forged")
         else:
@@ -1287,20 +1529,41 @@ class World:
             elif kind == "CancelAck":
                 msg = m.CancelAck(v, tid, gen, claim)
             elif kind == "Fallback":
-                msg = m.Fallback(v, tid, gen, claim, [r.choice(range(P_BLOCKS)) for _ in range(n)],
-                                 0, "forged", a.ttl_ms, sent_at=sent_at)
+                msg = m.Fallback(
+                    v,
+                    tid,
+                    gen,
+                    claim,
+                    [r.choice(range(P_BLOCKS)) for _ in range(n)],
+                    0,
+                    "forged",
+                    a.ttl_ms,
+                    sent_at=sent_at,
+                )
             elif kind == "DoneQuery":
                 # A forged question must void nothing: the owner's DONE still counts.
                 msg = m.DoneQuery(v, tid, gen, claim, inc.void_below if inc is not None else 0)
             else:
-                msg = m.Register(v, tid, claim, list(range(n)), 0, n * 16, gen, a.ttl_ms,
-                                 sent_at=sent_at)
+                msg = m.Register(
+                    v, tid, claim, list(range(n)), 0, n * 16, gen, a.ttl_ms, sent_at=sent_at
+                )
         self.count(f"attack:sent:{node.role}:{kind}")
         self.count(f"attack:target_live:{tid in (eng._in if node.role == 'D' else eng._out)}")
-        w = Wire(next(self._ids), forger.name if forger else origin, forger.inc if forger else 0,
-                 node.address, msg, self.now, self.now + a.delay, origin, attack=True)
-        self.log(f"{origin[:20]} forges {kind} {tid} g{gen} claiming {claim.engine_id}#"
-                 f"{claim.incarnation} r{claim.rank} -> {node.name}")
+        w = Wire(
+            next(self._ids),
+            forger.name if forger else origin,
+            forger.inc if forger else 0,
+            node.address,
+            msg,
+            self.now,
+            self.now + a.delay,
+            origin,
+            attack=True,
+        )
+        self.log(
+            f"{origin[:20]} forges {kind} {tid} g{gen} claiming {claim.engine_id}#"
+            f"{claim.incarnation} r{claim.rank} -> {node.name}"
+        )
         if a.delay <= 0.0:
             self.deliver(w)
         else:
@@ -1316,10 +1579,12 @@ class World:
         n = D_BLOCKS if role == "D" else P_BLOCKS
         return m.Layout("sim", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, n)])
 
-    def _claim(self, a: Attack, own: m.PeerInfo, owner: Node | None, node: Node,
-               r: KeyedRandom) -> m.PeerInfo:
-        peers = sorted(n.name for n in self.nodes.values() if n.info is not None
-                       and n.role != node.role)
+    def _claim(
+        self, a: Attack, own: m.PeerInfo, owner: Node | None, node: Node, r: KeyedRandom
+    ) -> m.PeerInfo:
+        peers = sorted(
+            n.name for n in self.nodes.values() if n.info is not None and n.role != node.role
+        )
         if owner is None or owner.info is None:
             if a.claim == "own" or not peers:
                 return own
@@ -1332,8 +1597,11 @@ class World:
             return msgspec.structs.replace(info, incarnation=int(r.random() * 2**40) + 1)
         if a.claim == "owner_old":
             old = sorted(owner.past)
-            return owner.past[r.choice(old)] if old else msgspec.structs.replace(
-                info, incarnation=int(r.random() * 2**40) + 1)
+            return (
+                owner.past[r.choice(old)]
+                if old
+                else msgspec.structs.replace(info, incarnation=int(r.random() * 2**40) + 1)
+            )
         if a.claim == "other":
             other = [p for p in peers if p != owner.name]
             if other:
@@ -1392,11 +1660,16 @@ class World:
         self.count("attack:sent:D:Done")
         self.count(f"attack:target_live:{inc is not None}")
         self.log(f"{agent} forges DONE {tid} g{gen} -> {node.name}")
-        self.call(node, lambda e, now: self._under_attack(
-            node, origin, "DONE", lambda: e.on_done(done, now, agent=agent)))
+        self.call(
+            node,
+            lambda e, now: self._under_attack(
+                node, origin, "DONE", lambda: e.on_done(done, now, agent=agent)
+            ),
+        )
 
-    def _under_attack(self, node: Node, origin: str, what: str,
-                      run: Callable[[], list[Action]]) -> list[Action]:
+    def _under_attack(
+        self, node: Node, origin: str, what: str, run: Callable[[], list[Action]]
+    ) -> list[Action]:
         """Run a forged message from ``origin``: it may only be refused. Nothing of any other
         identity may change (the origin's own peer entries and transfers may: they are its
         own), and the only actions are notes, replies to the forger (its channel proves
@@ -1417,8 +1690,10 @@ class World:
         changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
         if bad or changed:
             diff = "; ".join(f"{k}: {self._diff(b, a)}" for k, (b, a) in changed.items())
-            raise self.fail(f"{node.name}: a forged {what} from {origin} was acted on: "
-                            f"actions {bad}; changed {diff or 'nothing'}")
+            raise self.fail(
+                f"{node.name}: a forged {what} from {origin} was acted on: "
+                f"actions {bad}; changed {diff or 'nothing'}"
+            )
         if not out:
             self.count("attack:silent")
         return out
@@ -1427,8 +1702,11 @@ class World:
     def _diff(before: Any, after: Any) -> str:
         if isinstance(before, dict) and isinstance(after, dict):
             keys = sorted({*before, *after}, key=repr)
-            return ", ".join(f"{k!r}: {before.get(k)} -> {after.get(k)}" for k in keys
-                             if before.get(k) != after.get(k))
+            return ", ".join(
+                f"{k!r}: {before.get(k)} -> {after.get(k)}"
+                for k in keys
+                if before.get(k) != after.get(k)
+            )
         return f"{before} -> {after}"
 
     def trust_view(self, node: Node, origin: str) -> dict[str, Any]:
@@ -1438,21 +1716,38 @@ class World:
         eng = node.engine
         if isinstance(eng, Receiver):
             return {
-                "transfers": {tid: (self.snapshot(node, tid), inc.owner, inc.address,
-                                    tuple(inc.blocks), inc.p_incarnation, inc.p_rank,
-                                    inc.registered_at, eng.reads.has_transfer(tid))
-                              for tid, inc in eng._in.items() if inc.owner != origin},
+                "transfers": {
+                    tid: (
+                        self.snapshot(node, tid),
+                        inc.owner,
+                        inc.address,
+                        tuple(inc.blocks),
+                        inc.p_incarnation,
+                        inc.p_rank,
+                        inc.registered_at,
+                        eng.reads.has_transfer(tid),
+                    )
+                    for tid, inc in eng._in.items()
+                    if inc.owner != origin
+                },
                 "waiting": {t: v for t, v in eng._waiting.items() if v[1] != origin},
-                "leases": {k: (eng.leases.get(k), eng.leases.state(k))
-                           for k in eng.leases.keys()  # noqa: SIM118 - a method, not a dict
-                           if k not in eng._in or eng._in[k].owner != origin},
+                "leases": {
+                    k: (eng.leases.get(k), eng.leases.state(k))
+                    for k in eng.leases.keys()  # noqa: SIM118 - a method, not a dict
+                    if k not in eng._in or eng._in[k].owner != origin
+                },
                 # Other identities' entries that a live transfer relies on (an unused one may
                 # be forgotten: the directory is bounded, least recently heard first).
-                "peers": {k: (v.incarnation, v.agent, tuple(v.retired), v.last_heard)
-                          for k, v in eng._peers.items() if k[0] != origin
-                          and k in {(i.owner, i.p_rank) for i in eng._in.values()}},
-                "heard": {k: v for k, v in eng._heard.items() if k != origin
-                          and k in {i.owner for i in eng._in.values()}},
+                "peers": {
+                    k: (v.incarnation, v.agent, tuple(v.retired), v.last_heard)
+                    for k, v in eng._peers.items()
+                    if k[0] != origin and k in {(i.owner, i.p_rank) for i in eng._in.values()}
+                },
+                "heard": {
+                    k: v
+                    for k, v in eng._heard.items()
+                    if k != origin and k in {i.owner for i in eng._in.values()}
+                },
                 "chunks": {c: t for c, (_, t) in eng._chunks.items()},
             }
         assert isinstance(eng, Sender)
@@ -1463,24 +1758,47 @@ class World:
             if named or bound:
                 # A transfer nobody named may still gain contenders and be kept waiting by
                 # anyone's heartbeat (its send lease): the router may name one of them later.
-                ts[tid] = (named, o.reg, o.owner, o.required, o.peer, o.permit,
-                           o.machine.state, o.blocks, o.held, o.expected, o.queued,
-                           frozenset(o.inflight), o.retried, o.drain_then, o.reason,
-                           o.pull_until, o.outcome, o.released, o.pushed_bytes,
-                           eng.sched.has_transfer(tid), o.lease_until if named else None,
-                           tuple(sorted(o.contenders)) if named else None)
+                ts[tid] = (
+                    named,
+                    o.reg,
+                    o.owner,
+                    o.required,
+                    o.peer,
+                    o.permit,
+                    o.machine.state,
+                    o.blocks,
+                    o.held,
+                    o.expected,
+                    o.queued,
+                    frozenset(o.inflight),
+                    o.retried,
+                    o.drain_then,
+                    o.reason,
+                    o.pull_until,
+                    o.outcome,
+                    o.released,
+                    o.pushed_bytes,
+                    eng.sched.has_transfer(tid),
+                    o.lease_until if named else None,
+                    tuple(sorted(o.contenders)) if named else None,
+                )
         return {
             "transfers": ts,
             # The REGISTERs of router-named decodes that P holds, bound or kept while the
             # prefill leg has not come yet (P does not know the name then; the world does).
             "named_registers": self._named_registers(node, origin),
             # Other identities' entries in use by a transfer (unused ones may be forgotten).
-            "peers": {k: v for k, v in eng._peers.items() if k[0] != origin
-                      and v.agent_name in {o.peer for o in eng._out.values()}},
-            "retired": {k: tuple(v) for k, v in eng._retired.items() if k[0] != origin
-                        and k in eng._peers},
-            "tombstones": {t: who - {origin} for t, who in eng._tombstones.items()
-                           if who - {origin}},
+            "peers": {
+                k: v
+                for k, v in eng._peers.items()
+                if k[0] != origin and v.agent_name in {o.peer for o in eng._out.values()}
+            },
+            "retired": {
+                k: tuple(v) for k, v in eng._retired.items() if k[0] != origin and k in eng._peers
+            },
+            "tombstones": {
+                t: who - {origin} for t, who in eng._tombstones.items() if who - {origin}
+            },
             "chunks": {c: t for c, (_, t) in eng._chunks.items() if t in ts},
         }
 
@@ -1489,8 +1807,10 @@ class World:
         eng = node.engine
         if isinstance(eng, Receiver):
             return {p.agent for k, p in eng._peers.items() if k[0] != origin and p.agent}
-        return ({p.agent_name for k, p in eng._peers.items() if k[0] != origin}
-                | {o.peer for o in eng._out.values() if o.owner and o.owner != origin}) - {""}
+        return (
+            {p.agent_name for k, p in eng._peers.items() if k[0] != origin}
+            | {o.peer for o in eng._out.values() if o.owner and o.owner != origin}
+        ) - {""}
 
     def _named_registers(self, node: Node, origin: str) -> dict[str, str]:
         """On P: transfer id -> the decode the router named for it (P's request says, even
@@ -1501,8 +1821,11 @@ class World:
         for tid, o in eng._out.items():
             req = node.preqs.get(tid) or node.closed.get(tid)
             named = o.required or (req.owner if isinstance(req, PReq) else "")
-            if named and named != origin and (
-                    (o.owner == named and o.reg is not None) or named in o.contenders):
+            if (
+                named
+                and named != origin
+                and ((o.owner == named and o.reg is not None) or named in o.contenders)
+            ):
                 out[tid] = named
         return out
 
@@ -1510,9 +1833,14 @@ class World:
         """Whether ``msg`` from ``origin`` could end a transfer that ``origin`` registered
         first while other engines' REGISTERs wait on it (KNOWN_BUGS
         "registrant_drops_contenders"): one about that transfer, or a restart of its own."""
-        held = {o.tid for o in eng._out.values()
-                if o.owner == origin and o.contenders and o.blocks is None
-                and self.requests.get(o.tid, ("", "", True))[2]}  # named, or not sent yet
+        held = {
+            o.tid
+            for o in eng._out.values()
+            if o.owner == origin
+            and o.contenders
+            and o.blocks is None
+            and self.requests.get(o.tid, ("", "", True))[2]
+        }  # named, or not sent yet
         if not held:
             return False
         if getattr(msg, "transfer_id", None) in held:
@@ -1551,10 +1879,15 @@ class World:
         """A message reaches the intruder (its channel proves its key): it learns the
         generations it names (grants of its own, as it owns no transfer of the world)."""
         self.count(f"intruder:heard:{type(msg).__name__}")
-        self.log(f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')} "
-                 f"g{getattr(msg, 'generation', '')} -> the intruder")
-        gens = [g for _, g in msg.live] if isinstance(msg, m.Heartbeat) else [
-            getattr(msg, "generation", 0)]
+        self.log(
+            f"{node.name} sends {type(msg).__name__} {getattr(msg, 'transfer_id', '')} "
+            f"g{getattr(msg, 'generation', '')} -> the intruder"
+        )
+        gens = (
+            [g for _, g in msg.live]
+            if isinstance(msg, m.Heartbeat)
+            else [getattr(msg, "generation", 0)]
+        )
         self.intruder.seen.extend(g for g in gens if g)
 
     def intruder_targets(self, node: Node, how: str) -> list[str]:
@@ -1590,12 +1923,17 @@ class World:
         self.count(f"intruder:sent:{node.role}:{mv.kind}")
         if mv.kind == "Done":
             rx = node.engine._in.get(tid) if node.role == "D" else None
-            done = m.Done(v, tid, gen, len(rx.blocks) if rx else 1 + int(r.random() * 8),
-                          attempt=x["attempt"])
+            done = m.Done(
+                v, tid, gen, len(rx.blocks) if rx else 1 + int(r.random() * 8), attempt=x["attempt"]
+            )
             nid = next(self._ids)
             self.log(f"the intruder's agent sends DONE {tid} g{gen} -> {node.name}")
-            self.notifs[nid] = (self.now + mv.delay, node.agent, done,
-                                intruder_agent(self.intruder.inc))
+            self.notifs[nid] = (
+                self.now + mv.delay,
+                node.agent,
+                done,
+                intruder_agent(self.intruder.inc),
+            )
             if mv.delay <= 0.0:
                 self.deliver_notif(nid)
             else:
@@ -1604,13 +1942,15 @@ class World:
         msg: m.ControlMessage
         if mv.kind == "Register":
             blocks = self._intruder_blocks(node, tid, x["blocks"], r)
-            msg = m.Register(v, tid, info, blocks, 0, len(blocks) * BLOCK_TOKENS, gen,
-                             x["ttl_ms"], sent_at=wall)
+            msg = m.Register(
+                v, tid, info, blocks, 0, len(blocks) * BLOCK_TOKENS, gen, x["ttl_ms"], sent_at=wall
+            )
         elif mv.kind == "Heartbeat":
-            tids = [tid, *(r.choice(self.intruder_targets(node, "seen"))
-                           for _ in range(x["entries"] - 1))]
-            live = [(t, gen if t == tid else self._intruder_gen(node, t, mv.gen, r))
-                    for t in tids]
+            tids = [
+                tid,
+                *(r.choice(self.intruder_targets(node, "seen")) for _ in range(x["entries"] - 1)),
+            ]
+            live = [(t, gen if t == tid else self._intruder_gen(node, t, mv.gen, r)) for t in tids]
             peer_inc = node.inc if r.random() < 0.8 else int(r.random() * 2**40)
             msg = m.Heartbeat(v, info, peer_inc, live, x["ttl_ms"], sent_at=wall)
         elif mv.kind == "Cancel":
@@ -1621,44 +1961,67 @@ class World:
             msg = m.Failed(v, tid, gen, info, "intruder")
         elif mv.kind == "Fallback":
             blocks = self._intruder_blocks(node, tid, x["blocks"], r)
-            msg = m.Fallback(v, tid, gen, info, blocks, 0, "intruder", x["ttl_ms"],
-                             sent_at=wall)
+            msg = m.Fallback(v, tid, gen, info, blocks, 0, "intruder", x["ttl_ms"], sent_at=wall)
         elif mv.kind == "PullDone":
             msg = m.PullDone(v, tid, gen, info, x["flag"])
         elif mv.kind == "DoneQuery":
             msg = m.DoneQuery(v, tid, gen, info, x["attempt"])
         else:
             msg = m.DoneState(v, tid, gen, info, x["attempt"], "done" if x["flag"] else "gone")
-        w = Wire(next(self._ids), INTRUDER, self.intruder.inc, node.address, msg, self.now,
-                 self.now + mv.delay, INTRUDER_KEY, attack=True)
-        self.log(f"the intruder sends {mv.kind} {tid} g{gen} as {info.engine_id}#"
-                 f"{info.incarnation} r{info.rank} -> {node.name}")
+        w = Wire(
+            next(self._ids),
+            INTRUDER,
+            self.intruder.inc,
+            node.address,
+            msg,
+            self.now,
+            self.now + mv.delay,
+            INTRUDER_KEY,
+            attack=True,
+        )
+        self.log(
+            f"the intruder sends {mv.kind} {tid} g{gen} as {info.engine_id}#"
+            f"{info.incarnation} r{info.rank} -> {node.name}"
+        )
         if mv.delay <= 0.0:
             self.deliver(w)
         else:
             self.wires[w.id] = w
             self._push(w.at, "wire", w.id)
 
-    def _intruder_info(self, node: Node, tid: str, mv: Move, rank: int,
-                       r: KeyedRandom) -> m.PeerInfo:
+    def _intruder_info(
+        self, node: Node, tid: str, mv: Move, rank: int, r: KeyedRandom
+    ) -> m.PeerInfo:
         """The PeerInfo a message of the intruder carries (see ``Move.claim``)."""
         poses_as = "D" if node.role == "P" else "P"
         if mv.claim == "self_new":
             self.intruder.inc += 1  # its process restarted: a new incarnation and agent
         me = self.intruder.inc
-        own = m.PeerInfo(INTRUDER, me, rank, INTRUDER_ADDRESS, intruder_agent(me), b"meta",
-                         self._layout(poses_as))
+        own = m.PeerInfo(
+            INTRUDER,
+            me,
+            rank,
+            INTRUDER_ADDRESS,
+            intruder_agent(me),
+            b"meta",
+            self._layout(poses_as),
+        )
         if mv.claim in ("self", "self_new"):
             return own
         if mv.claim == "slim":
             return msgspec.structs.replace(own, agent_meta=b"", layout=None)
         if mv.claim == "foreign":
-            return msgspec.structs.replace(own, layout=m.Layout(
-                "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]))
+            return msgspec.structs.replace(
+                own,
+                layout=m.Layout(
+                    "another-model", "DRAM", [m.Region(0, BLOCK_BYTES, BLOCK_BYTES, 8)]
+                ),
+            )
         _, victim = self._owner_of(node, tid)
         if victim is None or victim.info is None:
-            names = sorted(n.name for n in self.nodes.values()
-                           if n.info is not None and n.role == poses_as)
+            names = sorted(
+                n.name for n in self.nodes.values() if n.info is not None and n.role == poses_as
+            )
             victim = self.nodes[r.choice(names)]
         assert victim.info is not None
         them = msgspec.structs.replace(victim.info, rank=rank)
@@ -1708,9 +2071,13 @@ class World:
                     return list(req.blocks)
         if how == "other":
             # Blocks another transfer holds on some engine: its KV must not move.
-            held = sorted((t, tuple(q.blocks)) for d in self.nodes.values() if d.alive
-                          for t, q in (*d.dreqs.items(), *d.preqs.items())
-                          if t != tid and q.blocks)
+            held = sorted(
+                (t, tuple(q.blocks))
+                for d in self.nodes.values()
+                if d.alive
+                for t, q in (*d.dreqs.items(), *d.preqs.items())
+                if t != tid and q.blocks
+            )
             if held:
                 return list(r.choice(held)[1])
         if how == "wild":
@@ -1740,17 +2107,23 @@ class World:
                 continue
             ends = (d_ends.get(tid, []), p_ends.get(tid, []))
             if named:
-                if (ends != (["ReportFinished(pushed)"], ["pushed"])
-                        and tid in self.starved_by_unnamed):
+                if (
+                    ends != (["ReportFinished(pushed)"], ["pushed"])
+                    and tid in self.starved_by_unnamed
+                ):
                     self.count("outcome:named:starved_by_unnamed")
                     continue
                 if ends != (["ReportFinished(pushed)"], ["pushed"]):
-                    raise self.fail(f"{tid} ({p} -> {d}, the decode named to P) ended "
-                                    f"{ends[0]} on D and {ends[1]} on P in a calm world")
+                    raise self.fail(
+                        f"{tid} ({p} -> {d}, the decode named to P) ended "
+                        f"{ends[0]} on D and {ends[1]} on P in a calm world"
+                    )
                 self.count("outcome:named:pushed")
             else:
-                self.count(f"outcome:unnamed:{'/'.join(ends[0])}:{'/'.join(ends[1])}"
-                           + (":intruder_got_kv" if tid in self.intruder.kv else ""))
+                self.count(
+                    f"outcome:unnamed:{'/'.join(ends[0])}:{'/'.join(ends[1])}"
+                    + (":intruder_got_kv" if tid in self.intruder.kv else "")
+                )
 
     # ------------------------------------------------------------------ NIC
     def check_write(self, node: Node, a: PostWrite) -> None:
@@ -1763,28 +2136,38 @@ class World:
         preq = node.preqs.get(a.transfer_id)
         for b in a.src_blocks:
             if pool.owner[b] != a.transfer_id:
-                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} from its block "
-                                f"{b} owned by {pool.owner[b]!r}")
+                raise self.fail(
+                    f"{node.name} posts a WRITE of {a.transfer_id} from its block "
+                    f"{b} owned by {pool.owner[b]!r}"
+                )
         if preq is None or preq.state not in ("computing", "computed", "held"):
             raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} it does not hold")
         if a.parts > 1:
-            self.count("post:WRITE:layer" + (":during_forward"
-                                             if preq.state == "computing" else ""))
-        if preq.state == "computing" and (a.done is not None or a.parts != LAYERS
-                                          or a.part >= preq.layers):
-            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} (layer {a.part} of "
-                            f"{a.parts}, DONE {a.done is not None}) while its forward has "
-                            f"computed {preq.layers} layers")
+            self.count(
+                "post:WRITE:layer" + (":during_forward" if preq.state == "computing" else "")
+            )
+        if preq.state == "computing" and (
+            a.done is not None or a.parts != LAYERS or a.part >= preq.layers
+        ):
+            raise self.fail(
+                f"{node.name} posts a WRITE of {a.transfer_id} (layer {a.part} of "
+                f"{a.parts}, DONE {a.done is not None}) while its forward has "
+                f"computed {preq.layers} layers"
+            )
         d_address = self.nodes[preq.d_name].address
         if not identity.owns_agent(d_address, a.peer):
             # Not into the decode engine the router sent the request to.
             if preq.owner:
-                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id}, whose decode "
-                                f"the router named ({preq.d_name}), to agent {a.peer}")
+                raise self.fail(
+                    f"{node.name} posts a WRITE of {a.transfer_id}, whose decode "
+                    f"the router named ({preq.d_name}), to agent {a.peer}"
+                )
             # A router that names no decode: the first engine to register it gets the KV
             # (documented); counted.
-            self.count("unnamed:written_elsewhere"
-                       + (":intruder" if self.is_intruder_agent(a.peer) else ""))
+            self.count(
+                "unnamed:written_elsewhere"
+                + (":intruder" if self.is_intruder_agent(a.peer) else "")
+            )
         target = self.by_agent(a.peer)
         if target is not None:
             self._check_write_permit(node, target, a)
@@ -1793,11 +2176,26 @@ class World:
     def post_write(self, node: Node, a: PostWrite) -> None:
         """The WRITE goes out on P's NIC (the driver found its agent connected)."""
         target = self.by_agent(a.peer)
-        dst = ((target.name, target.inc, a.dst_blocks) if target
-               else (INTRUDER, self.intruder.inc, a.dst_blocks) if self.is_intruder_agent(a.peer)
-               else ("", 0, a.dst_blocks))
-        self._post(node, "WRITE", a.transfer_id, a.generation, a.chunk_id, a.peer,
-                   (node.name, node.inc, a.src_blocks), dst, a.done, a.part, a.parts)
+        dst = (
+            (target.name, target.inc, a.dst_blocks)
+            if target
+            else (INTRUDER, self.intruder.inc, a.dst_blocks)
+            if self.is_intruder_agent(a.peer)
+            else ("", 0, a.dst_blocks)
+        )
+        self._post(
+            node,
+            "WRITE",
+            a.transfer_id,
+            a.generation,
+            a.chunk_id,
+            a.peer,
+            (node.name, node.inc, a.src_blocks),
+            dst,
+            a.done,
+            a.part,
+            a.parts,
+        )
 
     def _check_write_permit(self, node: Node, d: Node, a: PostWrite) -> None:
         """The WRITE is under a live permit of that very D and into blocks it reserved."""
@@ -1807,18 +2205,24 @@ class World:
         state = recv.leases.state(a.transfer_id)
         d_now = d.local(self.now)
         if lease is None or lease.generation != a.generation:
-            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} to "
-                            f"{d.name}, which holds no permit for it ({lease})")
+            raise self.fail(
+                f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} to "
+                f"{d.name}, which holds no permit for it ({lease})"
+            )
         if state not in (LeaseState.LIVE, LeaseState.RELEASED) or d_now >= lease.expires_at:
-            raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} after "
-                            f"its permit ended: {state}, expires {lease.expires_at - d.mono_off:.4f}")
+            raise self.fail(
+                f"{node.name} posts a WRITE of {a.transfer_id} g{a.generation} after "
+                f"its permit ended: {state}, expires {lease.expires_at - d.mono_off:.4f}"
+            )
         slack = lease.expires_at - d_now
         self.count("post_slack<" + next(str(x) for x in (0.5, 1, 1.5, 2, 3, 99) if slack < x))
         want = (a.transfer_id, a.generation)
         for b in a.dst_blocks:
             if d.pool.owner[b] != want:
-                raise self.fail(f"{node.name} posts a WRITE of {a.transfer_id} into {d.name} "
-                                f"block {b} owned by {d.pool.owner[b]!r}")
+                raise self.fail(
+                    f"{node.name} posts a WRITE of {a.transfer_id} into {d.name} "
+                    f"block {b} owned by {d.pool.owner[b]!r}"
+                )
 
     def check_read(self, node: Node, a: PostRead) -> None:
         """A READ about to be posted: into blocks D reserved for the transfer, from blocks P
@@ -1828,44 +2232,72 @@ class World:
         assert pool is not None
         for b in a.local_blocks:
             if pool.owner[b] != (a.transfer_id, a.generation):
-                raise self.fail(f"{node.name} posts a READ of {a.transfer_id} into its block "
-                                f"{b} owned by {pool.owner[b]!r}")
+                raise self.fail(
+                    f"{node.name} posts a READ of {a.transfer_id} into its block "
+                    f"{b} owned by {pool.owner[b]!r}"
+                )
         dreq = node.dreqs.get(a.transfer_id)
         if dreq is None or not identity.owns_agent(dreq.p_address, a.peer):
-            raise self.fail(f"{node.name} READs {a.transfer_id} from agent {a.peer}, not one of "
-                            f"the prefill the router named ({dreq and dreq.p_name})")
+            raise self.fail(
+                f"{node.name} READs {a.transfer_id} from agent {a.peer}, not one of "
+                f"the prefill the router named ({dreq and dreq.p_name})"
+            )
         target = self.by_agent(a.peer)
         if target is not None:
             send = target.engine
             assert isinstance(send, Sender) and target.pool is not None
             o = send._out.get(a.transfer_id)
             if o is None or o.machine.state is not TransferState.FALLBACK:
-                raise self.fail(f"{node.name} READs {a.transfer_id} from {target.name}, which "
-                                f"does not offer it for pulling ({o and o.machine})")
+                raise self.fail(
+                    f"{node.name} READs {a.transfer_id} from {target.name}, which "
+                    f"does not offer it for pulling ({o and o.machine})"
+                )
             if target.local(self.now) >= o.pull_until:
-                raise self.fail(f"{node.name} posts a READ of {a.transfer_id} after P's read "
-                                f"permit ended at {o.pull_until - target.mono_off:.4f}")
+                raise self.fail(
+                    f"{node.name} posts a READ of {a.transfer_id} after P's read "
+                    f"permit ended at {o.pull_until - target.mono_off:.4f}"
+                )
             for b in a.remote_blocks:
                 if target.pool.owner[b] != a.transfer_id:
-                    raise self.fail(f"{node.name} READs {a.transfer_id} from {target.name} "
-                                    f"block {b} owned by {target.pool.owner[b]!r}")
+                    raise self.fail(
+                        f"{node.name} READs {a.transfer_id} from {target.name} "
+                        f"block {b} owned by {target.pool.owner[b]!r}"
+                    )
         self._check_chunk_id(node, a.chunk_id)
 
     def post_read(self, node: Node, a: PostRead) -> None:
         """The READ goes out on D's NIC (the driver found P's agent connected)."""
         target = self.by_agent(a.peer)
-        self._post(node, "READ", a.transfer_id, a.generation, a.chunk_id, a.peer,
-                   (target.name, target.inc, a.remote_blocks) if target else ("", 0,
-                                                                             a.remote_blocks),
-                   (node.name, node.inc, a.local_blocks), None)
+        self._post(
+            node,
+            "READ",
+            a.transfer_id,
+            a.generation,
+            a.chunk_id,
+            a.peer,
+            (target.name, target.inc, a.remote_blocks) if target else ("", 0, a.remote_blocks),
+            (node.name, node.inc, a.local_blocks),
+            None,
+        )
 
     def _check_chunk_id(self, node: Node, cid: int) -> None:
         if (node.name, node.inc, cid) in self.flights:
             raise self.fail(f"{node.name} reuses chunk id {cid} while it is in flight")
 
-    def _post(self, node: Node, op: str, tid: str, gen: int, cid: int, peer: str,
-              src: tuple[str, int, tuple[int, ...]], dst: tuple[str, int, tuple[int, ...]],
-              done: m.Done | None, part: int = 0, parts: int = 1) -> None:
+    def _post(
+        self,
+        node: Node,
+        op: str,
+        tid: str,
+        gen: int,
+        cid: int,
+        peer: str,
+        src: tuple[str, int, tuple[int, ...]],
+        dst: tuple[str, int, tuple[int, ...]],
+        done: m.Done | None,
+        part: int = 0,
+        parts: int = 1,
+    ) -> None:
         key = (node.name, node.inc, cid)
         c = self.chaos
         r = self.r("chunk", *key)
@@ -1874,8 +2306,11 @@ class World:
             latency = r.uniform(0.2, CHUNK_MAX_S)
         if self.slowed(src[0], dst[0]):
             latency = r.uniform(0.5 * CHUNK_MAX_S, CHUNK_MAX_S)
-        if self.slowest_near_the_end and op == "WRITE" and self._permit_left(dst, tid, gen) \
-                < CHUNK_MAX_S:
+        if (
+            self.slowest_near_the_end
+            and op == "WRITE"
+            and self._permit_left(dst, tid, gen) < CHUNK_MAX_S
+        ):
             # A WRITE posted this close to the end of D's permit takes as long as a chunk may:
             # it lands after the permit ran out unless P stopped in time.
             latency = CHUNK_MAX_S
@@ -1883,15 +2318,35 @@ class World:
         error = ""
         if r.random() < c.chunk_fail:
             x = r.random()
-            error = INVALID if x < c.fatal_share else (
-                DISCONNECT if x < c.fatal_share + 0.2 else r.choice(RETRYABLE))
-        fl = Flight(key, op, tid, gen, peer, src, dst, self._epochs(dst), self._epochs(src),
-                    done, self.now, self.now + latency, error, bool(error) and r.random() < 0.5,
-                    part, parts)
+            error = (
+                INVALID
+                if x < c.fatal_share
+                else (DISCONNECT if x < c.fatal_share + 0.2 else r.choice(RETRYABLE))
+            )
+        fl = Flight(
+            key,
+            op,
+            tid,
+            gen,
+            peer,
+            src,
+            dst,
+            self._epochs(dst),
+            self._epochs(src),
+            done,
+            self.now,
+            self.now + latency,
+            error,
+            bool(error) and r.random() < 0.5,
+            part,
+            parts,
+        )
         self.flights[key] = fl
         self._push(fl.at, "flight", key)
-        self.log(f"{node.name} posts {op} {tid} g{gen} chunk {cid} {src[2]}->{dst[2]}"
-                 f"{' +DONE' if done else ''} lands {fl.at:.4f} {error}")
+        self.log(
+            f"{node.name} posts {op} {tid} g{gen} chunk {cid} {src[2]}->{dst[2]}"
+            f"{' +DONE' if done else ''} lands {fl.at:.4f} {error}"
+        )
 
     def _epochs(self, side: tuple[str, int, tuple[int, ...]]) -> tuple[int, ...]:
         node = self.nodes.get(side[0])
@@ -1935,22 +2390,33 @@ class World:
                     f"{fl.op} {fl.tid} g{fl.gen} chunk {fl.key} posted at {fl.posted:.4f} lands in "
                     f"{dst.name} block {b}, now owned by {dst.pool.owner[b]!r} (epoch "
                     f"{fl.dst_epochs[i]} -> {dst.pool.epoch[b]}): a write into a freed or reused "
-                    "block")
+                    "block"
+                )
         if ok:
             assert src is not None and src.pool is not None
             for i, (s, b) in enumerate(zip(fl.src[2], fl.dst[2], strict=True)):
                 if src.pool.owner[s] != fl.tid or src.pool.epoch[s] != fl.src_epochs[i]:
-                    raise self.fail(f"{fl.op} {fl.tid} chunk {fl.key} read {src.name} block {s}"
-                                    f" after it was freed (owner {src.pool.owner[s]!r})")
-                dst.pool.content[b] = (src.pool.content[s] if fl.parts == 1 else with_layer(
-                    dst.pool.content[b], fl.part, layer_of(src.pool.content[s], fl.part)))
+                    raise self.fail(
+                        f"{fl.op} {fl.tid} chunk {fl.key} read {src.name} block {s}"
+                        f" after it was freed (owner {src.pool.owner[s]!r})"
+                    )
+                dst.pool.content[b] = (
+                    src.pool.content[s]
+                    if fl.parts == 1
+                    else with_layer(
+                        dst.pool.content[b], fl.part, layer_of(src.pool.content[s], fl.part)
+                    )
+                )
         else:
             r = self.r("torn", *fl.key)
             for b in fl.dst[2]:
                 if r.random() < 0.5:
                     # A torn layer-wise WRITE tears the layer it moved, not the others.
-                    dst.pool.content[b] = (("torn", fl.tid) if fl.parts == 1 else with_layer(
-                        dst.pool.content[b], fl.part, ("torn", fl.tid)))
+                    dst.pool.content[b] = (
+                        ("torn", fl.tid)
+                        if fl.parts == 1
+                        else with_layer(dst.pool.content[b], fl.part, ("torn", fl.tid))
+                    )
 
     def complete(self, fl: Flight, error: str | None = None, torn: bool | None = None) -> None:
         """The NIC reports the chunk: it landed (or failed, maybe torn), then the poster hears."""
@@ -1972,8 +2438,12 @@ class World:
         self.count(f"chunk:{fl.op}:{err or 'ok'}")
         self.log(f"{fl.op} {fl.tid} chunk {fl.key} completes {err or 'ok'}")
         poster = self.nodes[fl.key[0]]
-        if (landed and fl.done is not None and target is not None
-                and r.random() >= self.chaos.notif_loss):
+        if (
+            landed
+            and fl.done is not None
+            and target is not None
+            and r.random() >= self.chaos.notif_loss
+        ):
             nid = next(self._ids)
             at = self.now + r.uniform(0.0, 0.005)
             # From the agent of the process that posted the WRITE (even if it died since).
@@ -1995,8 +2465,12 @@ class World:
         self.count("notif")
 
         if self.is_intruder_agent(src_agent):
-            self.call(node, lambda e, now: self._under_attack(
-                node, INTRUDER_KEY, "DONE", lambda: e.on_done(done, now, agent=src_agent)))
+            self.call(
+                node,
+                lambda e, now: self._under_attack(
+                    node, INTRUDER_KEY, "DONE", lambda: e.on_done(done, now, agent=src_agent)
+                ),
+            )
             return
 
         def on_done(eng: Any, now: float) -> list[Action]:
@@ -2006,8 +2480,7 @@ class World:
             before = self.snapshot(node, done.transfer_id) if stale else None
             # NIXL names the agent a notification came from.
             out: list[Action] = eng.on_done(done, now, agent=src_agent)
-            if stale and (before != self.snapshot(node, done.transfer_id)
-                          or split_notes(out)[1]):
+            if stale and (before != self.snapshot(node, done.transfer_id) or split_notes(out)[1]):
                 raise self.fail(f"{node.name}: a DONE with a stale generation changed state")
             return out
 
@@ -2018,27 +2491,37 @@ class World:
         key = (node.name, node.inc, a.transfer_id)
         preq = node.preqs.get(a.transfer_id)
         if key in self.released:
-            raise self.fail(f"{node.name} releases {a.transfer_id} twice "
-                            f"({self.released[key]}, then {a.outcome})")
+            raise self.fail(
+                f"{node.name} releases {a.transfer_id} twice "
+                f"({self.released[key]}, then {a.outcome})"
+            )
         if preq is None or preq.state != "held":
             was = preq or node.closed.get(a.transfer_id)
-            raise self.fail(f"{node.name} releases {a.transfer_id} before the request finished "
-                            f"(state {was and was.state})")
+            raise self.fail(
+                f"{node.name} releases {a.transfer_id} before the request finished "
+                f"(state {was and was.state})"
+            )
         self.released[key] = a.outcome
         self.count(f"release:{a.outcome}")
         self.log(f"{node.name} releases {a.transfer_id} ({a.outcome})")
         for fl in self.flights.values():
             if fl.tid == a.transfer_id and fl.src[0] == node.name and fl.src[1] == node.inc:
-                raise self.fail(f"{node.name} frees the blocks of {a.transfer_id} while its "
-                                f"{fl.op} chunk {fl.key} is in flight")
+                raise self.fail(
+                    f"{node.name} frees the blocks of {a.transfer_id} while its "
+                    f"{fl.op} chunk {fl.key} is in flight"
+                )
         assert node.pool is not None
         node.pool.release(preq.blocks, a.transfer_id, f"ReleaseSend {a.transfer_id}")
         self.close(node, preq, "released")
 
     def on_finished(self, node: Node, a: ReportFinished) -> None:
         """D reports the receive finished: with the KV in place, unless it was aborted."""
-        self.on_report(node, a.transfer_id, f"ReportFinished({a.outcome})",
-                       a.outcome if a.outcome.delivered else None)
+        self.on_report(
+            node,
+            a.transfer_id,
+            f"ReportFinished({a.outcome})",
+            a.outcome if a.outcome.delivered else None,
+        )
 
     def on_failed(self, node: Node, a: ReportFailed) -> None:
         """D reports the receive failed."""
@@ -2047,8 +2530,10 @@ class World:
             p = self.nodes[dreq.p_name]
             preq = (p.preqs.get(a.transfer_id) or p.closed.get(a.transfer_id)) if p.alive else None
             o = p.engine._out.get(a.transfer_id) if p.alive else None
-            self.count(f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
-                       f"out={o and o.machine.state.value}:{o and o.outcome}")
+            self.count(
+                f"expired_why:p_alive={p.alive}:preq={preq and preq.state}:"
+                f"out={o and o.machine.state.value}:{o and o.outcome}"
+            )
         self.on_report(node, a.transfer_id, f"ReportFailed({a.reason})", None)
 
     def on_report(self, node: Node, tid: str, what: str, delivered: Outcome | None) -> None:
@@ -2058,8 +2543,9 @@ class World:
             raise self.fail(f"{node.name} reports {tid} twice: {self.reported[key]}, then {what}")
         dreq = node.dreqs.get(tid)
         if dreq is None or dreq.state != "admitted":
-            raise self.fail(f"{node.name} reports {tid} it never admitted "
-                            f"({dreq or node.closed.get(tid)})")
+            raise self.fail(
+                f"{node.name} reports {tid} it never admitted ({dreq or node.closed.get(tid)})"
+            )
         self.reported[key] = what
         self.count(f"report:{what}")
         self.log(f"{node.name} reports {tid}: {what}")
@@ -2068,18 +2554,24 @@ class World:
         assert node.admissions is not None
         local = node.local(self.now)
         if not recv.leases.reusable(tid, local):
-            raise self.fail(f"{node.name} frees the blocks of {tid} under a live permit "
-                            f"({recv.leases.get(tid)}, {recv.leases.state(tid)})")
+            raise self.fail(
+                f"{node.name} frees the blocks of {tid} under a live permit "
+                f"({recv.leases.get(tid)}, {recv.leases.state(tid)})"
+            )
         for fl in self.flights.values():
             if fl.tid == tid and fl.dst[0] == node.name and fl.dst[1] == node.inc:
-                raise self.fail(f"{node.name} frees the blocks of {tid} while {fl.op} chunk "
-                                f"{fl.key} into them is in flight (posted {fl.posted:.4f})")
+                raise self.fail(
+                    f"{node.name} frees the blocks of {tid} while {fl.op} chunk "
+                    f"{fl.key} into them is in flight (posted {fl.posted:.4f})"
+                )
         if delivered is not None:
             want = [(tid, dreq.first_block + i) for i in range(dreq.nblocks)]
             got = [node.pool.content[b] for b in dreq.blocks]
             if got != want:
-                raise self.fail(f"{node.name} reports {tid} received ({delivered}) but its "
-                                f"blocks hold {got}, not P's {want}")
+                raise self.fail(
+                    f"{node.name} reports {tid} received ({delivered}) but its "
+                    f"blocks hold {got}, not P's {want}"
+                )
         node.pool.release(dreq.blocks, (tid, dreq.gen), f"report of {tid}")
         if not node.admissions.ended(tid)[1]:
             raise self.fail(f"{node.name} released credit of {tid} it did not hold")
@@ -2101,8 +2593,15 @@ class World:
             if not owner:
                 self.count("request:unnamed")
             self.requests[tid] = (p.name, d.name, bool(owner))
-            p.preqs[tid] = PReq(tid, d.name, total, self.now + lag + r.uniform(
-                0.0, COMPUTE_MAX_S), self.now, arrive_at=self.now + lag, owner=owner)
+            p.preqs[tid] = PReq(
+                tid,
+                d.name,
+                total,
+                self.now + lag + r.uniform(0.0, COMPUTE_MAX_S),
+                self.now,
+                arrive_at=self.now + lag,
+                owner=owner,
+            )
             if not lag:
                 self.p_step(p)
         if d.alive:
@@ -2111,8 +2610,9 @@ class World:
                 # D has the whole prompt already: P may free at once.
                 assert d.admissions is not None
                 d.admissions.track(tid, tid, p.address, None)
-                answer = d.admissions.ask(tid, total * BLOCK_TOKENS, first * BLOCK_TOKENS,
-                                          d.local(self.now))
+                answer = d.admissions.ask(
+                    tid, total * BLOCK_TOKENS, first * BLOCK_TOKENS, d.local(self.now)
+                )
                 assert answer.not_needed is Outcome.PREFIX_HIT, answer
                 self.not_received.add(tid)
                 self.close(d, dreq, "ended")
@@ -2142,8 +2642,9 @@ class World:
                 if self.r("layerwise", preq.tid).random() < self.chaos.layerwise:
                     preq.blocks, preq.state, preq.layerwise = blocks, "computing", True
                     preq.layer_at = self.now
-                    preq.fail_after = (int(self.r("fail_at", preq.tid).random() * LAYERS)
-                                       if fails else -1)
+                    preq.fail_after = (
+                        int(self.r("fail_at", preq.tid).random() * LAYERS) if fails else -1
+                    )
                     for i, b in enumerate(blocks):
                         node.pool.content[b] = ("pending", preq.tid, i)
                     self.compute_layers(node, preq)
@@ -2202,21 +2703,31 @@ class World:
             if dreq.state not in ("asking", "waiting"):
                 continue
             admissions.track(dreq.tid, dreq.tid, dreq.p_address, None)
-            answer = admissions.ask(dreq.tid, dreq.total_blocks * BLOCK_TOKENS,
-                                    dreq.first_block * BLOCK_TOKENS, local)
+            answer = admissions.ask(
+                dreq.tid, dreq.total_blocks * BLOCK_TOKENS, dreq.first_block * BLOCK_TOKENS, local
+            )
             if answer.verdict is Verdict.LOAD:
                 blocks = pool.alloc(answer.nblocks, (dreq.tid, None))
                 if blocks is None:
-                    raise self.fail(f"{node.name} admitted {dreq.tid} but has no free blocks: "
-                                    f"{pool.used()} used, {admissions.ledger.in_use} credited")
+                    raise self.fail(
+                        f"{node.name} admitted {dreq.tid} but has no free blocks: "
+                        f"{pool.used()} used, {admissions.ledger.in_use} credited"
+                    )
                 admissions.allocated(dreq.tid, len(blocks))
                 dreq.blocks, dreq.state, dreq.admitted_at = blocks, "admitted", self.now
                 self.count("admit")
-                self.call(node, self._registered(
-                    node, dreq, answer.commands(dreq.tid, dreq.p_address, dreq.p_address)))
+                self.call(
+                    node,
+                    self._registered(
+                        node, dreq, answer.commands(dreq.tid, dreq.p_address, dreq.p_address)
+                    ),
+                )
             elif answer.verdict is Verdict.LATER:
-                if any(not self.requests.get(t, ("", "", True))[2] and t in self.intruder.spoken
-                       for t, q in node.dreqs.items() if q.state == "admitted"):
+                if any(
+                    not self.requests.get(t, ("", "", True))[2] and t in self.intruder.spoken
+                    for t, q in node.dreqs.items()
+                    if q.state == "admitted"
+                ):
                     self.starved_by_unnamed.add(dreq.tid)
                 if answer.first_wait:
                     dreq.state = "waiting"
@@ -2230,16 +2741,23 @@ class World:
                 for command in answer.commands(dreq.tid, dreq.p_address, dreq.p_address):
                     self.command(node, command)
 
-    def _registered(self, node: Node, d: DReq,
-                    notices: list[Any]) -> Callable[[Any, float], list[Action]]:
+    def _registered(
+        self, node: Node, d: DReq, notices: list[Any]
+    ) -> Callable[[Any, float], list[Action]]:
         """D's worker registers the blocks of ``d`` (after its admission's ``notices``: the
         wait for credit over, if any) and the world learns the generation D granted, to
         own the blocks under it."""
 
         def register(eng: Any, now: float) -> list[Action]:
             out = [a for c in notices for a in c.apply(eng, now)]
-            acts = RegisterBlocks(d.tid, d.p_address, tuple(d.blocks), d.first_block,
-                                  d.total_blocks * BLOCK_TOKENS, d.p_address).apply(eng, now)
+            acts = RegisterBlocks(
+                d.tid,
+                d.p_address,
+                tuple(d.blocks),
+                d.first_block,
+                d.total_blocks * BLOCK_TOKENS,
+                d.p_address,
+            ).apply(eng, now)
             d.gen = eng._in[d.tid].generation
             self.generations.append(d.gen)
             assert node.pool is not None
@@ -2368,14 +2886,18 @@ class World:
             if isinstance(eng, Receiver):
                 for inc in eng._in.values():
                     if local - inc.registered_at > BOUND_D_S:
-                        raise self.fail(f"{node.name}: receive of {inc.tid} ({inc.machine}) is "
-                                        f"{local - inc.registered_at:.2f}s old, bound {BOUND_D_S}")
+                        raise self.fail(
+                            f"{node.name}: receive of {inc.tid} ({inc.machine}) is "
+                            f"{local - inc.registered_at:.2f}s old, bound {BOUND_D_S}"
+                        )
             else:
                 for o in eng._out.values():
                     if local - o.machine.created_at > BOUND_P_S:
-                        raise self.fail(f"{node.name}: send of {o.tid} ({o.machine}, outcome "
-                                        f"{o.outcome!r}, held {o.held}) is "
-                                        f"{local - o.machine.created_at:.2f}s old, bound {BOUND_P_S}")
+                        raise self.fail(
+                            f"{node.name}: send of {o.tid} ({o.machine}, outcome "
+                            f"{o.outcome!r}, held {o.held}) is "
+                            f"{local - o.machine.created_at:.2f}s old, bound {BOUND_P_S}"
+                        )
 
     def check(self) -> None:
         """The per-step invariants (the event-time ones raise where they happen)."""
@@ -2386,28 +2908,36 @@ class World:
             assert node.admissions is not None and node.pool is not None
             ledger, pool = node.admissions.ledger, node.pool
             if ledger.in_use > CREDIT_BUDGET or ledger.in_use < 0:
-                raise self.fail(f"{node.name}: {ledger.in_use} blocks of credit in use, budget "
-                                f"{CREDIT_BUDGET}")
+                raise self.fail(
+                    f"{node.name}: {ledger.in_use} blocks of credit in use, budget {CREDIT_BUDGET}"
+                )
             for peer in ledger.peers():
                 if ledger.peer_credit(peer).in_use > PEER_CAP:
                     raise self.fail(f"{node.name}: peer {peer} over its cap")
             if pool.used() != ledger.in_use:
-                raise self.fail(f"{node.name}: {pool.used()} blocks reserved but {ledger.in_use}"
-                                " credited")
+                raise self.fail(
+                    f"{node.name}: {pool.used()} blocks reserved but {ledger.in_use} credited"
+                )
             # Blocks in flight toward this D stay within what it credited, transfer by transfer.
             inflight = 0
             for fl in self.flights.values():
                 if fl.op == "WRITE" and fl.dst[0] == node.name and fl.dst[1] == node.inc:
                     dreq = node.dreqs.get(fl.tid)
-                    if dreq is None or dreq.state != "admitted" or not set(
-                            fl.dst[2]) <= set(dreq.blocks):
-                        raise self.fail(f"WRITE {fl.key} of {fl.tid} targets {node.name} blocks "
-                                        f"{fl.dst[2]} outside its reservation")
+                    if (
+                        dreq is None
+                        or dreq.state != "admitted"
+                        or not set(fl.dst[2]) <= set(dreq.blocks)
+                    ):
+                        raise self.fail(
+                            f"WRITE {fl.key} of {fl.tid} targets {node.name} blocks "
+                            f"{fl.dst[2]} outside its reservation"
+                        )
                     # In layers: a layer-wise WRITE moves one layer of each of its blocks.
                     inflight += len(fl.dst[2]) * (1 if fl.parts > 1 else LAYERS)
             if inflight > ledger.in_use * LAYERS:
-                raise self.fail(f"{inflight} blocks in flight to {node.name} over its credit "
-                                f"{ledger.in_use}")
+                raise self.fail(
+                    f"{inflight} blocks in flight to {node.name} over its credit {ledger.in_use}"
+                )
             recv = node.engine
             assert isinstance(recv, Receiver)
             for tid in recv._in:
@@ -2417,8 +2947,11 @@ class World:
         for node in self.nodes.values():
             if node.alive and node.role == "P":
                 assert node.pool is not None
-                held = sum(len(p.blocks) for p in node.preqs.values()
-                           if p.state in ("computing", "computed", "held"))
+                held = sum(
+                    len(p.blocks)
+                    for p in node.preqs.values()
+                    if p.state in ("computing", "computed", "held")
+                )
                 if node.pool.used() != held:
                     raise self.fail(f"{node.name}: {node.pool.used()} blocks used, {held} held")
 
@@ -2436,20 +2969,26 @@ class World:
                 assert node.admissions is not None
                 ledger = node.admissions.ledger
                 if eng.active or eng._waiting or len(eng.leases) or eng.busy:
-                    out.append(f"{node.name}: receiver holds {sorted(eng._in)} waiting "
-                               f"{sorted(eng._waiting)} leases {eng.leases.keys()}")
+                    out.append(
+                        f"{node.name}: receiver holds {sorted(eng._in)} waiting "
+                        f"{sorted(eng._waiting)} leases {eng.leases.keys()}"
+                    )
                 if ledger.in_use or ledger.waiting:
-                    out.append(f"{node.name}: credit {ledger.in_use} in use, "
-                               f"{ledger.waiting} waiting")
+                    out.append(
+                        f"{node.name}: credit {ledger.in_use} in use, {ledger.waiting} waiting"
+                    )
                 open_ = [d.tid for d in node.dreqs.values() if d.state != "ended"]
                 if open_:
                     out.append(f"{node.name}: requests not ended {open_}")
             else:
                 if eng.active or eng.busy or eng._chunks:
-                    out.append(f"{node.name}: sender holds "
-                               f"{[(o.tid, o.machine.state.value, o.outcome) for o in eng._out.values()]}")
-                open_ = [p.tid for p in node.preqs.values()
-                         if p.state not in ("released", "aborted")]
+                    out.append(
+                        f"{node.name}: sender holds "
+                        f"{[(o.tid, o.machine.state.value, o.outcome) for o in eng._out.values()]}"
+                    )
+                open_ = [
+                    p.tid for p in node.preqs.values() if p.state not in ("released", "aborted")
+                ]
                 if open_:
                     out.append(f"{node.name}: requests not released {open_}")
         if self.flights:
@@ -2474,8 +3013,15 @@ class World:
         self.log("quiesce")
         self.count("quiesce")
         queued = sum(len(n.dreqs) for n in self.nodes.values())
-        end = (self.now + COMPUTE_MAX_S + P_LAG_MAX_S + CREDITS.aging_s
-               + (queued + 1) * BOUND_D_S + BOUND_P_S + TOTAL_S)
+        end = (
+            self.now
+            + COMPUTE_MAX_S
+            + P_LAG_MAX_S
+            + CREDITS.aging_s
+            + (queued + 1) * BOUND_D_S
+            + BOUND_P_S
+            + TOTAL_S
+        )
         while self.now < end:
             self.run_until(self.now + 1.0)
             if not self.busy():

@@ -20,11 +20,19 @@ def admissions(budget: int = 10, cap: int = 10) -> Admissions[str]:
     return Admissions(CreditLedger(CreditSettings(budget, cap)), BS)
 
 
-@pytest.mark.parametrize(("prompt", "computed", "span"), [
-    (100, 0, (0, 7)), (100, 16, (1, 6)), (100, 20, (1, 6)), (96, 95, (5, 1)), (16, 0, (0, 1)),
-])
+@pytest.mark.parametrize(
+    ("prompt", "computed", "span"),
+    [
+        (100, 0, (0, 7)),
+        (100, 16, (1, 6)),
+        (100, 20, (1, 6)),
+        (96, 95, (5, 1)),
+        (16, 0, (0, 1)),
+    ],
+)
 def test_the_span_starts_at_the_first_block_not_fully_computed(
-        prompt: int, computed: int, span: tuple[int, int]) -> None:
+    prompt: int, computed: int, span: tuple[int, int]
+) -> None:
     assert blocks_to_receive(prompt, computed, BS) == span
 
 
@@ -33,7 +41,11 @@ def test_an_admitted_request_loads_its_missing_tokens_and_counts_once() -> None:
     rx = a.track("r", "t", "p:1", "remote")
     first = a.ask("r", 100, 20, 0.0)
     assert (first.verdict, first.decision, first.tokens, first.nblocks) == (
-        Verdict.LOAD, Decision.ADMIT, 80, 6)
+        Verdict.LOAD,
+        Decision.ADMIT,
+        80,
+        6,
+    )
     assert first.first_admit and not first.wait_over and first.not_needed is None
     again = a.ask("r", 100, 20, 1.0)
     assert again.verdict is Verdict.LOAD and not again.first_admit
@@ -47,8 +59,11 @@ def test_a_request_told_later_asks_p_to_wait_once_and_hears_when_it_is_over() ->
     assert a.ask("big", 160, 0, 0.0).verdict is Verdict.LOAD  # 10 blocks: the whole budget
     a.track("r", "t2", "p:1", "")
     later = a.ask("r", 32, 0, 0.0)
-    assert (later.verdict, later.decision, later.first_wait) == (Verdict.LATER, Decision.LATER,
-                                                                 True)
+    assert (later.verdict, later.decision, later.first_wait) == (
+        Verdict.LATER,
+        Decision.LATER,
+        True,
+    )
     assert not a.ask("r", 32, 0, 0.1).first_wait
     a.ended("big")
     admitted = a.ask("r", 32, 0, 0.2)
@@ -60,7 +75,10 @@ def test_a_prefix_hit_loads_nothing_and_tells_p_it_is_not_needed() -> None:
     a.track("r", "t", "p:1", "")
     answer = a.ask("r", 64, 64, 0.0)
     assert (answer.verdict, answer.decision, answer.not_needed) == (
-        Verdict.LOCAL, None, Outcome.PREFIX_HIT)
+        Verdict.LOCAL,
+        None,
+        Outcome.PREFIX_HIT,
+    )
     assert a.get("r") is None and a.is_over("r") and a.ledger.in_use == 0
 
 
@@ -69,7 +87,11 @@ def test_a_request_that_can_never_fit_is_recomputed_and_p_told() -> None:
     a.track("r", "t", "p:1", "")
     answer = a.ask("r", 100, 0, 0.0)
     assert (answer.verdict, answer.decision, answer.not_needed, answer.nblocks) == (
-        Verdict.LOCAL, Decision.REFUSE, Outcome.RECOMPUTE, 7)
+        Verdict.LOCAL,
+        Decision.REFUSE,
+        Outcome.RECOMPUTE,
+        7,
+    )
     assert "budget is 4" in answer.reason
     assert a.is_over("r") and a.ledger.waiting == 0
 
@@ -192,8 +214,12 @@ class AdmissionsMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.live: set[str] = set()
 
-    @rule(key=st.sampled_from(KEYS), prompt=st.integers(1, 160), hit_blocks=st.integers(0, 10),
-          free=st.one_of(st.none(), st.integers(0, 20)))
+    @rule(
+        key=st.sampled_from(KEYS),
+        prompt=st.integers(1, 160),
+        hit_blocks=st.integers(0, 10),
+        free=st.one_of(st.none(), st.integers(0, 20)),
+    )
     def ask(self, key: str, prompt: int, hit_blocks: int, free: int | None) -> None:
         if self.a.is_over(key):
             return

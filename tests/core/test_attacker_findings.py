@@ -62,8 +62,9 @@ def test_a_register_under_another_key_never_makes_p_write_into_a_decode_met_for_
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=KD)
     assert of(s.on_message(register(), 0.0, origin=KD), PostWrite)  # P connected agent-d
     s.blocks_ready("u", [4, 5], 0.0)  # a router that names no decode: first come binds
-    out = s.on_message(register(tid="u", blocks=[0, 1], sender_info=replace_inc(D, 500)), 0.1,
-                       origin=KA)
+    out = s.on_message(
+        register(tid="u", blocks=[0, 1], sender_info=replace_inc(D, 500)), 0.1, origin=KA
+    )
     assert [w for w in of(out, PostWrite) if w.peer == D.agent_name] == []
 
 
@@ -118,8 +119,9 @@ def test_registers_of_other_keys_before_the_request_do_not_lock_out_the_named_de
     # REGISTER, which comes after them, is not dropped.
     s = Sender(P, SS, random.Random(0))
     for i in range(1 + SS.max_contenders):
-        other = msgspec.structs.replace(replace_inc(D, 100 + i),
-                                        agent_name=ag(f"agent-{i}", f"key-{i}"))
+        other = msgspec.structs.replace(
+            replace_inc(D, 100 + i), agent_name=ag(f"agent-{i}", f"key-{i}")
+        )
         s.on_message(register(sender_info=other), 0.0, origin=f"key-{i}")
     s.on_message(register(), 0.1, origin=KD)  # the decode leg outran the prefill leg
     s.expect_blocks("t", 0.2, owner=KD)
@@ -137,8 +139,11 @@ def _xfails() -> list[tuple[str, pytest.Mark]]:
         module = importlib.import_module(f"{__package__}.{path.stem}")
         for name, fn in sorted(vars(module).items()):
             if name.startswith("test_"):
-                out += [(f"{path.stem}.{name}", mark) for mark in getattr(fn, "pytestmark", [])
-                        if mark.name == "xfail"]
+                out += [
+                    (f"{path.stem}.{name}", mark)
+                    for mark in getattr(fn, "pytestmark", [])
+                    if mark.name == "xfail"
+                ]
     return out
 
 
@@ -148,4 +153,5 @@ def test_every_open_finding_is_a_strict_xfail_naming_its_flag() -> None:
     reasons = " ".join(str(mark.kwargs.get("reason", "")) for _, mark in xfails)
     open_flags = [flag for flag, is_open in KNOWN_BUGS.items() if is_open]
     assert [flag for flag in open_flags if flag not in reasons] == [], (
-        "a KNOWN_BUGS flag is set with no strict xfail naming it in a test_*findings.py module")
+        "a KNOWN_BUGS flag is set with no strict xfail naming it in a test_*findings.py module"
+    )

@@ -25,8 +25,13 @@ SCHED = SchedulerSettings(chunk_bytes=1 << 20, stop_margin_s=1.0)
 
 def layout(block: int, num_blocks: int = 64, groups: int = GROUPS) -> m.Layout:
     size = GROUPS * block * TOKEN_BYTES
-    return m.Layout("c", "DRAM", [m.Region(0, size, size, num_blocks, tok_groups=groups)] * 2,
-                    kv_heads=2, block_size=block)
+    return m.Layout(
+        "c",
+        "DRAM",
+        [m.Region(0, size, size, num_blocks, tok_groups=groups)] * 2,
+        kv_heads=2,
+        block_size=block,
+    )
 
 
 def info(base: m.PeerInfo, lay: m.Layout) -> m.PeerInfo:
@@ -35,20 +40,23 @@ def info(base: m.PeerInfo, lay: m.Layout) -> m.PeerInfo:
 
 def sender(block: int) -> Sender:
     lay = layout(block)
-    settings = SenderSettings(block_bytes=sum(r.block_len for r in lay.regions),
-                              scheduler=SCHED)
+    settings = SenderSettings(block_bytes=sum(r.block_len for r in lay.regions), scheduler=SCHED)
     return Sender(info(P, lay), settings, random.Random(0))
 
 
-def register(d: m.PeerInfo, blocks: list[int], first: int = 0, tokens: int = 150,
-             gen: int = 1) -> m.Register:
+def register(
+    d: m.PeerInfo, blocks: list[int], first: int = 0, tokens: int = 150, gen: int = 1
+) -> m.Register:
     return m.Register(m.PROTOCOL_VERSION, "t", d, blocks, first, tokens, gen, 5000)
 
 
 def writes(out: list) -> tuple[list[int], list[int], list[PostWrite]]:
     posted = of(out, PostWrite)
-    return ([b for w in posted for b in w.src_blocks],
-            [b for w in posted for b in w.dst_blocks], posted)
+    return (
+        [b for w in posted for b in w.src_blocks],
+        [b for w in posted for b in w.dst_blocks],
+        posted,
+    )
 
 
 def test_units_expand_block_ids_in_order() -> None:
@@ -81,8 +89,9 @@ def test_p_32_pushes_into_d_64_in_units_whichever_comes_first(blocks_first: bool
 def test_p_64_pushes_into_d_32_taking_each_block_in_halves() -> None:
     s = sender(64)
     s.blocks_ready("t", [1, 2, 3], 0.0)
-    src, dst, posted = writes(s.on_message(register(info(D, layout(32)),
-                                                    [10, 11, 12, 13, 14]), 0.0))
+    src, dst, posted = writes(
+        s.on_message(register(info(D, layout(32)), [10, 11, 12, 13, 14]), 0.0)
+    )
     assert (src, dst) == ([2, 3, 4, 5, 6], [10, 11, 12, 13, 14])
     assert posted[-1].done is not None and posted[-1].done.unit_tokens == 32
     # a unit is half of one of P's blocks
@@ -96,8 +105,9 @@ def test_a_decode_prefix_hit_of_one_d_block_skips_its_units_on_both_sides() -> N
     assert (src, dst) == ([3, 4, 5], [22, 23, 24])
     s = sender(64)
     s.blocks_ready("t", [1, 2, 3], 0.0)
-    src, dst, _ = writes(s.on_message(register(info(D, layout(32)), [11, 12, 13, 14],
-                                               first=1), 0.0))
+    src, dst, _ = writes(
+        s.on_message(register(info(D, layout(32)), [11, 12, 13, 14], first=1), 0.0)
+    )
     assert (src, dst) == ([3, 4, 5, 6], [11, 12, 13, 14])
 
 
@@ -155,16 +165,22 @@ def test_a_fallback_of_more_units_than_d_blocks_hold_is_refused() -> None:
     rs = ReceiverSettings(block_bytes=1, scheduler=SCHED)
     r = Receiver(d, rs, random.Random(0))
     (reg,) = msgs(r.register("t", P.control, [11, 12], 1, 150, 0.0), m.Register)
-    fb = m.Fallback(m.PROTOCOL_VERSION, "t", reg.generation, info(P, layout(32)),
-                    [1, 2, 3, 4, 5], 2, "push_failed")
+    fb = m.Fallback(
+        m.PROTOCOL_VERSION,
+        "t",
+        reg.generation,
+        info(P, layout(32)),
+        [1, 2, 3, 4, 5],
+        2,
+        "push_failed",
+    )
     out = r.on_message(fb, 0.1)
     assert of(out, PostRead) == []
     assert any(isinstance(a, Note) and a.reason == "bad_blocks" for a in out)
 
 
 @pytest.mark.parametrize(("p_block", "d_block"), [(64, 96), (96, 64), (32, 48)])
-def test_block_sizes_that_do_not_divide_are_refused_naming_both(p_block: int,
-                                                                 d_block: int) -> None:
+def test_block_sizes_that_do_not_divide_are_refused_naming_both(p_block: int, d_block: int) -> None:
     why = compat.layout_problem(layout(p_block), layout(d_block))
     assert f"--block-size {p_block} on the prefill, {d_block} on the decode" in why
     assert "neither divides the other" in why and "same --block-size" in why
@@ -184,18 +200,25 @@ def test_a_layout_whose_token_geometry_is_unknown_refuses_another_block_size() -
 
 
 def test_geometries_that_differ_are_refused() -> None:
-    other = msgspec.structs.replace(layout(64), regions=[
-        m.Region(0, 4096, 4096, 64, tok_groups=2)] * 2)  # 2 groups of 32 B per token
+    other = msgspec.structs.replace(
+        layout(64), regions=[m.Region(0, 4096, 4096, 64, tok_groups=2)] * 2
+    )  # 2 groups of 32 B per token
     why = compat.block_size_problem(layout(32), other)
     assert "token groups of 2 x 16 B per token on the prefill, 32 B on the decode" in why
     # the CPU "vec" kernel's order (K transposed, then V) against a plain one
-    vec = msgspec.structs.replace(layout(64), regions=[
-        m.Region(0, 4096, 4096, 64, tok_groups=2 * 17, tok_pattern=[(16, 1), (1, 16)])] * 2)
-    assert "16 x 1 + 16 B on the decode" in compat.block_size_problem(
-        layout(32), vec)
+    vec = msgspec.structs.replace(
+        layout(64),
+        regions=[m.Region(0, 4096, 4096, 64, tok_groups=2 * 17, tok_pattern=[(16, 1), (1, 16)])]
+        * 2,
+    )
+    assert "16 x 1 + 16 B on the decode" in compat.block_size_problem(layout(32), vec)
     half = msgspec.structs.replace(vec.regions[0], block_len=2048, block_stride=2048)
-    assert compat.block_size_problem(
-        vec, msgspec.structs.replace(vec, block_size=32, regions=[half] * 2)) == ""
+    assert (
+        compat.block_size_problem(
+            vec, msgspec.structs.replace(vec, block_size=32, regions=[half] * 2)
+        )
+        == ""
+    )
 
 
 def test_a_kv_cache_needing_too_many_unit_descriptors_is_refused_naming_the_count() -> None:

@@ -10,8 +10,14 @@ from kvpush_prod.core.actions import PostWrite
 from .test_compat import FACTS
 from .test_push_engines import D, msgs, of, register
 
-MLA = {**FACTS, "use_mla": "True", "kv_lora_rank": "512", "qk_rope_head_dim": "64",
-       "num_kv_heads": "1", "head_size": "576"}
+MLA = {
+    **FACTS,
+    "use_mla": "True",
+    "kv_lora_rank": "512",
+    "qk_rope_head_dim": "64",
+    "num_kv_heads": "1",
+    "head_size": "576",
+}
 
 
 def test_an_mla_engine_and_a_per_head_engine_differ_by_name_with_the_fix() -> None:
@@ -25,9 +31,11 @@ def test_an_mla_engine_and_a_per_head_engine_differ_by_name_with_the_fix() -> No
 
 def test_latent_dimensions_must_match() -> None:
     assert compat.differences(MLA, {**MLA, "kv_lora_rank": "256"}) == [
-        "kv_lora_rank: '512' here, '256' on the peer"]
+        "kv_lora_rank: '512' here, '256' on the peer"
+    ]
     assert compat.differences(MLA, {**MLA, "qk_rope_head_dim": "32"}) == [
-        "qk_rope_head_dim: '64' here, '32' on the peer"]
+        "qk_rope_head_dim: '64' here, '32' on the peer"
+    ]
 
 
 def test_a_peer_that_names_no_attention_facts_is_compared_on_the_rest() -> None:

@@ -351,11 +351,14 @@ def test_the_aged_head_keeps_its_room_within_the_capacity() -> None:
     assert led.request("small", "p2", 2, 2.1, capacity=10).admitted
 
 
-@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 12),
-                          st.booleans()), max_size=60))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(1, 6), st.integers(0, 12), st.booleans()),
+        max_size=60,
+    )
+)
 @CORE
-def test_grants_fit_the_capacity_of_each_ask(
-        steps: list[tuple[int, int, int, bool]]) -> None:
+def test_grants_fit_the_capacity_of_each_ask(steps: list[tuple[int, int, int, bool]]) -> None:
     led = ledger(budget=12, cap=12)
     for i, (tid, n, capacity, release) in enumerate(steps):
         key = f"t{tid}"

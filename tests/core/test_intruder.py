@@ -14,24 +14,43 @@ from kvpush_prod.core.vocabulary import Outcome
 
 from .sim_world import INTRUDER_KINDS, Chaos, Move, World
 
-CLAIMS = ("self", "self_new", "victim", "victim_new", "victim_dp", "victim_agent", "slim",
-          "foreign")
+CLAIMS = (
+    "self",
+    "self_new",
+    "victim",
+    "victim_new",
+    "victim_dp",
+    "victim_agent",
+    "slim",
+    "foreign",
+)
 
 
 def detail(**want: object) -> int:
     """The smallest ``Move.detail`` that picks ``want`` (see ``Move.details``)."""
-    return next(d for d in range(1 << 16)
-                if all(Move("Register", detail=d).details()[k] == v for k, v in want.items()))
+    return next(
+        d
+        for d in range(1 << 16)
+        if all(Move("Register", detail=d).details()[k] == v for k, v in want.items())
+    )
 
 
 # Plain; the decode's reserved blocks; another transfer's; out of range from rank 1; an
 # endless permit term; a permit of 0 and of 1 ms; rank 3 stamped 5 s ago; PullDone not ok
 # (DoneState "gone") naming attempt 1; a heartbeat listing three transfers, stamped 5 s
 # ahead.
-DETAILS = (detail(), detail(blocks="victim"), detail(blocks="other"),
-           detail(blocks="wild", rank=1), detail(ttl_ms=86_400_000), detail(ttl_ms=0),
-           detail(ttl_ms=1), detail(rank=3, clock="past"), detail(flag=False, attempt=1),
-           detail(entries=3, clock="future"))
+DETAILS = (
+    detail(),
+    detail(blocks="victim"),
+    detail(blocks="other"),
+    detail(blocks="wild", rank=1),
+    detail(ttl_ms=86_400_000),
+    detail(ttl_ms=0),
+    detail(ttl_ms=1),
+    detail(rank=3, clock="past"),
+    detail(flag=False, attempt=1),
+    detail(entries=3, clock="future"),
+)
 
 
 def pushing_world(seed: int, named: float = 1.0) -> tuple[World, list[str]]:
@@ -51,7 +70,8 @@ def pushing_world(seed: int, named: float = 1.0) -> tuple[World, list[str]]:
 
 @pytest.mark.parametrize("seed", range(2))
 def test_no_message_of_the_intruder_changes_a_transfer_whose_decode_the_router_named(
-        seed: int) -> None:
+    seed: int,
+) -> None:
     w, tids = pushing_world(seed)
     for kind in INTRUDER_KINDS:
         for claim in CLAIMS:
@@ -70,8 +90,7 @@ def test_no_message_of_the_intruder_changes_a_transfer_whose_decode_the_router_n
     assert w.stats["outcome:named:pushed"] == 2 and not w.intruder.kv
 
 
-def test_a_register_of_the_intruder_after_the_prefill_leg_named_the_decode_is_refused(
-        ) -> None:
+def test_a_register_of_the_intruder_after_the_prefill_leg_named_the_decode_is_refused() -> None:
     w = World(1, 1, Chaos(skew=False), 0)
     w.named_share = 1.0
     w.run_until(0.5)
@@ -95,8 +114,7 @@ def unnamed_world() -> tuple[World, str]:
     return w, w.new_request(w.nodes["P0"], w.nodes["D0"], 4, 0)
 
 
-def test_where_the_router_names_no_decode_the_intruder_registering_first_takes_the_kv(
-        ) -> None:
+def test_where_the_router_names_no_decode_the_intruder_registering_first_takes_the_kv() -> None:
     # The documented limitation, as it plays out: P writes the prompt's KV into the
     # intruder's memory, the real decode's REGISTER is refused, its permit runs out and D
     # computes the prompt itself. Nothing of another transfer moves.

@@ -49,15 +49,21 @@ from kvpush_prod.core.sender import Sender
 from .test_push_engines import SS, D, P, of, register
 
 KD, KI = D.control, "key-of-the-intruder"
-INTRUDER = msgspec.structs.replace(D, engine_id="intruder", incarnation=77,
-                                   control="tcp://intruder:1",
-                                   agent_name=ag("agent-intruder", KI))
+INTRUDER = msgspec.structs.replace(
+    D,
+    engine_id="intruder",
+    incarnation=77,
+    control="tcp://intruder:1",
+    agent_name=ag("agent-intruder", KI),
+)
+
 
 def registered_first(ttl_ms: int = 5000) -> Sender:
     """The intruder registered ``t`` first; the decode's REGISTER is kept as a contender."""
     s = Sender(P, SS, random.Random(0))
-    s.on_message(register(sender_info=INTRUDER, gen=5, blocks=[0, 1, 2], ttl_ms=ttl_ms), 0.0,
-                 origin=KI)
+    s.on_message(
+        register(sender_info=INTRUDER, gen=5, blocks=[0, 1, 2], ttl_ms=ttl_ms), 0.0, origin=KI
+    )
     s.on_message(register(), 0.1, origin=KD)
     o = s._out["t"]
     assert o.owner == KI and KD in o.contenders  # the setting the findings need
@@ -78,8 +84,9 @@ def ends_it(s: Sender, how: str) -> None:
         again = msgspec.structs.replace(INTRUDER, incarnation=78, layout=other)
         s.on_message(register(sender_info=again, gen=6), 0.2, origin=KI)
     else:  # its process restarted: a new incarnation of its own rank
-        again = msgspec.structs.replace(INTRUDER, incarnation=78,
-                                        agent_name=ag("agent-intruder-2", KI))
+        again = msgspec.structs.replace(
+            INTRUDER, incarnation=78, agent_name=ag("agent-intruder-2", KI)
+        )
         s.on_message(m.Heartbeat(v, again, 0, [], 3000), 0.2, origin=KI)
 
 
@@ -92,8 +99,7 @@ def test_the_named_decode_kept_as_a_contender_is_pushed_when_its_leg_names_it() 
 
 
 @pytest.mark.parametrize("how", ["cancel", "pull_done", "incompatible", "restart", "lapses"])
-def test_the_first_registrant_ending_a_transfer_keeps_the_named_decodes_register(
-        how: str) -> None:
+def test_the_first_registrant_ending_a_transfer_keeps_the_named_decodes_register(how: str) -> None:
     # registrant_drops_contenders
     s = registered_first(ttl_ms=1500 if how == "lapses" else 5000)
     ends_it(s, how)
@@ -109,8 +115,12 @@ def test_p_lists_a_contenders_registration_in_its_heartbeats() -> None:
     # must list the decode's registration it keeps, or D lets the permit run out.
     s = registered_first()
     out = s.tick(1.0)
-    listed = [e for a in out if isinstance(a, SendMessage) and a.to == KD
-              and isinstance(a.message, m.Heartbeat) for e in a.message.live]
+    listed = [
+        e
+        for a in out
+        if isinstance(a, SendMessage) and a.to == KD and isinstance(a.message, m.Heartbeat)
+        for e in a.message.live
+    ]
     assert ("t", 1) in listed
 
 
@@ -119,8 +129,9 @@ def test_a_contenders_permit_renewed_by_its_decode_is_the_one_p_binds() -> None:
     s = registered_first()
     # D renews the permit (5 s terms) every second while it waits for the push.
     for t in range(1, 7):
-        s.on_message(m.Heartbeat(m.PROTOCOL_VERSION, D, P.incarnation, [("t", 1)], 5000),
-                     float(t), origin=KD)
+        s.on_message(
+            m.Heartbeat(m.PROTOCOL_VERSION, D, P.incarnation, [("t", 1)], 5000), float(t), origin=KD
+        )
     # The prefill leg comes at 6.5 s, after the REGISTER's own term (5.1 s), within D's.
     s.expect_blocks("t", 6.5, owner=KD)
     writes = of(s.blocks_ready("t", [1, 2, 3], 6.6, owner=KD), PostWrite)
@@ -137,8 +148,7 @@ def test_an_expired_registration_of_another_key_does_not_cancel_the_request_to_c
     # The router sends the request, naming the decode; the decode registers it.
     s.expect_blocks("t", 5.0, owner=KD)
     out = s.on_message(register(), 5.0, origin=KD)
-    assert not [a for a in out if isinstance(a, SendMessage)
-                and isinstance(a.message, m.Failed)]
+    assert not [a for a in out if isinstance(a, SendMessage) and isinstance(a.message, m.Failed)]
     writes = of(s.blocks_ready("t", [1, 2, 3], 5.1, owner=KD), PostWrite)
     assert writes and {w.peer for w in writes} == {D.agent_name}
 
@@ -154,8 +164,13 @@ def test_an_expired_registration_of_the_decode_itself_still_frees_the_blocks_to_
 
 
 KX = "key-of-another-engine"
-ANOTHER = msgspec.structs.replace(D, engine_id="another", incarnation=88,
-                                  control="tcp://another:1", agent_name=ag("agent-another", KX))
+ANOTHER = msgspec.structs.replace(
+    D,
+    engine_id="another",
+    incarnation=88,
+    control="tcp://another:1",
+    agent_name=ag("agent-another", KX),
+)
 
 
 def test_a_contenders_register_with_no_permit_is_refused_not_raised() -> None:

@@ -28,14 +28,14 @@ QUOTA = 8
 
 
 def sender(quota: int = QUOTA) -> Sender:
-    return Sender(P, SenderSettings(block_bytes=100, max_unknown_per_origin=quota),
-                  random.Random(0))
+    return Sender(
+        P, SenderSettings(block_bytes=100, max_unknown_per_origin=quota), random.Random(0)
+    )
 
 
 def decode_of(key: str) -> m.PeerInfo:
     """A decode rank whose agent is named for ``key`` (what P requires of it)."""
-    return m.PeerInfo(f"D-{key}", 2, 0, f"tcp://{key}:1", ag(f"agent-{key}", key), b"meta",
-                      LAYOUT)
+    return m.PeerInfo(f"D-{key}", 2, 0, f"tcp://{key}:1", ag(f"agent-{key}", key), b"meta", LAYOUT)
 
 
 def register(tid: str, key: str, gen: int = 1, ttl_ms: int = 5000) -> m.Register:
@@ -83,14 +83,14 @@ def test_a_transfer_the_engine_names_no_longer_counts_and_makes_room() -> None:
     s = sender()
     for i in range(QUOTA):
         s.on_message(register(f"x{i}", "d"), 0.0, origin="d")
-    assert reasons(s.on_message(register("later", "d"), 0.0, origin="d")) == \
-        ["quota_registrations"]
+    assert reasons(s.on_message(register("later", "d"), 0.0, origin="d")) == ["quota_registrations"]
     s.expect_blocks("x0", 0.1)  # P's scheduler has it: a transfer of P's own now
     assert reasons(s.on_message(register("later", "d"), 0.2, origin="d")) == []
     s.blocks_ready("x1", [1, 2, 3], 0.3)
     assert reasons(s.on_message(register("later-2", "d"), 0.4, origin="d")) == []
-    assert reasons(s.on_message(register("later-3", "d"), 0.5, origin="d")) == \
-        ["quota_registrations"]
+    assert reasons(s.on_message(register("later-3", "d"), 0.5, origin="d")) == [
+        "quota_registrations"
+    ]
 
 
 def test_registrations_that_end_make_room() -> None:
@@ -99,8 +99,7 @@ def test_registrations_that_end_make_room() -> None:
         s.on_message(register(f"x{i}", "d", ttl_ms=2000), 0.0, origin="d")
     s.abort("x0", 0.5)  # P's engine dropped it
     assert reasons(s.on_message(register("y0", "d", ttl_ms=60_000), 0.6, origin="d")) == []
-    assert reasons(s.on_message(register("y1", "d"), 0.7, origin="d")) == \
-        ["quota_registrations"]
+    assert reasons(s.on_message(register("y1", "d"), 0.7, origin="d")) == ["quota_registrations"]
     s.tick(10.0)  # the others' permits ran out: P forgets them
     for i in range(1, QUOTA):
         assert reasons(s.on_message(register(f"z{i}", "d"), 10.1, origin="d")) == []
@@ -130,11 +129,14 @@ def test_live_batches_cut_at_the_byte_bound_and_keep_every_entry_in_order() -> N
     assert list(live_batches(huge, max_bytes=10)) == [huge]  # at least one entry a batch
 
 
-def test_every_heartbeat_batch_opens_under_the_codecs_small_limit_with_the_longest_fields(
-        ) -> None:
-    widest = m.PeerInfo("e" * m.MAX_ID_LEN, (1 << 63) - 1, 65_535,
-                        "tcp://" + "h" * (m.MAX_ADDRESS_LEN - 12) + ":65535",
-                        "a" * m.MAX_ID_LEN)
+def test_every_heartbeat_batch_opens_under_the_codecs_small_limit_with_the_longest_fields() -> None:
+    widest = m.PeerInfo(
+        "e" * m.MAX_ID_LEN,
+        (1 << 63) - 1,
+        65_535,
+        "tcp://" + "h" * (m.MAX_ADDRESS_LEN - 12) + ":65535",
+        "a" * m.MAX_ID_LEN,
+    )
     live = [(f"{i:04d}" + "t" * (m.MAX_ID_LEN - 4), (1 << 63) - 1) for i in range(1500)]
     codec = ControlCodec(1 << 20)
     for batch in live_batches(live):
@@ -144,14 +146,16 @@ def test_every_heartbeat_batch_opens_under_the_codecs_small_limit_with_the_longe
 
 
 def test_p_heartbeats_many_transfers_as_several_heartbeats_each_small() -> None:
-    s = Sender(P, SenderSettings(block_bytes=100, max_unknown_per_origin=10_000),
-               random.Random(0))
+    s = Sender(P, SenderSettings(block_bytes=100, max_unknown_per_origin=10_000), random.Random(0))
     tids = [f"{i:05d}-" + "t" * 120 for i in range(2000)]
     for tid in tids:
         s.expect_blocks(tid, 0.0)
         s.on_message(register(tid, "d"), 0.0, origin="d")
-    hbs = [a.message for a in s.tick(0.5) if isinstance(a, SendMessage)
-           and isinstance(a.message, m.Heartbeat)]
+    hbs = [
+        a.message
+        for a in s.tick(0.5)
+        if isinstance(a, SendMessage) and isinstance(a.message, m.Heartbeat)
+    ]
     assert len(hbs) > 1
     assert sorted(t for hb in hbs for t, _ in hb.live) == sorted(tids)
     codec = ControlCodec(1 << 20)
@@ -164,8 +168,11 @@ def test_d_heartbeats_many_transfers_as_several_heartbeats_each_small() -> None:
     tids = [f"{i:05d}-" + "t" * 120 for i in range(2000)]
     for tid in tids:
         r.register(tid, "tcp://p:1", [1, 2], 0, 100, 0.0, owner="p")
-    hbs = [a.message for a in r.tick(0.5) if isinstance(a, SendMessage)
-           and isinstance(a.message, m.Heartbeat)]
+    hbs = [
+        a.message
+        for a in r.tick(0.5)
+        if isinstance(a, SendMessage) and isinstance(a.message, m.Heartbeat)
+    ]
     assert len(hbs) > 1
     assert sorted(t for hb in hbs for t, _ in hb.live) == sorted(tids)
     codec = ControlCodec(1 << 20)

@@ -128,13 +128,20 @@ def test_commands_carry_layer_readiness_to_the_sender() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(nb=st.integers(0, 9), parts=st.integers(1, 5), chunk=st.integers(1, 4),
-       steps=st.lists(st.integers(0, 5), max_size=8), seed=st.integers(0, 1000))
+@given(
+    nb=st.integers(0, 9),
+    parts=st.integers(1, 5),
+    chunk=st.integers(1, 4),
+    steps=st.lists(st.integers(0, 5), max_size=8),
+    seed=st.integers(0, 1000),
+)
 def test_scheduler_posts_each_part_once_within_readiness_and_the_last_after_the_seal(
-        nb: int, parts: int, chunk: int, steps: list[int], seed: int) -> None:
+    nb: int, parts: int, chunk: int, steps: list[int], seed: int
+) -> None:
     rng = random.Random(seed)
-    sch = ChunkScheduler(SchedulerSettings(chunk_bytes=chunk, stop_margin_s=0.0,
-                                           max_inflight_chunks=3))
+    sch = ChunkScheduler(
+        SchedulerSettings(chunk_bytes=chunk, stop_margin_s=0.0, max_inflight_chunks=3)
+    )
     sch.add("t", "l", 1, nb, 100.0, 0.0, parts=parts, ready=0)
     ready, sealed, covered, done = 0, False, [], False
     inflight: list = []
@@ -166,8 +173,9 @@ def test_a_cancel_during_a_layerwise_push_is_acked_even_if_the_forward_then_fail
     s = sender()
     s.on_message(register(), 0.0, origin=KD)
     (w0,) = of(s.layers_ready("t", [1, 2, 3], 1, 4, 0.0, owner=KD), PostWrite)
-    assert msgs(s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.01, origin=KD),
-                m.CancelAck) == []  # a WRITE is in flight
+    assert (
+        msgs(s.on_message(m.Cancel(1, "t", 1, D, "aborted"), 0.01, origin=KD), m.CancelAck) == []
+    )  # a WRITE is in flight
     assert msgs(s.forward_failed("t", [1, 2, 3], 0.02), m.Failed) == []
     out = s.on_chunk(w0.chunk_id, True, "", 0.03)
     assert len(msgs(out, m.CancelAck)) == 1 and msgs(out, m.Failed) == []

@@ -11,8 +11,7 @@ from kvpush_prod.core import messages as m
 from kvpush_prod.core.links import Joins, Links, Splits, d_links
 from kvpush_prod.core.vocabulary import Outcome
 
-LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)], tp_size=1, kv_heads=2,
-                  total_kv_heads=2)
+LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)], tp_size=1, kv_heads=2, total_kv_heads=2)
 
 
 def info(rank: int, tp: int) -> m.PeerInfo:
@@ -47,7 +46,9 @@ def test_a_transfer_never_split_is_its_own_join() -> None:
 def test_d_rank_fed_by_two_p_ranks_names_each_part_and_the_slab_it_fills() -> None:
     links = d_links("t", 0, 1, 2, 2, False)
     assert [(lk.core_id, lk.wire_id, lk.p_rank, lk.d_first, lk.heads) for lk in links] == [
-        ("t#p0", "t", 0, 0, 1), ("t#p1", "t", 1, 1, 1)]
+        ("t#p0", "t", 0, 0, 1),
+        ("t#p1", "t", 1, 1, 1),
+    ]
     assert d_links("t", 1, 2, 1, 2, False)[0].core_id == "t#d1"  # one feeder: no translation
     assert d_links("t", 1, 2, 2, 2, False)[0].core_id == "t"  # equal sizes: untouched
 

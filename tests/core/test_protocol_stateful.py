@@ -152,10 +152,23 @@ move_st = st.builds(
     kind=st.sampled_from(INTRUDER_KINDS),
     to=st.sampled_from(["natural", "natural", "natural", "all", "all", "other"]),
     target=st.sampled_from(["newest", "newest", "live", "live", "seen", "future", "bogus"]),
-    claim=st.sampled_from(["self", "self", "self", "self", "self", "self_new", "victim",
-                           "victim_new", "victim_dp", "victim_agent", "slim", "foreign"]),
-    gen=st.sampled_from(["observed", "leaked", "current", "current", "near", "random",
-                         "zero"]),
+    claim=st.sampled_from(
+        [
+            "self",
+            "self",
+            "self",
+            "self",
+            "self",
+            "self_new",
+            "victim",
+            "victim_new",
+            "victim_dp",
+            "victim_agent",
+            "slim",
+            "foreign",
+        ]
+    ),
+    gen=st.sampled_from(["observed", "leaked", "current", "current", "near", "random", "zero"]),
     delay=st.sampled_from([0.0, 0.0, 0.0, 0.005, 0.05, 0.5, 3.0]),
     detail=st.integers(0, 2**16),
 )
@@ -191,14 +204,22 @@ class IntruderRules(RuleBasedStateMachine):
     def _abort(self, data: st.DataObject, side: str) -> None:
         w = self.world
         if side == "D":
-            open_ = [(n.name, t) for n in w.nodes.values() for t, d in n.dreqs.items()
-                     if d.state != "ended" and not d.aborting]
+            open_ = [
+                (n.name, t)
+                for n in w.nodes.values()
+                for t, d in n.dreqs.items()
+                if d.state != "ended" and not d.aborting
+            ]
             if open_:
                 name, tid = self._pick(data, open_)
                 w.abort_d(w.nodes[name], tid)
         else:
-            queued = [(n.name, t) for n in w.nodes.values() for t, p in n.preqs.items()
-                      if p.state == "queued"]
+            queued = [
+                (n.name, t)
+                for n in w.nodes.values()
+                for t, p in n.preqs.items()
+                if p.state == "queued"
+            ]
             if queued:
                 name, tid = self._pick(data, queued)
                 w.abort_p(w.nodes[name], tid)
@@ -230,16 +251,19 @@ class IntruderRules(RuleBasedStateMachine):
 class ProtocolWorld(IntruderRules):
     """The rules are the world's events; hypothesis picks them, their order and their timing."""
 
-    @initialize(n_p=st.integers(1, 3), n_d=st.integers(1, 2), chaos=chaos_st,
-                seed=st.integers(0, 2**32 - 1))
+    @initialize(
+        n_p=st.integers(1, 3), n_d=st.integers(1, 2), chaos=chaos_st, seed=st.integers(0, 2**32 - 1)
+    )
     def setup(self, n_p: int, n_d: int, chaos: Chaos, seed: int) -> None:
         note(f"world: {n_p} P x {n_d} D, {chaos}, seed {seed}")
         self.world = World(n_p, n_d, chaos, seed)
 
     # ------------------------------------------------------------------ work
     @precondition(lambda self: self.world.open_requests() < 2 * MAX_OPEN)
-    @rule(data=st.data(), sizes=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)),
-                                         min_size=1, max_size=3))
+    @rule(
+        data=st.data(),
+        sizes=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), min_size=1, max_size=3),
+    )
     def new_requests(self, data: st.DataObject, sizes: list[tuple[int, int]]) -> None:
         """The router sends a few requests, each to a prefill and a decode engine."""
         w = self.world
@@ -251,8 +275,11 @@ class ProtocolWorld(IntruderRules):
 
     # ------------------------------------------------------------------ network
     @precondition(lambda self: bool(self.world.wires) or bool(self.world.history))
-    @rule(data=st.data(), kind=st.sampled_from(["drop", "reorder", "delay", "duplicate"]),
-          extra=st.floats(0.0, 6.0))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["drop", "reorder", "delay", "duplicate"]),
+        extra=st.floats(0.0, 6.0),
+    )
     def network_fault(self, data: st.DataObject, kind: str, extra: float) -> None:
         """Lose, reorder (deliver now), delay or duplicate (a recent) control message."""
         w = self.world
@@ -278,8 +305,12 @@ class ProtocolWorld(IntruderRules):
             w._push(wire.at, "wire", wire.id)
 
     @precondition(lambda self: self.world.stats.get("partition", 0) < MAX_PARTITIONS)
-    @rule(data=st.data(), dt=st.floats(0.5, 8.0),
-          way=st.sampled_from(["both", "P->D", "D->P", "none"]), slow=st.booleans())
+    @rule(
+        data=st.data(),
+        dt=st.floats(0.5, 8.0),
+        way=st.sampled_from(["both", "P->D", "D->P", "none"]),
+        slow=st.booleans(),
+    )
     def partition(self, data: st.DataObject, dt: float, way: str, slow: bool) -> None:
         """The control network between a P and a D fails for a while, both ways or one way;
         the RDMA link between them keeps working, maybe slowly (and maybe only that)."""
@@ -293,9 +324,25 @@ class ProtocolWorld(IntruderRules):
         elif way != "none":
             w.partition(p, d, dt, both=way == "both")
 
-    @rule(data=st.data(), role=st.sampled_from(["D", "P"]), kind=st.sampled_from(
-        ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone",
-         "Heartbeat", "DoneQuery", "DoneState"]), shift=st.sampled_from([-2, -1, 1, 4]))
+    @rule(
+        data=st.data(),
+        role=st.sampled_from(["D", "P"]),
+        kind=st.sampled_from(
+            [
+                "Failed",
+                "CancelAck",
+                "Fallback",
+                "Done",
+                "Register",
+                "Cancel",
+                "PullDone",
+                "Heartbeat",
+                "DoneQuery",
+                "DoneState",
+            ]
+        ),
+        shift=st.sampled_from([-2, -1, 1, 4]),
+    )
     def stale_message(self, data: st.DataObject, role: str, kind: str, shift: int) -> None:
         """A message about a live transfer with another generation than its current one
         (a late message about an earlier grant) reaches its receiver: it must be fenced."""
@@ -314,8 +361,11 @@ class ProtocolWorld(IntruderRules):
             w.deliver_from_dead(self._pick(data, cands), kind)
 
     @precondition(lambda self: bool(self.world.live_transfers()))
-    @rule(data=st.data(), role=st.sampled_from(["P", "D"]),
-          attacks=st.lists(attack_st, min_size=1, max_size=4))
+    @rule(
+        data=st.data(),
+        role=st.sampled_from(["P", "D"]),
+        attacks=st.lists(attack_st, min_size=1, max_size=4),
+    )
     def forge(self, data: st.DataObject, role: str, attacks: list[Attack]) -> None:
         """While transfers are live, the attacker (no engine's key: an identity of its own),
         or an engine that does not own the transfer, sends a few forged control messages or
@@ -336,8 +386,12 @@ class ProtocolWorld(IntruderRules):
 
     # ------------------------------------------------------------------ NICs
     @precondition(lambda self: bool(self.world.flights))
-    @rule(data=st.data(), kind=st.sampled_from(["fail", "complete", "slow"]),
-          error=st.sampled_from([*RETRYABLE, DISCONNECT, INVALID]), torn=st.booleans())
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["fail", "complete", "slow"]),
+        error=st.sampled_from([*RETRYABLE, DISCONNECT, INVALID]),
+        torn=st.booleans(),
+    )
     def chunk_fault(self, data: st.DataObject, kind: str, error: str, torn: bool) -> None:
         """A chunk fails now (maybe having written part of its blocks), completes now, or
         takes as long as a chunk may (CHUNK_MAX_S)."""
@@ -353,8 +407,11 @@ class ProtocolWorld(IntruderRules):
             w._push(fl.at, "flight", fl.key)
 
     # ------------------------------------------------------------------ engines
-    @rule(data=st.data(), kind=st.sampled_from(["stall", "tick", "poll"]),
-          dt=st.floats(0.05, PAUSE_MAX_S))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["stall", "tick", "poll"]),
+        dt=st.floats(0.05, PAUSE_MAX_S),
+    )
     def pump(self, data: st.DataObject, kind: str, dt: float) -> None:
         """A pump stalls (GC, overload), or ticks or polls its engine out of turn."""
         w = self.world
@@ -374,13 +431,19 @@ class ProtocolWorld(IntruderRules):
         if alive:
             w.crash(w.nodes[self._pick(data, alive)])
 
-    @precondition(lambda self: any(not n.alive and self.world.now - n.died_at >= RESTART_MIN_S
-                                   for n in self.world.nodes.values()))
+    @precondition(
+        lambda self: any(
+            not n.alive and self.world.now - n.died_at >= RESTART_MIN_S
+            for n in self.world.nodes.values()
+        )
+    )
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
         """A crashed engine comes back: a new incarnation at the same address."""
         w = self.world
-        dead = [n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_MIN_S]
+        dead = [
+            n.name for n in w.nodes.values() if not n.alive and w.now - n.died_at >= RESTART_MIN_S
+        ]
         w.start(w.nodes[self._pick(data, dead)])
 
     # ------------------------------------------------------------------ invariants
@@ -403,8 +466,11 @@ ProtocolWorld.TestCase.settings = settings(
     stateful_step_count=STEPS,
     deadline=None,
     print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                           HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+    ],
 )
 TestProtocolWorld = ProtocolWorld.TestCase
 
@@ -434,20 +500,29 @@ class CalmWorldWithIntruder(IntruderRules):
     out: a named request that waited for that credit and outlived its bound is counted
     (``outcome:named:starved_by_unnamed``), not failed."""
 
-    @initialize(n_p=st.integers(1, 2), n_d=st.integers(1, 2), chaos=calm_st,
-                seed=st.integers(0, 2**32 - 1), named=st.sampled_from([1.0, 0.8, 0.3]))
+    @initialize(
+        n_p=st.integers(1, 2),
+        n_d=st.integers(1, 2),
+        chaos=calm_st,
+        seed=st.integers(0, 2**32 - 1),
+        named=st.sampled_from([1.0, 0.8, 0.3]),
+    )
     def setup(self, n_p: int, n_d: int, chaos: Chaos, seed: int, named: float) -> None:
         note(f"calm world: {n_p} P x {n_d} D, {chaos}, seed {seed}, named share {named}")
         self.world = World(n_p, n_d, chaos, seed)
         self.world.named_share = named
 
-    @precondition(lambda self: sum(len(n.preqs) for n in self.world.nodes.values())
-                  < CALM_OPEN)
-    @rule(data=st.data(), total=st.integers(1, 8), first=st.integers(0, 8),
-          lag=st.sampled_from([-1.0, -1.0, -1.0, 2.0, P_LAG_MAX_S]),
-          ahead=st.lists(move_st, max_size=2))
-    def new_request(self, data: st.DataObject, total: int, first: int, lag: float,
-                    ahead: list[Move]) -> None:
+    @precondition(lambda self: sum(len(n.preqs) for n in self.world.nodes.values()) < CALM_OPEN)
+    @rule(
+        data=st.data(),
+        total=st.integers(1, 8),
+        first=st.integers(0, 8),
+        lag=st.sampled_from([-1.0, -1.0, -1.0, 2.0, P_LAG_MAX_S]),
+        ahead=st.lists(move_st, max_size=2),
+    )
+    def new_request(
+        self, data: st.DataObject, total: int, first: int, lag: float, ahead: list[Move]
+    ) -> None:
         """The router sends a request (its prefill leg as late as the world draws it, or
         ``lag`` seconds late: the decode's REGISTER then waits at P); the intruder may act
         on its id right away."""
@@ -474,8 +549,8 @@ class CalmWorldWithIntruder(IntruderRules):
 
 
 CalmWorldWithIntruder.TestCase.settings = settings(
-    ProtocolWorld.TestCase.settings, max_examples=CALM_EXAMPLES,
-    stateful_step_count=CALM_STEPS)
+    ProtocolWorld.TestCase.settings, max_examples=CALM_EXAMPLES, stateful_step_count=CALM_STEPS
+)
 TestCalmWorldWithIntruder = CalmWorldWithIntruder.TestCase
 
 
@@ -504,7 +579,8 @@ def _push_started(w: World, tid: str) -> None:
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("way", ["P->D", "both"])
 def test_a_slow_push_whose_control_path_fails_never_writes_into_reused_blocks(
-        seed: int, way: str) -> None:
+    seed: int, way: str
+) -> None:
     """D stops renewing the permit while P still pushes on a crawling link: P must stop in
     time for its last chunk to land before D reuses the blocks.
 
@@ -518,7 +594,8 @@ def test_a_slow_push_whose_control_path_fails_never_writes_into_reused_blocks(
     the next test)."""
     w = _slow_push_world(seed, way)
     assert w.stats.get("race:permit_ended_under_push") == 1, (
-        f"seed {seed}: P's permit never ran out with chunks in flight: {w.stats}")
+        f"seed {seed}: P's permit never ran out with chunks in flight: {w.stats}"
+    )
     (report,) = w.reported.values()
     assert report == "ReportFailed(permit_expired)", report
     assert list(w.released.values()) == [Outcome.EXPIRED]
@@ -535,8 +612,7 @@ def _slow_push_world(seed: int, way: str) -> World:
     return _scenario(seed, setup)
 
 
-def test_a_chunk_of_a_push_lands_after_the_permit_ended_and_before_the_blocks_are_reused(
-        ) -> None:
+def test_a_chunk_of_a_push_lands_after_the_permit_ended_and_before_the_blocks_are_reused() -> None:
     """The tightest case of the race above: over the P->D worlds, chunks held to the bound
     land after D's permit ran out (the fence then still holds the blocks)."""
     late = held = 0
@@ -575,8 +651,12 @@ def test_failed_last_chunks_are_confirmed_or_posted_again_never_into_reused_bloc
     each checks every invariant)."""
     seen: dict[str, int] = {}
     for seed in range(40):
-        w = World(1, 1, Chaos(skew=True, chunk_fail=0.4, ambiguous=0.5, notif_loss=0.2,
-                              delay_max_s=0.02), seed)
+        w = World(
+            1,
+            1,
+            Chaos(skew=True, chunk_fail=0.4, ambiguous=0.5, notif_loss=0.2, delay_max_s=0.02),
+            seed,
+        )
         w.run_until(0.5)
         for _ in range(6):
             w.new_request(w.nodes["P0"], w.nodes["D0"], 1 + seed % 3, 0)

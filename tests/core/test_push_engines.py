@@ -28,12 +28,22 @@ LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
 P = m.PeerInfo("P", 1, 0, "tcp://p:1", ag("agent-p", "tcp://p:1"), b"meta", LAYOUT)
 D = m.PeerInfo("D", 2, 0, "tcp://d:1", ag("agent-d", "tcp://d:1"), b"meta", LAYOUT)
 SCHED = SchedulerSettings(chunk_bytes=200, stop_margin_s=1.0)
-SS = SenderSettings(block_bytes=100, scheduler=SCHED, send_lease_s=10, stop_margin_s=1,
-                    retry=RetrySettings(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02),
-                    breaker=BreakerSettings(failure_threshold=2, window_s=10, cooldown_s=5,
-                                            max_cooldown_s=10))
-RS = ReceiverSettings(block_bytes=100, permit_ttl_s=5, skew_margin_s=1, stop_margin_s=1,
-                      scheduler=SCHED, peer_timeout_s=3)
+SS = SenderSettings(
+    block_bytes=100,
+    scheduler=SCHED,
+    send_lease_s=10,
+    stop_margin_s=1,
+    retry=RetrySettings(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.02),
+    breaker=BreakerSettings(failure_threshold=2, window_s=10, cooldown_s=5, max_cooldown_s=10),
+)
+RS = ReceiverSettings(
+    block_bytes=100,
+    permit_ttl_s=5,
+    skew_margin_s=1,
+    stop_margin_s=1,
+    scheduler=SCHED,
+    peer_timeout_s=3,
+)
 
 
 def sender() -> Sender:
@@ -44,10 +54,24 @@ def receiver() -> Receiver:
     return Receiver(D, RS, random.Random(0))
 
 
-def register(tid: str = "t", blocks: list[int] | None = None, first: int = 0, gen: int = 1,
-             ttl_ms: int = 5000, sender_info: m.PeerInfo = D) -> m.Register:
-    return m.Register(m.PROTOCOL_VERSION, tid, sender_info,
-                      blocks if blocks is not None else [10, 11, 12], first, 300, gen, ttl_ms)
+def register(
+    tid: str = "t",
+    blocks: list[int] | None = None,
+    first: int = 0,
+    gen: int = 1,
+    ttl_ms: int = 5000,
+    sender_info: m.PeerInfo = D,
+) -> m.Register:
+    return m.Register(
+        m.PROTOCOL_VERSION,
+        tid,
+        sender_info,
+        blocks if blocks is not None else [10, 11, 12],
+        first,
+        300,
+        gen,
+        ttl_ms,
+    )
 
 
 def of(actions: list, kind: type) -> list:
@@ -55,18 +79,21 @@ def of(actions: list, kind: type) -> list:
 
 
 def msgs(actions: list, kind: type) -> list:
-    return [a.message for a in actions if isinstance(a, SendMessage)
-            and isinstance(a.message, kind)]
+    return [
+        a.message for a in actions if isinstance(a, SendMessage) and isinstance(a.message, kind)
+    ]
 
 
 def test_push_starts_when_blocks_and_register_meet_in_either_order() -> None:
     for blocks_first in (True, False):
         s = sender()
-        first = (s.blocks_ready("t", [1, 2, 3], 0.0) if blocks_first
-                 else s.on_message(register(), 0.0))
+        first = (
+            s.blocks_ready("t", [1, 2, 3], 0.0) if blocks_first else s.on_message(register(), 0.0)
+        )
         assert of(first, PostWrite) == []
-        second = (s.on_message(register(), 0.0) if blocks_first
-                  else s.blocks_ready("t", [1, 2, 3], 0.0))
+        second = (
+            s.on_message(register(), 0.0) if blocks_first else s.blocks_ready("t", [1, 2, 3], 0.0)
+        )
         posted = of(second, PostWrite)
         # Two chunks of at most 2 blocks; the last (with DONE) waits for the first.
         assert [w.src_blocks for w in posted] == [(1, 2)]
@@ -173,10 +200,13 @@ def test_retryable_chunk_error_is_retried_and_counted() -> None:
     (w3,) = of(s.on_chunk(w2.chunk_id, True, "", 0.3), PostWrite)
     assert w3.done is not None
     assert of(s.on_chunk(w3.chunk_id, True, "", 0.4), ReleaseSend) == [
-        ReleaseSend("t", "retried", 300)]
+        ReleaseSend("t", "retried", 300)
+    ]
 
 
-def test_a_failed_last_chunk_is_not_posted_again_until_decode_says_its_done_did_not_arrive() -> None:
+def test_a_failed_last_chunk_is_not_posted_again_until_decode_says_its_done_did_not_arrive() -> (
+    None
+):
     # Found by test_protocol_stateful: the last chunk carries DONE; its WRITE can fail at P
     # after the bytes and DONE reached D (an ack lost with the connection). D then reported
     # the KV and released the blocks, so a blind retry would write into freed blocks: P asks.
@@ -195,7 +225,8 @@ def test_a_failed_last_chunk_is_not_posted_again_until_decode_says_its_done_did_
     (again,) = of(out + s.poll(0.3), PostWrite)
     assert again.done is not None and again.done.attempt == 1 and again.dst_blocks == (10,)
     assert of(s.on_chunk(again.chunk_id, True, "", 0.4), ReleaseSend) == [
-        ReleaseSend("t", "retried", 100)]
+        ReleaseSend("t", "retried", 100)
+    ]
 
 
 def test_decode_confirming_the_done_ends_the_push_without_posting_again() -> None:
@@ -339,7 +370,8 @@ def test_an_ambiguous_last_chunk_ends_pushed_once_on_both_sides() -> None:
     (q,) = msgs(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", 0.1), m.DoneQuery)
     (ans,) = msgs(r.on_message(q, 0.2), m.DoneState)
     assert of(s.on_message(ans, 0.3, origin=D.control), ReleaseSend) == [
-        ReleaseSend("t", "retried", 100)]
+        ReleaseSend("t", "retried", 100)
+    ]
 
 
 def test_fatal_error_fails_the_transfer_without_fallback() -> None:
@@ -374,8 +406,9 @@ def test_chunk_failures_that_retries_absorb_do_not_open_the_breaker() -> None:
     now = 0.0
     for _ in range(2):
         now += 0.05
-        assert [n.kind for n in of(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now),
-                                   Note)] == ["retry"]
+        assert [
+            n.kind for n in of(s.on_chunk(w.chunk_id, False, "ERR:nixlBackendError", now), Note)
+        ] == ["retry"]
         (w,) = of(s.poll(now + 0.05), PostWrite)
     assert [v.value for v in s.breaker_states(now).values()] == ["closed"]
     s.blocks_ready("u", [1], now)
@@ -524,7 +557,8 @@ def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> 
     assert [n.kind for n in of(out, Note)] == ["peer_restart"]
     # The in-flight chunk to the dead process drains, then the blocks are freed.
     assert s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 1.1) == [
-        ReleaseSend("t", "failed", 0)]
+        ReleaseSend("t", "failed", 0)
+    ]
 
 
 def test_a_late_register_of_a_replaced_decode_process_changes_nothing() -> None:
@@ -583,8 +617,9 @@ def test_kv_stated_for_another_prompt_is_refused_pushed_or_pulled() -> None:
         if ok:
             assert out == [ReportFinished("t", "pushed")]
             continue
-        assert of(out, ReportFailed) == [ReportFailed("t", "prompt_mismatch",
-                                                      "the KV pushed is another prompt's")]
+        assert of(out, ReportFailed) == [
+            ReportFailed("t", "prompt_mismatch", "the KV pushed is another prompt's")
+        ]
         assert [n.reason for n in of(out, Note)] == ["prompt_mismatch"]
         assert r.active == 0
     # A FALLBACK offering another prompt's KV is not read: D tells P and fails the receive.
@@ -668,7 +703,9 @@ def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     r.on_message(m.Heartbeat(1, P, D.incarnation, [("t", reg.generation)]), 0.5)
     p2 = m.PeerInfo("P", 99, 0, "tcp://p:1", ag("agent-p2", "tcp://p:1"))
     out = r.on_message(m.Heartbeat(1, p2, D.incarnation, []), 1.0)
-    assert of(out, ReportFailed) == [ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")]
+    assert of(out, ReportFailed) == [
+        ReportFailed("t", "peer_restarted", "prefill tcp://p:1 restarted")
+    ]
 
 
 def test_a_transfer_registered_after_prefill_restarted_survives_the_new_prefill() -> None:
@@ -731,8 +768,15 @@ PKEY, DKEY = "p-key", "d-key"
 
 
 def _core(engine_id: str, incarnation: int, port: int, key: str) -> m.PeerInfo:
-    return m.PeerInfo(engine_id, incarnation, 0, f"tcp://p:{port}",
-                      ag(f"agent-{engine_id}-{incarnation}", key), b"meta", LAYOUT)
+    return m.PeerInfo(
+        engine_id,
+        incarnation,
+        0,
+        f"tcp://p:{port}",
+        ag(f"agent-{engine_id}-{incarnation}", key),
+        b"meta",
+        LAYOUT,
+    )
 
 
 def test_prefill_dp_ranks_sharing_a_key_are_not_restarts_of_one_another() -> None:
@@ -740,21 +784,26 @@ def test_prefill_dp_ranks_sharing_a_key_are_not_restarts_of_one_another() -> Non
     p0, p1 = _core("P_dp0", 1, 1, PKEY), _core("P_dp1", 2, 2, PKEY)
     (reg0,) = msgs(r.register("t0", "tcp://p:1", [10], 0, 10, 0.0, owner=PKEY), m.Register)
     (reg1,) = msgs(r.register("t1", "tcp://p:2", [11], 0, 10, 0.0, owner=PKEY), m.Register)
-    out = r.on_message(m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.1,
-                       origin=PKEY)
-    out += r.on_message(m.Heartbeat(1, p1, D.incarnation, [("t1", reg1.generation)]), 0.2,
-                        origin=PKEY)
-    out += r.on_message(m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.3,
-                        origin=PKEY)
+    out = r.on_message(
+        m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.1, origin=PKEY
+    )
+    out += r.on_message(
+        m.Heartbeat(1, p1, D.incarnation, [("t1", reg1.generation)]), 0.2, origin=PKEY
+    )
+    out += r.on_message(
+        m.Heartbeat(1, p0, D.incarnation, [("t0", reg0.generation)]), 0.3, origin=PKEY
+    )
     assert of(out, ReportFailed) == []
     assert [n for n in of(out, Note) if n.kind in ("peer_restart", "fenced")] == []
     # A restart of one core (same engine id, new incarnation) still fails what it held.
     p1b = _core("P_dp1", 3, 2, PKEY)
     out = r.on_message(m.Heartbeat(1, p1b, D.incarnation, []), 0.4, origin=PKEY)
-    assert of(out, ReportFailed) == [ReportFailed("t1", "peer_restarted",
-                                                  "prefill tcp://p:2 restarted")]
-    assert r.on_done(done("t0", reg0.generation), 0.5,
-                     agent=p0.agent_name) == [ReportFinished("t0", "pushed")]
+    assert of(out, ReportFailed) == [
+        ReportFailed("t1", "peer_restarted", "prefill tcp://p:2 restarted")
+    ]
+    assert r.on_done(done("t0", reg0.generation), 0.5, agent=p0.agent_name) == [
+        ReportFinished("t0", "pushed")
+    ]
 
 
 def test_decode_dp_ranks_sharing_a_key_each_get_their_own_agent() -> None:

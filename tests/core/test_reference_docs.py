@@ -18,9 +18,14 @@ from kvpush_prod.core.reference import actions_markdown, events_markdown, words_
 DOC = Path(__file__).resolve().parents[2] / "docs" / "core.md"
 
 
-@pytest.mark.parametrize(("name", "render"), [
-    ("actions", actions_markdown), ("events", events_markdown), ("words", words_markdown),
-])
+@pytest.mark.parametrize(
+    ("name", "render"),
+    [
+        ("actions", actions_markdown),
+        ("events", events_markdown),
+        ("words", words_markdown),
+    ],
+)
 def test_the_core_doc_lists_what_the_code_renders(name: str, render: Callable[[], str]) -> None:
     text = DOC.read_text()
     section = re.compile(rf"(<!-- {name}:start -->\n)(.*?)(<!-- {name}:end -->)", re.S)
@@ -31,14 +36,26 @@ def test_the_core_doc_lists_what_the_code_renders(name: str, render: Callable[[]
         return
     assert found.group(2) == render(), (
         f"docs/core.md's {name} table is out of date: regenerate it with "
-        "`KVPUSH_WRITE_DOCS=1 pytest tests/core/test_reference_docs.py`")
+        "`KVPUSH_WRITE_DOCS=1 pytest tests/core/test_reference_docs.py`"
+    )
 
 
 def test_every_action_and_command_is_in_the_doc() -> None:
     text = DOC.read_text()
-    for cls in ("PostWrite", "PostRead", "SendMessage", "ConnectPeer", "DropPeer",
-                "ReleaseSend", "ReportFinished", "ReportFailed", "Note", "RegisterBlocks",
-                "BlocksReady", "AbortReceive"):
+    for cls in (
+        "PostWrite",
+        "PostRead",
+        "SendMessage",
+        "ConnectPeer",
+        "DropPeer",
+        "ReleaseSend",
+        "ReportFinished",
+        "ReportFailed",
+        "Note",
+        "RegisterBlocks",
+        "BlocksReady",
+        "AbortReceive",
+    ):
         assert f"`{cls}`" in text, cls
     for gone in ("FreeBlocks", "SendNotif", "AbortChunk"):
         assert gone not in text, f"docs/core.md names {gone}, which is not an action"

@@ -265,9 +265,14 @@ def test_in_flight_bytes_stay_within_the_cap() -> None:
 
 def test_a_link_never_has_more_chunks_in_flight_than_max_inflight_chunks() -> None:
     # The byte cap would allow 100 chunks; the chunk cap allows 4.
-    s = ChunkScheduler(SchedulerSettings(chunk_bytes=100, target_latency_s=0.01,
-                                         initial_bandwidth_bytes_per_s=1e6,
-                                         max_inflight_chunks=4))
+    s = ChunkScheduler(
+        SchedulerSettings(
+            chunk_bytes=100,
+            target_latency_s=0.01,
+            initial_bandwidth_bytes_per_s=1e6,
+            max_inflight_chunks=4,
+        )
+    )
     s.add("t", "L", 100, 50, FAR, 0.0)
     s.add("u", "M", 100, 50, FAR, 0.0)
     first = s.next_chunks(0.0)
@@ -280,9 +285,14 @@ def test_a_link_never_has_more_chunks_in_flight_than_max_inflight_chunks() -> No
 
 
 def test_each_time_a_ready_chunk_finds_its_link_full_the_cap_that_bound_is_counted() -> None:
-    by_chunks = ChunkScheduler(SchedulerSettings(chunk_bytes=100, target_latency_s=0.01,
-                                                 initial_bandwidth_bytes_per_s=1e6,
-                                                 max_inflight_chunks=2))
+    by_chunks = ChunkScheduler(
+        SchedulerSettings(
+            chunk_bytes=100,
+            target_latency_s=0.01,
+            initial_bandwidth_bytes_per_s=1e6,
+            max_inflight_chunks=2,
+        )
+    )
     by_chunks.add("t", "L", 100, 10, FAR, 0.0)
     by_chunks.next_chunks(0.0)
     assert by_chunks.capped() == (0, 1)

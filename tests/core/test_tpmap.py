@@ -20,13 +20,14 @@ def heads_of(rank: int, tp: int, total: int) -> list[int]:
 @pytest.mark.parametrize("p_tp", SIZES)
 @pytest.mark.parametrize("d_tp", SIZES)
 def test_every_d_rank_gets_exactly_its_heads_once_from_the_p_ranks_holding_them(
-        total: int, p_tp: int, d_tp: int) -> None:
+    total: int, p_tp: int, d_tp: int
+) -> None:
     pieces = tpmap.pieces(p_tp, d_tp, total)
     for r in range(d_tp):
         got: list[int] = []
         for pc in tpmap.feeders(r, p_tp, d_tp, total):
-            p_heads = heads_of(pc.p_rank, p_tp, total)[pc.p_first:pc.p_first + pc.heads]
-            d_heads = heads_of(r, d_tp, total)[pc.d_first:pc.d_first + pc.heads]
+            p_heads = heads_of(pc.p_rank, p_tp, total)[pc.p_first : pc.p_first + pc.heads]
+            d_heads = heads_of(r, d_tp, total)[pc.d_first : pc.d_first + pc.heads]
             assert p_heads == d_heads  # the slab taken on P is the slab filled on D
             got += d_heads
         assert sorted(got) == heads_of(r, d_tp, total)
@@ -35,13 +36,17 @@ def test_every_d_rank_gets_exactly_its_heads_once_from_the_p_ranks_holding_them(
 
 
 def test_two_p_ranks_fill_one_d_rank_half_each() -> None:
-    assert tpmap.feeders(0, 2, 1, 2) == [tpmap.Piece(0, 0, 0, 0, 1, 1, 2),
-                                         tpmap.Piece(1, 0, 0, 1, 1, 1, 2)]
+    assert tpmap.feeders(0, 2, 1, 2) == [
+        tpmap.Piece(0, 0, 0, 0, 1, 1, 2),
+        tpmap.Piece(1, 0, 0, 1, 1, 1, 2),
+    ]
 
 
 def test_one_p_rank_feeds_two_d_ranks_a_slab_each() -> None:
-    assert tpmap.fed(0, 1, 2, 4) == [tpmap.Piece(0, 0, 0, 0, 2, 4, 2),
-                                     tpmap.Piece(0, 1, 2, 0, 2, 4, 2)]
+    assert tpmap.fed(0, 1, 2, 4) == [
+        tpmap.Piece(0, 0, 0, 0, 2, 4, 2),
+        tpmap.Piece(0, 1, 2, 0, 2, 4, 2),
+    ]
 
 
 def test_four_kv_heads_two_per_rank_map_onto_one_rank_in_order() -> None:
@@ -50,15 +55,19 @@ def test_four_kv_heads_two_per_rank_map_onto_one_rank_in_order() -> None:
     assert all(p.whole_p and not p.whole_d for p in pieces)
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "total", "words"), [
-    (3, 2, 6, "one must divide the other"),
-    (2, 3, 6, "one must divide the other"),
-    (4, 1, 2, "do not split evenly"),
-    (1, 4, 2, "do not split evenly"),
-    (2, 1, 3, "do not split evenly"),
-])
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "total", "words"),
+    [
+        (3, 2, 6, "one must divide the other"),
+        (2, 3, 6, "one must divide the other"),
+        (4, 1, 2, "do not split evenly"),
+        (1, 4, 2, "do not split evenly"),
+        (2, 1, 3, "do not split evenly"),
+    ],
+)
 def test_sizes_that_cannot_map_are_refused_naming_both_and_the_fix(
-        p_tp: int, d_tp: int, total: int, words: str) -> None:
+    p_tp: int, d_tp: int, total: int, words: str
+) -> None:
     why = tpmap.problem(p_tp, d_tp, total)
     assert words in why
     assert f"prefill {p_tp}" in why or f"prefill --tensor-parallel-size {p_tp}" in why
@@ -74,8 +83,7 @@ def test_equal_sizes_map_rank_to_rank_even_with_replicated_heads() -> None:
 
 @pytest.mark.parametrize("p_tp", SIZES)
 @pytest.mark.parametrize("d_tp", SIZES)
-def test_replicated_latent_reaches_every_d_rank_once_from_one_p_rank(
-        p_tp: int, d_tp: int) -> None:
+def test_replicated_latent_reaches_every_d_rank_once_from_one_p_rank(p_tp: int, d_tp: int) -> None:
     pieces = tpmap.pieces(p_tp, d_tp, 1, replicated=True)
     assert sorted(p.d_rank for p in pieces) == list(range(d_tp))  # once each
     assert all(p.whole_p and p.whole_d for p in pieces)  # the whole block
@@ -98,8 +106,7 @@ def test_sub_ids_leave_each_p_ranks_lead_link_unrenamed() -> None:
 
 def test_mapping_text_names_every_link() -> None:
     text = tpmap.mapping_text(2, 1, 2)
-    assert text == ("prefill TP 2 -> decode TP 1, 2 KV heads: P0[0:1]->D0[0:1], "
-                    "P1[0:1]->D0[1:2]")
+    assert text == ("prefill TP 2 -> decode TP 1, 2 KV heads: P0[0:1]->D0[0:1], P1[0:1]->D0[1:2]")
 
 
 def test_idle_p_ranks_are_those_of_replicated_kv_beyond_d_ranks() -> None:
@@ -111,10 +118,10 @@ def test_idle_p_ranks_are_those_of_replicated_kv_beyond_d_ranks() -> None:
 
 
 def test_unfed_p_ranks_are_each_told_by_exactly_one_d_rank() -> None:
-    def told(p_tp: int, d_tp: int, heads: int, replicated: bool = False,
-             refused: bool = False) -> list[list[int]]:
-        return [tpmap.unfed_told_by(r, p_tp, d_tp, heads, replicated, refused)
-                for r in range(d_tp)]
+    def told(
+        p_tp: int, d_tp: int, heads: int, replicated: bool = False, refused: bool = False
+    ) -> list[list[int]]:
+        return [tpmap.unfed_told_by(r, p_tp, d_tp, heads, replicated, refused) for r in range(d_tp)]
 
     assert told(3, 2, 2, refused=True) == [[0, 2], [1]]  # refused: every P rank, once
     assert told(2, 1, 1, replicated=True) == [[1]]  # MLA: P rank 1 feeds nobody

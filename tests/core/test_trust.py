@@ -65,11 +65,13 @@ def test_the_write_target_is_the_agent_met_for_that_engine_not_a_name_in_the_mes
     s = sender()
     s.on_message(register(tid="a"), 0.0, origin=KD)
     # Same engine, same incarnation, now claiming another agent and a bigger layout.
-    liar = msgspec.structs.replace(D, agent_name=ag("agent-elsewhere", KD),
-                   layout=m.Layout("c", "DRAM", [m.Region(0, 100, 100, 10_000)]))
+    liar = msgspec.structs.replace(
+        D,
+        agent_name=ag("agent-elsewhere", KD),
+        layout=m.Layout("c", "DRAM", [m.Region(0, 100, 100, 10_000)]),
+    )
     s.blocks_ready("b", [1, 2, 3], 0.0)
-    out = s.on_message(register(tid="b", blocks=[10, 11, 5000], sender_info=liar), 0.0,
-                       origin=KD)
+    out = s.on_message(register(tid="b", blocks=[10, 11, 5000], sender_info=liar), 0.0, origin=KD)
     assert of(out, PostWrite) == []  # block 5000 is outside the layout P connected to
     assert msgs(out, m.Failed)[0].reason == "bad_blocks"
     s.blocks_ready("c", [1, 2, 3], 0.0)
@@ -92,8 +94,10 @@ def test_heartbeat_cancel_and_pull_done_of_another_engine_change_nothing() -> No
     s.blocks_ready("t", [1, 2, 3], 0.0, owner=KD)
     (w1,) = of(s.on_message(register(), 0.0, origin=KD), PostWrite)
     intruder = {"origin": KX}
-    assert notes(s.on_message(m.Cancel(m.PROTOCOL_VERSION, "t", 1, X, "aborted"), 0.1,
-                              **intruder), "not_owner")
+    assert notes(
+        s.on_message(m.Cancel(m.PROTOCOL_VERSION, "t", 1, X, "aborted"), 0.1, **intruder),
+        "not_owner",
+    )
     hb = m.Heartbeat(m.PROTOCOL_VERSION, X, 1, [("t", 1)], 60_000)
     s.on_message(hb, 0.1, **intruder)
     assert s._out["t"].permit.expires_at == 5.0  # not renewed by the intruder
@@ -114,14 +118,18 @@ def test_a_restart_announced_by_another_engine_does_not_retire_the_real_decode()
     s.blocks_ready("t", [1, 2, 3], 0.0)
     s.on_message(register(), 0.0, origin=KD)
     # The intruder claims D's engine id and rank with a new incarnation: a peer of its own.
-    out = s.on_message(register(tid="u", sender_info=msgspec.structs.replace(D, incarnation=7)), 0.0, origin=KX)
+    out = s.on_message(
+        register(tid="u", sender_info=msgspec.structs.replace(D, incarnation=7)), 0.0, origin=KX
+    )
     assert not notes(out, "peer_restart")
     assert s._out["t"].outcome == ""
 
 
 def test_an_incompatible_decode_layout_is_refused_at_once_without_connecting() -> None:
     s = sender()
-    other = msgspec.structs.replace(D, layout=m.Layout("other-model", "DRAM", [m.Region(0, 100, 100, 64)]))
+    other = msgspec.structs.replace(
+        D, layout=m.Layout("other-model", "DRAM", [m.Region(0, 100, 100, 64)])
+    )
     out = s.on_message(register(sender_info=other), 0.0, origin=KD)
     assert of(out, ConnectPeer) == [] and notes(out, "incompatible")
     (failed,) = msgs(out, m.Failed)
@@ -129,9 +137,10 @@ def test_an_incompatible_decode_layout_is_refused_at_once_without_connecting() -
 
 
 def test_a_decode_layout_of_absurdly_many_blocks_is_refused() -> None:
-    s = Sender(P, replace(SS, max_peer_blocks_ratio=2, min_peer_blocks_limit=100),
-               random.Random(0))
-    huge = msgspec.structs.replace(D, layout=m.Layout("c", "DRAM", [m.Region(0, 100, 100, 1_000_000)]))
+    s = Sender(P, replace(SS, max_peer_blocks_ratio=2, min_peer_blocks_limit=100), random.Random(0))
+    huge = msgspec.structs.replace(
+        D, layout=m.Layout("c", "DRAM", [m.Region(0, 100, 100, 1_000_000)])
+    )
     out = s.on_message(register(sender_info=huge), 0.0, origin=KD)
     assert of(out, ConnectPeer) == [] and "1000000 blocks" in notes(out, "incompatible")[0].detail
 
@@ -166,17 +175,26 @@ def test_peers_over_the_bound_are_forgotten_least_recently_used_first() -> None:
     s = Sender(P, replace(SS, max_peers=2), random.Random(0))
     dropped = []
     for i in range(4):
-        peer = msgspec.structs.replace(D, agent_name=ag(f"agent-{i}", f"key-{i}"),
-                                         incarnation=100 + i)
+        peer = msgspec.structs.replace(
+            D, agent_name=ag(f"agent-{i}", f"key-{i}"), incarnation=100 + i
+        )
         out = s.on_message(register(tid=f"t{i}", sender_info=peer), 0.0, origin=f"key-{i}")
         dropped += [a.agent_name for a in of(out, DropPeer)]
     # t0..t3 still wait for blocks and use their agents: nothing in use is dropped.
     assert dropped == []
     for i in range(4):
         s.abort(f"t{i}", 0.0)
-    out = s.on_message(register(tid="t9", sender_info=msgspec.structs.replace(D, agent_name=ag("agent-9", "k9"),
-                                                              incarnation=9)), 0.0, origin="k9")
-    assert {a.agent_name for a in of(out, DropPeer)} == {ag(f"agent-{i}", f"key-{i}") for i in range(3)}
+    out = s.on_message(
+        register(
+            tid="t9",
+            sender_info=msgspec.structs.replace(D, agent_name=ag("agent-9", "k9"), incarnation=9),
+        ),
+        0.0,
+        origin="k9",
+    )
+    assert {a.agent_name for a in of(out, DropPeer)} == {
+        ag(f"agent-{i}", f"key-{i}") for i in range(3)
+    }
 
 
 def test_a_fallback_whose_reads_are_in_flight_is_not_ended_by_a_stale_expiry() -> None:
@@ -191,8 +209,9 @@ def test_a_fallback_whose_reads_are_in_flight_is_not_ended_by_a_stale_expiry() -
     assert msgs(out, m.Fallback)
     s.hold("t")
     assert of(s.poll(4.7) + s.tick(4.7), ReleaseSend) == []  # D may still READ
-    assert of(s.on_message(m.PullDone(m.PROTOCOL_VERSION, "t", 1, D, True), 5.0, origin=KD),
-              ReleaseSend) == [ReleaseSend("t", "pull_fallback", 0)]
+    assert of(
+        s.on_message(m.PullDone(m.PROTOCOL_VERSION, "t", 1, D, True), 5.0, origin=KD), ReleaseSend
+    ) == [ReleaseSend("t", "pull_fallback", 0)]
 
 
 # ------------------------------------------------------------------------------- decode (D)
@@ -207,10 +226,19 @@ def test_notices_from_an_engine_that_does_not_own_the_transfer_change_nothing() 
     r = receiver()
     gen = expecting(r)
     intruder = msgspec.structs.replace(P, incarnation=77)
-    for msg in (m.Failed(m.PROTOCOL_VERSION, "t", gen, intruder, "x"),
-                m.CancelAck(m.PROTOCOL_VERSION, "t", gen, intruder),
-                m.Fallback(m.PROTOCOL_VERSION, "t", gen, msgspec.structs.replace(intruder, layout=LAYOUT),
-                           [1, 2, 3], 0, "x")):
+    for msg in (
+        m.Failed(m.PROTOCOL_VERSION, "t", gen, intruder, "x"),
+        m.CancelAck(m.PROTOCOL_VERSION, "t", gen, intruder),
+        m.Fallback(
+            m.PROTOCOL_VERSION,
+            "t",
+            gen,
+            msgspec.structs.replace(intruder, layout=LAYOUT),
+            [1, 2, 3],
+            0,
+            "x",
+        ),
+    ):
         out = r.on_message(msg, 0.1, origin=KX)
         assert notes(out, "not_owner") and not of(out, ReportFailed) and not of(out, PostRead)
     assert r.active == 1
@@ -250,11 +278,15 @@ def test_generations_are_unguessable_with_a_token_source() -> None:
 
 
 def test_a_fallback_offering_a_foreign_layout_or_out_of_range_blocks_is_not_read() -> None:
-    for layout, blocks in ((m.Layout("other", "DRAM", [m.Region(0, 100, 100, 64)]), [1, 2, 3]),
-                           (LAYOUT, [1, 2, 64])):
+    for layout, blocks in (
+        (m.Layout("other", "DRAM", [m.Region(0, 100, 100, 64)]), [1, 2, 3]),
+        (LAYOUT, [1, 2, 64]),
+    ):
         r = receiver()
         gen = expecting(r)
-        fb = m.Fallback(m.PROTOCOL_VERSION, "t", gen, msgspec.structs.replace(P, layout=layout), blocks, 0, "x")
+        fb = m.Fallback(
+            m.PROTOCOL_VERSION, "t", gen, msgspec.structs.replace(P, layout=layout), blocks, 0, "x"
+        )
         out = r.on_message(fb, 0.1, origin=KP)
         assert of(out, PostRead) == [] and of(out, ReportFailed)
 
@@ -262,12 +294,19 @@ def test_a_fallback_offering_a_foreign_layout_or_out_of_range_blocks_is_not_read
 def test_prefill_ranks_heard_are_bounded() -> None:
     r = Receiver(D, replace(RS, max_peers=5), random.Random(0))
     for i in range(50):
-        r.on_message(m.Heartbeat(m.PROTOCOL_VERSION, msgspec.structs.replace(P, rank=i % 60000, incarnation=i),
-                                 0, []), 0.0, origin=f"k{i}")
+        r.on_message(
+            m.Heartbeat(
+                m.PROTOCOL_VERSION, msgspec.structs.replace(P, rank=i % 60000, incarnation=i), 0, []
+            ),
+            0.0,
+            origin=f"k{i}",
+        )
     assert len(r._peers) == 5 and len(r._heard) == 5
 
 
-def test_an_agent_name_not_named_for_the_senders_key_is_refused_even_before_its_owner_came() -> None:
+def test_an_agent_name_not_named_for_the_senders_key_is_refused_even_before_its_owner_came() -> (
+    None
+):
     # Found by the stateful attacker: first to announce the decode's agent name, an intruder
     # squatted it, so the real decode could no longer connect and P wrote the intruder's
     # (unnamed) transfer into the real decode's memory.
@@ -285,7 +324,14 @@ def test_done_and_fallback_from_an_agent_not_named_for_the_prefills_key_are_refu
     gen = expecting(r)  # no heartbeat yet: D does not know P's agent, the name still binds
     done = m.Done(m.PROTOCOL_VERSION, "t", gen, 3)
     assert notes(r.on_done(done, 0.1, agent=ag("agent-p", KX)), "not_owner")
-    fb = m.Fallback(m.PROTOCOL_VERSION, "t", gen,
-                    msgspec.structs.replace(P, agent_name=ag("agent-p", KX)), [1, 2, 3], 0, "x")
+    fb = m.Fallback(
+        m.PROTOCOL_VERSION,
+        "t",
+        gen,
+        msgspec.structs.replace(P, agent_name=ag("agent-p", KX)),
+        [1, 2, 3],
+        0,
+        "x",
+    )
     out = r.on_message(fb, 0.2, origin=KP)
     assert of(out, PostRead) == [] and of(out, ReportFailed)

@@ -29,15 +29,20 @@ def test_the_pump_stages_are_the_driver_stages() -> None:
     assert set(PUMP_STAGES) == {s.value for s in Stage}
 
 
-@pytest.mark.parametrize(("role", "side"), [("kv_producer", Side.PRODUCER),
-                                            ("kv_consumer", Side.CONSUMER), ("kv_both", None)])
+@pytest.mark.parametrize(
+    ("role", "side"),
+    [("kv_producer", Side.PRODUCER), ("kv_consumer", Side.CONSUMER), ("kv_both", None)],
+)
 def test_a_kv_role_names_a_side(role: str, side: Side | None) -> None:
     assert Side.of_kv_role(role) is side
 
 
 def test_only_delivered_outcomes_count_as_delivered() -> None:
-    assert {o for o in Outcome if o.delivered} == {Outcome.PUSHED, Outcome.RETRIED,
-                                                   Outcome.PULL_FALLBACK}
+    assert {o for o in Outcome if o.delivered} == {
+        Outcome.PUSHED,
+        Outcome.RETRIED,
+        Outcome.PULL_FALLBACK,
+    }
 
 
 def test_not_draining_is_the_empty_word() -> None:

@@ -13,8 +13,18 @@ from kvpush_prod.core.actions import PostWrite
 
 from .sim_world import KNOWN_BUGS, Attack, Chaos, Move, Violation, World, intruder_agent
 
-KINDS = ["Failed", "CancelAck", "Fallback", "Done", "Register", "Cancel", "PullDone", "Heartbeat",
-         "DoneQuery", "DoneState"]
+KINDS = [
+    "Failed",
+    "CancelAck",
+    "Fallback",
+    "Done",
+    "Register",
+    "Cancel",
+    "PullDone",
+    "Heartbeat",
+    "DoneQuery",
+    "DoneState",
+]
 
 
 def pushing_world(seed: int) -> tuple[World, str]:
@@ -114,12 +124,14 @@ def test_a_message_of_a_dead_process_that_is_acted_on_is_caught(monkeypatch: Any
 
 
 def every_attack() -> list[Attack]:
-    return [Attack(kind, forger, claim, guess, "live", layout=layout)
-            for kind in range(7)
-            for forger in ("attacker", "engine")
-            for claim in ("owner", "owner_new", "own")
-            for guess in ("current", "random")
-            for layout in ("full", "slim")]
+    return [
+        Attack(kind, forger, claim, guess, "live", layout=layout)
+        for kind in range(7)
+        for forger in ("attacker", "engine")
+        for claim in ("owner", "owner_new", "own")
+        for guess in ("current", "random")
+        for layout in ("full", "slim")
+    ]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -244,8 +256,7 @@ def test_the_known_bugs_keep_the_intruder_off_those_moves(monkeypatch: Any) -> N
     assert tid not in w.nodes["P0"].engine._out
 
 
-def test_a_forged_message_that_drops_the_named_decodes_register_is_caught(
-        monkeypatch: Any) -> None:
+def test_a_forged_message_that_drops_the_named_decodes_register_is_caught(monkeypatch: Any) -> None:
     # The check that found "registrant_drops_contenders": a P that loses the named decode's
     # REGISTER it kept (here: on any message) while a forged one is handled.
     w, tid = named_request_with_a_late_prefill_leg(1.0)
@@ -261,8 +272,9 @@ def test_a_forged_message_that_drops_the_named_decodes_register_is_caught(
         return real(msg, now, age, origin)
 
     monkeypatch.setattr(p.engine, "on_message", forgetful)
-    with pytest.raises(Violation, match="forged Heartbeat from intruder-key was acted on"
-                                        ".*named_registers"):
+    with pytest.raises(
+        Violation, match="forged Heartbeat from intruder-key was acted on.*named_registers"
+    ):
         w.intrude(p, tid, Move("Heartbeat", gen="zero"))
 
 
@@ -272,8 +284,11 @@ def test_a_named_transfer_that_does_not_end_pushed_in_a_calm_world_is_caught() -
     w.partition("D0", "P0", 10.0, both=False)
     w.run_until(w.now + 30.0)
     w.quiesce()
-    with pytest.raises(Violation, match=r"the decode named to P\) ended "
-                                        r"\['ReportFailed\(permit_expired\)'\]"):
+    with pytest.raises(
+        Violation,
+        match=r"the decode named to P\) ended "
+        r"\['ReportFailed\(permit_expired\)'\]",
+    ):
         w.check_outcomes()
 
 
@@ -283,8 +298,7 @@ def test_a_write_of_a_named_transfer_to_another_agent_is_caught() -> None:
     while not any(f.tid == tid for f in w.flights.values()):
         w.run_until(w.now + 0.01)
     preq = p.preqs[tid]
-    stray = PostWrite(tid, 1, 999, intruder_agent(1), tuple(preq.blocks[:1]), (0,), 1000,
-                      None, ())
+    stray = PostWrite(tid, 1, 999, intruder_agent(1), tuple(preq.blocks[:1]), (0,), 1000, None, ())
     with pytest.raises(Violation, match="whose decode the router named"):
         w.check_write(p, stray)
 
@@ -306,8 +320,16 @@ def test_the_world_catches_a_write_of_a_layer_not_computed_yet(monkeypatch: Any)
 
     real = sender_mod.Sender.layers_ready
 
-    def eager(self: Any, tid: str, blocks: list[int], ready: int, parts: int, now: float,
-              owner: str = "", prompt: bytes = b"") -> Any:
+    def eager(
+        self: Any,
+        tid: str,
+        blocks: list[int],
+        ready: int,
+        parts: int,
+        now: float,
+        owner: str = "",
+        prompt: bytes = b"",
+    ) -> Any:
         return real(self, tid, blocks, parts, parts, now, owner, prompt)  # claims every layer
 
     monkeypatch.setattr(sender_mod.Sender, "layers_ready", eager)

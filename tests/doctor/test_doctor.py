@@ -40,9 +40,13 @@ class Setup:
         self.key_file = self.keys / "prefill-0.key_secret"
         self.port = free_port()
         self.path = root / "extra.yaml"
-        self.extra: dict[str, Any] = {"control": {
-            "key_file": str(self.key_file), "allowed_keys": str(self.allowed),
-            "port": self.port}}
+        self.extra: dict[str, Any] = {
+            "control": {
+                "key_file": str(self.key_file),
+                "allowed_keys": str(self.allowed),
+                "port": self.port,
+            }
+        }
 
     def write(self, profile: str | None = None, **sections: dict[str, Any]) -> str:
         data = json.loads(json.dumps(self.extra))
@@ -72,20 +76,29 @@ def doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 
 def test_a_correct_local_setup_passes_with_a_table_and_a_verdict(
-        setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = doctor(capsys, "--config", setup.write())  # NIXL really loaded here
     assert code == EXIT_OK, out
     lines = out.splitlines()
     assert lines[0].split() == ["CHECK", "STATUS", "DETAIL"]
-    for check in ("vLLM version", "NIXL version", "NIXL backends", "transports", "key file",
-                  "allow-list", "control ports"):
+    for check in (
+        "vLLM version",
+        "NIXL version",
+        "NIXL backends",
+        "transports",
+        "key file",
+        "allow-list",
+        "control ports",
+    ):
         assert any(line.startswith(check) for line in lines), (check, out)
     assert "loads: UCX" in out and "2 keys" in out
     assert lines[-1].startswith("kvpush doctor: OK")
 
 
 def test_a_world_readable_key_is_a_problem_with_its_chmod(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     setup.key_file.chmod(0o644)
     code, out = doctor(capsys, "--config", setup.write())
     assert code == EXIT_PROBLEMS
@@ -95,16 +108,19 @@ def test_a_world_readable_key_is_a_problem_with_its_chmod(
 
 
 def test_a_missing_allow_list_is_a_problem_naming_what_to_put_there(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
-    code, out = doctor(capsys, "--config",
-                       setup.write(control={"allowed_keys": str(setup.allowed) + "-gone"}))
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
+    code, out = doctor(
+        capsys, "--config", setup.write(control={"allowed_keys": str(setup.allowed) + "-gone"})
+    )
     assert code == EXIT_PROBLEMS
     assert "allow-list         FAIL" in out and "no such allow-list" in out
     assert "fix: Give a directory holding every engine's public .key file" in out
 
 
 def test_an_allow_list_without_this_engines_key_is_a_problem(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     (setup.allowed / "prefill-0.key").unlink()
     code, out = doctor(capsys, "--config", setup.write())
     assert code == EXIT_PROBLEMS
@@ -112,7 +128,8 @@ def test_an_allow_list_without_this_engines_key_is_a_problem(
 
 
 def test_a_taken_control_port_is_a_problem(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", setup.port))
         holder.listen()
@@ -123,7 +140,8 @@ def test_a_taken_control_port_is_a_problem(
 
 
 def test_a_profile_asking_for_a_backend_that_does_not_load_here_is_a_problem(
-        setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str]
+) -> None:
     # efa-p5en: LIBFABRIC over EFA; NIXL really tries to start it (it cannot on this box).
     code, out = doctor(capsys, "--config", setup.write(profile="efa-p5en"))
     assert code == EXIT_PROBLEMS
@@ -133,11 +151,13 @@ def test_a_profile_asking_for_a_backend_that_does_not_load_here_is_a_problem(
 
 
 def test_an_advertised_address_not_of_this_host_is_a_problem(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     ok, out = doctor(capsys, "--config", setup.write(control={"advertise_host": "127.0.0.1"}))
     assert ok == EXIT_OK and "advertise host     ok     127.0.0.1 is an address" in out
-    code, out = doctor(capsys, "--config",
-                       setup.write(control={"advertise_host": "192.0.2.77"}))  # TEST-NET-1
+    code, out = doctor(
+        capsys, "--config", setup.write(control={"advertise_host": "192.0.2.77"})
+    )  # TEST-NET-1
     assert code == EXIT_PROBLEMS
     assert "192.0.2.77: not an address of this host" in out
     assert "fix: set control.advertise_host to this engine's own address" in out
@@ -161,7 +181,9 @@ def test_versions_outside_the_matrix_are_problems() -> None:
     found = {"vLLM": "0.31.2", "NIXL": None}
     rows = checks.check_versions(found.get)
     assert [(r.status, r.detail) for r in rows] == [
-        (Status.FAIL, "0.31.2, not 0.32.x"), (Status.FAIL, "not installed")]
+        (Status.FAIL, "0.31.2, not 0.32.x"),
+        (Status.FAIL, "not installed"),
+    ]
     assert "pip install 'kvpush-prod[cpu]'" in rows[1].fix
 
 
@@ -175,14 +197,18 @@ def test_rdma_devices_are_read_from_sysfs(tmp_path: Path) -> None:
     assert transports.rdma_devices(tmp_path / "absent") == []
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--peer", "nohostport"], "write it as HOST:PORT"),
-    (["--peer", "h:99999"], "write it as HOST:PORT"),
-    (["--config", "/nonexistent/extra.json"], "no such file"),
-    (["--ranks", "0"], "must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--peer", "nohostport"], "write it as HOST:PORT"),
+        (["--peer", "h:99999"], "write it as HOST:PORT"),
+        (["--config", "/nonexistent/extra.json"], "no such file"),
+        (["--ranks", "0"], "must be at least 1"),
+    ],
+)
 def test_usage_errors_exit_2_naming_the_value(
-        argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = doctor(capsys, *argv)
     assert code == EXIT_USAGE and says in out and argv[1] in out
 
@@ -207,8 +233,8 @@ def engine(setup: Setup) -> Iterator[ControlEndpoint]:
 
 
 def test_peer_probe_prints_latency_bandwidth_and_skew(
-        setup: Setup, engine: ControlEndpoint, capsys: pytest.CaptureFixture[str],
-        ucx_only: None) -> None:
+    setup: Setup, engine: ControlEndpoint, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     port = engine.address.rsplit(":", 1)[1]
     code, out = doctor(capsys, "--config", setup.write(), "--peer", f"127.0.0.1:{port}")
     assert code == EXIT_OK, out
@@ -227,7 +253,8 @@ def test_peer_probe_to_a_silent_port_is_a_problem(setup: Setup) -> None:
 
 
 def test_peer_name_is_asked_for_when_the_allow_list_is_ambiguous(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     public, _ = generate("decode-1", setup.keys)
     (setup.allowed / public.name).write_bytes(public.read_bytes())
     code, out = doctor(capsys, "--config", setup.write(), "--peer", "127.0.0.1:1")
@@ -235,7 +262,8 @@ def test_peer_name_is_asked_for_when_the_allow_list_is_ambiguous(
 
 
 def test_json_output_holds_every_row_and_the_verdict_follows(
-        setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None) -> None:
+    setup: Setup, capsys: pytest.CaptureFixture[str], ucx_only: None
+) -> None:
     setup.key_file.chmod(0o640)
     code, out = doctor(capsys, "--config", setup.write(), "--json")
     body, verdict = out.rsplit("\n", 2)[0], out.splitlines()[-1]
@@ -243,4 +271,5 @@ def test_json_output_holds_every_row_and_the_verdict_follows(
     assert code == EXIT_PROBLEMS and verdict.startswith("kvpush doctor: 1 problem(s): key file")
     (bad,) = [r for r in rows if r["status"] == "FAIL"]
     assert bad["check"] == "key file" and bad["fix"].endswith(
-        f"chmod 600 {setup.key_file} (a Kubernetes secret volume: defaultMode: 0400)")
+        f"chmod 600 {setup.key_file} (a Kubernetes secret volume: defaultMode: 0400)"
+    )

@@ -38,12 +38,19 @@ def e2e_workdir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
 
 @pytest.fixture(scope="session", params=BLOCK_SIZES, ids=lambda b: f"B{b or 'default'}")
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-            shared_reference: SharedReference) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    shared_reference: SharedReference,
+) -> Iterator[Cluster]:
     """P (1 GiB KV) and D (2 GiB KV: the two engines differ in KV-cache size), router, reference."""
     block_size = request.param
-    spec = ClusterSpec(workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
-                       block_size=block_size, prefill_kv_gib=1, decode_kv_gib=2)
+    spec = ClusterSpec(
+        workdir=_workdir(tmp_path_factory, f"e2e-b{block_size or 'default'}"),
+        block_size=block_size,
+        prefill_kv_gib=1,
+        decode_kv_gib=2,
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         SHARED.append(c)
         yield c
@@ -69,9 +76,12 @@ def _shared_cluster_running(request: pytest.FixtureRequest) -> None:
             c.start()
 
 
-async def answers_match_reference(cluster: Cluster, lengths: list[int],
-                                  seeds: Iterator[int], max_tokens: int,
-                                  ) -> Callable[..., float]:
+async def answers_match_reference(
+    cluster: Cluster,
+    lengths: list[int],
+    seeds: Iterator[int],
+    max_tokens: int,
+) -> Callable[..., float]:
     """Send a prompt of each length to the reference engine and through the router
     (streaming every other one): the answers must be equal, and every non-streamed one
     pushed. Returns ``delta(metric, **labels)``: how much a metric of D moved meanwhile."""
@@ -85,10 +95,12 @@ async def answers_match_reference(cluster: Cluster, lengths: list[int],
         for i, n in enumerate(lengths):
             prompt = prompt_of_length(n, seed=next(seeds))
             stream = i % 2 == 1
-            ref = await request(client, cluster.urls["reference"],
-                                completion_body(prompt, max_tokens, False))
-            got = await request(client, cluster.urls["router"],
-                                completion_body(prompt, max_tokens, stream))
+            ref = await request(
+                client, cluster.urls["reference"], completion_body(prompt, max_tokens, False)
+            )
+            got = await request(
+                client, cluster.urls["router"], completion_body(prompt, max_tokens, stream)
+            )
             assert ref.ok and got.ok, (n, ref.error, got.error)
             assert got.text == ref.text, (n, stream)
             if not stream:

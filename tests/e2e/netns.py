@@ -38,8 +38,9 @@ def why_not() -> str | None:
 def throttled_link(rate: str = "100mbit", subnet: int = 231) -> Iterator[Link]:
     pid = os.getpid()
     third = pid % 250 + 1
-    link = Link(f"kvpush{pid}", f"kvh{pid}", f"kvn{pid}", f"10.{subnet}.{third}.1",
-                f"10.{subnet}.{third}.2")
+    link = Link(
+        f"kvpush{pid}", f"kvh{pid}", f"kvn{pid}", f"10.{subnet}.{third}.1", f"10.{subnet}.{third}.2"
+    )
     try:
         _ip("netns", "add", link.netns)
         _ip("link", "add", link.host_dev, "type", "veth", "peer", "name", link.ns_dev)
@@ -50,11 +51,27 @@ def throttled_link(rate: str = "100mbit", subnet: int = 231) -> Iterator[Link]:
         _ip(*inside, "ip", "addr", "add", f"{link.ns_ip}/24", "dev", link.ns_dev)
         _ip(*inside, "ip", "link", "set", link.ns_dev, "up")
         _ip(*inside, "ip", "link", "set", "lo", "up")
-        _ip(*inside, "tc", "qdisc", "add", "dev", link.ns_dev, "root", "tbf", "rate", rate,
-            "burst", "64kb", "latency", "50ms")
+        _ip(
+            *inside,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            link.ns_dev,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "50ms",
+        )
         yield link
     finally:
-        subprocess.run(["ip", "link", "del", link.host_dev], capture_output=True, timeout=30,
-                       check=False)
-        subprocess.run(["ip", "netns", "del", link.netns], capture_output=True, timeout=30,
-                       check=False)
+        subprocess.run(
+            ["ip", "link", "del", link.host_dev], capture_output=True, timeout=30, check=False
+        )
+        subprocess.run(
+            ["ip", "netns", "del", link.netns], capture_output=True, timeout=30, check=False
+        )

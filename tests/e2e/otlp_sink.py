@@ -29,15 +29,26 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
 
     def Export(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
         for rs in request.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes
-                            if a.key == "service.name"), "")
+            service = next(
+                (a.value.string_value for a in rs.resource.attributes if a.key == "service.name"),
+                "",
+            )
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    attrs = {a.key: str(getattr(a.value, a.value.WhichOneof("value") or "",
-                                                "")) for a in s.attributes}
-                    self.sink.add(Span(service, s.name, s.trace_id.hex(),
-                                       s.parent_span_id.hex(), attrs,
-                                       tuple(e.name for e in s.events)))
+                    attrs = {
+                        a.key: str(getattr(a.value, a.value.WhichOneof("value") or "", ""))
+                        for a in s.attributes
+                    }
+                    self.sink.add(
+                        Span(
+                            service,
+                            s.name,
+                            s.trace_id.hex(),
+                            s.parent_span_id.hex(),
+                            attrs,
+                            tuple(e.name for e in s.events),
+                        )
+                    )
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

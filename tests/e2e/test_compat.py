@@ -26,24 +26,26 @@ _seeds = itertools.count(9000)
 
 
 @pytest.fixture(scope="module", params=[(32, 64), (64, 32)], ids=lambda t: f"P{t[0]}-D{t[1]}")
-def sizes(request: pytest.FixtureRequest,
-          e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+def sizes(request: pytest.FixtureRequest, e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     p_block, d_block = request.param
     # The cluster's block size is D's (and the reference engine's: the same attention
     # kernel as D's decode); P's own --block-size comes after it and wins.
     # Longer leases, as the TP cases below: the first transfer of a fresh pair waits for
     # P's first NIXL connection to D (seconds on a loaded 2-core box, see test_mla.py), and
     # in one CI run the 5 s permit of cpu-loopback ran out before P could push.
-    spec = ClusterSpec(workdir=e2e_workdir(f"e2e-blocks-{p_block}-{d_block}"),
-                       block_size=d_block, prefill_args=["--block-size", str(p_block)],
-                       prefill_kv_gib=1, decode_kv_gib=1,
-                       extra={"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir(f"e2e-blocks-{p_block}-{d_block}"),
+        block_size=d_block,
+        prefill_args=["--block-size", str(p_block)],
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        extra={"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}},
+    )
     with Cluster(spec) as c:
         yield c
 
 
-async def test_different_block_sizes_push_and_answer_like_a_single_engine(
-        sizes: Cluster) -> None:
+async def test_different_block_sizes_push_and_answer_like_a_single_engine(sizes: Cluster) -> None:
     p_block, d_block = sizes.block_size("prefill"), sizes.block_size("decode")
     assert p_block != d_block and {p_block, d_block} == {32, 64}
     lengths = [5, 33, 71, 130, 250]  # inside one block, across blocks, never whole ones
@@ -57,17 +59,29 @@ async def test_different_block_sizes_push_and_answer_like_a_single_engine(
     assert sizes.wait_idle(timeout=30) == {"prefill": 0, "decode": 0}
 
 
-@pytest.fixture(scope="module", params=[(2, 32, 1, 64), (1, 64, 2, 32)],
-                ids=lambda t: f"P-tp{t[0]}-b{t[1]}-D-tp{t[2]}-b{t[3]}")
-def tp_and_sizes(request: pytest.FixtureRequest,
-                 e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+@pytest.fixture(
+    scope="module",
+    params=[(2, 32, 1, 64), (1, 64, 2, 32)],
+    ids=lambda t: f"P-tp{t[0]}-b{t[1]}-D-tp{t[2]}-b{t[3]}",
+)
+def tp_and_sizes(
+    request: pytest.FixtureRequest, e2e_workdir: Callable[[str], Path]
+) -> Iterator[Cluster]:
     p_tp, p_block, d_tp, d_block = request.param
     release_shared_clusters()  # room for the TP 2 engine's extra worker
-    spec = ClusterSpec(workdir=e2e_workdir(f"e2e-tp-blocks-{p_tp}{d_tp}"), block_size=d_block,
-                       prefill_args=["--block-size", str(p_block)], prefill_tp=p_tp,
-                       decode_tp=d_tp, prefill_kv_gib=1, decode_kv_gib=1,
-                       extra={"leases": {"permit_ttl_s": 60.0, "peer_timeout_s": 45.0},
-                              "push": {"chunk_timeout_s": 60.0}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir(f"e2e-tp-blocks-{p_tp}{d_tp}"),
+        block_size=d_block,
+        prefill_args=["--block-size", str(p_block)],
+        prefill_tp=p_tp,
+        decode_tp=d_tp,
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        extra={
+            "leases": {"permit_ttl_s": 60.0, "peer_timeout_s": 45.0},
+            "push": {"chunk_timeout_s": 60.0},
+        },
+    )
     with Cluster(spec) as c:
         yield c
 
@@ -79,9 +93,7 @@ async def test_different_block_sizes_and_tp_sizes_together(tp_and_sizes: Cluster
     lengths = [5, 33, 71, 130, 250]
     delta = await answers_match_reference(tp_and_sizes, lengths, _seeds, MAX_TOKENS)
     d_tp = tp_and_sizes.spec.decode_tp
-    assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") \
-        <= len(lengths)
-    assert delta("kvpush_transfers_total", role="consumer", outcome="pushed") \
-        == len(lengths) * d_tp
+    assert delta("vllm:prompt_tokens_by_source_total", source="local_compute") <= len(lengths)
+    assert delta("kvpush_transfers_total", role="consumer", outcome="pushed") == len(lengths) * d_tp
     assert delta("kvpush_fallbacks_total") == 0
     assert tp_and_sizes.wait_idle(timeout=30) == {"prefill": 0, "decode": 0}

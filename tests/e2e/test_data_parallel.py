@@ -37,12 +37,16 @@ def dp_prefill(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ign
     token = workdir / "admin.token"
     token.write_text(TOKEN)
     release_shared_clusters()  # two engine cores each on P and D + reference: the shared pair must go
-    spec = ClusterSpec(workdir=workdir, prefill_kv_gib=1, decode_kv_gib=1,
-                       prefill_args=["--data-parallel-size", "2"],
-                       prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                       decode_args=["--data-parallel-size", "2"],
-                       decode_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                       router_args=["--admin-token-file", str(token)])
+    spec = ClusterSpec(
+        workdir=workdir,
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        prefill_args=["--data-parallel-size", "2"],
+        prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        decode_args=["--data-parallel-size", "2"],
+        decode_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        router_args=["--admin-token-file", str(token)],
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
@@ -58,11 +62,13 @@ def _by_rank(cluster: Cluster, name: str, metric: str) -> dict[str, float]:
 
 
 async def test_every_dp_rank_of_p_and_d_is_reachable_in_the_concurrent_flow(
-        dp_prefill: Cluster) -> None:
+    dp_prefill: Cluster,
+) -> None:
     c = dp_prefill
     async with httpx.AsyncClient(timeout=120) as client:
-        r = await client.get(c.urls["router"] + "/admin/backends",
-                             headers={"Authorization": f"Bearer {TOKEN}"})
+        r = await client.get(
+            c.urls["router"] + "/admin/backends", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         (p,) = r.json()["prefill"]
         assert p["identity"]["dp_size"] == 2, p
         ports = {int(k): v["control_port"] for k, v in p["dp_ranks"].items()}
@@ -70,20 +76,28 @@ async def test_every_dp_rank_of_p_and_d_is_reachable_in_the_concurrent_flow(
 
         before = _by_rank(c, "prefill", "vllm:request_success_total")
         d_before = _by_rank(c, "decode", "vllm:request_success_total")
-        pushed_before = metric_sum(c.metrics("decode"), "kvpush_transfers_total",
-                                   role="consumer", outcome="pushed")
+        pushed_before = metric_sum(
+            c.metrics("decode"), "kvpush_transfers_total", role="consumer", outcome="pushed"
+        )
         prompts = [prompt_of_length(n, seed=next(_seeds)) for n in (60, 300, 700, 150) * 3]
-        refs = [await request(client, c.urls["reference"],
-                              completion_body(pr, MAX_TOKENS, False)) for pr in prompts]
-        got = await asyncio.gather(*(
-            request(client, c.urls["router"], completion_body(pr, MAX_TOKENS, i % 2 == 0))
-            for i, pr in enumerate(prompts)))
+        refs = [
+            await request(client, c.urls["reference"], completion_body(pr, MAX_TOKENS, False))
+            for pr in prompts
+        ]
+        got = await asyncio.gather(
+            *(
+                request(client, c.urls["router"], completion_body(pr, MAX_TOKENS, i % 2 == 0))
+                for i, pr in enumerate(prompts)
+            )
+        )
     for i, (g, ref) in enumerate(zip(got, refs, strict=True)):
         assert ref.ok, ref.error
         assert g.ok, (i, g.error)
         assert g.text == ref.text, i
-    pushed = metric_sum(c.metrics("decode"), "kvpush_transfers_total", role="consumer",
-                        outcome="pushed") - pushed_before
+    pushed = (
+        metric_sum(c.metrics("decode"), "kvpush_transfers_total", role="consumer", outcome="pushed")
+        - pushed_before
+    )
     assert pushed == len(prompts)  # none fell back, expired or was recomputed
     after = _by_rank(c, "prefill", "vllm:request_success_total")
     grew = {rank: after[rank] - before.get(rank, 0.0) for rank in after}

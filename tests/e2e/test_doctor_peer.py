@@ -20,25 +20,52 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    spec = ClusterSpec(workdir=tmp_path_factory.mktemp("doctor-peer"), reference=False,
-                       router=False, extra_keys=("doctor",))
+    spec = ClusterSpec(
+        workdir=tmp_path_factory.mktemp("doctor-peer"),
+        reference=False,
+        router=False,
+        extra_keys=("doctor",),
+    )
     with Cluster(spec) as c:
         yield c
 
 
-def doctor(tmp: Path, cluster: Cluster, key: Path, *extra: str
-           ) -> subprocess.CompletedProcess[str]:
+def doctor(tmp: Path, cluster: Cluster, key: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     config = tmp / "extra.json"
-    config.write_text(json.dumps({"profile": "cpu-loopback", "control": {
-        "key_file": str(key), "allowed_keys": str(cluster.allowed_dir), "port": free_port()}}))
+    config.write_text(
+        json.dumps(
+            {
+                "profile": "cpu-loopback",
+                "control": {
+                    "key_file": str(key),
+                    "allowed_keys": str(cluster.allowed_dir),
+                    "port": free_port(),
+                },
+            }
+        )
+    )
     return subprocess.run(
-        [sys.executable, "-m", "kvpush_prod.cli", "doctor", "--config", str(config),
-         "--peer", f"127.0.0.1:{cluster.d_control}", *extra],
-        capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "kvpush_prod.cli",
+            "doctor",
+            "--config",
+            str(config),
+            "--peer",
+            f"127.0.0.1:{cluster.d_control}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_doctor_measures_a_running_engine_over_its_control_port(
-        engines: Cluster, tmp_path: Path) -> None:
+    engines: Cluster, tmp_path: Path
+) -> None:
     done = doctor(tmp_path, engines, engines.key_file("doctor"), "--peer-name", "decode")
     out = done.stdout
     print(out)  # the table, for the log: measured latency and bandwidth on this box
@@ -51,8 +78,7 @@ def test_doctor_measures_a_running_engine_over_its_control_port(
     assert out.splitlines()[-1].startswith("kvpush doctor: OK")
 
 
-def test_a_key_the_engines_do_not_list_gets_no_handshake(
-        engines: Cluster, tmp_path: Path) -> None:
+def test_a_key_the_engines_do_not_list_gets_no_handshake(engines: Cluster, tmp_path: Path) -> None:
     from kvpush_prod.control.keys import generate
 
     _, secret = generate("stranger", tmp_path / "keys")

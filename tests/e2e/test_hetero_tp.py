@@ -31,22 +31,32 @@ _seeds = itertools.count(9100)
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=lambda t: f"P{t[0]}-D{t[1]}")
-def hetero(request: pytest.FixtureRequest,
-           e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
+def hetero(request: pytest.FixtureRequest, e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     p_tp, d_tp = request.param
     # Each engine's ranks stay on its own core (ClusterSpec: tp_args). On the shared CI box
     # the tensor-parallel size 1 engine of a fresh pair was seen frozen for 9-27 s on its
     # first request (its pump unheard, its WRITEs or leases timing out into a pull
     # fallback): longer timeouts keep such a stall a slow request, and one warm-up request
     # (not asserted) goes first. What is tested here is the mapping, not the timings.
-    extra = {"leases": {"permit_ttl_s": 60.0, "peer_timeout_s": 45.0},
-             "push": {"chunk_timeout_s": 60.0}}
-    spec = ClusterSpec(workdir=e2e_workdir(f"e2e-tp{p_tp}{d_tp}"), block_size=BLOCK,
-                       prefill_kv_gib=1, decode_kv_gib=1, prefill_tp=p_tp, decode_tp=d_tp,
-                       extra=extra)
+    extra = {
+        "leases": {"permit_ttl_s": 60.0, "peer_timeout_s": 45.0},
+        "push": {"chunk_timeout_s": 60.0},
+    }
+    spec = ClusterSpec(
+        workdir=e2e_workdir(f"e2e-tp{p_tp}{d_tp}"),
+        block_size=BLOCK,
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        prefill_tp=p_tp,
+        decode_tp=d_tp,
+        extra=extra,
+    )
     with Cluster(spec) as c:
-        httpx.post(c.urls["router"] + "/v1/completions", timeout=180,
-                   json=completion_body(prompt_of_length(3 * BLOCK, seed=1), 2, False))
+        httpx.post(
+            c.urls["router"] + "/v1/completions",
+            timeout=180,
+            json=completion_body(prompt_of_length(3 * BLOCK, seed=1), 2, False),
+        )
         yield c
 
 
@@ -61,22 +71,25 @@ async def test_answers_equal_a_single_engine_and_the_kv_was_pushed(hetero: Clust
     assert external >= sum(lengths) - len(lengths)
     # Every D rank counts each request it received once (its parts joined), pushed.
     d_tp = hetero.spec.decode_tp
-    assert delta("kvpush_transfers_total", role="consumer", outcome="pushed") \
-        == len(lengths) * d_tp
+    assert delta("kvpush_transfers_total", role="consumer", outcome="pushed") == len(lengths) * d_tp
     assert delta("kvpush_transfers_total", role="consumer", outcome="failed") == 0
 
 
-async def test_concurrent_requests_across_tp_sizes_equal_a_single_engine(
-        hetero: Cluster) -> None:
+async def test_concurrent_requests_across_tp_sizes_equal_a_single_engine(hetero: Cluster) -> None:
     import asyncio
 
     prompts = [prompt_of_length(n, seed=next(_seeds)) for n in (40, 70, 129, 17)]
     async with httpx.AsyncClient(timeout=120) as client:
-        refs = [await request(client, hetero.urls["reference"],
-                              completion_body(p, MAX_TOKENS, False)) for p in prompts]
-        got = await asyncio.gather(*(request(client, hetero.urls["router"],
-                                             completion_body(p, MAX_TOKENS, False))
-                                     for p in prompts))
+        refs = [
+            await request(client, hetero.urls["reference"], completion_body(p, MAX_TOKENS, False))
+            for p in prompts
+        ]
+        got = await asyncio.gather(
+            *(
+                request(client, hetero.urls["router"], completion_body(p, MAX_TOKENS, False))
+                for p in prompts
+            )
+        )
     assert [g.text for g in got] == [r.text for r in refs]
 
 

@@ -44,9 +44,12 @@ JUNK_LAYOUT = m.Layout("not-this-model", "DRAM", [m.Region(4096, 4096, 4096, 8)]
 
 @pytest.fixture(scope="module")
 def cluster(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-hostile"), extra_keys=("intruder",),
-                       kv_load_failure_policy="recompute",
-                       extra={"control": {"max_peers": MAX_PEERS}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-hostile"),
+        extra_keys=("intruder",),
+        kv_load_failure_policy="recompute",
+        extra={"control": {"max_peers": MAX_PEERS}},
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
@@ -70,11 +73,23 @@ class Intruder:
         sock.connect(f"tcp://{address}:{port}")
         return sock
 
-    def claim(self, engine_id: str, port: int, layout: m.Layout | None = JUNK_LAYOUT,
-              meta: bytes = b"x" * 64) -> m.PeerInfo:
+    def claim(
+        self,
+        engine_id: str,
+        port: int,
+        layout: m.Layout | None = JUNK_LAYOUT,
+        meta: bytes = b"x" * 64,
+    ) -> m.PeerInfo:
         """A PeerInfo claiming to be ``engine_id`` at ``port`` (a new incarnation each time)."""
-        return m.PeerInfo(engine_id, self.rng.getrandbits(62), 0, f"tcp://127.0.0.1:{port}",
-                          f"evil-{self.rng.getrandbits(32):x}", meta, layout)
+        return m.PeerInfo(
+            engine_id,
+            self.rng.getrandbits(62),
+            0,
+            f"tcp://127.0.0.1:{port}",
+            f"evil-{self.rng.getrandbits(32):x}",
+            meta,
+            layout,
+        )
 
     def gen(self) -> int:
         return self.rng.getrandbits(63)
@@ -83,20 +98,24 @@ class Intruder:
         """Everything a decode engine may say to P about ``tid``, forged."""
         d = self.claim("decode", d_port)
         slim = self.claim("decode", d_port, None, b"")
-        return [m.Register(V, tid, d, [0, 1, 2], 0, 300, self.gen(), 5000),
-                m.Heartbeat(V, slim, 0, [(tid, self.gen())], 60_000),
-                m.Cancel(V, tid, 0, slim, "not_needed"),
-                m.Cancel(V, tid, self.gen(), slim, "aborted"),
-                m.PullDone(V, tid, self.gen(), slim, True)]
+        return [
+            m.Register(V, tid, d, [0, 1, 2], 0, 300, self.gen(), 5000),
+            m.Heartbeat(V, slim, 0, [(tid, self.gen())], 60_000),
+            m.Cancel(V, tid, 0, slim, "not_needed"),
+            m.Cancel(V, tid, self.gen(), slim, "aborted"),
+            m.PullDone(V, tid, self.gen(), slim, True),
+        ]
 
     def at_decode(self, tid: str, p_port: int) -> list[m.ControlMessage]:
         """Everything a prefill engine may say to D about ``tid``, forged."""
         p = self.claim("prefill", p_port)
         slim = self.claim("prefill", p_port, None, b"")
-        return [m.Failed(V, tid, self.gen(), slim, "prefill_failed"),
-                m.CancelAck(V, tid, self.gen(), slim),
-                m.Fallback(V, tid, self.gen(), p, [0, 1, 2], 0, "push_failed"),
-                m.Heartbeat(V, slim, 0, [(tid, self.gen())], 60_000)]
+        return [
+            m.Failed(V, tid, self.gen(), slim, "prefill_failed"),
+            m.CancelAck(V, tid, self.gen(), slim),
+            m.Fallback(V, tid, self.gen(), p, [0, 1, 2], 0, "push_failed"),
+            m.Heartbeat(V, slim, 0, [(tid, self.gen())], 60_000),
+        ]
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -155,19 +174,42 @@ def fds(cluster: Cluster, name: str) -> int:
     return sum(p.num_fds() for p in cluster.procs[name].tree() if p.is_running())
 
 
-async def routed_by_hand(client: httpx.AsyncClient, cluster: Cluster, prompt: str, tid: str,
-                         keys: dict[str, bytes]) -> Result:
+async def routed_by_hand(
+    client: httpx.AsyncClient, cluster: Cluster, prompt: str, tid: str, keys: dict[str, bytes]
+) -> Result:
     """Both legs sent as the router sends them, with a transfer id the intruder knows."""
-    p_params = cluster.sign({"do_remote_decode": True, "do_remote_prefill": False,
-                             "transfer_id": tid, "decode_key": keys["decode"].decode()}, PREFILL)
-    d_params = cluster.sign({"do_remote_prefill": True, "do_remote_decode": False,
-                             "remote_engine_id": "prefill", "remote_host": "127.0.0.1",
-                             "remote_port": cluster.p_control, "tp_size": 1,
-                             "transfer_id": tid, "remote_key": keys["prefill"].decode()}, DECODE)
-    p_leg = request(client, cluster.urls["prefill"],
-                    completion_body(prompt, 1, False, kv_transfer_params=p_params))
-    d_leg = request(client, cluster.urls["decode"],
-                    completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=d_params))
+    p_params = cluster.sign(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": tid,
+            "decode_key": keys["decode"].decode(),
+        },
+        PREFILL,
+    )
+    d_params = cluster.sign(
+        {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "prefill",
+            "remote_host": "127.0.0.1",
+            "remote_port": cluster.p_control,
+            "tp_size": 1,
+            "transfer_id": tid,
+            "remote_key": keys["prefill"].decode(),
+        },
+        DECODE,
+    )
+    p_leg = request(
+        client,
+        cluster.urls["prefill"],
+        completion_body(prompt, 1, False, kv_transfer_params=p_params),
+    )
+    d_leg = request(
+        client,
+        cluster.urls["decode"],
+        completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=d_params),
+    )
     _, got = await asyncio.gather(p_leg, d_leg)
     return got
 
@@ -184,7 +226,8 @@ def spray(stop: threading.Event, socks: list[tuple[zmq.Socket, list[m.ControlMes
 
 
 async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_harm_nothing(
-        cluster: Cluster, tmp_path: Path) -> None:
+    cluster: Cluster, tmp_path: Path
+) -> None:
     keys = public_keys(cluster)
     insider = Intruder(load_keypair(cluster.key_file("intruder")))
     outsider = Intruder(None)
@@ -193,13 +236,16 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
     results: list[tuple[str, Result, Result]] = []  # (what, got, reference)
 
     async with httpx.AsyncClient(timeout=120) as client:
+
         async def normal(n_tokens: int, how: str) -> None:
             prompt = prompt_of_length(n_tokens, seed=next(_seeds))
-            ref = await request(client, cluster.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
+            ref = await request(
+                client, cluster.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+            )
             if how == "router":
-                got = await request(client, cluster.urls["router"],
-                                    completion_body(prompt, MAX_TOKENS, False))
+                got = await request(
+                    client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+                )
             else:
                 got = await targeted(prompt)
             results.append((how, got, ref))
@@ -210,10 +256,18 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
             tid = f"hostile-{next(_seeds)}"
             socks = []
             for who in (insider, outsider):
-                socks.append((who.connect(cluster.p_control, keys["prefill"]),
-                              who.at_prefill(tid, cluster.d_control)))
-                socks.append((who.connect(cluster.d_control, keys["decode"]),
-                              who.at_decode(tid, cluster.p_control)))
+                socks.append(
+                    (
+                        who.connect(cluster.p_control, keys["prefill"]),
+                        who.at_prefill(tid, cluster.d_control),
+                    )
+                )
+                socks.append(
+                    (
+                        who.connect(cluster.d_control, keys["decode"]),
+                        who.at_decode(tid, cluster.p_control),
+                    )
+                )
             stop = threading.Event()
             thread = threading.Thread(target=spray, args=(stop, socks), daemon=True)
             thread.start()
@@ -224,8 +278,9 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
                 thread.join()
 
         # 1. Targeted forgeries during live transfers, beside normal router traffic.
-        await asyncio.gather(*(normal(n, how) for n in (300, 700, 1200)
-                               for how in ("router", "targeted")))
+        await asyncio.gather(
+            *(normal(n, how) for n in (300, 700, 1200) for how in ("router", "targeted"))
+        )
 
         # 2. Floods: 10k messages, 1 MB fields, 2k reply addresses (each a new incarnation
         #    claiming a port where nothing listens: P answers every one of them).
@@ -250,21 +305,25 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
         #     Each is refused and counted by the insider's quotas; the engines' decode gaps
         #     under them are measured by benchmarks/keyed_flood.py.
         slim = insider.claim("decode", cluster.d_control, None, b"")
-        huge = m.encode(m.Heartbeat(V, slim, 0, [(str(i % 97), i) for i in range(m.MAX_LIVE)],
-                                    60_000))
+        huge = m.encode(
+            m.Heartbeat(V, slim, 0, [(str(i % 97), i) for i in range(m.MAX_LIVE)], 60_000)
+        )
         for sock in (flood, flood_d):
             for _ in range(64):
                 sock.send(huge)
-        ghosts = [m.encode(m.Register(V, f"ghost-{i}", slim, [0, 1, 2], 0, 300, 1 + i, 5000))
-                  for i in range(65_536)]
+        ghosts = [
+            m.encode(m.Register(V, f"ghost-{i}", slim, [0, 1, 2], 0, 300, 1 + i, 5000))
+            for i in range(65_536)
+        ]
         for body in ghosts:
             flood.send(body)
         for i in range(5_000):
             fresh = insider.claim("decode", 30_000 + i, None, b"")
             flood.send(m.encode(m.Cancel(V, f"gone-{i}", 0, fresh, "aborted")))
             flood_d.send(m.encode(m.DoneQuery(V, f"gone-{i}", 1, fresh, 0)))
-        await asyncio.gather(*(normal(n, how) for n in (350, 650)
-                               for how in ("router", "targeted")))
+        await asyncio.gather(
+            *(normal(n, how) for n in (350, 650) for how in ("router", "targeted"))
+        )
 
         # 3. A recorded CURVE session of the insider, replayed byte for byte.
         relay = Recorder(cluster.p_control)
@@ -277,31 +336,59 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
 
         # 4. Clients that reach D directly and name malformed, dead and foreign peers.
         hostile_params = {
-            "unsigned": {"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                         "remote_port": cluster.p_control,
-                         "remote_key": keys["prefill"].decode()},
-            "malformed": cluster.sign({"do_remote_prefill": True, "remote_host": "a b",
-                                       "remote_port": cluster.p_control,
-                                       "transfer_id": "hostile-malformed"}, DECODE),
-            "dead": cluster.sign({"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                                  "remote_port": free_port(), "transfer_id": "hostile-dead",
-                                  "remote_key": keys["prefill"].decode()}, DECODE),
-            "foreign": cluster.sign({"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                                     "remote_port": cluster.p_control,
-                                     "transfer_id": "hostile-foreign",
-                                     "remote_key": zmq.curve_keypair()[0].decode()}, DECODE),
+            "unsigned": {
+                "do_remote_prefill": True,
+                "remote_host": "127.0.0.1",
+                "remote_port": cluster.p_control,
+                "remote_key": keys["prefill"].decode(),
+            },
+            "malformed": cluster.sign(
+                {
+                    "do_remote_prefill": True,
+                    "remote_host": "a b",
+                    "remote_port": cluster.p_control,
+                    "transfer_id": "hostile-malformed",
+                },
+                DECODE,
+            ),
+            "dead": cluster.sign(
+                {
+                    "do_remote_prefill": True,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": free_port(),
+                    "transfer_id": "hostile-dead",
+                    "remote_key": keys["prefill"].decode(),
+                },
+                DECODE,
+            ),
+            "foreign": cluster.sign(
+                {
+                    "do_remote_prefill": True,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": cluster.p_control,
+                    "transfer_id": "hostile-foreign",
+                    "remote_key": zmq.curve_keypair()[0].decode(),
+                },
+                DECODE,
+            ),
         }
 
         async def hostile(kind: str, params: dict) -> None:
             prompt = prompt_of_length(400, seed=next(_seeds))
-            ref = await request(client, cluster.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, cluster.urls["decode"], completion_body(
-                prompt, MAX_TOKENS, False, kv_transfer_params=params))
+            ref = await request(
+                client, cluster.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+            )
+            got = await request(
+                client,
+                cluster.urls["decode"],
+                completion_body(prompt, MAX_TOKENS, False, kv_transfer_params=params),
+            )
             results.append((f"client:{kind}", got, ref))
 
-        await asyncio.gather(*(hostile(k, p) for k, p in hostile_params.items()),
-                             *(normal(n, "router") for n in (200, 900)))
+        await asyncio.gather(
+            *(hostile(k, p) for k, p in hostile_params.items()),
+            *(normal(n, "router") for n in (200, 900)),
+        )
 
         # 5. Afterwards the pair still serves, pushed, and every lease is over.
         for n in (250, 1100):
@@ -311,8 +398,11 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
     insider.close()
     outsider.close()
 
-    wrong = [(how, got.status, got.error, got.text[:40], ref.text[:40])
-             for how, got, ref in results if not got.ok or got.text != ref.text]
+    wrong = [
+        (how, got.status, got.error, got.text[:40], ref.text[:40])
+        for how, got, ref in results
+        if not got.ok or got.text != ref.text
+    ]
     assert wrong == []
     for name in ("prefill", "decode"):
         assert httpx.get(cluster.urls[name] + "/health", timeout=5).status_code == 200
@@ -337,17 +427,21 @@ async def test_forged_replayed_and_flooded_control_messages_and_hostile_params_h
     assert {"quota_registrations", "quota_addresses", "oversize"} <= p_grew.keys(), p_grew
     assert {"quota_addresses", "oversize"} <= d_grew.keys(), d_grew
     assert any(r.startswith("handshake_") for r in d_grew), d_grew
-    params_grew = {r: v - params_rejected(before["decode"]).get(r, 0.0)
-                   for r, v in params_rejected(after["decode"]).items()}
-    assert {"unsigned", "malformed", "unknown_key"} <= {r for r, v in params_grew.items()
-                                                       if v > 0}, params_grew
+    params_grew = {
+        r: v - params_rejected(before["decode"]).get(r, 0.0)
+        for r, v in params_rejected(after["decode"]).items()
+    }
+    assert {"unsigned", "malformed", "unknown_key"} <= {
+        r for r, v in params_grew.items() if v > 0
+    }, params_grew
     for name in ("prefill", "decode"):
         assert metric_sum(after[name], "kvpush_pump_errors_total") == 0
     # The normal requests were pushed, not recomputed. (At stop 17 one request sent right
     # after the floods was recomputed in 4 of 4 runs: a CurveZMQ handshake between the real
     # P and D did not finish within HANDSHAKE_IVL while pyzmq's asyncio ZAP thread served
     # the allow-list; with our own blocking ZAP thread, 0 recomputed in every run since.)
-    pushed = (metric_sum(after["decode"], "kvpush_transfers_total", outcome="pushed")
-              - metric_sum(before["decode"], "kvpush_transfers_total", outcome="pushed"))
+    pushed = metric_sum(after["decode"], "kvpush_transfers_total", outcome="pushed") - metric_sum(
+        before["decode"], "kvpush_transfers_total", outcome="pushed"
+    )
     normal = sum(1 for how, _, _ in results if not how.startswith("client:"))
     assert pushed >= normal, (pushed, normal)

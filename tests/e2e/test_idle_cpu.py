@@ -48,9 +48,9 @@ def _pump_cpu_seconds(cluster: Cluster, name: str) -> tuple[int, float]:
                 stat = (task / tid / "stat").read_text()
             except OSError:
                 continue
-            if stat[stat.index("(") + 1:stat.rindex(")")] != PUMP:
+            if stat[stat.index("(") + 1 : stat.rindex(")")] != PUMP:
                 continue
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             found += 1
             total += (int(fields[11]) + int(fields[12])) / tick
     return found, total
@@ -69,11 +69,11 @@ def test_idle_engines_with_the_connector_do_not_spin(cluster: Cluster) -> None:
 
 
 async def _send(url: str, n: int) -> list[Any]:
-    prompts = [" ".join(f"w{4 + (i * 131 + k * 7) % 1000}" for k in range(600))
-               for i in range(n)]
+    prompts = [" ".join(f"w{4 + (i * 131 + k * 7) % 1000}" for k in range(600)) for i in range(n)]
     async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
-        return await asyncio.gather(*(request(client, url, completion_body(p, 4, stream=True))
-                                      for p in prompts))
+        return await asyncio.gather(
+            *(request(client, url, completion_body(p, 4, stream=True)) for p in prompts)
+        )
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux /proc only")
@@ -87,7 +87,8 @@ def test_a_decode_engine_waiting_for_pushes_does_not_spin_its_pump(cluster: Clus
     assert found == 1, f"{found} threads named {PUMP} in the decode engine"
     done: list[Any] = []
     sender = threading.Thread(
-        target=lambda: done.extend(asyncio.run(_send(cluster.urls["router"], 3))))
+        target=lambda: done.extend(asyncio.run(_send(cluster.urls["router"], 3)))
+    )
     cluster.procs["prefill"].signal_tree(signal.SIGSTOP)
     try:
         sender.start()

@@ -28,18 +28,24 @@ _seeds = itertools.count(23_000)
 
 
 @pytest.fixture(scope="module")
-def layerwise(e2e_workdir: Callable[[str], Path],
-              shared_reference: SharedReference) -> Iterator[Cluster]:
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-layerwise"), prefill_kv_gib=1, decode_kv_gib=2,
-                       extra={"push": {"layerwise": "on"}},
-                       prefill_args=["--max-num-batched-tokens", str(BATCHED)])
+def layerwise(
+    e2e_workdir: Callable[[str], Path], shared_reference: SharedReference
+) -> Iterator[Cluster]:
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-layerwise"),
+        prefill_kv_gib=1,
+        decode_kv_gib=2,
+        extra={"push": {"layerwise": "on"}},
+        prefill_args=["--max-num-batched-tokens", str(BATCHED)],
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
 
 def _writes(cluster: Cluster, when: str) -> float:
-    return metric_sum(scrape(cluster.urls["prefill"]), "kvpush_layerwise_writes_total",
-                      role="producer", when=when)
+    return metric_sum(
+        scrape(cluster.urls["prefill"]), "kvpush_layerwise_writes_total", role="producer", when=when
+    )
 
 
 @pytest.mark.parametrize("length", [1, 100, 129, 500, 1000, 1900])
@@ -48,14 +54,18 @@ async def test_layerwise_answers_equal_a_single_engine(layerwise: Cluster, lengt
     before = _writes(layerwise, "during_forward") + _writes(layerwise, "after_forward")
     prompt = prompt_of_length(length, seed=next(_seeds))
     async with httpx.AsyncClient(timeout=120) as client:
-        ref = await request(client, layerwise.urls["reference"],
-                            completion_body(prompt, MAX_TOKENS, False))
-        got = await request(client, layerwise.urls["router"],
-                            completion_body(prompt, MAX_TOKENS, False))
-        streamed = await request(client, layerwise.urls["router"],
-                                 completion_body(prompt + " w9", MAX_TOKENS, True))
-        ref_streamed = await request(client, layerwise.urls["reference"],
-                                     completion_body(prompt + " w9", MAX_TOKENS, False))
+        ref = await request(
+            client, layerwise.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+        )
+        got = await request(
+            client, layerwise.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+        )
+        streamed = await request(
+            client, layerwise.urls["router"], completion_body(prompt + " w9", MAX_TOKENS, True)
+        )
+        ref_streamed = await request(
+            client, layerwise.urls["reference"], completion_body(prompt + " w9", MAX_TOKENS, False)
+        )
     assert ref.ok and got.ok and streamed.ok, (ref.error, got.error, streamed.error)
     assert got.text == ref.text
     assert streamed.text == ref_streamed.text
@@ -74,8 +84,7 @@ async def test_writes_are_posted_before_the_forward_ends(layerwise: Cluster) -> 
     async with httpx.AsyncClient(timeout=120) as client:
         for _ in range(3):
             prompt = prompt_of_length(400, seed=next(_seeds))
-            got = await request(client, layerwise.urls["router"],
-                                completion_body(prompt, 4, False))
+            got = await request(client, layerwise.urls["router"], completion_body(prompt, 4, False))
             assert got.ok, got.error
     assert _writes(layerwise, "during_forward") > before
 
@@ -85,7 +94,8 @@ def test_layerwise_leaves_nothing_held(layerwise: Cluster) -> None:
 
 
 async def test_kill_9_of_prefill_mid_prefill_gives_no_wrong_answer_and_leaves_d_nothing(
-        layerwise: Cluster) -> None:
+    layerwise: Cluster,
+) -> None:
     """Several long prompts (each prefilled in several steps, pushed layer by layer), P
     killed with SIGKILL while they are being computed and pushed: every answer that comes
     back is the single engine's, none hangs, D holds nothing afterwards; P restarted serves."""
@@ -93,13 +103,20 @@ async def test_kill_9_of_prefill_mid_prefill_gives_no_wrong_answer_and_leaves_d_
 
     prompts = [prompt_of_length(1900, seed=next(_seeds)) for _ in range(6)]
     async with httpx.AsyncClient(timeout=120) as client:
-        refs = [await request(client, layerwise.urls["reference"],
-                              completion_body(p, MAX_TOKENS, False)) for p in prompts]
+        refs = [
+            await request(
+                client, layerwise.urls["reference"], completion_body(p, MAX_TOKENS, False)
+            )
+            for p in prompts
+        ]
         assert all(r.ok for r in refs)
         before = _writes(layerwise, "during_forward")
-        tasks = [asyncio.create_task(request(client, layerwise.urls["router"],
-                                             completion_body(p, MAX_TOKENS, False)))
-                 for p in prompts]
+        tasks = [
+            asyncio.create_task(
+                request(client, layerwise.urls["router"], completion_body(p, MAX_TOKENS, False))
+            )
+            for p in prompts
+        ]
         for _ in range(3000):  # until P is pushing layer by layer
             if _writes(layerwise, "during_forward") > before:
                 break
@@ -113,11 +130,13 @@ async def test_kill_9_of_prefill_mid_prefill_gives_no_wrong_answer_and_leaves_d_
     layerwise.start_engine("prefill")
     prompt = prompt_of_length(700, seed=next(_seeds))
     async with httpx.AsyncClient(timeout=120) as client:
-        ref = await request(client, layerwise.urls["reference"],
-                            completion_body(prompt, MAX_TOKENS, False))
+        ref = await request(
+            client, layerwise.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+        )
         for _ in range(30):  # the router sees P back
-            got = await request(client, layerwise.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, False))
+            got = await request(
+                client, layerwise.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             if got.ok:
                 break
             await asyncio.sleep(1)

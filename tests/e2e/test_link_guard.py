@@ -29,10 +29,14 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[str, Cluster]]:
-    spec = ClusterSpec(workdir=tmp_path_factory.mktemp(f"guard-{request.param}"),
-                       reference=False, prefill_extra={"links": CASES[request.param]})
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Cluster]]:
+    spec = ClusterSpec(
+        workdir=tmp_path_factory.mktemp(f"guard-{request.param}"),
+        reference=False,
+        prefill_extra={"links": CASES[request.param]},
+    )
     with Cluster(spec) as c:
         yield request.param, c
 
@@ -56,8 +60,11 @@ def test_the_gauge_and_the_log_line_follow_the_expectation(case: tuple[str, Clus
     assert sent >= 3
     time.sleep(0.5)  # a few gauge ticks
     samples = scrape(cluster.urls["prefill"])
-    slow = [v for (n, labels), v in samples.items()
-            if n == "kvpush_link_slow" and dict(labels).get("role") == "producer"]
+    slow = [
+        v
+        for (n, labels), v in samples.items()
+        if n == "kvpush_link_slow" and dict(labels).get("role") == "producer"
+    ]
     log = Path(cluster.log_dir / "prefill.log").read_text(errors="replace")
     lines = [line for line in log.splitlines() if "is slow: measured" in line]
     assert metric_sum(samples, "kvpush_transfers_total", role="producer") >= sent

@@ -35,25 +35,31 @@ def _spec(tmp: pytest.TempPathFactory, case: str, link: Link) -> ClusterSpec:
     # is about the guard: a transfer that still fails is recomputed, not an error.
     leases = {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}
     return ClusterSpec(
-        workdir=tmp.mktemp(f"guard-netns-{case}"), reference=False,
+        workdir=tmp.mktemp(f"guard-netns-{case}"),
+        reference=False,
         netns={"prefill": (link.netns, link.ns_ip)},
         kv_load_failure_policy="recompute",
         prefill_extra={"control": control(link.ns_ip), "links": CASES[case], "leases": leases},
         decode_extra={"control": control(link.host_ip), "leases": leases},
         prefill_env={**ucx, "UCX_NET_DEVICES": link.ns_dev},
-        decode_env={**ucx, "UCX_NET_DEVICES": link.host_dev})
+        decode_env={**ucx, "UCX_NET_DEVICES": link.host_dev},
+    )
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[str, Cluster]]:
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Cluster]]:
     with throttled_link() as link, Cluster(_spec(tmp_path_factory, request.param, link)) as c:
         yield request.param, c
 
 
 def _slow(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[float]:
-    return [v for (n, labels), v in samples.items()
-            if n == "kvpush_link_slow" and dict(labels).get("role") == "producer"]
+    return [
+        v
+        for (n, labels), v in samples.items()
+        if n == "kvpush_link_slow" and dict(labels).get("role") == "producer"
+    ]
 
 
 async def _traffic(cluster: Cluster, until_slow: bool) -> int:
@@ -65,8 +71,9 @@ async def _traffic(cluster: Cluster, until_slow: bool) -> int:
     async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
         while True:
             prompt = " ".join(f"w{4 + (i * 37 + k * 11) % 1000}" for k in range(1500))
-            result = await request(client, cluster.urls["router"],
-                                   completion_body(prompt, 2, stream=False))
+            result = await request(
+                client, cluster.urls["router"], completion_body(prompt, 2, stream=False)
+            )
             assert result.ok, result.error
             done, i = done + 1, i + 1
             elapsed = time.monotonic() - start
@@ -77,18 +84,23 @@ async def _traffic(cluster: Cluster, until_slow: bool) -> int:
 
 
 def test_a_throttled_link_is_slow_against_its_expectation_and_fine_against_a_met_one(
-        case: tuple[str, Cluster]) -> None:
+    case: tuple[str, Cluster],
+) -> None:
     name, cluster = case
     assert asyncio.run(_traffic(cluster, until_slow=name == "slow")) >= 3
     time.sleep(0.5)
     samples = scrape(cluster.urls["prefill"])
     slow = _slow(samples)
-    bandwidth = [v for (n, labels), v in samples.items()
-                 if n == "kvpush_link_bandwidth_bytes_per_second"]
+    bandwidth = [
+        v for (n, labels), v in samples.items() if n == "kvpush_link_bandwidth_bytes_per_second"
+    ]
     print(f"{name}: measured link bandwidth {[f'{b / 1e6:.1f} MB/s' for b in bandwidth]}")
     assert bandwidth and all(b < 20e6 for b in bandwidth)  # the tbf rate, not loopback's GB/s
-    pushed = sum(v for (n, labels), v in samples.items() if n == "kvpush_transfers_total"
-                 and dict(labels).get("outcome") == "pushed")
+    pushed = sum(
+        v
+        for (n, labels), v in samples.items()
+        if n == "kvpush_transfers_total" and dict(labels).get("outcome") == "pushed"
+    )
     assert pushed >= 3  # the KV crossed the throttled link
     log = (cluster.log_dir / "prefill.log").read_text(errors="replace")
     lines = [line for line in log.splitlines() if "is slow: measured" in line]

@@ -32,31 +32,46 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 # (series, role): samples on every healthy run (docs/metrics.md: "every run").
 HEALTHY = {
-    ("kvpush_transfers", "producer"), ("kvpush_transfers", "consumer"),
-    ("kvpush_transfer_bytes", "producer"), ("kvpush_transfer_bytes", "consumer"),
-    ("kvpush_transfer_seconds", "producer"), ("kvpush_transfer_seconds", "consumer"),
+    ("kvpush_transfers", "producer"),
+    ("kvpush_transfers", "consumer"),
+    ("kvpush_transfer_bytes", "producer"),
+    ("kvpush_transfer_bytes", "consumer"),
+    ("kvpush_transfer_seconds", "producer"),
+    ("kvpush_transfer_seconds", "consumer"),
     ("kvpush_queue_wait_seconds", "producer"),
     ("kvpush_chunk_post_seconds", "producer"),
-    ("kvpush_post_descriptors", "producer"), ("kvpush_post_build_seconds", "producer"),
+    ("kvpush_post_descriptors", "producer"),
+    ("kvpush_post_build_seconds", "producer"),
     ("kvpush_chunks", "producer"),
-    ("kvpush_connector_blocks", "producer"), ("kvpush_connector_blocks", "consumer"),
-    ("kvpush_control_insecure", "producer"), ("kvpush_control_insecure", "consumer"),
+    ("kvpush_connector_blocks", "producer"),
+    ("kvpush_connector_blocks", "consumer"),
+    ("kvpush_control_insecure", "producer"),
+    ("kvpush_control_insecure", "consumer"),
     ("kvpush_credits_budget_blocks", "consumer"),
     ("kvpush_credits_in_use_blocks", "consumer"),
     ("kvpush_credits_granted_blocks", "consumer"),
     ("kvpush_credits_waiting_transfers", "consumer"),
     ("kvpush_admissions", "consumer"),
-    ("kvpush_leases_active", "producer"), ("kvpush_leases_active", "consumer"),
+    ("kvpush_leases_active", "producer"),
+    ("kvpush_leases_active", "consumer"),
     ("kvpush_link_bandwidth_bytes_per_second", "producer"),
     ("kvpush_inflight_bytes", "producer"),
-    ("kvpush_transfers_active", "producer"), ("kvpush_transfers_active", "consumer"),
+    ("kvpush_transfers_active", "producer"),
+    ("kvpush_transfers_active", "consumer"),
     ("kvpush_breaker_state", "producer"),
 }
 # Series with samples only on faults (or bad input): on a healthy run they must not grow.
 EMITTED_ON_FAULTS = {
-    "kvpush_retries", "kvpush_fallbacks", "kvpush_breaker_trips", "kvpush_leases_expired",
-    "kvpush_leases_fenced", "kvpush_control_messages_rejected", "kvpush_kv_params_rejected",
-    "kvpush_peer_restarts", "kvpush_pump_errors", "kvpush_hook_errors",
+    "kvpush_retries",
+    "kvpush_fallbacks",
+    "kvpush_breaker_trips",
+    "kvpush_leases_expired",
+    "kvpush_leases_fenced",
+    "kvpush_control_messages_rejected",
+    "kvpush_kv_params_rejected",
+    "kvpush_peer_restarts",
+    "kvpush_pump_errors",
+    "kvpush_hook_errors",
     # Not a fault but load: a link cap binds only with several chunks in flight on a link,
     # which this run's sequential one-chunk transfers never have.
     "kvpush_link_capped",
@@ -67,8 +82,13 @@ EMITTED_ON_FAULTS = {
     "kvpush_layerwise_writes",
 }
 # Gauges back to zero once the engines are idle, and gauges that must be positive.
-ZERO_WHEN_IDLE = {"kvpush_credits_in_use_blocks", "kvpush_credits_waiting_transfers",
-                  "kvpush_leases_active", "kvpush_inflight_bytes", "kvpush_transfers_active"}
+ZERO_WHEN_IDLE = {
+    "kvpush_credits_in_use_blocks",
+    "kvpush_credits_waiting_transfers",
+    "kvpush_leases_active",
+    "kvpush_inflight_bytes",
+    "kvpush_transfers_active",
+}
 POSITIVE = {"kvpush_credits_budget_blocks", "kvpush_link_bandwidth_bytes_per_second"}
 
 _seeds = itertools.count(10_000)  # prompts differ from other e2e files' prompts
@@ -93,8 +113,9 @@ def parse(text: str) -> tuple[set[str], Samples]:
 
 
 def has_samples(samples: Samples, name: str, **labels: str) -> bool:
-    return any(n == name and all(dict(lb).get(k) == v for k, v in labels.items())
-               for n, lb in samples)
+    return any(
+        n == name and all(dict(lb).get(k) == v for k, v in labels.items()) for n, lb in samples
+    )
 
 
 def sample_name(series_name: str) -> str:
@@ -123,8 +144,9 @@ class Run:
             self.problems.append(what)
 
     def delta(self, engine: str, name: str, **labels: str) -> float:
-        return (metric_sum(self.now[engine][1], name, **labels)
-                - metric_sum(self.before[engine], name, **labels))
+        return metric_sum(self.now[engine][1], name, **labels) - metric_sum(
+            self.before[engine], name, **labels
+        )
 
     def value(self, engine: str, name: str, **labels: str) -> float:
         return metric_sum(self.now[engine][1], name, **labels)
@@ -140,24 +162,35 @@ class Run:
 async def send_traffic(run: Run, block: int) -> None:
     """Lengths around block boundaries and long prompts; plain and streamed; completions and
     chat. Every one must be pushed."""
-    cases = [(3, False, False), (block + 5, False, True), (3 * block, True, False),
-             (700, True, True), (1500, False, False), (2 * block - 1, True, False)]
+    cases = [
+        (3, False, False),
+        (block + 5, False, True),
+        (3 * block, True, False),
+        (700, True, True),
+        (1500, False, False),
+        (2 * block - 1, True, False),
+    ]
     results = []
     async with httpx.AsyncClient() as client:
         for length, stream, chat in cases:
             prompt = prompt_of_length(length, seed=next(_seeds))
-            got = await request(client, run.urls["router"],
-                                completion_body(prompt, 16, stream, chat=chat))
+            got = await request(
+                client, run.urls["router"], completion_body(prompt, 16, stream, chat=chat)
+            )
             assert got.ok, got.error
             results.append(got)
-    summaries = [r.kv_transfer_params["kvpush"] for r in results
-                 if r.kv_transfer_params and "kvpush" in r.kv_transfer_params]
+    summaries = [
+        r.kv_transfer_params["kvpush"]
+        for r in results
+        if r.kv_transfer_params and "kvpush" in r.kv_transfer_params
+    ]
     assert summaries and all(s["outcome"] == "pushed" for s in summaries), summaries
     assert all(r.prompt_tokens for r in results)
     run.n = len(cases)
     run.bytes_per_block = summaries[0]["bytes"] // summaries[0]["blocks"]
-    run.expected_bytes = sum(cdiv(r.prompt_tokens or 0, block) * run.bytes_per_block
-                             for r in results)
+    run.expected_bytes = sum(
+        cdiv(r.prompt_tokens or 0, block) * run.bytes_per_block for r in results
+    )
     run.prompt_tokens = sum(r.prompt_tokens or 0 for r in results)
 
 
@@ -169,8 +202,8 @@ def wait_settled(run: Run, timeout: float = 60) -> None:
         run.now = run.snapshot()
         settled = (
             run.delta("decode", "kvpush_transfers_total", role="consumer", outcome="pushed") >= n
-            and run.delta("prefill", "kvpush_transfers_total", role="producer",
-                          outcome="pushed") >= n
+            and run.delta("prefill", "kvpush_transfers_total", role="producer", outcome="pushed")
+            >= n
             and run.value("prefill", "kvpush_connector_blocks") == 0
             and run.value("decode", "kvpush_connector_blocks") == 0
             # A streamed answer is counted once its relay ends, just after the client read
@@ -194,10 +227,12 @@ def check_registered_with_samples(run: Run) -> None:
         samples = run.now[ENGINE[role]][1]
         name = sample_name(series)
         run.check(has_samples(samples, name, role=role), f"no {name}{{role={role}}} samples")
-        for (sname, labels) in samples:
+        for sname, labels in samples:
             if sname == name:
-                run.check({"model_name", "engine"} <= dict(labels).keys(),
-                          f"{name} lacks vLLM's labels: {labels}")
+                run.check(
+                    {"model_name", "engine"} <= dict(labels).keys(),
+                    f"{name} lacks vLLM's labels: {labels}",
+                )
                 break
 
 
@@ -212,12 +247,19 @@ def check_transfers_add_up(run: Run) -> None:
                 d = run.delta(engine, "kvpush_transfers_total", role=role, outcome=outcome)
                 run.check(d == 0, f"{role}: {d} transfers ended {outcome} on a healthy run")
         moved = run.delta(engine, "kvpush_transfer_bytes_total", role=role)
-        run.check(moved == run.expected_bytes, f"{role}: {moved} bytes counted, expected "
-                  f"{run.expected_bytes} ({run.bytes_per_block} per block)")
-        run.check(run.value(engine, "kvpush_connector_blocks", role=role) == 0,
-                  f"{role}: connector blocks not back to 0 when idle")
-        run.check(run.value(engine, "kvpush_control_insecure", role=role) == 0,
-                  f"{role}: the test cluster's control channel runs without keys")
+        run.check(
+            moved == run.expected_bytes,
+            f"{role}: {moved} bytes counted, expected "
+            f"{run.expected_bytes} ({run.bytes_per_block} per block)",
+        )
+        run.check(
+            run.value(engine, "kvpush_connector_blocks", role=role) == 0,
+            f"{role}: connector blocks not back to 0 when idle",
+        )
+        run.check(
+            run.value(engine, "kvpush_control_insecure", role=role) == 0,
+            f"{role}: the test cluster's control channel runs without keys",
+        )
     count = run.delta("prefill", "kvpush_transfer_seconds_count", role="producer")
     total = run.delta("prefill", "kvpush_transfer_seconds_sum", role="producer")
     run.check(count == n, f"producer transfer_seconds_count grew by {count}, expected {n}")
@@ -225,18 +267,20 @@ def check_transfers_add_up(run: Run) -> None:
     ok_chunks = run.delta("prefill", "kvpush_chunks_total", role="producer", result="ok")
     posts = run.delta("prefill", "kvpush_chunk_post_seconds_count", role="producer")
     run.check(ok_chunks >= n, f"{ok_chunks} chunks ok for {n} transfers")
-    run.check(posts == ok_chunks,
-              f"{posts} chunk posts timed but {ok_chunks} chunks completed")
+    run.check(posts == ok_chunks, f"{posts} chunk posts timed but {ok_chunks} chunks completed")
     for series in ("kvpush_post_descriptors_count", "kvpush_post_build_seconds_count"):
         d = run.delta("prefill", series, role="producer")
         run.check(d == posts, f"{series} grew by {d} for {posts} chunk posts")
     for result in ("error", "post_failed"):
         d = run.delta("prefill", "kvpush_chunks_total", result=result)
         run.check(d == 0, f"{d} chunks ended {result}")
-    external = run.delta("decode", "vllm:prompt_tokens_by_source_total",
-                         source="external_kv_transfer")
-    run.check(external >= run.prompt_tokens - n,
-              f"decode got {external} prompt tokens over the wire of {run.prompt_tokens}")
+    external = run.delta(
+        "decode", "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    run.check(
+        external >= run.prompt_tokens - n,
+        f"decode got {external} prompt tokens over the wire of {run.prompt_tokens}",
+    )
 
 
 def check_healthy_values(run: Run) -> None:
@@ -286,14 +330,14 @@ def check_router(run: Run) -> None:
     run.check(ok == n, f"router counted {ok} ok requests, expected {n}")
     timed = run.delta("router", "kvpush_router_request_seconds_count")
     run.check(timed == n, f"router timed {timed} requests, expected {n}")
-    run.check(run.delta("router", "kvpush_router_ttft_seconds_count") >= 1,
-              "router TTFT not timed")
+    run.check(run.delta("router", "kvpush_router_ttft_seconds_count") >= 1, "router TTFT not timed")
     run.check(run.delta("router", "kvpush_router_retries_total") == 0, "router retried")
     for role in ("prefill", "decode"):
-        run.check(metric_sum(router, "kvpush_router_backend_up", role=role) == 1,
-                  f"router backend_up{{role={role}}} != 1")
-    run.check(metric_sum(router, "kvpush_router_inflight") == 0,
-              "router legs in flight when idle")
+        run.check(
+            metric_sum(router, "kvpush_router_backend_up", role=role) == 1,
+            f"router backend_up{{role={role}}} != 1",
+        )
+    run.check(metric_sum(router, "kvpush_router_inflight") == 0, "router legs in flight when idle")
 
 
 def check_dashboard_series_exist(run: Run) -> None:
@@ -301,13 +345,19 @@ def check_dashboard_series_exist(run: Run) -> None:
     used = set(re.findall(r"vllm:[a-zA-Z0-9_:]+", DASHBOARD.read_text()))
     engines_text = run.now["prefill"][0] + run.now["decode"][0]
     for name in sorted(used):
-        run.check(re.search(rf"^{re.escape(name)}[{{ ]", engines_text, re.M) is not None,
-                  f"the dashboard uses {name}, which vLLM does not export")
+        run.check(
+            re.search(rf"^{re.escape(name)}[{{ ]", engines_text, re.M) is not None,
+            f"the dashboard uses {name}, which vLLM does not export",
+        )
 
 
 CHECKS: tuple[Callable[[Run], None], ...] = (
-    check_registered_with_samples, check_transfers_add_up, check_healthy_values,
-    check_fault_series_flat, check_router, check_dashboard_series_exist,
+    check_registered_with_samples,
+    check_transfers_add_up,
+    check_healthy_values,
+    check_fault_series_flat,
+    check_router,
+    check_dashboard_series_exist,
 )
 
 
@@ -320,10 +370,14 @@ def test_every_connector_series_is_classified_as_docs_metrics_md_says() -> None:
 
 
 async def test_healthy_run_exports_the_documented_series_with_plausible_values(
-        cluster: Cluster) -> None:
+    cluster: Cluster,
+) -> None:
     assert cluster.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
-    urls = {"prefill": cluster.urls["prefill"], "decode": cluster.urls["decode"],
-            "router": cluster.urls["router"]}
+    urls = {
+        "prefill": cluster.urls["prefill"],
+        "decode": cluster.urls["decode"],
+        "router": cluster.urls["router"],
+    }
     run = Run(urls, before={k: parse(scrape_text(u))[1] for k, u in urls.items()})
     await send_traffic(run, cluster.block_size())
     wait_settled(run)

@@ -33,10 +33,16 @@ def mla(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     # block order, not only the answers). A longer permit: between these two MLA engines
     # the first handshake's NIXL add_remote_agent on P took 2.5-8 s on this box (0.1 s for
     # the tiny Llama pair), past cpu-loopback's 5 s permit, so the first request failed.
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-mla"), prefill_kv_gib=1, decode_kv_gib=1,
-                       model=SHAPE, extra={"verify": {"checksums": True},
-                                           "leases": {"permit_ttl_s": 30.0,
-                                                      "peer_timeout_s": 20.0}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-mla"),
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        model=SHAPE,
+        extra={
+            "verify": {"checksums": True},
+            "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0},
+        },
+    )
     with Cluster(spec) as c:
         yield c
 
@@ -50,16 +56,24 @@ async def test_mla_answers_equal_a_single_engine_and_kv_is_pushed(mla: Cluster) 
     async with httpx.AsyncClient() as client:
         for n in lengths:
             prompt = prompt_of_length(n, seed=9000 + n)
-            ref = await request(client, mla.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, mla.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            ref_streamed = await request(client, mla.urls["reference"],
-                                         completion_body(prompt + " w5", MAX_TOKENS, False))
-            streamed = await request(client, mla.urls["router"],
-                                     completion_body(prompt + " w5", MAX_TOKENS, True))
+            ref = await request(
+                client, mla.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+            )
+            got = await request(
+                client, mla.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
+            ref_streamed = await request(
+                client, mla.urls["reference"], completion_body(prompt + " w5", MAX_TOKENS, False)
+            )
+            streamed = await request(
+                client, mla.urls["router"], completion_body(prompt + " w5", MAX_TOKENS, True)
+            )
             assert ref.ok and got.ok and streamed.ok and ref_streamed.ok, (
-                n, ref.error, got.error, streamed.error)
+                n,
+                ref.error,
+                got.error,
+                streamed.error,
+            )
             assert got.text == ref.text, n
             assert streamed.text == ref_streamed.text, n
             summary = (got.kv_transfer_params or {})["kvpush"]
@@ -87,10 +101,16 @@ async def test_mla_output_depends_on_the_pushed_context(mla: Cluster) -> None:
     but differ earlier must answer differently through P/D."""
     tail = prompt_of_length(4, seed=1)
     async with httpx.AsyncClient() as client:
-        a = await request(client, mla.urls["router"],
-                          completion_body(prompt_of_length(40, seed=2) + " " + tail, 8, False))
-        b = await request(client, mla.urls["router"],
-                          completion_body(prompt_of_length(40, seed=3) + " " + tail, 8, False))
+        a = await request(
+            client,
+            mla.urls["router"],
+            completion_body(prompt_of_length(40, seed=2) + " " + tail, 8, False),
+        )
+        b = await request(
+            client,
+            mla.urls["router"],
+            completion_body(prompt_of_length(40, seed=3) + " " + tail, 8, False),
+        )
     assert a.ok and b.ok
     assert a.text != b.text
 

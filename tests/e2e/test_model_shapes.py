@@ -19,16 +19,22 @@ from kvpush_prod.lab.tinymodel import TinyModelSpec, prompt_of_length
 
 pytestmark = pytest.mark.e2e
 
-SHAPE = TinyModelSpec(num_layers=3, hidden_size=192, intermediate_size=384, num_heads=3,
-                      num_kv_heads=1, head_dim=64)
+SHAPE = TinyModelSpec(
+    num_layers=3, hidden_size=192, intermediate_size=384, num_heads=3, num_kv_heads=1, head_dim=64
+)
 BLOCK = 64  # the CPU attention backend takes multiples of 32
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def shaped(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-shape"), block_size=BLOCK,
-                       prefill_kv_gib=1, decode_kv_gib=1, model=SHAPE)
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-shape"),
+        block_size=BLOCK,
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        model=SHAPE,
+    )
     with Cluster(spec) as c:
         yield c
 
@@ -38,14 +44,18 @@ async def test_other_model_shape_equals_single_engine(shaped: Cluster, length: i
     assert shaped.block_size() == BLOCK
     prompt = prompt_of_length(length, seed=7000 + length)
     async with httpx.AsyncClient() as client:
-        ref = await request(client, shaped.urls["reference"],
-                            completion_body(prompt, MAX_TOKENS, False))
-        got = await request(client, shaped.urls["router"],
-                            completion_body(prompt, MAX_TOKENS, False))
-        streamed = await request(client, shaped.urls["router"],
-                                 completion_body(prompt + " w5", MAX_TOKENS, True))
-        ref_streamed = await request(client, shaped.urls["reference"],
-                                     completion_body(prompt + " w5", MAX_TOKENS, False))
+        ref = await request(
+            client, shaped.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+        )
+        got = await request(
+            client, shaped.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+        )
+        streamed = await request(
+            client, shaped.urls["router"], completion_body(prompt + " w5", MAX_TOKENS, True)
+        )
+        ref_streamed = await request(
+            client, shaped.urls["reference"], completion_body(prompt + " w5", MAX_TOKENS, False)
+        )
     assert ref.ok and got.ok and streamed.ok, (ref.error, got.error, streamed.error)
     assert got.text == ref.text
     assert streamed.text == ref_streamed.text

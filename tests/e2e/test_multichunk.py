@@ -35,14 +35,20 @@ _seeds = itertools.count(9100)
 
 
 @pytest.fixture(scope="module")
-def multichunk(e2e_workdir: Callable[[str], Path],
-               shared_reference: SharedReference) -> Iterator[Cluster]:
+def multichunk(
+    e2e_workdir: Callable[[str], Path], shared_reference: SharedReference
+) -> Iterator[Cluster]:
     workdir = e2e_workdir("e2e-multichunk")
     switch = workdir / "faults-active"
     switch.unlink(missing_ok=True)
     faults = {"complete_fail_rate": 0.3, "seed": 3, "active_file": str(switch)}
-    spec = ClusterSpec(workdir=workdir, profile=PROFILE, prefill_kv_gib=1, decode_kv_gib=2,
-                       prefill_env={FAULTS_ENV: json.dumps(faults)})
+    spec = ClusterSpec(
+        workdir=workdir,
+        profile=PROFILE,
+        prefill_kv_gib=1,
+        decode_kv_gib=2,
+        prefill_env={FAULTS_ENV: json.dumps(faults)},
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
@@ -58,12 +64,14 @@ def _by_reason(before: dict, after: dict, name: str) -> dict[str, float]:  # typ
 
 
 def _bandwidth(cluster: Cluster) -> float:
-    return metric_sum(scrape(cluster.urls["prefill"]), "kvpush_link_bandwidth_bytes_per_second",
-                      role="producer")
+    return metric_sum(
+        scrape(cluster.urls["prefill"]), "kvpush_link_bandwidth_bytes_per_second", role="producer"
+    )
 
 
 async def test_many_chunks_per_transfer_equal_single_engine_cap_binds_bandwidth_moves(
-        multichunk: Cluster) -> None:
+    multichunk: Cluster,
+) -> None:
     block = multichunk.block_size()
     lengths = [1024, 1900, 1000, 3 * block + 5]
     p0, d0 = scrape(multichunk.urls["prefill"]), scrape(multichunk.urls["decode"])
@@ -72,10 +80,12 @@ async def test_many_chunks_per_transfer_equal_single_engine_cap_binds_bandwidth_
     async with httpx.AsyncClient() as client:
         for n in lengths:
             prompt = prompt_of_length(n, seed=next(_seeds))
-            ref = await request(client, multichunk.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, multichunk.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, False))
+            ref = await request(
+                client, multichunk.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+            )
+            got = await request(
+                client, multichunk.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             assert ref.ok and got.ok, (ref.error, got.error)
             assert got.text == ref.text
             summary = (got.kv_transfer_params or {})["kvpush"]
@@ -86,8 +96,11 @@ async def test_many_chunks_per_transfer_equal_single_engine_cap_binds_bandwidth_
             chunks += -(-summary["blocks"] // max(1, CHUNK_BYTES // per_block))
             readings.append(_bandwidth(multichunk))
         # Gauges reach /metrics with the engine's steps: one more request carries the last.
-        flush = await request(client, multichunk.urls["router"],
-                              completion_body(prompt_of_length(5, seed=next(_seeds)), 2, False))
+        flush = await request(
+            client,
+            multichunk.urls["router"],
+            completion_body(prompt_of_length(5, seed=next(_seeds)), 2, False),
+        )
         assert flush.ok, flush.error
         readings.append(_bandwidth(multichunk))
     p1, d1 = scrape(multichunk.urls["prefill"]), scrape(multichunk.urls["decode"])
@@ -95,8 +108,9 @@ async def test_many_chunks_per_transfer_equal_single_engine_cap_binds_bandwidth_
     assert chunks >= 8 * 3
     assert _delta(p0, p1, "kvpush_chunks_total", role="producer", result="ok") >= chunks
     # The KV crossed the wire: D computed at most the last token of each prompt.
-    assert _delta(d0, d1, "vllm:prompt_tokens_by_source_total",
-                  source="local_compute") <= len(lengths)
+    assert _delta(d0, d1, "vllm:prompt_tokens_by_source_total", source="local_compute") <= len(
+        lengths
+    )
     # Four chunks in flight per link (or the byte cap) held ready chunks back.
     assert _delta(p0, p1, "kvpush_link_capped_total", role="producer") > 0
     # The bandwidth estimate follows the completions: measured, and moving (a reading is
@@ -106,20 +120,31 @@ async def test_many_chunks_per_transfer_equal_single_engine_cap_binds_bandwidth_
 
 
 async def test_write_failures_are_retried_and_pulled_only_once_retries_are_exhausted(
-        multichunk: Cluster) -> None:
+    multichunk: Cluster,
+) -> None:
     lengths = [1900, 1024, 1500, 1200, 1800, 1100, 1700, 1300] * 2
     prompts = [prompt_of_length(n, seed=next(_seeds)) for n in lengths]
     switch = multichunk.spec.workdir / "faults-active"
     p0 = scrape(multichunk.urls["prefill"])
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=32)) as client:
-        refs = [await request(client, multichunk.urls["reference"],
-                              completion_body(p, MAX_TOKENS, False)) for p in prompts]
+        refs = [
+            await request(
+                client, multichunk.urls["reference"], completion_body(p, MAX_TOKENS, False)
+            )
+            for p in prompts
+        ]
         switch.touch()
         try:
-            got = await asyncio.gather(*(
-                request(client, multichunk.urls["router"],
-                        completion_body(p, MAX_TOKENS, i % 2 == 0))
-                for i, p in enumerate(prompts)))
+            got = await asyncio.gather(
+                *(
+                    request(
+                        client,
+                        multichunk.urls["router"],
+                        completion_body(p, MAX_TOKENS, i % 2 == 0),
+                    )
+                    for i, p in enumerate(prompts)
+                )
+            )
         finally:
             switch.unlink(missing_ok=True)
     for i, (g, r) in enumerate(zip(got, refs, strict=True)):

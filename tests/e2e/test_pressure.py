@@ -33,34 +33,44 @@ _seeds = itertools.count(7001)
 
 @pytest.fixture(scope="module")
 def pressed(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-pressure"), block_size=BLOCK,
-                       decode_args=["--num-gpu-blocks-override", str(D_BLOCKS)])
+    spec = ClusterSpec(
+        workdir=e2e_workdir("e2e-pressure"),
+        block_size=BLOCK,
+        decode_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
+    )
     with Cluster(spec) as c:
         yield c
 
 
 def prompts(system: str, count: int) -> list[str]:
     # Unique tails of 300..525 tokens: each request alone fits D easily, all of them do not.
-    return [" ".join([system, prompt_of_length(300 + 15 * i, seed=next(_seeds))])
-            for i in range(count)]
+    return [
+        " ".join([system, prompt_of_length(300 + 15 * i, seed=next(_seeds))]) for i in range(count)
+    ]
 
 
 async def test_answers_under_kv_pressure_equal_a_single_engines_and_nothing_is_held(
-        pressed: Cluster) -> None:
+    pressed: Cluster,
+) -> None:
     system = prompt_of_length(SYSTEM_TOKENS, seed=next(_seeds))
     batch = prompts(system, CONCURRENT)
     before = scrape(pressed.urls["decode"])
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64),
-                                 timeout=httpx.Timeout(120.0)) as client:
+    async with httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=64), timeout=httpx.Timeout(120.0)
+    ) as client:
         refs = []
         for p in batch:
-            ref = await request(client, pressed.urls["reference"],
-                                completion_body(p, MAX_TOKENS, False))
+            ref = await request(
+                client, pressed.urls["reference"], completion_body(p, MAX_TOKENS, False)
+            )
             assert ref.ok, ref.error
             refs.append(ref)
-        got = await asyncio.gather(*(
-            request(client, pressed.urls["router"], completion_body(p, MAX_TOKENS, i % 2 == 0))
-            for i, p in enumerate(batch)))
+        got = await asyncio.gather(
+            *(
+                request(client, pressed.urls["router"], completion_body(p, MAX_TOKENS, i % 2 == 0))
+                for i, p in enumerate(batch)
+            )
+        )
     for i, (g, r) in enumerate(zip(got, refs, strict=True)):
         assert g.ok, (i, g.error)
         assert g.text == r.text, i
@@ -74,16 +84,32 @@ async def test_answers_under_kv_pressure_equal_a_single_engines_and_nothing_is_h
     def delta(metric: str, **labels: str) -> float:
         return metric_sum(after, metric, **labels) - metric_sum(before, metric, **labels)
 
-    print("pressure:", {
-        "preemptions": delta("vllm:num_preemptions_total"),
-        "transfers": {o: delta("kvpush_transfers_total", role="consumer", outcome=o)
-                      for o in ("pushed", "retried", "pull_fallback", "recompute", "failed",
-                                "prefix_hit", "aborted")},
-        "admissions": {d: delta("kvpush_admissions_total", role="consumer", decision=d)
-                       for d in ("admit", "later", "refuse")},
-        "prompt_tokens": {s: delta("vllm:prompt_tokens_by_source_total", source=s)
-                          for s in ("external_kv_transfer", "local_compute", "local_cache_hit")},
-    })
+    print(
+        "pressure:",
+        {
+            "preemptions": delta("vllm:num_preemptions_total"),
+            "transfers": {
+                o: delta("kvpush_transfers_total", role="consumer", outcome=o)
+                for o in (
+                    "pushed",
+                    "retried",
+                    "pull_fallback",
+                    "recompute",
+                    "failed",
+                    "prefix_hit",
+                    "aborted",
+                )
+            },
+            "admissions": {
+                d: delta("kvpush_admissions_total", role="consumer", decision=d)
+                for d in ("admit", "later", "refuse")
+            },
+            "prompt_tokens": {
+                s: delta("vllm:prompt_tokens_by_source_total", source=s)
+                for s in ("external_kv_transfer", "local_compute", "local_cache_hit")
+            },
+        },
+    )
     # The pressure was real: D preempted running requests to make room.
     assert delta("vllm:num_preemptions_total") > 0
     # KV did come over the wire, and no hook had to contain anything.

@@ -25,17 +25,24 @@ LENGTHS = ["1", "B-1", "B", "B+1", "2B", "1000", "1900"]
 
 def resolve(case: str, block: int) -> int:
     return {"1": 1, "B-1": block - 1, "B": block, "B+1": block + 1, "2B": 2 * block}.get(
-        case, int(case) if case.isdigit() else 0)
+        case, int(case) if case.isdigit() else 0
+    )
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-async def reference(client: httpx.AsyncClient, cluster: Cluster, prompt: str,
-                    chat: bool = False, max_tokens: int = MAX_TOKENS) -> Result:
-    ref = await request(client, cluster.urls["reference"],
-                        completion_body(prompt, max_tokens, False, chat=chat))
+async def reference(
+    client: httpx.AsyncClient,
+    cluster: Cluster,
+    prompt: str,
+    chat: bool = False,
+    max_tokens: int = MAX_TOKENS,
+) -> Result:
+    ref = await request(
+        client, cluster.urls["reference"], completion_body(prompt, max_tokens, False, chat=chat)
+    )
     assert ref.ok, ref.error
     return ref
 
@@ -44,13 +51,15 @@ async def reference(client: httpx.AsyncClient, cluster: Cluster, prompt: str,
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("case", LENGTHS)
 async def test_greedy_output_through_router_equals_single_engine(
-        cluster: Cluster, case: str, chat: bool, stream: bool) -> None:
+    cluster: Cluster, case: str, chat: bool, stream: bool
+) -> None:
     block = cluster.block_size()
     prompt = prompt_of_length(resolve(case, block), seed=next(_seeds))
     async with httpx.AsyncClient() as client:
         ref = await reference(client, cluster, prompt, chat)
-        got = await request(client, cluster.urls["router"],
-                            completion_body(prompt, MAX_TOKENS, stream, chat=chat))
+        got = await request(
+            client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, stream, chat=chat)
+        )
     assert got.ok, got.error
     assert got.text == ref.text
     assert got.prompt_tokens == ref.prompt_tokens
@@ -74,8 +83,9 @@ async def test_prompt_kv_crossed_the_wire_and_was_not_recomputed(cluster: Cluste
         for n in lengths:
             prompt = prompt_of_length(n, seed=next(_seeds))
             ref = await reference(client, cluster, prompt)
-            got = await request(client, cluster.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, False))
+            got = await request(
+                client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             assert got.ok and got.text == ref.text
             summary = (got.kv_transfer_params or {})["kvpush"]
             received += summary["bytes"]
@@ -101,10 +111,12 @@ async def test_sixteen_concurrent_requests_equal_single_engine(cluster: Cluster)
     prompts = [prompt_of_length(n, seed=next(_seeds)) for n in lengths]
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
         refs = [await reference(client, cluster, p) for p in prompts]
-        got = await asyncio.gather(*(
-            request(client, cluster.urls["router"],
-                    completion_body(p, MAX_TOKENS, i % 2 == 0))
-            for i, p in enumerate(prompts)))
+        got = await asyncio.gather(
+            *(
+                request(client, cluster.urls["router"], completion_body(p, MAX_TOKENS, i % 2 == 0))
+                for i, p in enumerate(prompts)
+            )
+        )
     for i, (g, r) in enumerate(zip(got, refs, strict=True)):
         assert g.ok, (i, g.error)
         assert g.text == r.text, i
@@ -118,8 +130,9 @@ async def test_decode_prefix_cache_hit_pushes_only_the_missing_blocks(cluster: C
     async with httpx.AsyncClient() as client:
         for prompt, expect_blocks in ((first, 3), (second, cdiv(3 * block + 3, block) - 2)):
             ref = await reference(client, cluster, prompt)
-            got = await request(client, cluster.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, False))
+            got = await request(
+                client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             assert got.ok and got.text == ref.text
             summary = (got.kv_transfer_params or {})["kvpush"]
             assert summary["outcome"] == "pushed"
@@ -132,21 +145,26 @@ async def test_malformed_kv_transfer_params_fall_back_to_local_compute(cluster: 
     before = scrape(cluster.urls["decode"])
     async with httpx.AsyncClient() as client:
         ref = await reference(client, cluster, prompt)
-        body = completion_body(prompt, MAX_TOKENS, False,
-                               kv_transfer_params={"do_remote_prefill": True,
-                                                   "remote_port": "not-a-port"})
+        body = completion_body(
+            prompt,
+            MAX_TOKENS,
+            False,
+            kv_transfer_params={"do_remote_prefill": True, "remote_port": "not-a-port"},
+        )
         got = await request(client, cluster.urls["decode"], body)
     assert got.ok, got.error
     assert got.text == ref.text
     after = scrape(cluster.urls["decode"])
-    rejected = (metric_sum(after, "kvpush_kv_params_rejected_total")
-                - metric_sum(before, "kvpush_kv_params_rejected_total"))
+    rejected = metric_sum(after, "kvpush_kv_params_rejected_total") - metric_sum(
+        before, "kvpush_kv_params_rejected_total"
+    )
     assert rejected == 1
 
 
 async def test_client_cancel_mid_stream_leaks_no_block(cluster: Cluster) -> None:
     prompts = [prompt_of_length(1500, seed=next(_seeds)) for _ in range(6)]
     async with httpx.AsyncClient() as client:
+
         async def cancel_early(prompt: str, after_s: float) -> None:
             body = completion_body(prompt, 400, True)
             try:
@@ -154,13 +172,15 @@ async def test_client_cancel_mid_stream_leaks_no_block(cluster: Cluster) -> None
                     await request(client, cluster.urls["router"], body)
             except TimeoutError:
                 pass
+
         # Cancel at different moments: before, around and after the transfer.
         await asyncio.gather(*(cancel_early(p, 0.05 + 0.15 * i) for i, p in enumerate(prompts)))
         # The pair still serves correct answers afterwards.
         prompt = prompt_of_length(500, seed=next(_seeds))
         ref = await reference(client, cluster, prompt)
-        got = await request(client, cluster.urls["router"],
-                            completion_body(prompt, MAX_TOKENS, False))
+        got = await request(
+            client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+        )
         assert got.ok and got.text == ref.text
     assert cluster.wait_idle(60) == {"prefill": 0.0, "decode": 0.0}
 
@@ -177,30 +197,48 @@ async def test_missing_prefill_leg_fails_fast_with_a_clear_error(cluster: Cluste
 
     probe = await _probe(cluster)
     prompt = prompt_of_length(300, seed=next(_seeds))
-    params = {"do_remote_prefill": True, "transfer_id": f"orphan-{next(_seeds)}",
-              **{k: probe[k] for k in ("remote_engine_id", "remote_host", "remote_port",
-                                        "tp_size", "remote_key")}}
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": f"orphan-{next(_seeds)}",
+        **{
+            k: probe[k]
+            for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_key")
+        },
+    }
     before = scrape(cluster.urls["decode"])
     t0 = time.monotonic()
     async with httpx.AsyncClient() as client:
-        got = await request(client, cluster.urls["decode"], completion_body(
-            prompt, MAX_TOKENS, False, kv_transfer_params=cluster.sign(params, DECODE)))
+        got = await request(
+            client,
+            cluster.urls["decode"],
+            completion_body(
+                prompt, MAX_TOKENS, False, kv_transfer_params=cluster.sign(params, DECODE)
+            ),
+        )
     waited = time.monotonic() - t0
     assert not got.ok and got.status >= 400, (got.status, got.text)
     # Bounded by the register grace, the permit term and margins (10 + 5 + 1 s here), never
     # the 120 s hard bound.
     assert waited < 30, waited
     after = scrape(cluster.urls["decode"])
-    failed = (metric_sum(after, "kvpush_transfers_total", role="consumer", outcome="failed")
-              - metric_sum(before, "kvpush_transfers_total", role="consumer", outcome="failed"))
+    failed = metric_sum(
+        after, "kvpush_transfers_total", role="consumer", outcome="failed"
+    ) - metric_sum(before, "kvpush_transfers_total", role="consumer", outcome="failed")
     assert failed == 1
     assert cluster.wait_idle(30) == {"prefill": 0.0, "decode": 0.0}
 
 
 async def _probe(cluster: Cluster) -> dict:
     async with httpx.AsyncClient() as client:
-        r = await request(client, cluster.urls["prefill"], completion_body(
-            "probe", 1, False, kv_transfer_params={"do_remote_decode": True,
-                                                   "kvpush_probe": True}))
+        r = await request(
+            client,
+            cluster.urls["prefill"],
+            completion_body(
+                "probe",
+                1,
+                False,
+                kv_transfer_params={"do_remote_decode": True, "kvpush_probe": True},
+            ),
+        )
     assert r.ok and r.kv_transfer_params, r.error
     return r.kv_transfer_params

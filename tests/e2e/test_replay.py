@@ -60,10 +60,8 @@ class Relay:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pump, args=(upstream, client, False),
-                             daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, upstream, True),
-                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket, outbound: bool) -> None:
         try:
@@ -100,7 +98,7 @@ class Relay:
                 name, _, value = line.partition(":")
                 if name.strip().lower() == "content-length":
                     length = int(value.strip())
-            body = raw[head_end + 4:head_end + 4 + length]
+            body = raw[head_end + 4 : head_end + 4 + length]
             at = head_end + 4 + length
             if body.startswith(b"{"):
                 out.append(json.loads(body))
@@ -125,12 +123,24 @@ def capture(cluster: Cluster) -> Iterator[tuple[str, Relay, Relay]]:
     p_relay = Relay(int(cluster.urls["prefill"].rsplit(":", 1)[1]))
     d_relay = Relay(int(cluster.urls["decode"].rsplit(":", 1)[1]))
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
-           "--port", str(port), "--prefill", f"http://127.0.0.1:{p_relay.port}",
-           "--decode", f"http://127.0.0.1:{d_relay.port}",
-           "--params-key-file", str(cluster.params_key_file), "--direct-below-tokens", "0"]
-    proc = Proc("capturing-router", cmd, dict(os.environ),
-                cluster.log_dir / "capturing-router.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpush_prod.router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        f"http://127.0.0.1:{p_relay.port}",
+        "--decode",
+        f"http://127.0.0.1:{d_relay.port}",
+        "--params-key-file",
+        str(cluster.params_key_file),
+        "--direct-below-tokens",
+        "0",
+    ]
+    proc = Proc("capturing-router", cmd, dict(os.environ), cluster.log_dir / "capturing-router.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 120)
@@ -150,8 +160,9 @@ def leg(relay: Relay, prompt: str, key: str) -> dict[str, Any]:
 
 
 async def reference(client: httpx.AsyncClient, cluster: Cluster, prompt: str) -> str:
-    ref = await request(client, cluster.urls["reference"],
-                        completion_body(prompt, MAX_TOKENS, False))
+    ref = await request(
+        client, cluster.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+    )
     assert ref.ok, ref.error
     return ref.text
 
@@ -173,29 +184,31 @@ def counts(cluster: Cluster) -> dict[str, float]:
     for reason in ("replayed", "duplicate_transfer", "wrong_leg", "unknown_field"):
         out[f"p_{reason}"] = metric_sum(p, "kvpush_kv_params_rejected_total", reason=reason)
         out[f"d_{reason}"] = metric_sum(d, "kvpush_kv_params_rejected_total", reason=reason)
-    out["d_prompt_mismatch"] = metric_sum(d, "kvpush_control_messages_rejected_total",
-                                          reason="prompt_mismatch")
+    out["d_prompt_mismatch"] = metric_sum(
+        d, "kvpush_control_messages_rejected_total", reason="prompt_mismatch"
+    )
     out["p_blocks"] = metric_sum(p, "kvpush_connector_blocks")
     out["d_blocks"] = metric_sum(d, "kvpush_connector_blocks")
     return out
 
 
-async def settle(cluster: Cluster, until: dict[str, float] | None = None,
-                 timeout: float = 60.0) -> dict[str, float]:
+async def settle(
+    cluster: Cluster, until: dict[str, float] | None = None, timeout: float = 60.0
+) -> dict[str, float]:
     """The counts once neither engine holds a block for the connector and each count named
     in ``until`` reached its value (or ``timeout`` passed)."""
     deadline = time.monotonic() + timeout
     while True:
         c = counts(cluster)
         reached = all(c[k] >= v for k, v in (until or {}).items())
-        if (reached and c["p_blocks"] == 0 and c["d_blocks"] == 0) \
-                or time.monotonic() > deadline:
+        if (reached and c["p_blocks"] == 0 and c["d_blocks"] == 0) or time.monotonic() > deadline:
             return c
         await asyncio.sleep(0.5)
 
 
 async def test_legs_replayed_after_their_request_are_refused_and_answer_correctly(
-        cluster: Cluster, capture: tuple[str, Relay, Relay]) -> None:
+    cluster: Cluster, capture: tuple[str, Relay, Relay]
+) -> None:
     url, p_relay, d_relay = capture
     a, b = (prompt_of_length(500, seed=next(_seeds)) for _ in range(2))
     async with httpx.AsyncClient(timeout=120) as client:
@@ -221,13 +234,15 @@ async def test_legs_replayed_after_their_request_are_refused_and_answer_correctl
         assert after["p_blocks"] == 0 and after["d_blocks"] == 0  # nothing held for a push
         # D's prefix cache holds no KV of another prompt: both prompts answer rightly.
         for prompt, want in ((a, want_a), (b, want_b)):
-            again = await send(client, cluster.urls["router"],
-                               completion_body(prompt, MAX_TOKENS, False))
+            again = await send(
+                client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             assert again.ok and again.text == want
 
 
 async def test_legs_replayed_while_their_request_is_in_flight_never_give_a_wrong_answer(
-        cluster: Cluster, capture: tuple[str, Relay, Relay]) -> None:
+    cluster: Cluster, capture: tuple[str, Relay, Relay]
+) -> None:
     url, p_relay, d_relay = capture
     victim, other = (prompt_of_length(600, seed=next(_seeds)) for _ in range(2))
     async with httpx.AsyncClient(timeout=120) as client:
@@ -237,17 +252,21 @@ async def test_legs_replayed_while_their_request_is_in_flight_never_give_a_wrong
         before = counts(cluster)
         # The victim's prefill leg is held back in the relay: its decode leg is on D,
         # waiting for the KV, while an attacker replays both legs with another prompt.
-        p_relay.hold, p_relay.hold_s = victim.split()[0].encode() + b" " + \
-            victim.split()[1].encode(), 4.0
+        p_relay.hold, p_relay.hold_s = (
+            victim.split()[0].encode() + b" " + victim.split()[1].encode(),
+            4.0,
+        )
         victim_req = asyncio.ensure_future(
-            send(client, url, completion_body(victim, MAX_TOKENS, False)))
+            send(client, url, completion_body(victim, MAX_TOKENS, False))
+        )
         await asyncio.get_running_loop().run_in_executor(None, p_relay.held.wait, 30)
         await asyncio.sleep(0.5)
         d_leg = leg(d_relay, victim, "do_remote_prefill")
         p_leg = leg(p_relay, victim, "do_remote_decode")
         d_other, p_other = await asyncio.gather(
             send(client, cluster.urls["decode"], rebound(d_leg, other)),
-            send(client, cluster.urls["prefill"], rebound(p_leg, other)))
+            send(client, cluster.urls["prefill"], rebound(p_leg, other)),
+        )
         got = await victim_req
         assert got.ok and got.text == want_victim
         assert d_other.ok and d_other.text == want_other
@@ -264,6 +283,7 @@ async def test_legs_replayed_while_their_request_is_in_flight_never_give_a_wrong
         assert after["d_prompt_mismatch"] - before["d_prompt_mismatch"] == 1
         assert after["p_blocks"] == 0 and after["d_blocks"] == 0
         for prompt, want in ((victim, want_victim), (other, want_other)):
-            again = await send(client, cluster.urls["router"],
-                               completion_body(prompt, MAX_TOKENS, False))
+            again = await send(
+                client, cluster.urls["router"], completion_body(prompt, MAX_TOKENS, False)
+            )
             assert again.ok and again.text == want

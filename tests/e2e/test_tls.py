@@ -30,8 +30,7 @@ _seeds = itertools.count(7100)
 
 @pytest.fixture(scope="module")
 def tls_cluster(e2e_workdir, shared_reference: SharedReference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-tls"), tls=True, prefill_kv_gib=1,
-                       decode_kv_gib=1)
+    spec = ClusterSpec(workdir=e2e_workdir("e2e-tls"), tls=True, prefill_kv_gib=1, decode_kv_gib=1)
     cluster = Cluster(shared_reference.attach(spec))
     assert cluster.tls is not None
     # The lab's httpx clients (scrape) trust the cluster's CA for the engines' https URLs.
@@ -48,7 +47,8 @@ def tls_cluster(e2e_workdir, shared_reference: SharedReference) -> Iterator[Clus
 
 
 async def test_signed_legs_over_tls_answer_like_a_single_engine_and_push(
-        tls_cluster: Cluster) -> None:
+    tls_cluster: Cluster,
+) -> None:
     from kvpush_prod.lab.tinymodel import prompt_of_length
 
     c = tls_cluster
@@ -58,23 +58,25 @@ async def test_signed_legs_over_tls_answer_like_a_single_engine_and_push(
     async with httpx.AsyncClient(timeout=120) as client:
         for i, n in enumerate(lengths):
             prompt = prompt_of_length(n, seed=next(_seeds))
-            ref = await request(client, c.urls["reference"],
-                                completion_body(prompt, MAX_TOKENS, False))
-            got = await request(client, c.urls["router"],
-                                completion_body(prompt, MAX_TOKENS, i == 1))
+            ref = await request(
+                client, c.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+            )
+            got = await request(
+                client, c.urls["router"], completion_body(prompt, MAX_TOKENS, i == 1)
+            )
             assert ref.ok and got.ok, (n, ref.error, got.error)
             assert got.text == ref.text, n
             if i != 1:
                 assert (got.kv_transfer_params or {})["kvpush"]["outcome"] == "pushed", n
     after = {n: scrape(c.urls[n]) for n in ("prefill", "decode")}
     for name in ("prefill", "decode"):  # every signed leg was taken
-        moved = (metric_sum(after[name], "kvpush_kv_params_rejected_total")
-                 - metric_sum(before[name], "kvpush_kv_params_rejected_total"))
+        moved = metric_sum(after[name], "kvpush_kv_params_rejected_total") - metric_sum(
+            before[name], "kvpush_kv_params_rejected_total"
+        )
         assert moved == 0, name
-    pushed = (metric_sum(after["decode"], "kvpush_transfers_total", role="consumer",
-                         outcome="pushed")
-              - metric_sum(before["decode"], "kvpush_transfers_total", role="consumer",
-                           outcome="pushed"))
+    pushed = metric_sum(
+        after["decode"], "kvpush_transfers_total", role="consumer", outcome="pushed"
+    ) - metric_sum(before["decode"], "kvpush_transfers_total", role="consumer", outcome="pushed")
     assert pushed == len(lengths)
 
 
@@ -88,10 +90,25 @@ def test_a_router_trusting_another_ca_routes_nothing(tls_cluster: Cluster) -> No
     c = tls_cluster
     rogue = make_tls(c.spec.workdir / "rogue-tls", "rogue")
     port = free_port()
-    cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1", "--port",
-           str(port), "--prefill", c.urls["prefill"], "--decode", c.urls["decode"],
-           "--backend-ca-file", str(rogue.ca), "--params-key-file", str(c.params_key_file),
-           "--direct-below-tokens", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpush_prod.router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        c.urls["prefill"],
+        "--decode",
+        c.urls["decode"],
+        "--backend-ca-file",
+        str(rogue.ca),
+        "--params-key-file",
+        str(c.params_key_file),
+        "--direct-below-tokens",
+        "0",
+    ]
     proc = Proc("router-rogue-ca", cmd, dict(os.environ), c.log_dir / "router-rogue-ca.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -107,8 +124,9 @@ def test_a_router_trusting_another_ca_routes_nothing(tls_cluster: Cluster) -> No
         assert health.status_code == 503
         for b in (*health.json()["prefill"], *health.json()["decode"]):
             assert not b["up"] and "CERTIFICATE_VERIFY_FAILED" in b["error"], b
-        resp = httpx.post(url + "/v1/completions", timeout=30,
-                          json=completion_body("w1 w2 w3", 4, False))
+        resp = httpx.post(
+            url + "/v1/completions", timeout=30, json=completion_body("w1 w2 w3", 4, False)
+        )
         assert resp.status_code in (404, 503), resp.text  # no model known, no backend up
     finally:
         proc.stop()

@@ -33,9 +33,15 @@ def two_by_two(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ign
     token = workdir / "admin.token"
     token.write_text(TOKEN)
     release_shared_clusters()  # five engines here: the session's shared pair must go
-    spec = ClusterSpec(workdir=workdir, prefills=2, decodes=2,
-                       prefill_kv_gib=1, decode_kv_gib=1, kv_load_failure_policy="recompute",
-                       router_args=["--policy", "engine_load", "--admin-token-file", str(token)])
+    spec = ClusterSpec(
+        workdir=workdir,
+        prefills=2,
+        decodes=2,
+        prefill_kv_gib=1,
+        decode_kv_gib=1,
+        kv_load_failure_policy="recompute",
+        router_args=["--policy", "engine_load", "--admin-token-file", str(token)],
+    )
     with Cluster(shared_reference.attach(spec)) as c:
         yield c
 
@@ -45,8 +51,9 @@ def served(cluster: Cluster, name: str) -> float:
 
 
 async def reference(client: httpx.AsyncClient, cluster: Cluster, prompt: str) -> Result:
-    ref = await request(client, cluster.urls["reference"],
-                        completion_body(prompt, MAX_TOKENS, False))
+    ref = await request(
+        client, cluster.urls["reference"], completion_body(prompt, MAX_TOKENS, False)
+    )
     assert ref.ok, ref.error
     return ref
 
@@ -56,10 +63,14 @@ async def test_every_engine_takes_traffic_and_every_answer_is_right(two_by_two: 
     prompts = [prompt_of_length(n, seed=next(_seeds)) for n in (40, 300, 700, 5, 1200, 90) * 2]
     async with httpx.AsyncClient(timeout=120) as client:
         refs = [await reference(client, two_by_two, p) for p in prompts]
-        got = await asyncio.gather(*(
-            request(client, two_by_two.urls["router"],
-                    completion_body(p, MAX_TOKENS, i % 2 == 0))
-            for i, p in enumerate(prompts)))
+        got = await asyncio.gather(
+            *(
+                request(
+                    client, two_by_two.urls["router"], completion_body(p, MAX_TOKENS, i % 2 == 0)
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
     for i, (g, r) in enumerate(zip(got, refs, strict=True)):
         assert g.ok, (i, g.error)
         assert g.text == r.text, i
@@ -69,23 +80,34 @@ async def test_every_engine_takes_traffic_and_every_answer_is_right(two_by_two: 
 
 
 async def test_draining_one_of_two_decode_engines_under_load_fails_nothing(
-        two_by_two: Cluster) -> None:
+    two_by_two: Cluster,
+) -> None:
     """A rolling restart of one D by drain: the other D takes the traffic, 0 requests fail."""
     from kvpush_prod.router.drain import drain
 
     victim = "decode-1"
     prompts = [prompt_of_length(250 + 41 * i, seed=next(_seeds)) for i in range(16)]
     async with httpx.AsyncClient(timeout=180) as client:
+
         async def one(i: int) -> Result:
             await asyncio.sleep(0.4 * i)  # spread over the drain and the restart
-            return await request(client, two_by_two.urls["router"],
-                                 completion_body(prompts[i], MAX_TOKENS, i % 2 == 0))
+            return await request(
+                client,
+                two_by_two.urls["router"],
+                completion_body(prompts[i], MAX_TOKENS, i % 2 == 0),
+            )
 
         load = asyncio.gather(*(one(i) for i in range(len(prompts))))
         await asyncio.sleep(1.0)
-        drained = await asyncio.to_thread(drain, two_by_two.urls[victim],
-                                          [two_by_two.urls["router"]], TOKEN, 120.0,
-                                          lambda _: None, 0.5)
+        drained = await asyncio.to_thread(
+            drain,
+            two_by_two.urls[victim],
+            [two_by_two.urls["router"]],
+            TOKEN,
+            120.0,
+            lambda _: None,
+            0.5,
+        )
         assert drained
         await asyncio.to_thread(two_by_two.procs[victim].stop)
         await asyncio.to_thread(two_by_two.start_engine, victim, True, 600.0)

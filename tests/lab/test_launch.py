@@ -42,8 +42,7 @@ def test_kill_waits_for_every_process_of_the_tree(tmp_path: Path) -> None:
 def test_tail_shows_this_run_and_the_error_lines_above_it(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     failing = "print('RuntimeError: the root cause')\nfor i in range(100): print('filler', i)\n"
-    first = Proc("engine", [sys.executable, "-c", "print('ValueError: a previous run')"], {},
-                 log)
+    first = Proc("engine", [sys.executable, "-c", "print('ValueError: a previous run')"], {}, log)
     first.popen.wait(timeout=30)
     first.stop()
     second = Proc("engine", [sys.executable, "-c", failing], {}, log)

@@ -21,8 +21,23 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _DURATION = re.compile(r"\b\d+(?:ms|[smhdwy])\b")
 _NUMBER = re.compile(r"(?<![a-zA-Z_:])\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _IDENT = re.compile(rf"({_NAME})(\s*\()?")
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-             "unless", "bool", "offset", "inf", "nan", "Inf", "NaN"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+    "Inf",
+    "NaN",
+}
 
 
 @dataclass
@@ -70,7 +85,7 @@ def _index() -> dict[str, tuple[Series, str]]:
     out: dict[str, tuple[Series, str]] = {}
     for s in all_series():
         for sample in sample_names(s):
-            out[sample] = (s, sample[len(s.name):])
+            out[sample] = (s, sample[len(s.name) :])
     return out
 
 
@@ -88,8 +103,10 @@ def problems(expr: str, where: str) -> list[str]:
             continue  # vLLM's own series; the e2e test checks they exist on a real engine
         hit = INDEX.get(sel.name)
         if hit is None:
-            out.append(f"{where}: {sel.name!r} is not a series of kvpush_prod.metrics "
-                       "(counters end in _total, histograms in _bucket/_sum/_count)")
+            out.append(
+                f"{where}: {sel.name!r} is not a series of kvpush_prod.metrics "
+                "(counters end in _total, histograms in _bucket/_sum/_count)"
+            )
             continue
         series, suffix = hit
         allowed = set(series.labels) | set(SCRAPE_LABELS)
@@ -99,8 +116,10 @@ def problems(expr: str, where: str) -> list[str]:
             allowed.add("le")
         for label, op, value in sel.matchers:
             if label not in allowed:
-                out.append(f"{where}: {sel.name} has no label {label!r} "
-                           f"(labels: {', '.join(sorted(allowed))})")
+                out.append(
+                    f"{where}: {sel.name} has no label {label!r} "
+                    f"(labels: {', '.join(sorted(allowed))})"
+                )
                 continue
             closed = series.allowed(label)
             if closed is None or value.startswith("$"):
@@ -108,6 +127,8 @@ def problems(expr: str, where: str) -> list[str]:
             values = value.split("|") if op in ("=~", "!~") else [value]
             for v in values:
                 if re.fullmatch(r"[a-zA-Z0-9_/.:-]+", v) and v not in closed:
-                    out.append(f"{where}: {sel.name}{{{label}}} has no value {v!r} "
-                               f"(values: {', '.join(closed)})")
+                    out.append(
+                        f"{where}: {sel.name}{{{label}}} has no value {v!r} "
+                        f"(values: {', '.join(closed)})"
+                    )
     return out

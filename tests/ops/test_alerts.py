@@ -35,8 +35,9 @@ def promtool() -> str:
 
 
 def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool(), *map(str, args)], capture_output=True, text=True,
-                          timeout=120, cwd=PROM)
+    return subprocess.run(
+        [promtool(), *map(str, args)], capture_output=True, text=True, timeout=120, cwd=PROM
+    )
 
 
 def rules() -> list[dict[str, Any]]:
@@ -55,8 +56,10 @@ def test_alert_unit_tests_pass() -> None:
 
 
 def test_every_alert_has_severity_summary_description_and_a_runbook_section() -> None:
-    anchors = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
-               for h in re.findall(r"^#+ (.+)$", OPERATIONS.read_text(), re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
+        for h in re.findall(r"^#+ (.+)$", OPERATIONS.read_text(), re.M)
+    }
     names = [r["alert"] for r in rules()]
     assert len(names) == len(set(names)), "duplicate alert names"
     for rule in rules():

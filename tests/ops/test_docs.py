@@ -19,12 +19,16 @@ from kvpush_prod.metrics_docs import all_series, render_metrics_doc
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-@pytest.mark.parametrize(("name", "render", "module"), [
-    ("configuration.md", render_config_doc, "kvpush_prod.config.docs"),
-    ("metrics.md", render_metrics_doc, "kvpush_prod.metrics_docs"),
-])
+@pytest.mark.parametrize(
+    ("name", "render", "module"),
+    [
+        ("configuration.md", render_config_doc, "kvpush_prod.config.docs"),
+        ("metrics.md", render_metrics_doc, "kvpush_prod.metrics_docs"),
+    ],
+)
 def test_reference_doc_equals_what_the_model_renders(
-        name: str, render: Callable[[], str], module: str) -> None:
+    name: str, render: Callable[[], str], module: str
+) -> None:
     text = (DOCS / name).read_text()
     assert text == render(), (
         f"docs/{name} is out of date: regenerate it with "

@@ -51,8 +51,11 @@ def of_kind(kind: str) -> list[dict[str, Any]]:
 
 def containers() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(pod spec, container) of every Deployment."""
-    return [(d["spec"]["template"]["spec"], c) for d in of_kind("Deployment")
-            for c in d["spec"]["template"]["spec"]["containers"]]
+    return [
+        (d["spec"]["template"]["spec"], c)
+        for d in of_kind("Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 def test_the_kustomization_lists_every_manifest_and_nothing_else() -> None:
@@ -65,7 +68,8 @@ def test_generated_manifests_equal_what_the_package_renders() -> None:
     for name, text in render().items():
         assert (RECIPE / name).read_text() == text, (
             f"deploy/kubernetes/{name} is out of date: run "
-            "`PYTHONPATH=src python -m kvpush_prod.ops.kubernetes deploy/kubernetes`")
+            "`PYTHONPATH=src python -m kvpush_prod.ops.kubernetes deploy/kubernetes`"
+        )
 
 
 def test_every_object_validates_offline() -> None:
@@ -105,8 +109,7 @@ def test_secrets_are_mounted_read_only_with_mode_0400() -> None:
                 assert secret_volumes[mount["name"]]["defaultMode"] == 0o400
                 mounted.add(secret_volumes[mount["name"]]["secretName"])
         assert "fsGroup" not in pod.get("securityContext", {})  # would add group read
-    assert mounted == {"kvpush-prefill-key", "kvpush-decode-key", "kvpush-allowed",
-                       "kvpush-params"}
+    assert mounted == {"kvpush-prefill-key", "kvpush-decode-key", "kvpush-allowed", "kvpush-params"}
 
 
 def test_the_prometheus_rule_holds_every_shipped_alert() -> None:
@@ -137,8 +140,12 @@ def test_services_select_their_deployments_and_name_ports_they_have() -> None:
 
 
 def engine_args() -> dict[str, list[str]]:
-    return {d["metadata"]["name"]: c["args"] for d in of_kind("Deployment")
-            for c in d["spec"]["template"]["spec"]["containers"] if c["command"][0] == "vllm"}
+    return {
+        d["metadata"]["name"]: c["args"]
+        for d in of_kind("Deployment")
+        for c in d["spec"]["template"]["spec"]["containers"]
+        if c["command"][0] == "vllm"
+    }
 
 
 def test_engines_use_only_flags_and_kv_transfer_config_this_vllm_takes() -> None:
@@ -155,18 +162,37 @@ def test_engines_use_only_flags_and_kv_transfer_config_this_vllm_takes() -> None
         "    kv = ns.kv_transfer_config\n"
         "    out[name] = [kv.kv_connector, kv.kv_role, kv.kv_connector_module_path,\n"
         "                 kv.engine_id, ns.port]\n"
-        "print('KVPUSH ' + json.dumps(out))\n")
-    args = {name: [a.replace("$(POD_IP)", POD_IP) for a in argv]
-            for name, argv in engine_args().items()}
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        "print('KVPUSH ' + json.dumps(out))\n"
+    )
+    args = {
+        name: [a.replace("$(POD_IP)", POD_IP) for a in argv] for name, argv in engine_args().items()
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("KVPUSH "))
     got = json.loads(line.removeprefix("KVPUSH "))
     assert got == {
-        "kvpush-prefill": ["PushConnector", "kv_producer", "kvpush_prod.connector", "prefill-0", 8000],
-        "kvpush-decode": ["PushConnector", "kv_consumer", "kvpush_prod.connector", "decode-0", 8000],
+        "kvpush-prefill": [
+            "PushConnector",
+            "kv_producer",
+            "kvpush_prod.connector",
+            "prefill-0",
+            8000,
+        ],
+        "kvpush-decode": [
+            "PushConnector",
+            "kv_consumer",
+            "kvpush_prod.connector",
+            "decode-0",
+            8000,
+        ],
     }
 
 
@@ -194,25 +220,50 @@ def test_the_router_uses_only_flags_it_has_and_engine_services_that_exist() -> N
 def test_make_secrets_makes_every_secret_the_manifests_mount(tmp_path: Path) -> None:
     shim = tmp_path / "bin"
     shim.mkdir()
-    (shim / "kvpush").write_text(f"#!/bin/sh\nexec {sys.executable} -m kvpush_prod.cli \"$@\"\n")
+    (shim / "kvpush").write_text(f'#!/bin/sh\nexec {sys.executable} -m kvpush_prod.cli "$@"\n')
     (shim / "kvpush").chmod(0o755)
     keys = tmp_path / "keys"
-    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
-           "KVPUSH_KEYS_DIR": str(keys), "KVPUSH_DRY_RUN": "1",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(["bash", str(RECIPE / "make-secrets.sh")], capture_output=True,
-                          text=True, timeout=120, check=False, cwd=tmp_path, env=env)
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}",
+        "KVPUSH_KEYS_DIR": str(keys),
+        "KVPUSH_DRY_RUN": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    done = subprocess.run(
+        ["bash", str(RECIPE / "make-secrets.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    made = {line.split(" create secret generic ")[1].split()[0]: line
-            for line in done.stdout.splitlines() if " create secret generic " in line}
-    assert set(made) == {"kvpush-prefill-key", "kvpush-decode-key", "kvpush-allowed",
-                         "kvpush-params"}
+    made = {
+        line.split(" create secret generic ")[1].split()[0]: line
+        for line in done.stdout.splitlines()
+        if " create secret generic " in line
+    }
+    assert set(made) == {
+        "kvpush-prefill-key",
+        "kvpush-decode-key",
+        "kvpush-allowed",
+        "kvpush-params",
+    }
     assert "--from-file=engine.key_secret=" in made["kvpush-prefill-key"]
     assert "--from-file=params.key=" in made["kvpush-params"]
     assert (keys / "prefill-0.key_secret").stat().st_mode & 0o077 == 0
     assert done.stdout.splitlines()[-1].startswith("make-secrets: 4 Secrets")
     secret = (keys / "prefill-0.key_secret").read_bytes()
-    again = subprocess.run(["bash", str(RECIPE / "make-secrets.sh")], capture_output=True,
-                           text=True, timeout=120, check=False, cwd=tmp_path, env=env)
+    again = subprocess.run(
+        ["bash", str(RECIPE / "make-secrets.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+        env=env,
+    )
     assert again.returncode == 0, again.stdout + again.stderr  # run again: keys kept
     assert "wrote" not in again.stdout and (keys / "prefill-0.key_secret").read_bytes() == secret

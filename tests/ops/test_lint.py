@@ -1,5 +1,6 @@
-"""The checks a reviewer would run, run by CI: ruff over src and tests, and mypy --strict over
-the whole package (pyproject's [tool.mypy]: every module of kvpush_prod, not only the core)."""
+"""The checks a reviewer would run, run by CI: ruff (lint over src and tests, format over the
+whole tree) and mypy --strict over the whole package (pyproject's [tool.mypy]: every module of
+kvpush_prod, not only the core)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ def _tool(name: str) -> str:
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          check=False)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
 
 
 def test_ruff_finds_nothing() -> None:
@@ -38,3 +38,10 @@ def test_mypy_strict_over_the_whole_package() -> None:
     done = _run(_tool("mypy"))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "Success" in done.stdout, done.stdout
+
+
+def test_ruff_format_finds_nothing_to_change() -> None:
+    done = _run(_tool("ruff"), "format", "--check", ".")
+    assert done.returncode == 0, (
+        done.stdout[-4000:] + done.stderr + "\nrun `ruff format .` and commit the result"
+    )

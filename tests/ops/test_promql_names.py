@@ -23,8 +23,9 @@ DASHBOARD = ROOT / "configs" / "grafana" / "kvpush.json"
 
 def alert_exprs() -> list[tuple[str, str]]:
     data = yaml.safe_load(RULES.read_text())
-    return [(r.get("alert") or r.get("record"), r["expr"])
-            for g in data["groups"] for r in g["rules"]]
+    return [
+        (r.get("alert") or r.get("record"), r["expr"]) for g in data["groups"] for r in g["rules"]
+    ]
 
 
 def _panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -48,15 +49,18 @@ def dashboard_exprs() -> list[tuple[str, str]]:
 
 
 def test_the_scanner_finds_names_labels_and_skips_functions_keywords_and_numbers() -> None:
-    expr = ('histogram_quantile(0.99, sum by (le, role) (rate(a_bucket{role="x",le!="1"}'
-            '[$__rate_interval]))) > 1e-9 and on (job) b unless ignoring(x) c offset 5m'
-            ' / clamp_min({__name__="d", k=~"p|q"}, 2)')
+    expr = (
+        'histogram_quantile(0.99, sum by (le, role) (rate(a_bucket{role="x",le!="1"}'
+        "[$__rate_interval]))) > 1e-9 and on (job) b unless ignoring(x) c offset 5m"
+        ' / clamp_min({__name__="d", k=~"p|q"}, 2)'
+    )
     sels = selectors(expr)
     assert [s.name for s in sels] == ["a_bucket", "d", "b", "c"]
     assert sels[0].matchers == [("role", "=", "x"), ("le", "!=", "1")]
     assert sels[1].matchers == [("k", "=~", "p|q")]
-    assert [s.name for s in grafana_template_selectors('label_values(m{job=~"$job"}, inst)')] \
-        == ["m"]
+    assert [s.name for s in grafana_template_selectors('label_values(m{job=~"$job"}, inst)')] == [
+        "m"
+    ]
 
 
 def test_the_checker_catches_wrong_names_suffixes_labels_and_values() -> None:
@@ -109,16 +113,28 @@ def test_dashboard_expressions_are_valid_promql(tmp_path: Path) -> None:
     # promtool parses every expression when it checks a rule file.
     tool = shutil.which("promtool")
     if tool is None:
-        pytest.fail("promtool is not on PATH: `apt-get install -y --no-install-recommends "
-                    "prometheus` (Debian/Ubuntu) or put promtool from a Prometheus release on PATH")
+        pytest.fail(
+            "promtool is not on PATH: `apt-get install -y --no-install-recommends "
+            "prometheus` (Debian/Ubuntu) or put promtool from a Prometheus release on PATH"
+        )
     exprs = [e.replace("$__rate_interval", "5m") for _, e in dashboard_exprs()]
     exprs += [e for _, e in EXAMPLE_QUERIES]
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"kvpush:dashboard_check_{i}", "expr": e} for i, e in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"kvpush:dashboard_check_{i}", "expr": e}
+                    for i, e in enumerate(exprs)
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard_rules.yaml"
     path.write_text(yaml.safe_dump(rules))
-    result = subprocess.run([tool, "check", "rules", str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [tool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -16,10 +16,14 @@ def test_the_shipped_dashboard_and_rules_are_the_configs_files_byte_for_byte() -
         assert shipped.is_file(), shipped
         assert (ROOT / copy).read_bytes() == shipped.read_bytes(), (
             f"{copy} differs from {shipped.relative_to(ROOT)}: edit the package copy, then "
-            f"cp {shipped.relative_to(ROOT)} {copy}")
+            f"cp {shipped.relative_to(ROOT)} {copy}"
+        )
 
 
 def test_every_file_under_ops_is_a_shipped_one() -> None:
-    data = {p for p in HERE.rglob("*") if p.is_file() and p.suffix != ".py"
-            and "__pycache__" not in p.parts}
+    data = {
+        p
+        for p in HERE.rglob("*")
+        if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
+    }
     assert data == set(CHECKOUT_COPIES)

@@ -28,8 +28,9 @@ from kvpush_prod.chaos.scenarios import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "kvpush_prod"
-SCENARIO_FILES = sorted(p.stem for p in (PACKAGE / "chaos" / "scenarios").glob("*.py")
-                        if p.stem != "__init__")
+SCENARIO_FILES = sorted(
+    p.stem for p in (PACKAGE / "chaos" / "scenarios").glob("*.py") if p.stem != "__init__"
+)
 PROFILES = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,15 +42,26 @@ class Installed:
     def __init__(self, venv: Path, cwd: Path) -> None:
         self.venv, self.cwd = venv, cwd
         self.python = venv / "bin" / "python"
-        self.env = {k: v for k, v in os.environ.items()
-                    if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSAFEPATH")}
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSAFEPATH")
+        }
         self.env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
 
     def run(self, *args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(a) for a in args], cwd=self.cwd, env=self.env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
-        assert proc.returncode == 0, (f"{' '.join(map(str, args))} exited {proc.returncode}:\n"
-                                      f"{proc.stdout}\n{proc.stderr}")
+        proc = subprocess.run(
+            [str(a) for a in args],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        assert proc.returncode == 0, (
+            f"{' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
         return proc
 
     def kvpush(self, *args: str | Path) -> str:
@@ -65,20 +77,25 @@ def _build_wheel(tmp: Path) -> Path:
     project.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, project / name)
-    shutil.copytree(ROOT / "src", project / "src",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    shutil.copytree(
+        ROOT / "src",
+        project / "src",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+    )
     dist = tmp / "dist"
     # With the venv's own setuptools (no registry); should it be too old for pyproject.toml,
     # in an isolated build environment as pip does by default (from the registry).
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(project), "-w",
-             str(dist)]
-    local = subprocess.run([*build, "--no-build-isolation", "--no-index"], capture_output=True,
-                           text=True, timeout=120, check=False)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(project), "-w", str(dist)]
+    local = subprocess.run(
+        [*build, "--no-build-isolation", "--no-index"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if local.returncode != 0:
-        isolated = subprocess.run(build, capture_output=True, text=True, timeout=120,
-                                  check=False)
-        assert isolated.returncode == 0, (f"pip wheel failed:\n{local.stderr}\n"
-                                          f"{isolated.stderr}")
+        isolated = subprocess.run(build, capture_output=True, text=True, timeout=120, check=False)
+        assert isolated.returncode == 0, f"pip wheel failed:\n{local.stderr}\n{isolated.stderr}"
     (wheel,) = dist.glob("kvpush_prod-*.whl")
     return wheel
 
@@ -88,12 +105,28 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     tmp = tmp_path_factory.mktemp("wheel")
     wheel = _build_wheel(tmp)
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
     # Installed before the dependencies are reachable: pip sees no other kvpush-prod.
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
-                    "install", "--no-deps", "--no-index", "-q", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     cwd = tmp / "elsewhere"
     cwd.mkdir()
     inst = Installed(venv, cwd)
@@ -105,11 +138,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 
 def test_the_installed_package_is_the_wheels_and_the_checkout_is_out_of_sight(
-        installed: Installed) -> None:
+    installed: Installed,
+) -> None:
     where = installed.python_json(
         "import json, sys, kvpush_prod, kvpush_prod.chaos.scenarios as s, "
         "kvpush_prod.config.profiles as p; "
-        "print(json.dumps([kvpush_prod.__file__, s.__file__, str(p.SHIPPED_DIR), sys.path]))")
+        "print(json.dumps([kvpush_prod.__file__, s.__file__, str(p.SHIPPED_DIR), sys.path]))"
+    )
     assert isinstance(where, list)
     package, scenarios, profiles, path = where
     venv = str(installed.venv.resolve())
@@ -127,7 +162,8 @@ def test_kvpush_help_runs(installed: Installed) -> None:
 def test_every_shipped_profile_validates_by_name(installed: Installed) -> None:
     shipped = installed.python_json(
         "import json; from kvpush_prod.config.profiles import shipped; "
-        "print(json.dumps(sorted(shipped())))")
+        "print(json.dumps(sorted(shipped())))"
+    )
     assert shipped == PROFILES  # configs/ holds the same files (test_profiles.py)
     for name in PROFILES:
         out = installed.kvpush("config", "validate", name)
@@ -141,7 +177,8 @@ def test_the_dashboard_and_alert_rules_are_package_data(installed: Installed) ->
         "rules = yaml.safe_load(ALERT_RULES.read_text())\n"
         "alerts = [r['alert'] for g in rules['groups'] for r in g['rules'] if 'alert' in r]\n"
         "print(json.dumps([str(DASHBOARD), json.loads(DASHBOARD.read_text())['title'],\n"
-        "                  alerts, ALERT_TESTS.is_file()]))\n")
+        "                  alerts, ALERT_TESTS.is_file()]))\n"
+    )
     assert isinstance(got, list)
     dashboard, title, alerts, tests = got
     assert dashboard.startswith(str(installed.venv.resolve()))
@@ -169,7 +206,8 @@ def test_chaos_list_names_every_scenario(installed: Installed) -> None:
         "            main([name, '--help'])\n"
         "    except SystemExit as exc:\n"
         "        codes[name] = exc.code\n"
-        "print(json.dumps(codes))\n")
+        "print(json.dumps(codes))\n"
+    )
     assert codes == dict.fromkeys(SCENARIOS, 0)
 
 
@@ -177,9 +215,14 @@ def test_keys_generate_writes_a_key_pair(installed: Installed) -> None:
     keys = installed.cwd / "keys"
     installed.kvpush("keys", "generate", "prefill-0", "decode-0", "--dir", keys)
     assert sorted(p.name for p in keys.iterdir()) == [
-        "decode-0.key", "decode-0.key_secret", "prefill-0.key", "prefill-0.key_secret"]
-    installed.kvpush("keys", "check", "--key-file", keys / "prefill-0.key_secret",
-                     "--allowed", keys)
+        "decode-0.key",
+        "decode-0.key_secret",
+        "prefill-0.key",
+        "prefill-0.key_secret",
+    ]
+    installed.kvpush(
+        "keys", "check", "--key-file", keys / "prefill-0.key_secret", "--allowed", keys
+    )
 
 
 def test_vllm_loads_the_connector_from_the_installed_package(installed: Installed) -> None:
@@ -195,7 +238,8 @@ def test_vllm_loads_the_connector_from_the_installed_package(installed: Installe
         "                       kv_connector_module_path='kvpush_prod.connector')\n"
         "found = KVConnectorFactory.get_connector_class(cfg)\n"
         "print(json.dumps([importlib.import_module(cls.__module__).__file__,\n"
-        "                  found is cls, issubclass(cls, KVConnectorBase_V1)]))\n")
+        "                  found is cls, issubclass(cls, KVConnectorBase_V1)]))\n"
+    )
     assert isinstance(got, list)
     path, same, subclass = got
     assert path.startswith(str(installed.venv.resolve())), path
@@ -206,7 +250,7 @@ def test_vllm_loads_the_connector_from_the_installed_package(installed: Installe
 
 
 def test_chaos_all_runs_every_scenario_in_order_and_writes_the_table(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import kvpush_prod.chaos.harness as harness
     from kvpush_prod.chaos.cli import main
@@ -216,8 +260,9 @@ def test_chaos_all_runs_every_scenario_in_order_and_writes_the_table(
     def fake_run(module: ModuleType, argv: list[str]) -> int:  # no engine starts
         ran.append(module.NAME)
         report = Path(argv[argv.index("--report") + 1])
-        report.write_text(json.dumps({"scenario": module.NAME, "verdict": "PASS",
-                                      "table": {"sent": 1}}))
+        report.write_text(
+            json.dumps({"scenario": module.NAME, "verdict": "PASS", "table": {"sent": 1}})
+        )
         return 0
 
     monkeypatch.setattr(harness, "main", fake_run)

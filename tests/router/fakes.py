@@ -325,10 +325,18 @@ class FakeVLLM:
             pinned = request.headers.get("x-data-parallel-rank")
             if pinned is not None and self.dp_header_honoured:
                 if not 0 <= int(pinned) < self.dp_size:  # vLLM's own answer
-                    return JSONResponse({"error": {
-                        "message": f"data_parallel_rank {pinned} is out of range "
-                                   f"[0, {self.dp_size}).", "type": "BadRequestError",
-                        "param": None, "code": 400}}, status_code=400)
+                    return JSONResponse(
+                        {
+                            "error": {
+                                "message": f"data_parallel_rank {pinned} is out of range "
+                                f"[0, {self.dp_size}).",
+                                "type": "BadRequestError",
+                                "param": None,
+                                "code": 400,
+                            }
+                        },
+                        status_code=400,
+                    )
                 self._rank_of[rid] = int(pinned)
             else:
                 self._rank_of[rid] = self._next_rank % self.dp_size
@@ -336,8 +344,9 @@ class FakeVLLM:
         if (body.get("kv_transfer_params") or {}).get("kvpush_probe"):
             self.probes.append(seen)
             if self.probe_status != 200:
-                return JSONResponse({"error": {"message": "fake probe failure"}},
-                                    status_code=self.probe_status)
+                return JSONResponse(
+                    {"error": {"message": "fake probe failure"}}, status_code=self.probe_status
+                )
             return JSONResponse(self.probe_answer(path, body, rid))
         self.requests.append(seen)
         self.arrived.set()

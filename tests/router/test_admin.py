@@ -17,8 +17,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def admin(r, path: str, backend: str, token: str = TOKEN) -> httpx.Response:
-    return await r.client.post(r.url + path, json={"backend": backend},
-                               headers={"Authorization": f"Bearer {token}"})
+    return await r.client.post(
+        r.url + path, json={"backend": backend}, headers={"Authorization": f"Bearer {token}"}
+    )
 
 
 @pytest.fixture
@@ -28,8 +29,9 @@ def token_file(tmp_path):
     return str(path)
 
 
-async def test_the_admin_api_is_off_without_a_token_and_refuses_a_wrong_one(fakes, router,
-                                                                           token_file):
+async def test_the_admin_api_is_off_without_a_token_and_refuses_a_wrong_one(
+    fakes, router, token_file
+):
     p, d = await fakes("prefill"), await fakes("decode")
     off = await router([p], [d])
     assert (await admin(off, "/admin/drain", d.url)).status_code == 404
@@ -37,12 +39,14 @@ async def test_the_admin_api_is_off_without_a_token_and_refuses_a_wrong_one(fake
     assert (await admin(on, "/admin/drain", d.url, token="x" * 32)).status_code == 401
     assert (await on.client.get(on.url + "/admin/backends")).status_code == 401
     assert (await admin(on, "/admin/drain", "http://nowhere:1")).status_code == 404
-    assert (await on.client.post(on.url + "/admin/drain", content=b"junk",
-                                 headers=AUTH)).status_code == 400
+    assert (
+        await on.client.post(on.url + "/admin/drain", content=b"junk", headers=AUTH)
+    ).status_code == 400
 
 
-async def test_a_drained_engine_gets_no_new_request_and_the_other_takes_them(fakes, router,
-                                                                             token_file):
+async def test_a_drained_engine_gets_no_new_request_and_the_other_takes_them(
+    fakes, router, token_file
+):
     p = await fakes("prefill")
     d1, d2 = await fakes("decode"), await fakes("decode")
     r = await router([p], [d1, d2], admin_token_file=token_file)
@@ -83,12 +87,18 @@ async def test_without_a_wait_no_backend_is_503_at_once(fakes, router, token_fil
 
 
 def test_busy_reads_vllms_and_kvpushs_series():
-    text = ("# TYPE vllm:num_requests_running gauge\n"
-            'vllm:num_requests_running{engine="0"} 2.0\n'
-            "# TYPE kvpush_connector_blocks gauge\n"
-            'kvpush_connector_blocks{role="producer"} 5.0\n')
-    assert busy(text) == {"vllm:num_requests_running": 2.0, "vllm:num_requests_waiting": 0.0,
-                          "kvpush_transfers_active": 0.0, "kvpush_connector_blocks": 5.0}
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} 2.0\n'
+        "# TYPE kvpush_connector_blocks gauge\n"
+        'kvpush_connector_blocks{role="producer"} 5.0\n'
+    )
+    assert busy(text) == {
+        "vllm:num_requests_running": 2.0,
+        "vllm:num_requests_waiting": 0.0,
+        "kvpush_transfers_active": 0.0,
+        "kvpush_connector_blocks": 5.0,
+    }
 
 
 def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
@@ -100,8 +110,11 @@ def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
         if request.url.path == "/admin/drain":
             return httpx.Response(200, json={"inflight": 1})
         v = next(values)
-        return httpx.Response(200, text=f'vllm:num_requests_running{{engine="0"}} 0\n'
-                                        f'kvpush_connector_blocks{{role="producer"}} {v}\n')
+        return httpx.Response(
+            200,
+            text=f'vllm:num_requests_running{{engine="0"}} 0\n'
+            f'kvpush_connector_blocks{{role="producer"}} {v}\n',
+        )
 
     said: list[str] = []
     client = httpx.Client(transport=httpx.MockTransport(handler))
@@ -117,8 +130,7 @@ def test_drain_gives_up_at_the_deadline():
         return httpx.Response(200, text="vllm:num_requests_running 1\n")
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
-    assert not drain("http://d:8000", ["http://r:9000"], TOKEN, 0.0, lambda s: None, 0.0,
-                     client)
+    assert not drain("http://d:8000", ["http://r:9000"], TOKEN, 0.0, lambda s: None, 0.0, client)
 
 
 IDLE = 'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engine="0"} 0\n'
@@ -126,10 +138,12 @@ IDLE = 'vllm:num_requests_running{engine="0"} 0\nvllm:num_requests_waiting{engin
 
 def engine_answering(metrics: Callable[[], httpx.Response]) -> httpx.MockTransport:
     """A router that drains anything and an engine whose /metrics answer ``metrics()``."""
+
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path.startswith("/admin/"):
             return httpx.Response(200, json={"inflight": 0})
         return metrics()
+
     return httpx.MockTransport(handler)
 
 
@@ -143,23 +157,43 @@ def refused() -> httpx.Response:
         (refused, "ConnectError: [Errno 111] Connection refused"),
         (lambda: httpx.Response(404, text="Not Found"), "answered HTTP 404"),
         # The router's own /metrics, say: nothing there is an engine's.
-        (lambda: httpx.Response(200, text="kvpush_router_inflight 0\n"),
-         "has no vllm:num_requests_running"),
+        (
+            lambda: httpx.Response(200, text="kvpush_router_inflight 0\n"),
+            "has no vllm:num_requests_running",
+        ),
     ],
 )
 def test_drain_never_says_drained_about_an_engine_whose_metrics_it_cannot_read(
-        tmp_path, capsys, metrics, needle):
+    tmp_path, capsys, metrics, needle
+):
     token = tmp_path / "admin.token"
     token.write_text(TOKEN)
     said: list[str] = []
     with pytest.raises(MetricsUnreadable) as e:
-        drain("http://d:8000", ["http://r:9000"], TOKEN, 60, said.append, 0.0,
-              httpx.Client(transport=engine_answering(metrics)))
+        drain(
+            "http://d:8000",
+            ["http://r:9000"],
+            TOKEN,
+            60,
+            said.append,
+            0.0,
+            httpx.Client(transport=engine_answering(metrics)),
+        )
     assert needle in str(e.value) and "cannot tell whether http://d:8000 is drained" in str(e.value)
     assert len([s for s in said if needle in s]) == 3  # tried again before giving up
 
-    rc = main(["http://d:8000", "--router", "http://r:9000", "--admin-token-file", str(token),
-               "--deadline", "60"], transport=engine_answering(metrics))
+    rc = main(
+        [
+            "http://d:8000",
+            "--router",
+            "http://r:9000",
+            "--admin-token-file",
+            str(token),
+            "--deadline",
+            "60",
+        ],
+        transport=engine_answering(metrics),
+    )
 
     out, err = capsys.readouterr()
     assert rc == EXIT_UNREADABLE != 0
@@ -169,6 +203,13 @@ def test_drain_never_says_drained_about_an_engine_whose_metrics_it_cannot_read(
 def test_one_failed_reading_is_tried_again():
     answers = iter([refused, lambda: httpx.Response(200, text=IDLE)])
     said: list[str] = []
-    assert drain("http://d:8000", ["http://r:9000"], TOKEN, 60, said.append, 0.0,
-                 httpx.Client(transport=engine_answering(lambda: next(answers)())))
+    assert drain(
+        "http://d:8000",
+        ["http://r:9000"],
+        TOKEN,
+        60,
+        said.append,
+        0.0,
+        httpx.Client(transport=engine_answering(lambda: next(answers)())),
+    )
     assert said[-1].endswith("idle") and "(1 of 3)" in said[-2]

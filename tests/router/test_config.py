@@ -85,8 +85,10 @@ first_byte_timeout_s: null
         ),
         (
             "prefill: [http://a:1]\ndecode: [http://b:2]\nmax_concurrent_requests: 3000\n",
-            ["max_concurrent_requests = 3000 needs up to 6000 backend connections",
-             "max_connections = 4096"],
+            [
+                "max_concurrent_requests = 3000 needs up to 6000 backend connections",
+                "max_connections = 4096",
+            ],
         ),
         (
             "prefill: [{url: http://a:1, remote_key: short}]\ndecode: [http://b:2]\n",
@@ -181,8 +183,19 @@ def test_limits_have_their_defaults_and_flags():
     assert (s.max_body_bytes, s.max_concurrent_requests, s.max_json_depth) == (16 << 20, 1024, 128)
     assert (s.header_timeout_s, s.body_timeout_s, s.client_write_timeout_s) == (10, 30, 30)
     assert (s.drain_timeout_s, s.params_ttl_s, s.params_key) == (25, 120, None)
-    s = settings_from_args([*BACKENDS, "--max-body-bytes", "2048", "--max-concurrent-requests",
-                            "8", "--body-timeout", "5", "--params-ttl", "30"])
+    s = settings_from_args(
+        [
+            *BACKENDS,
+            "--max-body-bytes",
+            "2048",
+            "--max-concurrent-requests",
+            "8",
+            "--body-timeout",
+            "5",
+            "--params-ttl",
+            "30",
+        ]
+    )
     assert (s.max_body_bytes, s.max_concurrent_requests, s.body_timeout_s) == (2048, 8, 5)
     assert s.params_ttl_s == 30
 
@@ -277,10 +290,20 @@ def test_tls_flags_load_and_a_plain_http_backend_beside_a_ca_is_refused(tmp_path
     from tests.router.tls import make_pki
 
     pki = make_pki(tmp_path)
-    s = settings_from_args(["--prefill", "https://127.0.0.1:1", "--decode", "https://localhost:2",
-                            "--backend-ca-file", str(pki.ca), "--backend-client-cert-file",
-                            str(pki.client_cert), "--backend-client-key-file",
-                            str(pki.client_key)])
+    s = settings_from_args(
+        [
+            "--prefill",
+            "https://127.0.0.1:1",
+            "--decode",
+            "https://localhost:2",
+            "--backend-ca-file",
+            str(pki.ca),
+            "--backend-client-cert-file",
+            str(pki.client_cert),
+            "--backend-client-key-file",
+            str(pki.client_key),
+        ]
+    )
     assert (s.backend_ca_file, s.backend_client_cert_file) == (str(pki.ca), str(pki.client_cert))
     with pytest.raises(ConfigError) as e:
         settings_from_args([*BACKENDS, "--backend-ca-file", str(pki.ca)])
@@ -290,13 +313,16 @@ def test_tls_flags_load_and_a_plain_http_backend_beside_a_ca_is_refused(tmp_path
 @pytest.mark.parametrize(
     ("flags", "needles"),
     [
-        (["--backend-ca-file", "{missing}"], ["backend_ca_file", "missing.pem",
-                                               "No such file", "--backend-ca-file"]),
+        (
+            ["--backend-ca-file", "{missing}"],
+            ["backend_ca_file", "missing.pem", "No such file", "--backend-ca-file"],
+        ),
         (["--backend-ca-file", "{not_pem}"], ["backend_ca_file", "not.pem", "PEM certificate"]),
-        (["--backend-client-cert-file", "{cert}"], ["backend_client_key_file is not",
-                                                    "set both"]),
-        (["--backend-client-cert-file", "{cert}", "--backend-client-key-file", "{ca_key}"],
-         ["backend_client_cert_file", "cannot be used", "its unencrypted PEM key"]),
+        (["--backend-client-cert-file", "{cert}"], ["backend_client_key_file is not", "set both"]),
+        (
+            ["--backend-client-cert-file", "{cert}", "--backend-client-key-file", "{ca_key}"],
+            ["backend_client_cert_file", "cannot be used", "its unencrypted PEM key"],
+        ),
     ],
 )
 def test_unusable_tls_files_are_named_at_start(tmp_path, flags, needles):
@@ -304,10 +330,19 @@ def test_unusable_tls_files_are_named_at_start(tmp_path, flags, needles):
 
     pki = make_pki(tmp_path)
     (tmp_path / "not.pem").write_text("not a certificate\n")
-    paths = {"missing": tmp_path / "missing.pem", "not_pem": tmp_path / "not.pem",
-             "cert": pki.client_cert, "ca_key": pki.ca_key}
-    argv = ["--prefill", "https://a:1", "--decode", "https://b:2",
-            *(f.format(**paths) for f in flags)]
+    paths = {
+        "missing": tmp_path / "missing.pem",
+        "not_pem": tmp_path / "not.pem",
+        "cert": pki.client_cert,
+        "ca_key": pki.ca_key,
+    }
+    argv = [
+        "--prefill",
+        "https://a:1",
+        "--decode",
+        "https://b:2",
+        *(f.format(**paths) for f in flags),
+    ]
     with pytest.raises(ConfigError) as e:
         settings_from_args(argv)
     for needle in needles:

@@ -12,15 +12,19 @@ COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "tempera
 
 
 async def test_every_dp_rank_is_probed_and_each_leg_is_pinned_to_the_rank_d_is_told(
-        fakes: Any, router: Any) -> None:
+    fakes: Any, router: Any
+) -> None:
     p = await fakes("prefill", engine_id="p", control_port=7000)
     p.dp_size = 3
     d = await fakes("decode")
     r = await router([p], [d])
     await wait_until(lambda: r.app.state.pool.prefill[0].up, what="p up with every rank")
     # Ranks 0, 1, 2 answered (rank 3 was refused as out of range): three engine cores.
-    pinned = sorted(int(s.headers["x-data-parallel-rank"]) for s in p.probes
-                    if "x-data-parallel-rank" in s.headers)
+    pinned = sorted(
+        int(s.headers["x-data-parallel-rank"])
+        for s in p.probes
+        if "x-data-parallel-rank" in s.headers
+    )
     assert pinned == [0, 1, 2]
 
     for _ in range(6):
@@ -30,8 +34,7 @@ async def test_every_dp_rank_is_probed_and_each_leg_is_pinned_to_the_rank_d_is_t
         rank = int(p_seen.headers["x-data-parallel-rank"])
         params = d_seen.body["kv_transfer_params"]
         # D registers with the engine core that computes the request's KV.
-        assert (params["remote_engine_id"], params["remote_port"]) == (f"p_dp{rank}",
-                                                                       7000 + rank)
+        assert (params["remote_engine_id"], params["remote_port"]) == (f"p_dp{rank}", 7000 + rank)
         ranks.append(rank)
     assert sorted(set(ranks)) == [0, 1, 2]  # the ranks share the load
     described = r.app.state.pool.prefill[0].describe()
@@ -40,7 +43,8 @@ async def test_every_dp_rank_is_probed_and_each_leg_is_pinned_to_the_rank_d_is_t
 
 
 async def test_a_prefill_server_that_ignores_the_rank_header_is_not_used_and_says_why(
-        fakes: Any, router: Any) -> None:
+    fakes: Any, router: Any
+) -> None:
     p = await fakes("prefill", engine_id="p")
     p.dp_size = 2
     p.dp_header_honoured = False
@@ -66,7 +70,8 @@ async def test_without_data_parallelism_no_rank_header_is_sent(fakes: Any, route
 
 
 async def test_a_rank_that_knows_the_dp_size_must_agree_with_the_ranks_found(
-        fakes: Any, router: Any) -> None:
+    fakes: Any, router: Any
+) -> None:
     p = await fakes("prefill", engine_id="p")
     p.dp_size, p.dp_size_known = 2, True
     d = await fakes("decode")

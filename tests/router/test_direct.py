@@ -41,21 +41,22 @@ async def test_short_prompt_goes_to_decode_alone_without_kv_transfer_params(fake
     assert ds.body == {**COMPLETION, "prompt": SHORT}
     assert resp.headers["x-request-id"] == ds.headers["x-request-id"]
     assert direct_count(r) == 1 and direct_count(r, "/v1/chat/completions") == 0
-    assert r.sample("kvpush_router_requests_total", endpoint="/v1/completions",
-                    outcome="ok") == 1
+    assert r.sample("kvpush_router_requests_total", endpoint="/v1/completions", outcome="ok") == 1
     assert r.sample("kvpush_router_ttft_seconds_count", endpoint="/v1/completions") == 1
 
 
 async def test_a_short_prompt_with_the_clients_own_kv_transfer_params_takes_both_legs(
-        fakes, router):
+    fakes, router
+):
     # As before this path existed: both legs, each with the router's params (never the
     # client's), and not counted as direct.
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], direct_below_tokens=16)
     client_params = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
 
-    resp = await r.post("/v1/completions",
-                        {**COMPLETION, "prompt": SHORT, "kv_transfer_params": client_params})
+    resp = await r.post(
+        "/v1/completions", {**COMPLETION, "prompt": SHORT, "kv_transfer_params": client_params}
+    )
 
     assert resp.status_code == 200, resp.text
     (ps,), (ds,) = p.requests, d.requests
@@ -102,8 +103,10 @@ async def test_zero_turns_it_off_even_for_a_one_token_prompt(fakes, router):
     assert len(p.requests) == len(d.requests) == 1
     assert "kv_transfer_params" in d.requests[0].body
     # Exported at 0 from the start, so rate() and dashboards see the series.
-    assert r.registry.get_sample_value("kvpush_router_direct_total",
-                                       {"endpoint": "/v1/completions"}) == 0.0
+    assert (
+        r.registry.get_sample_value("kvpush_router_direct_total", {"endpoint": "/v1/completions"})
+        == 0.0
+    )
 
 
 async def test_token_ids_count_exactly_at_the_threshold(fakes, router):
@@ -113,8 +116,7 @@ async def test_token_ids_count_exactly_at_the_threshold(fakes, router):
     below = await r.post("/v1/completions", {**COMPLETION, "prompt": list(range(100, 107))})
     at = await r.post("/v1/completions", {**COMPLETION, "prompt": list(range(100, 108))})
     # A batch of token-id lists counts them all: 4 + 3 is below 8.
-    batch = await r.post("/v1/completions",
-                         {**COMPLETION, "prompt": [[1, 2, 3, 4], [5, 6, 7]]})
+    batch = await r.post("/v1/completions", {**COMPLETION, "prompt": [[1, 2, 3, 4], [5, 6, 7]]})
 
     assert below.status_code == at.status_code == batch.status_code == 200
     assert [len(s.body["prompt"]) for s in d.requests] == [7, 8, 2]
@@ -139,39 +141,51 @@ async def test_the_threshold_is_the_estimate_of_text(fakes, router):
 async def test_streamed_chat_short_goes_alone_long_takes_both_legs(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], direct_below_tokens=16)
-    chat = {"model": MODEL, "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}
+    chat = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     short = {**chat, "messages": [{"role": "user", "content": "w10 w11"}]}
 
     resp = await r.post("/v1/chat/completions", short)
 
-    assert resp.status_code == 200 and resp.headers["content-type"].startswith(
-        "text/event-stream")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
     (ds,) = d.requests
     tid = ds.headers["x-request-id"]
     assert resp.content == b"".join(d.sse_events("/v1/chat/completions", ds.body, tid))
     assert ds.body == short and p.requests == []
     assert direct_count(r, "/v1/chat/completions") == 1
 
-    long = {**chat, "messages": [{"role": "system", "content": LONG},
-                                 {"role": "user", "content": "w10 w11"}]}
+    long = {
+        **chat,
+        "messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "w10 w11"}],
+    }
     resp = await r.post("/v1/chat/completions", long)
     assert resp.status_code == 200 and resp.content.endswith(b"data: [DONE]\n\n")
     assert len(p.requests) == 1 and p.requests[0].body["max_completion_tokens"] == 1
     assert d.requests[1].body["kv_transfer_params"]["do_remote_prefill"] is True
     assert direct_count(r, "/v1/chat/completions") == 1
-    await wait_until(lambda: r.sample("kvpush_router_requests_total",
-                                      endpoint="/v1/chat/completions", outcome="ok") == 2)
+    await wait_until(
+        lambda: (
+            r.sample("kvpush_router_requests_total", endpoint="/v1/chat/completions", outcome="ok")
+            == 2
+        )
+    )
 
 
 async def test_a_chat_part_the_router_cannot_size_takes_both_legs(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], direct_below_tokens=1000)
-    content = [{"type": "text", "text": "w10"},
-               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "w10"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
 
-    resp = await r.post("/v1/chat/completions",
-                        {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    resp = await r.post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    )
 
     assert resp.status_code == 200, resp.text
     assert len(p.requests) == 1 and direct_count(r, "/v1/chat/completions") == 0
@@ -203,8 +217,10 @@ async def test_a_failed_decode_is_retried_on_another_decode_alone(fakes, router)
     assert len(d1.requests) == len(d2.requests) == 1 and p.requests == []
     assert "kv_transfer_params" not in d2.requests[0].body
     assert r.sample("kvpush_router_retries_total", reason="decode_status") == 1
-    assert r.sample("kvpush_router_requests_total", endpoint="/v1/completions",
-                    outcome="retried_ok") == 1
+    assert (
+        r.sample("kvpush_router_requests_total", endpoint="/v1/completions", outcome="retried_ok")
+        == 1
+    )
     assert direct_count(r) == 1  # one request, however many attempts
 
     d2.status = 503
@@ -218,16 +234,24 @@ async def test_client_leaving_a_direct_stream_closes_the_decode_leg(fakes, route
     d.chunk_delay = 0.2
     r = await router([p], [d], direct_below_tokens=16)
 
-    async with r.client.stream("POST", r.url + "/v1/completions",
-                               json={**COMPLETION, "prompt": SHORT, "stream": True}) as resp:
+    async with r.client.stream(
+        "POST", r.url + "/v1/completions", json={**COMPLETION, "prompt": SHORT, "stream": True}
+    ) as resp:
         assert resp.status_code == 200
         async for _ in resp.aiter_raw():
             break
 
     await asyncio.wait_for(d.requests[0].disconnected.wait(), 3)
-    await wait_until(lambda: r.sample("kvpush_router_requests_total",
-                                      endpoint="/v1/completions",
-                                      outcome="client_cancelled") == 1)
+    await wait_until(
+        lambda: (
+            r.sample(
+                "kvpush_router_requests_total",
+                endpoint="/v1/completions",
+                outcome="client_cancelled",
+            )
+            == 1
+        )
+    )
     assert r.sample("kvpush_router_inflight", role="decode", backend=d.url) == 0
     assert p.requests == []
 
@@ -257,29 +281,39 @@ async def test_each_direct_request_is_logged_at_debug(fakes, router, caplog):
     assert len(lines) == 2
     assert "prompt of 3 tokens is below direct_below_tokens = 16" in lines[0]
     assert "prompt of ~5 tokens" in lines[1] and d.url in lines[1]
-    assert all(rec.levelno == logging.DEBUG for rec in caplog.records
-               if "alone" in rec.getMessage())
+    assert all(
+        rec.levelno == logging.DEBUG for rec in caplog.records if "alone" in rec.getMessage()
+    )
 
 
 def test_the_default_threshold_is_the_measured_one_and_flags_set_it() -> None:
     backends = ["--prefill", "http://a:1", "--decode", "http://b:2"]
     assert settings_from_args(backends).direct_below_tokens == DIRECT_BELOW_TOKENS > 0
     assert settings_from_args([*backends, "--direct-below-tokens", "0"]).direct_below_tokens == 0
-    assert settings_from_args([*backends, "--direct-below-tokens", "200"]).direct_below_tokens \
-        == 200
+    assert (
+        settings_from_args([*backends, "--direct-below-tokens", "200"]).direct_below_tokens == 200
+    )
 
 
-@pytest.mark.parametrize(("key", "value", "needle"), [
-    ("direct_below_tokens", -1, "direct_below_tokens = -1: Input should be greater than or "
-                                "equal to 0"),
-    ("direct_below_tokens", "many", "direct_below_tokens = 'many'"),
-    ("direct_chars_per_token", 0.5, "direct_chars_per_token = 0.5: Input should be greater "
-                                    "than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        (
+            "direct_below_tokens",
+            -1,
+            "direct_below_tokens = -1: Input should be greater than or equal to 0",
+        ),
+        ("direct_below_tokens", "many", "direct_below_tokens = 'many'"),
+        (
+            "direct_chars_per_token",
+            0.5,
+            "direct_chars_per_token = 0.5: Input should be greater than or equal to 1",
+        ),
+    ],
+)
 def test_bad_settings_name_the_key_and_value(key, value, needle) -> None:
     with pytest.raises(ConfigError) as e:
-        settings_from_mapping({"prefill": ["http://a:1"], "decode": ["http://b:2"],
-                               key: value})
+        settings_from_mapping({"prefill": ["http://a:1"], "decode": ["http://b:2"], key: value})
     assert needle in str(e.value)
 
 
@@ -287,7 +321,9 @@ def test_the_yaml_file_sets_both(tmp_path: Path) -> None:
     from kvpush_prod.router import load_settings
 
     path = tmp_path / "router.yaml"
-    path.write_text("prefill: [http://a:1]\ndecode: [http://b:2]\n"
-                    "direct_below_tokens: 48\ndirect_chars_per_token: 4\n")
+    path.write_text(
+        "prefill: [http://a:1]\ndecode: [http://b:2]\n"
+        "direct_below_tokens: 48\ndirect_chars_per_token: 4\n"
+    )
     s = load_settings(path)
     assert (s.direct_below_tokens, s.direct_chars_per_token) == (48, 4.0)

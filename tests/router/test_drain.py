@@ -113,9 +113,7 @@ async def _wait_up(client: httpx.AsyncClient, url: str) -> None:
     raise AssertionError("router never became healthy")
 
 
-async def test_sigterm_drains_open_streams_refuses_new_requests_then_exits(
-    fakes, router_process
-):
+async def test_sigterm_drains_open_streams_refuses_new_requests_then_exits(fakes, router_process):
     p, d = await fakes("prefill"), await fakes("decode")
     d.gate = asyncio.Event()  # the stream stays open until the test lets it finish
     rp = await router_process(p, d)

@@ -60,8 +60,10 @@ async def test_declared_body_over_the_limit_is_413_before_any_byte_is_read(fakes
 
     # Expect: 100-continue: the router answers without asking for the 64 MiB.
     answer = await raw_exchange(
-        r.url, head(content_length=str(64 << 20), expect="100-continue",
-                    content_type="application/json")  # fmt: skip
+        r.url,
+        head(
+            content_length=str(64 << 20), expect="100-continue", content_type="application/json"
+        ),  # fmt: skip
     )
 
     status, body = status_and_body(answer)
@@ -277,8 +279,7 @@ async def test_requests_past_the_concurrency_limit_get_503_with_retry_after(fake
     assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
 
 
-async def test_clients_still_sending_their_body_hold_no_slot_and_others_are_served(
-        fakes, router):
+async def test_clients_still_sending_their_body_hold_no_slot_and_others_are_served(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], max_concurrent_requests=2, body_timeout_s=5.0)
     parts = urlsplit(r.url)

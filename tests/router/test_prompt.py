@@ -32,14 +32,19 @@ def test_token_ids_count_exactly() -> None:
     assert completion([[1, 2, 3], [4, 5]]) == PromptSize(5, exact=True)
 
 
-@pytest.mark.parametrize(("text", "tokens"), [
-    ("w10 w11 w12", 4),  # 11 ASCII characters / 3
-    ("a b c d e f g", 7),  # more words than characters / 3: a token a word at least
-    ("日本語のテキスト", 8 * 3),  # not ASCII: a token a UTF-8 byte (3 each here)
-    ("naïve café", 3 + 2 * 2),  # 8 ASCII characters / 3, and two of 2 bytes each
-    ("", 0),
-])
-def test_text_counts_ascii_by_characters_other_text_by_bytes_a_token_a_word_at_least(text: str, tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        ("w10 w11 w12", 4),  # 11 ASCII characters / 3
+        ("a b c d e f g", 7),  # more words than characters / 3: a token a word at least
+        ("日本語のテキスト", 8 * 3),  # not ASCII: a token a UTF-8 byte (3 each here)
+        ("naïve café", 3 + 2 * 2),  # 8 ASCII characters / 3, and two of 2 bytes each
+        ("", 0),
+    ],
+)
+def test_text_counts_ascii_by_characters_other_text_by_bytes_a_token_a_word_at_least(
+    text: str, tokens: int
+) -> None:
     assert completion(text) == PromptSize(tokens + BOS_TOKENS)
 
 
@@ -51,8 +56,12 @@ def test_a_batch_of_strings_and_a_suffix_count_all_their_text() -> None:
 def test_chat_counts_text_parts_tool_calls_tools_and_template_markers() -> None:
     # The template's markers, and each role's name ("system": 2 tokens, "user": 2).
     base = CHAT_TOKENS_PER_REQUEST + 2 * CHAT_TOKENS_PER_MESSAGE + 2 + 2
-    got = chat([{"role": "system", "content": "abcdef"},
-                {"role": "user", "content": [{"type": "text", "text": "abc"}, "abc"]}])
+    got = chat(
+        [
+            {"role": "system", "content": "abcdef"},
+            {"role": "user", "content": [{"type": "text", "text": "abc"}, "abc"]},
+        ]
+    )
     assert got == PromptSize(base + 2 + 1 + 1)
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     with_calls = chat([{"role": "assistant", "content": None, "tool_calls": calls}])
@@ -64,28 +73,34 @@ def test_chat_counts_text_parts_tool_calls_tools_and_template_markers() -> None:
     assert (chat([{"role": "user", "content": "hi"}], tools=tools).tokens or 0) > plain.tokens + 10
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": None},
-    {},
-    {"prompt": []},
-    {"prompt": [1, "two"]},
-    {"prompt": [1.5, 2]},
-    {"prompt": [True, 2]},
-    {"prompt": "abc", "prompt_embeds": "AAAA"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": None},
+        {},
+        {"prompt": []},
+        {"prompt": [1, "two"]},
+        {"prompt": [1.5, 2]},
+        {"prompt": [True, 2]},
+        {"prompt": "abc", "prompt_embeds": "AAAA"},
+    ],
+)
 def test_a_completion_the_router_cannot_size_is_unknown(body: dict[str, object]) -> None:
     size = prompt_tokens(COMPLETIONS_PATH, body, 3.0, CAP)
     assert size.tokens is None and not size.below(CAP)
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-    [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
-    [{"role": "user", "content": {"text": "not a list"}}],
-    ["not a message"],
-    [],
-    None,
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+        [{"role": "user", "content": {"text": "not a list"}}],
+        ["not a message"],
+        [],
+        None,
+    ],
+)
 def test_a_chat_the_router_cannot_size_is_unknown(messages: object) -> None:
     assert chat(messages).tokens is None
 
@@ -118,31 +133,40 @@ def test_whatever_else_a_message_or_the_request_carries_counts_as_its_json() -> 
     plain = chat([{"role": "user", "content": "hi"}]).tokens
     assert plain is not None
     reasoning = "r" * 300
-    for extra_message in ({"reasoning_content": reasoning}, {"name": reasoning},
-                          {"tool_call_id": reasoning}):
+    for extra_message in (
+        {"reasoning_content": reasoning},
+        {"name": reasoning},
+        {"tool_call_id": reasoning},
+    ):
         got = chat([{"role": "user", "content": "hi", **extra_message}]).tokens
         assert got is not None and got >= plain + 100, extra_message
-    kwargs = chat([{"role": "user", "content": "hi"}],
-                  chat_template_kwargs={"system": reasoning}).tokens
+    kwargs = chat(
+        [{"role": "user", "content": "hi"}], chat_template_kwargs={"system": reasoning}
+    ).tokens
     assert kwargs is not None and kwargs >= plain + 100
     # A role is written out by the template too: 300 characters are 100 tokens, "user" 2.
     assert chat([{"role": "x" * 300, "content": "hi"}]) == PromptSize(plain + 98)
 
 
 def test_a_chat_template_of_the_clients_own_is_unsized() -> None:
-    assert chat([{"role": "user", "content": "hi"}], chat_template="{{ 'x' * 10000 }}") \
-        == PromptSize(None)
+    assert chat(
+        [{"role": "user", "content": "hi"}], chat_template="{{ 'x' * 10000 }}"
+    ) == PromptSize(None)
 
 
-@pytest.mark.parametrize("text", [
-    "x" * 191,  # the most ASCII a 64-token estimate lets through: at most 191 tokens
-    "\u00e9" * 60,  # 2-byte characters
-    "\U0001F600" * 15,  # 4-byte characters
-    "\ud800" * 20,  # a lone surrogate (JSON allows one) counts as its 3 bytes
-    "!@#$%^&*()" * 19,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 191,  # the most ASCII a 64-token estimate lets through: at most 191 tokens
+        "\u00e9" * 60,  # 2-byte characters
+        "\U0001f600" * 15,  # 4-byte characters
+        "\ud800" * 20,  # a lone surrogate (JSON allows one) counts as its 3 bytes
+        "!@#$%^&*()" * 19,
+    ],
+)
 def test_a_text_below_the_threshold_has_at_most_chars_per_token_times_it_in_utf8_bytes(
-        text: str) -> None:
+    text: str,
+) -> None:
     # Every byte-level BPE token covers a UTF-8 byte at least: a client cannot send a prompt
     # of more than chars_per_token * threshold tokens down the direct path, whatever it writes.
     size = prompt_tokens(COMPLETIONS_PATH, {"prompt": text}, 3.0, 64)

@@ -560,8 +560,11 @@ async def test_the_clients_trace_context_goes_to_both_legs(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d])
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    await r.post("/v1/completions", COMPLETION,
-                 headers={"traceparent": parent, "tracestate": "k=v", "x-other": "no"})
+    await r.post(
+        "/v1/completions",
+        COMPLETION,
+        headers={"traceparent": parent, "tracestate": "k=v", "x-other": "no"},
+    )
     for leg in (p.requests[0], d.requests[0]):
         assert leg.headers["traceparent"] == parent and leg.headers["tracestate"] == "k=v"
         assert "x-other" not in leg.headers
@@ -588,7 +591,8 @@ async def test_engine_load_routes_to_the_engine_its_metrics_say_is_idle(fakes, r
 
 
 async def test_a_leg_whose_http_client_raises_is_a_failed_leg_not_a_dropped_client(
-        fakes, router, monkeypatch):
+    fakes, router, monkeypatch
+):
     """httpcore raised AttributeError on a connection P tore down mid-connect (P killed):
     the app let it out and the client's connection dropped with no answer. Now it is a
     failed leg: retried on another pair, or a 502 naming the backend when none is left."""

@@ -94,16 +94,18 @@ async def test_each_leg_is_signed_for_its_own_leg_and_p_key_reaches_d(fakes, rou
     assert health["prefill"][0]["identity"]["remote_key"] == P_KEY
 
 
-async def test_every_leg_gets_its_own_nonce_and_an_engine_takes_each_once(fakes, router,
-                                                                          tmp_path):
+async def test_every_leg_gets_its_own_nonce_and_an_engine_takes_each_once(fakes, router, tmp_path):
     p, d = await fakes("prefill"), await fakes("decode")
     r = await router([p], [d], params_key_file=key_file(tmp_path))
 
     for _ in range(2):
         assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
 
-    legs = [(s.headers["x-request-id"], s.body["kv_transfer_params"], leg)
-            for fake, leg in ((p, PREFILL), (d, DECODE)) for s in fake.requests]
+    legs = [
+        (s.headers["x-request-id"], s.body["kv_transfer_params"], leg)
+        for fake, leg in ((p, PREFILL), (d, DECODE))
+        for s in fake.requests
+    ]
     nonces = [params[SIG_FIELD]["nonce"] for _, params, _ in legs]
     assert len(legs) == 4 and len(set(nonces)) == 4
     # What the engines do with them: the first request to use a leg's nonce takes it, a
@@ -196,8 +198,7 @@ async def test_a_restarted_decode_is_probed_again_for_its_new_key(fakes, router)
     assert p.requests[-1].body["kv_transfer_params"]["decode_key"] == D_KEY_2
 
 
-async def test_pull_mode_signs_each_leg_with_only_the_fields_it_may_carry(fakes, router,
-                                                                          tmp_path):
+async def test_pull_mode_signs_each_leg_with_only_the_fields_it_may_carry(fakes, router, tmp_path):
     p, d = await fakes("prefill"), await fakes("decode")
     p.remote_key = P_KEY
     r = await router([p], [d], mode="pull", params_key_file=key_file(tmp_path))
@@ -206,14 +207,19 @@ async def test_pull_mode_signs_each_leg_with_only_the_fields_it_may_carry(fakes,
 
     tid = p.requests[0].headers["x-request-id"]
     assert verified(p.requests[0].body["kv_transfer_params"], PREFILL) == {
-        "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": tid,
+    }
     d_params = verified(d.requests[0].body["kv_transfer_params"], DECODE)
     # P's answer, less what only vLLM's pull connector reads (block ids, its request id),
     # bound to the router's transfer id (this fake P, unlike kvpush's, names none).
     answer = p.identity_params(tid)
     assert "transfer_id" not in answer
-    assert d_params == {**{k: v for k, v in answer.items() if k in LEG_FIELDS[DECODE]},
-                        "transfer_id": tid}
+    assert d_params == {
+        **{k: v for k, v in answer.items() if k in LEG_FIELDS[DECODE]},
+        "transfer_id": tid,
+    }
     assert d_params["remote_key"] == P_KEY and "remote_block_ids" not in d_params
     assert not d.probes  # pull mode names no D to P: nothing to probe D for
 

@@ -43,8 +43,9 @@ async def test_signed_legs_arrive_over_tls_verified_against_the_ca(fakes, router
     p = await fakes("prefill", tls=serving(pki.server_cert, pki.server_key))
     d = await fakes("decode", tls=serving(pki.server_cert, pki.server_key))
     assert p.url.startswith("https://") and d.url.startswith("https://")
-    r = await router([p], [d], backend_ca_file=str(pki.ca),
-                     params_key_file=params_key_file(tmp_path))
+    r = await router(
+        [p], [d], backend_ca_file=str(pki.ca), params_key_file=params_key_file(tmp_path)
+    )
 
     resp = await r.post("/v1/completions", COMPLETION)
 
@@ -78,7 +79,8 @@ async def test_a_backend_whose_certificate_another_ca_signed_gets_nothing(fakes,
 
 
 async def test_a_leg_to_a_backend_that_changed_to_a_foreign_certificate_is_a_connect_failure(
-        fakes, router, pki):
+    fakes, router, pki
+):
     p = await fakes("prefill", tls=serving(pki.server_cert, pki.server_key))
     d1 = await fakes("decode", tls=serving(pki.server_cert, pki.server_key))
     d2 = await fakes("decode", tls=serving(pki.server_cert, pki.server_key))
@@ -110,8 +112,11 @@ async def test_a_plain_http_engine_behind_an_https_url_is_named(fakes, router, p
 
 
 async def test_mutual_tls_needs_the_routers_client_certificate(fakes, router, pki):
-    strict = {**serving(pki.server_cert, pki.server_key), "ssl_ca_certs": str(pki.ca),
-              "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    strict = {
+        **serving(pki.server_cert, pki.server_key),
+        "ssl_ca_certs": str(pki.ca),
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+    }
     p, d = await fakes("prefill", tls=strict), await fakes("decode", tls=strict)
 
     anonymous = await router([p], [d], backend_ca_file=str(pki.ca))
@@ -120,9 +125,13 @@ async def test_mutual_tls_needs_the_routers_client_certificate(fakes, router, pk
     assert "Connection reset" in health.json()["decode"][0]["error"]
     assert not p.requests and not d.requests
 
-    r = await router([p], [d], backend_ca_file=str(pki.ca),
-                     backend_client_cert_file=str(pki.client_cert),
-                     backend_client_key_file=str(pki.client_key))
+    r = await router(
+        [p],
+        [d],
+        backend_ca_file=str(pki.ca),
+        backend_client_cert_file=str(pki.client_cert),
+        backend_client_key_file=str(pki.client_key),
+    )
     resp = await r.post("/v1/completions", COMPLETION)
     assert resp.status_code == 200, resp.text
     assert p.requests[0].scheme == d.requests[0].scheme == "https"

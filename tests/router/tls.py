@@ -28,5 +28,6 @@ def make_pki(directory: Path) -> Pki:
     server = issue_cert(ca, d, "engine")
     client = issue_cert(ca, d, "router", ("router",), client=True)
     rogue = issue_cert(make_ca(d, "rogue"), d, "rogue-engine")
-    return Pki(ca[0], ca[1], server.cert, server.key, client.cert, client.key, rogue.cert,
-               rogue.key)
+    return Pki(
+        ca[0], ca[1], server.cert, server.key, client.cert, client.key, rogue.cert, rogue.key
+    )

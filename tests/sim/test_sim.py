@@ -64,16 +64,22 @@ def block_bytes(m: ClusterModel) -> int:
 def settings_of(m: ClusterModel) -> tuple[object, ...]:
     """What the kvpush mode's core objects run on, read off the objects themselves."""
     sim = Sim(m, "kvpush", Workload(requests=2))
-    return ({s.s for s in sim.senders}, {r.s for r in sim.receivers},
-            {ledger.settings for ledger in sim.ledgers})
+    return (
+        {s.s for s in sim.senders},
+        {r.s for r in sim.receivers},
+        {ledger.settings for ledger in sim.ledgers},
+    )
 
 
 def test_the_p5en_preset_runs_kvpush_on_the_shipped_efa_p5en_profile():
     assert P5EN.profile == "efa-p5en"
     cfg = load_config("efa-p5en", env={})
     core = core_settings(cfg, block_bytes(SMALL))
-    assert settings_of(SMALL) == ({core.sender}, {core.receiver},
-                                  {credit_settings(cfg, SMALL.decode_kv_blocks)})
+    assert settings_of(SMALL) == (
+        {core.sender},
+        {core.receiver},
+        {credit_settings(cfg, SMALL.decode_kv_blocks)},
+    )
     # The numbers operators read in the profile file are the ones simulated.
     text = yaml.safe_load(locate("efa-p5en").read_text())
     sched = core.sender.scheduler
@@ -109,9 +115,29 @@ def test_no_kvpush_setting_is_the_simulators_own():
 
 def test_set_takes_keys_of_the_profile_as_well_as_model_fields(tmp_path: Path):
     out = tmp_path / "sim.json"
-    assert sim_main(["--requests", "4", "--concurrency", "2", "--lengths", "1024",
-                     "--output-tokens", "4", "--modes", "kvpush", "--set", "pull_coord_s=0",
-                     "--set", "leases.permit_ttl_s=7", "--json", str(out)]) == 0
+    assert (
+        sim_main(
+            [
+                "--requests",
+                "4",
+                "--concurrency",
+                "2",
+                "--lengths",
+                "1024",
+                "--output-tokens",
+                "4",
+                "--modes",
+                "kvpush",
+                "--set",
+                "pull_coord_s=0",
+                "--set",
+                "leases.permit_ttl_s=7",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     model = json.loads(out.read_text())["model"]
     assert model["pull_coord_s"] == 0 and model["overrides"] == ["leases.permit_ttl_s=7"]
     m = P5EN.with_(overrides=tuple(model["overrides"]))
@@ -239,8 +265,15 @@ def test_calibration_fits_the_quadratic_growth_of_prefill_with_three_lengths():
     def ttft(n):  # ms: 5 + 0.05 n + 0.00004 n^2
         return 5 + 0.05 * n + 0.00004 * n * n
 
-    single = {f"{n}x1": {"length": n, "concurrency": 1, "ttft_ms": {"p50": ttft(n)},
-                         "tpot_ms": {"p50": 4.0}} for n in (256, 1024, 1900)}
+    single = {
+        f"{n}x1": {
+            "length": n,
+            "concurrency": 1,
+            "ttft_ms": {"p50": ttft(n)},
+            "tpot_ms": {"p50": 4.0},
+        }
+        for n in (256, 1024, 1900)
+    }
     m, fitted = calibrate({"cells": {"single": single}}, CPU_LOOPBACK)
     assert m.prefill_s_per_token == pytest.approx(0.05e-3, rel=1e-6)
     assert m.prefill_s_per_token2 == pytest.approx(0.04e-6, rel=1e-6)

@@ -43,15 +43,17 @@ class FakeAgent:
     def add_remote_agent(self, meta: bytes) -> str:
         return meta.decode()
 
-    def make_prepped_xfer(self, op: str, local: np.ndarray, li: Any, remote: np.ndarray,
-                          ri: Any, notif: bytes) -> tuple[Any, ...]:
+    def make_prepped_xfer(
+        self, op: str, local: np.ndarray, li: Any, remote: np.ndarray, ri: Any, notif: bytes
+    ) -> tuple[Any, ...]:
         return (op, local[np.asarray(li)], remote[np.asarray(ri)])
 
     def get_xfer_descs(self, descs: np.ndarray, mem: str) -> np.ndarray:
         return descs
 
-    def initialize_xfer(self, op: str, local: np.ndarray, remote: np.ndarray, agent: str,
-                        notif: bytes) -> tuple[Any, ...]:
+    def initialize_xfer(
+        self, op: str, local: np.ndarray, remote: np.ndarray, agent: str, notif: bytes
+    ) -> tuple[Any, ...]:
         return (op, local, remote)
 
     def transfer(self, handle: tuple[Any, ...]) -> str:
@@ -75,33 +77,37 @@ def values(layer: int, first_head: int, heads: int, kv: int, tokens: int) -> tor
     float32)."""
     head = torch.arange(first_head, first_head + heads).view(1, -1, 1)
     tok = torch.arange(tokens).view(-1, 1, 1)
-    return (((layer * 8 + head) * 2 + kv) * 10_000 + tok * HEAD
-            + torch.arange(HEAD).view(1, 1, -1)).float()
+    return (
+        ((layer * 8 + head) * 2 + kv) * 10_000 + tok * HEAD + torch.arange(HEAD).view(1, 1, -1)
+    ).float()
 
 
 @functools.cache
 def pattern(block: int) -> tuple[tuple[int, int], ...]:
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"),
-                          model_config=SimpleNamespace(dtype=torch.float32))
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(dtype=torch.float32),
+    )
     return cpu_token_pattern(cfg, block, HEAD)
 
 
 def caches(block: int, heads: int) -> dict[str, torch.Tensor]:
     """vLLM's CPU layout [num_blocks, kv_heads, block_size, 2 * head_size] per layer."""
-    return {f"l{i}": torch.full((NUM_BLOCKS, heads, block, 2 * HEAD), EMPTY)
-            for i in range(LAYERS)}
+    return {f"l{i}": torch.full((NUM_BLOCKS, heads, block, 2 * HEAD), EMPTY) for i in range(LAYERS)}
 
 
-def fill(c: dict[str, torch.Tensor], block: int, blocks: list[int], tokens: int,
-         first_head: int = 0) -> None:
+def fill(
+    c: dict[str, torch.Tensor], block: int, blocks: list[int], tokens: int, first_head: int = 0
+) -> None:
     """What an engine of ``block`` tokens per block holds for a prompt in ``blocks``: the
     CPU attention kernel itself writes each token's K and V."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     isa = _get_attn_isa(torch.float32, block, HEAD)
-    slots = torch.tensor([blocks[t // block] * block + t % block for t in range(tokens)],
-                         dtype=torch.int64)
+    slots = torch.tensor(
+        [blocks[t // block] * block + t % block for t in range(tokens)], dtype=torch.int64
+    )
     for layer, t in enumerate(c.values()):
         heads = t.shape[1]
         k_cache, v_cache = t.view(NUM_BLOCKS, heads, 2 * block, HEAD).chunk(2, dim=2)
@@ -116,15 +122,21 @@ def token_bytes(t: torch.Tensor, block: int, b: int, off: int) -> torch.Tensor:
     return per_head[:, owner == off]
 
 
-def assert_tokens_match(got_caches: dict[str, torch.Tensor], want_caches: dict[str, torch.Tensor],
-                        d_block: int, d_blocks: list[int], tokens: range) -> None:
+def assert_tokens_match(
+    got_caches: dict[str, torch.Tensor],
+    want_caches: dict[str, torch.Tensor],
+    d_block: int,
+    d_blocks: list[int],
+    tokens: range,
+) -> None:
     """Each token of ``tokens`` (K and V) holds the same bytes in D's blocks as in a cache
     an engine of D's block size filled itself."""
     for got, exp in zip(got_caches.values(), want_caches.values(), strict=True):
         for tok in tokens:
             b, off = d_blocks[tok // d_block], tok % d_block
-            assert torch.equal(token_bytes(got, d_block, b, off),
-                               token_bytes(exp, d_block, b, off)), tok
+            assert torch.equal(
+                token_bytes(got, d_block, b, off), token_bytes(exp, d_block, b, off)
+            ), tok
 
 
 _OWNERS: dict[int, list[int]] = {}
@@ -141,11 +153,18 @@ def owners(block: int) -> list[int]:
     return _OWNERS[block]
 
 
-def layout_of(c: dict[str, torch.Tensor], block: int, heads: int, total: int, tp: int,
-              rank: int) -> Layout:
-    return layout_from_kv_caches(c, NUM_BLOCKS, "sig", {},
-                                 Heads(heads, total, tp, rank, block_size=block,
-                                       head_size=HEAD, token_pattern=pattern(block)))
+def layout_of(
+    c: dict[str, torch.Tensor], block: int, heads: int, total: int, tp: int, rank: int
+) -> Layout:
+    return layout_from_kv_caches(
+        c,
+        NUM_BLOCKS,
+        "sig",
+        {},
+        Heads(
+            heads, total, tp, rank, block_size=block, head_size=HEAD, token_pattern=pattern(block)
+        ),
+    )
 
 
 def checksum(layout: Layout, blocks: list[int], regions: Any, units: int) -> int:
@@ -153,8 +172,9 @@ def checksum(layout: Layout, blocks: list[int], regions: Any, units: int) -> int
     return int(TransferPump._checksum(shell, blocks, regions, units))  # type: ignore[arg-type]
 
 
-def push(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int], first: int,
-         tokens: int) -> None:
+def push(
+    p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int], first: int, tokens: int
+) -> None:
     """P's transport WRITEs the units core.blocksize plans; P's and D's crc agree."""
     plan = blocksize.push_units(p, d, p_blocks, d_blocks, first, tokens)
     assert isinstance(plan, blocksize.Units), plan
@@ -167,7 +187,7 @@ def push(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int], first: 
     pc = tpmap.piece(p.tp_rank, d.tp_rank, p.tp_size, d.tp_size, d.total_kv_heads)
     assert pc is not None
     view = head_slab(d, pc.d_first, pc.heads, pc.d_local).regions
-    d_units = blocksize.expand(d_blocks, kd)[:len(plan.dst)]
+    d_units = blocksize.expand(d_blocks, kd)[: len(plan.dst)]
     assert d_units == plan.dst
     assert checksum(d, d_units, view, kd) == crc_p
 
@@ -175,10 +195,11 @@ def push(p: Layout, d: Layout, p_blocks: list[int], d_blocks: list[int], first: 
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32), (32, 128)])
 @pytest.mark.parametrize("tokens", [5, 33, 150, 250])
-def test_d_holds_what_an_engine_of_its_block_size_would(heads: int, p_block: int,
-                                                        d_block: int, tokens: int) -> None:
-    p_blocks = [11, 3, 7, 0, 5, 9, 2, 8][:-(-tokens // p_block)]
-    d_blocks = [4, 10, 1, 6, 2, 11, 0, 3][:-(-tokens // d_block)]
+def test_d_holds_what_an_engine_of_its_block_size_would(
+    heads: int, p_block: int, d_block: int, tokens: int
+) -> None:
+    p_blocks = [11, 3, 7, 0, 5, 9, 2, 8][: -(-tokens // p_block)]
+    d_blocks = [4, 10, 1, 6, 2, 11, 0, 3][: -(-tokens // d_block)]
     pc, dc = caches(p_block, heads), caches(d_block, heads)
     fill(pc, p_block, p_blocks, tokens)
     p, d = (layout_of(pc, p_block, heads, heads, 1, 0), layout_of(dc, d_block, heads, heads, 1, 0))
@@ -197,7 +218,7 @@ def test_d_holds_what_an_engine_of_its_block_size_would(heads: int, p_block: int
 def test_a_d_prefix_hit_of_one_block_is_left_alone(p_block: int, d_block: int) -> None:
     tokens, heads = 170, 2
     p_blocks = list(range(-(-tokens // p_block)))
-    d_all = [9, 4, 7, 1, 10, 2][:-(-tokens // d_block)]
+    d_all = [9, 4, 7, 1, 10, 2][: -(-tokens // d_block)]
     pc, dc = caches(p_block, heads), caches(d_block, heads)
     fill(pc, p_block, p_blocks, tokens)
     p, d = layout_of(pc, p_block, heads, heads, 1, 0), layout_of(dc, d_block, heads, heads, 1, 0)
@@ -243,29 +264,38 @@ def test_unit_descriptor_counts() -> None:
     assert peer.local_dlist.shape == (LAYERS * NUM_BLOCKS * groups, 3)
 
 
-@pytest.mark.parametrize(("shape", "groups"), [
-    ((2, NUM_BLOCKS, 32, 4, 8), 1),  # NHD: tokens outermost in a block
-    ((2, NUM_BLOCKS, 4, 32, 8), 4),  # HND: a group per head
-    ((NUM_BLOCKS, 32, 576), 1),  # MLA latent
-])
+@pytest.mark.parametrize(
+    ("shape", "groups"),
+    [
+        ((2, NUM_BLOCKS, 32, 4, 8), 1),  # NHD: tokens outermost in a block
+        ((2, NUM_BLOCKS, 4, 32, 8), 4),  # HND: a group per head
+        ((NUM_BLOCKS, 32, 576), 1),  # MLA latent
+    ],
+)
 def test_token_geometry_of_gpu_layouts(shape: tuple[int, ...], groups: int) -> None:
     t = torch.zeros(shape)
     heads = 1 if len(shape) == 3 else 4
-    lay = layout_from_kv_caches({"l": t}, NUM_BLOCKS, "sig", {},
-                                Heads(heads, heads, 1, 0, block_size=32,
-                                      head_size=576 if len(shape) == 3 else 8))
+    lay = layout_from_kv_caches(
+        {"l": t},
+        NUM_BLOCKS,
+        "sig",
+        {},
+        Heads(heads, heads, 1, 0, block_size=32, head_size=576 if len(shape) == 3 else 8),
+    )
     assert {r.tok_groups for r in lay.regions} == {groups}
     assert lay.block_size == 32
 
 
 def test_a_layout_whose_tokens_cannot_be_found_has_no_geometry() -> None:
     t = torch.zeros(NUM_BLOCKS, 32, 32, 8)  # two axes of the block size's length
-    lay = layout_from_kv_caches({"l": t}, NUM_BLOCKS, "sig", {},
-                                Heads(1, 1, 1, 0, block_size=32, head_size=8))
+    lay = layout_from_kv_caches(
+        {"l": t}, NUM_BLOCKS, "sig", {}, Heads(1, 1, 1, 0, block_size=32, head_size=8)
+    )
     assert {r.tok_groups for r in lay.regions} == {0}
     # the CPU backend's shape without a probed kernel order: unknown, never guessed
-    cpu = layout_from_kv_caches(caches(32, 2), NUM_BLOCKS, "sig", {},
-                                Heads(2, 2, 1, 0, block_size=32, head_size=HEAD))
+    cpu = layout_from_kv_caches(
+        caches(32, 2), NUM_BLOCKS, "sig", {}, Heads(2, 2, 1, 0, block_size=32, head_size=HEAD)
+    )
     assert {r.tok_groups for r in cpu.regions} == {0}
     assert "not known" in compat.layout_problem(cpu, layout_of(caches(64, 2), 64, 2, 2, 1, 0))
 
@@ -288,11 +318,10 @@ def test_the_layout_hash_no_longer_names_the_block_size() -> None:
 
 
 @pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
-def test_a_pull_fallback_reads_the_same_units_into_ds_blocks(p_block: int,
-                                                             d_block: int) -> None:
+def test_a_pull_fallback_reads_the_same_units_into_ds_blocks(p_block: int, d_block: int) -> None:
     tokens, heads = 150, 2
-    p_blocks = [7, 2, 9, 4, 0][:-(-tokens // p_block)]
-    d_blocks = [3, 8, 5, 1, 11][:-(-tokens // d_block)]
+    p_blocks = [7, 2, 9, 4, 0][: -(-tokens // p_block)]
+    d_blocks = [3, 8, 5, 1, 11][: -(-tokens // d_block)]
     pc, dc = caches(p_block, heads), caches(d_block, heads)
     fill(pc, p_block, p_blocks, tokens)
     p, d = layout_of(pc, p_block, heads, heads, 1, 0), layout_of(dc, d_block, heads, heads, 1, 0)

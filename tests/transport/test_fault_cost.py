@@ -19,8 +19,9 @@ class Inner:
         self.last_post: Any = None
         self.posts = 0
 
-    def post(self, op: str, peer: RemotePeer, local: list[int], remote: list[int],
-             notif: bytes = b"") -> Any:
+    def post(
+        self, op: str, peer: RemotePeer, local: list[int], remote: list[int], notif: bytes = b""
+    ) -> Any:
         self.posts += 1
         self.last_post = ("cost", self.posts)
         return self.posts

@@ -48,8 +48,10 @@ def test_strided_block_contents_are_refused_with_a_clear_error() -> None:
 
 def test_layouts_differ_in_compat_when_the_signature_differs() -> None:
     t = torch.zeros(4, 2, 8)
-    assert (layout_from_kv_caches({"a": t}, 4, "x").compat
-            != layout_from_kv_caches({"a": t}, 4, "y").compat)
+    assert (
+        layout_from_kv_caches({"a": t}, 4, "x").compat
+        != layout_from_kv_caches({"a": t}, 4, "y").compat
+    )
 
 
 def test_descriptor_indices_are_region_major() -> None:

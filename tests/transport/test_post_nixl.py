@@ -44,8 +44,10 @@ def agents() -> tuple[Any, Any]:
     """P's and D's agents, shared by the module's tests (each test registers and releases
     its own caches through its own transports)."""
     tag = f"{os.getpid()}-{next(_names)}"
-    return (make_agent(f"kvpush-test-p-{tag}", "UCX", True, 1000),
-            make_agent(f"kvpush-test-d-{tag}", "UCX", True, 1000))
+    return (
+        make_agent(f"kvpush-test-p-{tag}", "UCX", True, 1000),
+        make_agent(f"kvpush-test-d-{tag}", "UCX", True, 1000),
+    )
 
 
 @dataclass
@@ -59,16 +61,33 @@ class Cache:
         return addr - self.buf.data_ptr()
 
 
-def cache(shape: Callable[[int], tuple[int, ...]], block: int, num_blocks: int, heads: int,
-          total: int, tp: int, rank: int, seed: int) -> Cache:
+def cache(
+    shape: Callable[[int], tuple[int, ...]],
+    block: int,
+    num_blocks: int,
+    heads: int,
+    total: int,
+    tp: int,
+    rank: int,
+    seed: int,
+) -> Cache:
     """``LAYERS`` float32 tensors of ``shape(num_blocks)`` carved from one random buffer."""
     numel = int(np.prod(shape(num_blocks)))
     gen = torch.Generator().manual_seed(seed)
     buf = torch.randint(0, 256, (LAYERS * numel * 4,), dtype=torch.uint8, generator=gen)
-    layers = {f"l{i}": buf[i * numel * 4:(i + 1) * numel * 4].view(torch.float32)
-              .view(shape(num_blocks)) for i in range(LAYERS)}
-    lay = layout_from_kv_caches(layers, num_blocks, "sig", {},
-                                Heads(heads, total, tp, rank, block_size=block, head_size=HEAD))
+    layers = {
+        f"l{i}": buf[i * numel * 4 : (i + 1) * numel * 4]
+        .view(torch.float32)
+        .view(shape(num_blocks))
+        for i in range(LAYERS)
+    }
+    lay = layout_from_kv_caches(
+        layers,
+        num_blocks,
+        "sig",
+        {},
+        Heads(heads, total, tp, rank, block_size=block, head_size=HEAD),
+    )
     return Cache(buf, lay)
 
 
@@ -94,20 +113,20 @@ def ids_of(kind: str, n: int, limit: int, rng: random.Random) -> list[int]:
     free = list(range(limit))
     while len(out) < n:
         start = rng.choice(free)
-        run = [b for b in range(start, start + rng.randint(1, 5)) if b in free][:n - len(out)]
+        run = [b for b in range(start, start + rng.randint(1, 5)) if b in free][: n - len(out)]
         run = run or [start]
         out += run
         free = [b for b in free if b not in run]
     return out
 
 
-def old_pairs(t: NixlTransport, peer: Any, lids: list[int],
-              rids: list[int]) -> list[tuple[int, int, int]]:
+def old_pairs(
+    t: NixlTransport, peer: Any, lids: list[int], rids: list[int]
+) -> list[tuple[int, int, int]]:
     """(local addr, remote addr, bytes) of every descriptor the old path posted."""
     local = peer.local or t.layout
     if peer.unit_tokens:
-        ld, rd = unit_descriptors(local, peer.local_k), unit_descriptors(peer.layout,
-                                                                         peer.remote_k)
+        ld, rd = unit_descriptors(local, peer.local_k), unit_descriptors(peer.layout, peer.remote_k)
         li = unit_indices(lids, local, peer.local_k)
         ri = unit_indices(rids, peer.layout, peer.remote_k)
     else:
@@ -116,13 +135,14 @@ def old_pairs(t: NixlTransport, peer: Any, lids: list[int],
     return [(int(ld[a, 0]), int(rd[b, 0]), int(ld[a, 1])) for a, b in zip(li, ri, strict=True)]
 
 
-def expected(src: Cache, dst: Cache, pairs: list[tuple[int, int, int]],
-             write: bool) -> torch.Tensor:
+def expected(
+    src: Cache, dst: Cache, pairs: list[tuple[int, int, int]], write: bool
+) -> torch.Tensor:
     """``dst``'s bytes after the old path's copies (``pairs`` as the poster sees them)."""
     out = dst.buf.clone()
     for la, ra, n in pairs:
         s, d = (la, ra) if write else (ra, la)
-        out[dst.offset(d):dst.offset(d) + n] = src.buf[src.offset(s):src.offset(s) + n]
+        out[dst.offset(d) : dst.offset(d) + n] = src.buf[src.offset(s) : src.offset(s) + n]
     return out
 
 
@@ -136,8 +156,7 @@ def wait_done(t: NixlTransport, handle: Any) -> None:
 
 
 @pytest.fixture
-def pair(agents: tuple[Any, Any]) -> Iterator[Callable[..., tuple[NixlTransport,
-                                                                   NixlTransport]]]:
+def pair(agents: tuple[Any, Any]) -> Iterator[Callable[..., tuple[NixlTransport, NixlTransport]]]:
     made: list[NixlTransport] = []
 
     def connect(p: Cache, d: Cache, **kw: Any) -> tuple[NixlTransport, NixlTransport]:
@@ -151,8 +170,9 @@ def pair(agents: tuple[Any, Any]) -> Iterator[Callable[..., tuple[NixlTransport,
         t.close()
 
 
-def push(tp: NixlTransport, td: NixlTransport, p: Cache, d: Cache, lids: list[int],
-         rids: list[int]) -> torch.Tensor:
+def push(
+    tp: NixlTransport, td: NixlTransport, p: Cache, d: Cache, lids: list[int], rids: list[int]
+) -> torch.Tensor:
     """P WRITEs ``lids`` into D's ``rids``; what the old path would have left in D."""
     peer = tp.connect(td.metadata(), d.layout, td.name)
     want = expected(p, d, old_pairs(tp, peer, lids, rids), write=True)
@@ -165,13 +185,14 @@ PATHS = ["auto", "prepped", "coalesced"]
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("p_kind", "d_kind"), [(k, k) for k in KINDS] + [("contiguous",
-                                                                            "fragmented")])
+@pytest.mark.parametrize(
+    ("p_kind", "d_kind"), [(k, k) for k in KINDS] + [("contiguous", "fragmented")]
+)
 @pytest.mark.parametrize("shape", [cpu, nhd])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_whole_blocks_land_as_the_old_path_put_them(pair: Any, path: str, p_kind: str,
-                                                    d_kind: str, shape: Any,
-                                                    seed: int) -> None:
+def test_whole_blocks_land_as_the_old_path_put_them(
+    pair: Any, path: str, p_kind: str, d_kind: str, shape: Any, seed: int
+) -> None:
     rng = random.Random(seed)
     p = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed)
     d = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed + 100)
@@ -182,8 +203,9 @@ def test_whole_blocks_land_as_the_old_path_put_them(pair: Any, path: str, p_kind
     assert torch.equal(d.buf, want)
     stats = tp.last_post
     assert stats is not None and stats.ids == n
-    runs = sum(1 for i in range(n) if i == 0 or (lids[i] != lids[i - 1] + 1
-                                                 or rids[i] != rids[i - 1] + 1))
+    runs = sum(
+        1 for i in range(n) if i == 0 or (lids[i] != lids[i - 1] + 1 or rids[i] != rids[i - 1] + 1)
+    )
     assert stats.runs == runs and stats.descriptors == runs * len(p.layout.regions)
     if path == "coalesced":
         assert stats.path == "coalesced" and stats.entries == stats.descriptors
@@ -194,7 +216,8 @@ def test_whole_blocks_land_as_the_old_path_put_them(pair: Any, path: str, p_kind
 @pytest.mark.parametrize(("p_block", "d_block"), [(16, 32), (32, 16), (16, 64)])
 @pytest.mark.parametrize("shape", [nhd, hnd])
 def test_units_of_different_block_sizes_land_as_the_old_path_put_them(
-        pair: Any, path: str, kind: str, p_block: int, d_block: int, shape: Any) -> None:
+    pair: Any, path: str, kind: str, p_block: int, d_block: int, shape: Any
+) -> None:
     rng = random.Random(p_block * 7 + d_block)
     p_nb, d_nb = NUM_BLOCKS * 64 // p_block // 4, NUM_BLOCKS * 64 // d_block // 4
     p = cache(shape(2, p_block), p_block, p_nb, 2, 2, 1, 0, 3)
@@ -215,10 +238,10 @@ def test_units_of_different_block_sizes_land_as_the_old_path_put_them(
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("p_tp", "d_tp", "rank"), [(2, 1, 0), (2, 1, 1), (1, 2, 0),
-                                                    (1, 2, 1)])
+@pytest.mark.parametrize(("p_tp", "d_tp", "rank"), [(2, 1, 0), (2, 1, 1), (1, 2, 0), (1, 2, 1)])
 def test_head_slabs_across_tp_sizes_land_as_the_old_path_put_them(
-        pair: Any, path: str, kind: str, p_tp: int, d_tp: int, rank: int) -> None:
+    pair: Any, path: str, kind: str, p_tp: int, d_tp: int, rank: int
+) -> None:
     total, rng = 4, random.Random(p_tp * 10 + d_tp + rank)
     p_rank, d_rank = (rank, 0) if p_tp > d_tp else (0, rank)
     p = cache(cpu(total // p_tp, 32), 32, NUM_BLOCKS, total // p_tp, total, p_tp, p_rank, 5)
@@ -249,7 +272,8 @@ def test_a_pull_fallback_read_lands_as_the_old_path_put_it(pair: Any, kind: str)
 
 @pytest.mark.parametrize("path", ["prepped", "coalesced"])
 def test_a_post_over_the_bound_is_split_and_notifies_only_after_every_part(
-        pair: Any, path: str) -> None:
+    pair: Any, path: str
+) -> None:
     p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 11)
     d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 12)
     tp, td = pair(p, d, path=path, max_descriptors=2 * LAYERS)  # two runs per part
@@ -350,8 +374,14 @@ def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")  # undone after the test
 
-    res = post_cost([2], [16], [256], ["contiguous", "fragmented"],
-                    ["old", "auto", "prepped", "coalesced"], iters=2)
+    res = post_cost(
+        [2],
+        [16],
+        [256],
+        ["contiguous", "fragmented"],
+        ["old", "auto", "prepped", "coalesced"],
+        iters=2,
+    )
     rows = res["rows"]
     assert len(rows) == 8
     for kind, regions_runs in (("contiguous", 1), ("fragmented", 16)):
@@ -365,7 +395,8 @@ def test_the_post_cost_bench_counts_what_nixl_posts(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [cpu, nhd])
 def test_layer_by_layer_posts_land_each_layer_alone_and_together_the_whole_blocks(
-        pair: Any, path: str, kind: str, shape: Any) -> None:
+    pair: Any, path: str, kind: str, shape: Any
+) -> None:
     """Layer-wise push: a post of regions ``[first, end)`` moves exactly those regions of
     each block; one post per layer leaves D as one whole post would."""
     rng = random.Random(7)
@@ -385,19 +416,21 @@ def test_layer_by_layer_posts_land_each_layer_alone_and_together_the_whole_block
         stats = tp.last_post
         assert stats is not None and stats.ids == n
         want = before.clone()
-        for la, ra, size in pairs[:end * n]:
-            want[d.offset(ra):d.offset(ra) + size] = p.buf[p.offset(la):p.offset(la) + size]
+        for la, ra, size in pairs[: end * n]:
+            want[d.offset(ra) : d.offset(ra) + size] = p.buf[p.offset(la) : p.offset(la) + size]
         assert torch.equal(d.buf, want), f"after layer {layer}"
     with pytest.raises(TransportError):
         tp.post("WRITE", peer, lids, rids, regions=(0, regions + 1))
 
 
 @pytest.mark.parametrize("path", ["prepped", "coalesced"])
-@pytest.mark.parametrize(("p_block", "d_block", "shape", "p_tp", "d_tp"), [
-    (16, 32, nhd, 1, 1), (32, 16, hnd, 1, 1), (32, 32, cpu, 2, 1), (32, 32, cpu, 1, 2)])
+@pytest.mark.parametrize(
+    ("p_block", "d_block", "shape", "p_tp", "d_tp"),
+    [(16, 32, nhd, 1, 1), (32, 16, hnd, 1, 1), (32, 32, cpu, 2, 1), (32, 32, cpu, 1, 2)],
+)
 def test_layer_by_layer_posts_of_units_and_head_slabs_land_as_one_whole_post(
-        pair: Any, path: str, p_block: int, d_block: int, shape: Any, p_tp: int,
-        d_tp: int) -> None:
+    pair: Any, path: str, p_block: int, d_block: int, shape: Any, p_tp: int, d_tp: int
+) -> None:
     """Block sizes or tensor-parallel sizes differ: one post per layer's regions leaves D as
     one post of every region would."""
     rng, total = random.Random(p_block + d_block + p_tp), 4
@@ -414,6 +447,7 @@ def test_layer_by_layer_posts_of_units_and_head_slabs_land_as_one_whole_post(
     want = expected(p, d, old_pairs(tp, peer, plan.src, plan.dst), write=True)
     per = len(p.layout.regions) // LAYERS
     for layer in range(LAYERS):
-        wait_done(tp, tp.post("WRITE", peer, plan.src, plan.dst,
-                              regions=(layer * per, (layer + 1) * per)))
+        wait_done(
+            tp, tp.post("WRITE", peer, plan.src, plan.dst, regions=(layer * per, (layer + 1) * per))
+        )
     assert torch.equal(d.buf, want)

@@ -36,14 +36,28 @@ def layout_of(regions: list[Region]) -> Layout:
     return Layout(compat="0" * 16, mem_type="DRAM", regions=regions)
 
 
-def stacked(count: int, block_len: int, base: int = 1 << 20, stride: int = 0,
-            num_blocks: int = NUM_BLOCKS, groups: int = 0) -> list[Region]:
+def stacked(
+    count: int,
+    block_len: int,
+    base: int = 1 << 20,
+    stride: int = 0,
+    num_blocks: int = NUM_BLOCKS,
+    groups: int = 0,
+) -> list[Region]:
     """``count`` regions one after the other in one buffer (vLLM's CPU backend: a layer per
     region); ``stride`` > ``block_len``: slots with a gap (a head slab's view)."""
     stride = stride or block_len
     span = stride * num_blocks
-    return [Region(base=base + i * span, block_stride=stride, block_len=block_len,
-                   num_blocks=num_blocks, tok_groups=groups) for i in range(count)]
+    return [
+        Region(
+            base=base + i * span,
+            block_stride=stride,
+            block_len=block_len,
+            num_blocks=num_blocks,
+            tok_groups=groups,
+        )
+        for i in range(count)
+    ]
 
 
 def id_pairs(n_max: int = NUM_BLOCKS) -> st.SearchStrategy[tuple[list[int], list[int]]]:
@@ -103,7 +117,8 @@ def test_runs_of_short_lists_in_python_equal_numpys(ids: tuple[list[int], list[i
 
 @given(id_pairs(), st.integers(1, 6), st.sampled_from([64, 4096]))
 def test_a_run_built_list_moves_what_the_old_block_list_moved(
-        ids: tuple[list[int], list[int]], count: int, block_len: int) -> None:
+    ids: tuple[list[int], list[int]], count: int, block_len: int
+) -> None:
     p, d = layout_of(stacked(count, block_len)), layout_of(stacked(count, block_len, 1 << 30))
     plan = pair_plan(side_of(p.regions), side_of(d.regions))
     assert plan.linear
@@ -120,7 +135,8 @@ def test_a_run_built_list_moves_what_the_old_block_list_moved(
 
 @given(id_pairs(), st.integers(1, 4), st.sampled_from([1, 2, 4]), st.booleans())
 def test_units_of_one_group_coalesce_like_the_old_unit_pieces(
-        ids: tuple[list[int], list[int]], count: int, k: int, p_smaller: bool) -> None:
+    ids: tuple[list[int], list[int]], count: int, k: int, p_smaller: bool
+) -> None:
     # One token group per block (an NHD or MLA cache): a unit is one piece, units in a row
     # are adjacent, on the side of k units per block as on the side of whole blocks.
     small = stacked(count, 512, groups=1, num_blocks=NUM_BLOCKS)
@@ -141,8 +157,9 @@ def test_units_of_one_group_coalesce_like_the_old_unit_pieces(
 
 
 @given(id_pairs(), st.integers(1, 5), st.integers(1, 3), st.sampled_from([1, 2, 4]))
-def test_prepped_indices_are_the_old_indices(ids: tuple[list[int], list[int]], count: int,
-                                             groups: int, k: int) -> None:
+def test_prepped_indices_are_the_old_indices(
+    ids: tuple[list[int], list[int]], count: int, groups: int, k: int
+) -> None:
     lay = layout_of(stacked(count, 96 * groups, groups=groups))
     arr = np.asarray(ids[0], dtype=np.int64)
     assert prepped_indices(side_of(lay.regions), arr).tolist() == descriptor_indices(ids[0], lay)
@@ -155,8 +172,9 @@ def test_regions_of_different_groups_index_region_by_region() -> None:
     regions = [*stacked(1, 128, groups=2), *stacked(1, 96, base=1 << 24, groups=3)]
     lay = layout_of(regions)
     ids = [5, 1, 2]
-    assert prepped_indices(side_of(regions, 2, units=True),
-                           np.asarray(ids)).tolist() == unit_indices(ids, lay, 2)
+    assert prepped_indices(
+        side_of(regions, 2, units=True), np.asarray(ids)
+    ).tolist() == unit_indices(ids, lay, 2)
 
 
 def test_slots_with_a_gap_or_units_of_several_groups_are_not_linear() -> None:
@@ -179,10 +197,12 @@ def test_sides_that_cannot_be_paired_are_refused() -> None:
         pair_plan(side_of(stacked(2, 256)), side_of(stacked(3, 256)))
 
 
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=60), st.integers(1, 8),
-       st.integers(1, 200))
-def test_split_points_cut_runs_so_no_part_exceeds_the_bound(lengths: list[int], regions: int,
-                                                            bound: int) -> None:
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=60), st.integers(1, 8), st.integers(1, 200)
+)
+def test_split_points_cut_runs_so_no_part_exceeds_the_bound(
+    lengths: list[int], regions: int, bound: int
+) -> None:
     n = np.asarray(lengths, dtype=np.int64)
     ends = set(np.cumsum(n).tolist())
     cuts = split_points(n, 1, regions, bound)
@@ -194,8 +214,9 @@ def test_split_points_cut_runs_so_no_part_exceeds_the_bound(lengths: list[int], 
         assert runs_in * regions <= bound or runs_in == 1
     per_id = split_points(n, regions, 0, bound)  # not linear: each id costs its pieces
     edges = [0, *per_id, int(n.sum())]
-    assert all((b - a) * regions <= bound or b - a == 1 for a, b in zip(edges, edges[1:],
-                                                                        strict=False))
+    assert all(
+        (b - a) * regions <= bound or b - a == 1 for a, b in zip(edges, edges[1:], strict=False)
+    )
 
 
 def test_a_post_under_the_bound_is_one_part() -> None:

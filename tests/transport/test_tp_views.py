@@ -18,8 +18,9 @@ from kvpush_prod.transport.layout import Heads, layout_from_kv_caches, pair_view
 NUM_BLOCKS, BLOCK, HEAD, LAYERS = 6, 32, 8, 2
 
 
-def cpu_caches(total: int, tp: int, rank: int, dtype: torch.dtype,
-               fill: bool) -> dict[str, torch.Tensor]:
+def cpu_caches(
+    total: int, tp: int, rank: int, dtype: torch.dtype, fill: bool
+) -> dict[str, torch.Tensor]:
     """vLLM's CPU layout [num_blocks, kv_heads, block_size, 2*head_size] per layer; with
     ``fill`` every element says which (layer, block, global head) it belongs to."""
     local = total // tp
@@ -35,8 +36,7 @@ def cpu_caches(total: int, tp: int, rank: int, dtype: torch.dtype,
 
 
 def layout_of(caches: dict[str, torch.Tensor], total: int, tp: int, rank: int) -> Layout:
-    return layout_from_kv_caches(caches, NUM_BLOCKS, "sig", {},
-                                 Heads(total // tp, total, tp, rank))
+    return layout_from_kv_caches(caches, NUM_BLOCKS, "sig", {}, Heads(total // tp, total, tp, rank))
 
 
 def write(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -44,16 +44,21 @@ def write(src: Layout, dst: Layout, src_blocks: list[int], dst_blocks: list[int]
     for rs, rd in zip(src.regions, dst.regions, strict=True):
         assert rs.block_len == rd.block_len
         for bs, bd in zip(src_blocks, dst_blocks, strict=True):
-            ctypes.memmove(rd.base + bd * rd.block_stride, rs.base + bs * rs.block_stride,
-                           rs.block_len)
+            ctypes.memmove(
+                rd.base + bd * rd.block_stride, rs.base + bs * rs.block_stride, rs.block_len
+            )
 
 
 # (total KV heads, P's TP size, D's TP size): every pair of sizes up to 4 over each head
 # count both sizes divide. The others (2 heads over 4 ranks) do not split evenly and are
 # refused (tpmap.problem: test_tpmap; the layouts: test_sizes_that_do_not_map_... below).
 TP_PAIRS = [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4), (2, 4), (4, 2), (2, 2)]
-SPLITS = [(total, p_tp, d_tp) for total in (2, 4, 8) for p_tp, d_tp in TP_PAIRS
-          if total % max(p_tp, d_tp) == 0]
+SPLITS = [
+    (total, p_tp, d_tp)
+    for total in (2, 4, 8)
+    for p_tp, d_tp in TP_PAIRS
+    if total % max(p_tp, d_tp) == 0
+]
 
 
 def test_the_splits_cover_every_pair_of_sizes_and_drop_only_those_that_do_not_map() -> None:
@@ -65,7 +70,8 @@ def test_the_splits_cover_every_pair_of_sizes_and_drop_only_those_that_do_not_ma
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("total", "p_tp", "d_tp"), SPLITS)
 def test_each_d_rank_receives_exactly_its_heads_from_the_right_p_ranks(
-        dtype: torch.dtype, total: int, p_tp: int, d_tp: int) -> None:
+    dtype: torch.dtype, total: int, p_tp: int, d_tp: int
+) -> None:
     p_caches = [cpu_caches(total, p_tp, s, dtype, fill=True) for s in range(p_tp)]
     d_caches = [cpu_caches(total, d_tp, r, dtype, fill=False) for r in range(d_tp)]
     p_lay = [layout_of(c, total, p_tp, s) for s, c in enumerate(p_caches)]

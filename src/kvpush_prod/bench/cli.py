@@ -22,9 +22,14 @@ USAGE = """usage: kvpush bench [run options]        run the side-by-side benchma
 
 
 # --model-shape keys -> TinyModelSpec fields.
-SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "intermediate":
-              "intermediate_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
-              "head_dim": "head_dim"}
+SHAPE_KEYS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+}
 
 
 def _shape(text: str) -> dict[str, int]:
@@ -35,7 +40,8 @@ def _shape(text: str) -> dict[str, int]:
         if not sep or key not in SHAPE_KEYS or not value.isdigit() or int(value) < 1:
             raise argparse.ArgumentTypeError(
                 f"{part.strip()!r}: give KEY=N with N >= 1 and KEY one of "
-                f"{', '.join(SHAPE_KEYS)} (e.g. layers=32,hidden=64)")
+                f"{', '.join(SHAPE_KEYS)} (e.g. layers=32,hidden=64)"
+            )
         out[SHAPE_KEYS[key]] = int(value)
     if "hidden_size" in out:
         out.setdefault("intermediate_size", 2 * out["hidden_size"])
@@ -219,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpush bench: --rounds {a.rounds}: give 1 or more", file=sys.stderr)
         return 2
     if a.fragment < 0:
-        print(f"kvpush bench: --fragment {a.fragment}: give 0 (a fresh cache) or the number "
-              "of times the decode's KV cache is churned", file=sys.stderr)
+        print(
+            f"kvpush bench: --fragment {a.fragment}: give 0 (a fresh cache) or the number "
+            "of times the decode's KV cache is churned",
+            file=sys.stderr,
+        )
         return 2
     if max(a.concurrency) > a.max_num_seqs:
         print(

@@ -43,8 +43,12 @@ def _keys(data: dict[str, Any]) -> list[tuple[int, int]]:
 
 def _open_keys(data: dict[str, Any]) -> list[tuple[int, float]]:
     """Open-loop cells (prompt length, requests per second)."""
-    keys = {(c["length"], c["rate"]) for cells in data["cells"].values()
-            for c in cells.values() if c.get("rate")}
+    keys = {
+        (c["length"], c["rate"])
+        for cells in data["cells"].values()
+        for c in cells.values()
+        if c.get("rate")
+    }
     return sorted(keys)
 
 
@@ -60,13 +64,16 @@ def open_loop(data: dict[str, Any], base: str = "vllm-push") -> list[dict[str, A
     for length, rate in _open_keys(data):
         key = open_key(length, rate)
         ours, other = cells.get(OURS, {}).get(key), cells.get(base, {}).get(key)
-        rows.append({
-            "length": length, "rate": rate,
-            "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(other, "ttft_ms")),
-            "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(other, "tpot_ms")),
-            "d_batch_ours": _get(ours, "d_tokens_per_step"),
-            "d_batch_base": _get(other, "d_tokens_per_step"),
-        })
+        rows.append(
+            {
+                "length": length,
+                "rate": rate,
+                "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(other, "ttft_ms")),
+                "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(other, "tpot_ms")),
+                "d_batch_ours": _get(ours, "d_tokens_per_step"),
+                "d_batch_base": _get(other, "d_tokens_per_step"),
+            }
+        )
     return rows
 
 
@@ -123,10 +130,15 @@ def side_ratio(data: dict[str, Any], side: str, base: str) -> list[dict[str, Any
         ours, bare = cells.get(side, {}).get(key), cells.get(base, {}).get(key)
         if ours is None or bare is None:
             continue
-        rows.append({"length": length, "concurrency": conc,
-                     "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(bare, "ttft_ms")),
-                     "ttft_p99": ratio(_get(ours, "ttft_ms", "p99"), _get(bare, "ttft_ms", "p99")),
-                     "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(bare, "tpot_ms"))})
+        rows.append(
+            {
+                "length": length,
+                "concurrency": conc,
+                "ttft_p50": ratio(_get(ours, "ttft_ms"), _get(bare, "ttft_ms")),
+                "ttft_p99": ratio(_get(ours, "ttft_ms", "p99"), _get(bare, "ttft_ms", "p99")),
+                "tpot_p50": ratio(_get(ours, "tpot_ms"), _get(bare, "tpot_ms")),
+            }
+        )
     return rows
 
 
@@ -188,8 +200,11 @@ def targets(data: dict[str, Any], length: int = 1024) -> list[dict[str, Any]]:
     check(f"KV transfer p50 (prefill done -> D knows), {length} tok, c=1, ms", t.get("p50"), 0.5)
     for row in open_loop(data):
         if row["length"] == length:
-            check(f"TPOT p50 vs vLLM push, {length} tok, open loop {row['rate']:g} req/s",
-                  row["tpot_p50"], 1.0)
+            check(
+                f"TPOT p50 vs vLLM push, {length} tok, open loop {row['rate']:g} req/s",
+                row["tpot_p50"],
+                1.0,
+            )
     return out
 
 
@@ -217,16 +232,25 @@ def _meta_lines(meta: dict[str, Any]) -> list[str]:
         f"{meta.get('versions', {}).get('nixl', '?')}",
         f"- workload: prompts {w.get('lengths')} tokens, concurrency {w.get('concurrency')}, "
         f"{w.get('requests')} requests per cell (at least 2x the concurrency)"
-        + (f" in each of {w['rounds']} rounds (every side started once per round, sides "
-           "interleaved; requests pooled)" if w.get("rounds", 1) > 1 else "") + ", "
+        + (
+            f" in each of {w['rounds']} rounds (every side started once per round, sides "
+            "interleaved; requests pooled)"
+            if w.get("rounds", 1) > 1
+            else ""
+        )
+        + ", "
         f"{w.get('max_tokens')} output tokens (ignore_eos), closed loop"
-        + (f", and open loop at {w.get('rates')} req/s" if w.get("rates") else "") + "; "
+        + (f", and open loop at {w.get('rates')} req/s" if w.get("rates") else "")
+        + "; "
         f"--max-num-seqs {meta.get('max_num_seqs')}; P on core 0, D on core 1, single engine "
         f"on core(s) {meta.get('binding', {}).get('single', '0')} (each engine's worker threads "
         "held there: vLLM's NIXL connectors move them, see the sides table); API servers and "
-        "EngineCores: " + (", ".join(f"{k} on core {v}" for k, v in
-                                     meta["frontend_cores"].items())
-                           if meta.get("frontend_cores") else "placed by the OS"),
+        "EngineCores: "
+        + (
+            ", ".join(f"{k} on core {v}" for k, v in meta["frontend_cores"].items())
+            if meta.get("frontend_cores")
+            else "placed by the OS"
+        ),
         f"- client: {'vLLM bench serve request function' if meta.get('client') == 'vllm' else 'kvpush_prod.lab.client'}"
         f"; load average at start {load}",
         "- command(s) that produced this file (a resumed run adds one): "
@@ -335,38 +359,57 @@ def _ratio_table(data: dict[str, Any]) -> list[str]:
 def _pair_table(title: str, rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    lines = ["", title, "", "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
-              f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |" for r in rows]
+    lines = [
+        "",
+        title,
+        "",
+        "| prompt | conc | TTFT p50 | TTFT p99 | TPOT p50 |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['length']} | {r['concurrency']} | {_x(r['ttft_p50'])} | "
+        f"{_x(r['ttft_p99'])} | {_x(r['tpot_p50'])} |"
+        for r in rows
+    ]
     return lines
 
 
 def _auth_cost_table(data: dict[str, Any]) -> list[str]:
-    return _pair_table("## What authentication costs (kvpush / kvpush-insecure; 1 = free)",
-                        auth_cost(data))
+    return _pair_table(
+        "## What authentication costs (kvpush / kvpush-insecure; 1 = free)", auth_cost(data)
+    )
 
 
 def _flow_table(data: dict[str, Any]) -> list[str]:
     return _pair_table(
         "## Router flow: sequential / concurrent (kvpush-sequential / kvpush; > 1: what "
-        "running P first costs)", flow_cost(data))
+        "running P first costs)",
+        flow_cost(data),
+    )
 
 
 def _open_loop_table(data: dict[str, Any]) -> list[str]:
     rows = open_loop(data)
     if not rows:
         return []
-    lines = ["", "## Open loop: the same arrival schedule for every side (kvpush / vllm-push)",
-             "", "| prompt | req/s | TTFT p50 | TPOT p50 | D tokens/step kvpush | vllm-push |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['length']} | {r['rate']:g} | {_x(r['ttft_p50'])} | {_x(r['tpot_p50'])} | "
-              f"{_f(r['d_batch_ours'])} | {_f(r['d_batch_base'])} |" for r in rows]
+    lines = [
+        "",
+        "## Open loop: the same arrival schedule for every side (kvpush / vllm-push)",
+        "",
+        "| prompt | req/s | TTFT p50 | TPOT p50 | D tokens/step kvpush | vllm-push |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['length']} | {r['rate']:g} | {_x(r['ttft_p50'])} | {_x(r['tpot_p50'])} | "
+        f"{_f(r['d_batch_ours'])} | {_f(r['d_batch_base'])} |"
+        for r in rows
+    ]
     return lines
 
 
-def round_ratios(data: dict[str, Any], key: str, metric: str,
-                 base: str = "vllm-push") -> list[float]:
+def round_ratios(
+    data: dict[str, Any], key: str, metric: str, base: str = "vllm-push"
+) -> list[float]:
     """kvpush against ``base`` round by round (round i of each side) for one cell's p50 of
     ``metric`` ("ttft" or "tpot"); empty when the run had one round."""
     rounds = data.get("rounds", {})
@@ -381,21 +424,32 @@ def round_ratios(data: dict[str, Any], key: str, metric: str,
 
 
 def _rounds_table(data: dict[str, Any]) -> list[str]:
-    keys = sorted({k for cells in data.get("rounds", {}).values() for k in cells},
-                  key=lambda k: (int(k.split("x")[0].split("@")[0]), k))
+    keys = sorted(
+        {k for cells in data.get("rounds", {}).values() for k in cells},
+        key=lambda k: (int(k.split("x")[0].split("@")[0]), k),
+    )
     rows = []
     for key in keys:
         ttft, tpot = round_ratios(data, key, "ttft"), round_ratios(data, key, "tpot")
         if ttft or tpot:
-            rows.append(f"| {key} | {len(tpot or ttft)} | "
-                        + " ".join(_x(v) for v in ttft) + " | "
-                        + " ".join(_x(v) for v in tpot) + " |")
+            rows.append(
+                f"| {key} | {len(tpot or ttft)} | "
+                + " ".join(_x(v) for v in ttft)
+                + " | "
+                + " ".join(_x(v) for v in tpot)
+                + " |"
+            )
     if not rows:
         return []
-    return ["", "## Round by round (kvpush / vllm-push, p50 of each round; the tables above "
-            "pool every round's requests)", "",
-            "| cell | rounds | TTFT p50 per round | TPOT p50 per round |", "|---|---|---|---|",
-            *rows]
+    return [
+        "",
+        "## Round by round (kvpush / vllm-push, p50 of each round; the tables above "
+        "pool every round's requests)",
+        "",
+        "| cell | rounds | TTFT p50 per round | TPOT p50 per round |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def _targets_table(data: dict[str, Any]) -> list[str]:

@@ -118,8 +118,10 @@ def _median(values: list[float]) -> float | None:
 
 
 def _median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    return {q: _median([x[q] for x in summaries if x.get(q) is not None])
-            for q in ("p50", "p90", "p99", "mean")}
+    return {
+        q: _median([x[q] for x in summaries if x.get(q) is not None])
+        for q in ("p50", "p90", "p99", "mean")
+    }
 
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -137,8 +139,13 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[f"{name}_ms"] = _median_summary([r.get(f"{name}_ms") or {} for r in rounds])
     out.pop("raw", None)
-    for name in ("throughput_tok_s", "throughput_req_s", "wall_s", "d_cpu_ms_per_token",
-                 "d_tokens_per_step"):
+    for name in (
+        "throughput_tok_s",
+        "throughput_req_s",
+        "wall_s",
+        "d_cpu_ms_per_token",
+        "d_tokens_per_step",
+    ):
         vals = [r[name] for r in rounds if r.get(name) is not None]
         out[name] = _median(vals)
     out["itl_ms"] = _median_summary([r.get("itl_ms") or {} for r in rounds])
@@ -146,8 +153,13 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out[name] = sum(int(r.get(name) or 0) for r in rounds)
     out["first_error"] = next((r["first_error"] for r in rounds if r.get("first_error")), "")
     out["rounds"] = len(rounds)
-    out["per_round"] = [{"ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
-                         "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50")} for r in rounds]
+    out["per_round"] = [
+        {
+            "ttft_p50_ms": (r.get("ttft_ms") or {}).get("p50"),
+            "tpot_p50_ms": (r.get("tpot_ms") or {}).get("p50"),
+        }
+        for r in rounds
+    ]
     return out
 
 
@@ -331,8 +343,11 @@ def transfer_section(
         # vLLM: the NIXL transfer (post -> completion) as its connector measures it; on D for
         # pull (READs), on P for push (WRITEs). No hook gives "prefill done -> D knows".
         for eng in ("prefill", "decode"):
-            for metric in ("vllm:nixl_xfer_time_seconds", "vllm:nixl_post_time_seconds",
-                           "vllm:nixl_num_descriptors"):
+            for metric in (
+                "vllm:nixl_xfer_time_seconds",
+                "vllm:nixl_post_time_seconds",
+                "vllm:nixl_num_descriptors",
+            ):
                 h = histogram_delta(before.get(eng, {}), after.get(eng, {}), metric)
                 if h:
                     out[f"{metric.split(':')[1]}_{eng}"] = h
@@ -353,14 +368,19 @@ class BenchSettings:
     command: str = ""
 
 
-def plan(store: ResultStore, s: BenchSettings, round_no: int | None = None) -> dict[str, list[Cell]]:
+def plan(
+    store: ResultStore, s: BenchSettings, round_no: int | None = None
+) -> dict[str, list[Cell]]:
     """The cells still to run, per side (all of them with ``force``): with ``round_no``,
     those with fewer than ``round_no + 1`` rounds; without, those missing any round."""
     want = s.workload.rounds if round_no is None else round_no + 1
     todo: dict[str, list[Cell]] = {}
     for name in s.sides:
-        cells = [c for c in s.workload.cells()
-                 if s.force or len(store.rounds_of(name, cell_key(*c))) < want]
+        cells = [
+            c
+            for c in s.workload.cells()
+            if s.force or len(store.rounds_of(name, cell_key(*c))) < want
+        ]
         if cells:
             todo[name] = cells
     return todo
@@ -415,8 +435,12 @@ def run(s: BenchSettings) -> ResultStore:
     store.save()
     rounds = s.workload.rounds
     left = plan(store, s)
-    total = sum(s.workload.requests_in(*c) for r in range(rounds)
-                for cells in plan(store, s, r).values() for c in cells)
+    total = sum(
+        s.workload.requests_in(*c)
+        for r in range(rounds)
+        for cells in plan(store, s, r).values()
+        for c in cells
+    )
     print(
         f"kvpush bench: {meta['cpu']} ({meta['simd']}, {meta['cores']} cores), dtype float32;"
         f" {sum(len(c) for c in left.values())} cells on {len(left)} sides"
@@ -501,9 +525,13 @@ async def _run_cells(
         import httpx
 
         async with httpx.AsyncClient(trust_env=False) as hclient:
+
             def request_fn(bar: Any) -> Any:
-                return (_vllm_request_fn(session, bar) if s.client == "vllm"
-                        else _own_request_fn(hclient, bar))
+                return (
+                    _vllm_request_fn(session, bar)
+                    if s.client == "vllm"
+                    else _own_request_fn(hclient, bar)
+                )
 
             if pbar is not None:
                 pbar.set_description(f"{side.name}: warm-up")
@@ -548,12 +576,20 @@ async def _fragment(send: Any, running: RunningSide, cycles: int) -> dict[str, A
     tokens = cycles * blocks * block_size
     per_round = sum(n for n, _ in _CHURN)
     rounds = max(1, -(-tokens // per_round))
-    jobs = [run_requests(send, running.entry, prompts_for(n, 0, rounds, salt=5000 + i), n, 2,
-                         out) for i, (n, out) in enumerate(_CHURN)]
+    jobs = [
+        run_requests(send, running.entry, prompts_for(n, 0, rounds, salt=5000 + i), n, 2, out)
+        for i, (n, out) in enumerate(_CHURN)
+    ]
     results = await asyncio.gather(*jobs)
     errors = sum(1 for got, _ in results for g in got if not g.ok)
-    return {"cycles": cycles, "pool_blocks": blocks, "block_size": block_size,
-            "requests": rounds * len(_CHURN), "tokens": rounds * per_round, "errors": errors}
+    return {
+        "cycles": cycles,
+        "pool_blocks": blocks,
+        "block_size": block_size,
+        "requests": rounds * len(_CHURN),
+        "tokens": rounds * per_round,
+        "errors": errors,
+    }
 
 
 def _pool(url: str) -> tuple[int, int]:
@@ -568,8 +604,10 @@ def _pool(url: str) -> tuple[int, int]:
     blocks = re.search(r'num_gpu_blocks="(\d+)"', line)
     size = re.search(r'block_size="(\d+)"', line)
     if blocks is None or size is None:
-        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info with num_gpu_blocks "
-                           "and block_size: cannot size the churn of --fragment")
+        raise RuntimeError(
+            f"{url}/metrics has no vllm:cache_config_info with num_gpu_blocks "
+            "and block_size: cannot size the churn of --fragment"
+        )
     return int(blocks.group(1)), int(size.group(1))
 
 
@@ -593,24 +631,28 @@ def _side_info(running: RunningSide, started_s: float, warm_errors: int) -> dict
     }
 
 
-async def _run_cell(s: BenchSettings, running: RunningSide, send: Any, length: int,
-                    conc: int, rate: float) -> dict[str, Any]:
+async def _run_cell(
+    s: BenchSettings, running: RunningSide, send: Any, length: int, conc: int, rate: float
+) -> dict[str, Any]:
     """One cell of one side: its requests, then what they cost (from the engines)."""
     side, w = running.side, s.workload
     n = w.requests_in(length, conc, rate)
     # Open-loop cells get their own prompts (no prefix hits on closed-loop ones).
-    prompts = prompts_for(length, conc, n, salt=0) if not rate else prompts_for(
-        length, 1000 + int(rate * 10), n, salt=0)
+    prompts = (
+        prompts_for(length, conc, n, salt=0)
+        if not rate
+        else prompts_for(length, 1000 + int(rate * 10), n, salt=0)
+    )
     before = _scrape_all(running)
     cpu_engine = "decode" if side.disaggregated else "single"
     cpu_before = running.cpu_seconds(cpu_engine)
     since = time.time()
     if rate:
-        samples, wall = await run_open_loop(send, running.entry, prompts, length, rate,
-                                            w.max_tokens)
+        samples, wall = await run_open_loop(
+            send, running.entry, prompts, length, rate, w.max_tokens
+        )
     else:
-        samples, wall = await run_requests(send, running.entry, prompts, length, conc,
-                                           w.max_tokens)
+        samples, wall = await run_requests(send, running.entry, prompts, length, conc, w.max_tokens)
     until = time.time()
     cpu_used = running.cpu_seconds(cpu_engine) - cpu_before
     await asyncio.sleep(0.3)  # let the last reports and traces land
@@ -622,8 +664,7 @@ async def _run_cell(s: BenchSettings, running: RunningSide, send: Any, length: i
         {
             # D's (or the single engine's) CPU per output token, whole process tree: what
             # decoding costs beside the transfer.
-            "d_cpu_ms_per_token": (round(1000 * cpu_used / out_tokens, 3)
-                                   if out_tokens else None),
+            "d_cpu_ms_per_token": (round(1000 * cpu_used / out_tokens, 3) if out_tokens else None),
             "length": length,
             "concurrency": conc,
             "rate": rate,

@@ -116,8 +116,7 @@ SIDES: dict[str, Side] = {
         Side("kvpush-insecure", "kvpush", "neutralised", "kvpush without keys (insecure)"),
         # The same engines behind a sequential router (P first, then D with P's answer), as
         # Ray Serve LLM and vLLM's example proxies run P/D: what the concurrent flow gains.
-        Side("kvpush-sequential", "kvpush", "neutralised",
-             "kvpush behind a sequential router"),
+        Side("kvpush-sequential", "kvpush", "neutralised", "kvpush behind a sequential router"),
     )
 }
 DEFAULT_SIDES = [

@@ -194,8 +194,9 @@ def _stop_child(parent: Any, proc: Any) -> None:
         proc.kill()
 
 
-def _row(size: int, nblocks: int, write: list[float], copy: list[float],
-         landed: bool) -> dict[str, Any]:
+def _row(
+    size: int, nblocks: int, write: list[float], copy: list[float], landed: bool
+) -> dict[str, Any]:
     """One size's result: push and memcpy latency (p50, p90) and bandwidth."""
     w50, c50 = statistics.median(write), statistics.median(copy)
     return {
@@ -236,8 +237,9 @@ def _post_target(conn: Any, delay_us: int, core: int) -> None:
         _, name, regions, num_blocks, slot = cmd
         buf, base = _buffer(regions * num_blocks * slot, 1, "cpu")
         agent = make_agent(name, "UCX", True, delay_us)
-        transport = NixlTransport(agent, _post_layout(base, regions, num_blocks, slot),
-                                  producer=False)
+        transport = NixlTransport(
+            agent, _post_layout(base, regions, num_blocks, slot), producer=False
+        )
         conn.send((transport.metadata(), base))
 
 
@@ -245,9 +247,14 @@ def _post_layout(base: int, regions: int, num_blocks: int, slot: int) -> Any:
     from kvpush_prod.core.messages import Layout, Region
 
     span = num_blocks * slot
-    return Layout(compat="post-cost", mem_type="DRAM", regions=[
-        Region(base=base + i * span, block_stride=slot, block_len=slot, num_blocks=num_blocks)
-        for i in range(regions)])
+    return Layout(
+        compat="post-cost",
+        mem_type="DRAM",
+        regions=[
+            Region(base=base + i * span, block_stride=slot, block_len=slot, num_blocks=num_blocks)
+            for i in range(regions)
+        ],
+    )
 
 
 def _post_ids(kind: str, n: int, num_blocks: int, rng: Any) -> list[int]:
@@ -269,14 +276,21 @@ def _legacy_post(transport: Any, peer: Any, lids: list[int], rids: list[int]) ->
     t0 = time.perf_counter()
     li = descriptor_indices(lids, transport.layout)
     ri = descriptor_indices(rids, peer.layout)
-    handle = transport.agent.make_prepped_xfer("WRITE", transport._local, li, peer.dlist, ri,
-                                               b"")
+    handle = transport.agent.make_prepped_xfer("WRITE", transport._local, li, peer.dlist, ri, b"")
     return handle, time.perf_counter() - t0
 
 
-def post_cost(layers: list[int], blocks: list[int], tokens: list[int], kinds: list[str],
-              paths: list[str], slot: int = 256, iters: int = 15, delay_us: int = 10000,
-              seed: int = 0) -> dict[str, Any]:
+def post_cost(
+    layers: list[int],
+    blocks: list[int],
+    tokens: list[int],
+    kinds: list[str],
+    paths: list[str],
+    slot: int = 256,
+    iters: int = 15,
+    delay_us: int = 10000,
+    seed: int = 0,
+) -> dict[str, Any]:
     """One row per (layers, block size, tokens, ids kind, path): the whole transfer in one
     post (no chunking, no bound), its runs, what NIXL was handed (entries), what it posted
     after its own merging (its telemetry), and the median build and submit times.
@@ -305,29 +319,39 @@ def post_cost(layers: list[int], blocks: list[int], tokens: list[int], kinds: li
             parent.send(("setup", name + "-d", regions, num_blocks, slot))
             meta, remote_base = parent.recv()
             buf, base = _buffer(regions * num_blocks * slot, 7, "cpu")
-            transport = NixlTransport(make_agent(name + "-p", "UCX", True, delay_us),
-                                      _post_layout(base, regions, num_blocks, slot),
-                                      max_descriptors=10**9)
+            transport = NixlTransport(
+                make_agent(name + "-p", "UCX", True, delay_us),
+                _post_layout(base, regions, num_blocks, slot),
+                max_descriptors=10**9,
+            )
             try:
-                peer = transport.connect(meta, _post_layout(remote_base, regions, num_blocks,
-                                                            slot))
+                peer = transport.connect(meta, _post_layout(remote_base, regions, num_blocks, slot))
                 for kind in kinds:
                     lids, rids = list(range(n)), _post_ids(kind, n, num_blocks, rng)
                     for path in paths:
-                        rows.append(_post_cell(transport, peer, lids, rids, path, iters) | {
-                            "layers": n_layers, "regions": regions, "block": block,
-                            "tokens": n_tokens, "blocks": n, "kind": kind, "path": path})
+                        rows.append(
+                            _post_cell(transport, peer, lids, rids, path, iters)
+                            | {
+                                "layers": n_layers,
+                                "regions": regions,
+                                "block": block,
+                                "tokens": n_tokens,
+                                "blocks": n,
+                                "kind": kind,
+                                "path": path,
+                            }
+                        )
             finally:
                 transport.close()
                 del buf
     finally:
         _stop_child(parent, proc)
-    return {"rows": rows, "slot_bytes": slot, "progress_delay_us": delay_us,
-            "fit": fit_costs(rows)}
+    return {"rows": rows, "slot_bytes": slot, "progress_delay_us": delay_us, "fit": fit_costs(rows)}
 
 
-def _post_cell(transport: Any, peer: Any, lids: list[int], rids: list[int], path: str,
-               iters: int) -> dict[str, Any]:
+def _post_cell(
+    transport: Any, peer: Any, lids: list[int], rids: list[int], path: str, iters: int
+) -> dict[str, Any]:
     builds, submits, posted = [], [], 0
     entries = runs = 0
     chosen = path
@@ -354,9 +378,16 @@ def _post_cell(transport: Any, peer: Any, lids: list[int], rids: list[int], path
         builds.append(build)
         submits.append(submit)
     b50, s50 = statistics.median(builds), statistics.median(submits)
-    return {"entries": entries, "descriptors": posted, "runs": runs, "chosen": chosen,
-            "build_us": b50 * 1e6, "submit_us": s50 * 1e6, "post_us": (b50 + s50) * 1e6,
-            "iterations": iters}
+    return {
+        "entries": entries,
+        "descriptors": posted,
+        "runs": runs,
+        "chosen": chosen,
+        "build_us": b50 * 1e6,
+        "submit_us": s50 * 1e6,
+        "post_us": (b50 + s50) * 1e6,
+        "iterations": iters,
+    }
 
 
 def _until_done(check: Any, handle: Any, what: str) -> None:
@@ -394,12 +425,14 @@ def fit_costs(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def post_cost_markdown(res: dict[str, Any], where: str) -> str:
     lines = [
-        f"# Descriptors per transfer and post cost ({where})", "",
+        f"# Descriptors per transfer and post cost ({where})",
+        "",
         f"One post per transfer (no chunking), {res['slot_bytes']}-byte slots, layers of two "
         "regions (K and V apart); P's block ids consecutive, D's as the kind says. entries: "
         "what NIXL was handed (indices or descriptors); posted: what NIXL posted after merging "
         "(its telemetry); build: ids to NIXL request; submit: NIXL's transfer() (on loopback "
-        "it copies too).", "",
+        "it copies too).",
+        "",
         "| layers | block | tokens | blocks | D ids | path | runs | entries | posted | "
         "build us | submit us | post us |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -409,14 +442,20 @@ def post_cost_markdown(res: dict[str, Any], where: str) -> str:
         lines.append(
             f"| {r['layers']} | {r['block']} | {r['tokens']} | {r['blocks']} | {r['kind']} | "
             f"{path} | {r['runs'] or '-'} | {r['entries']} | {r['descriptors']} | "
-            f"{r['build_us']:.0f} | {r['submit_us']:.0f} | {r['post_us']:.0f} |")
-    lines += ["", "Build cost fitted per path (fixed + per entry handed to NIXL + per "
-              "descriptor NIXL posted):", ""]
+            f"{r['build_us']:.0f} | {r['submit_us']:.0f} | {r['post_us']:.0f} |"
+        )
+    lines += [
+        "",
+        "Build cost fitted per path (fixed + per entry handed to NIXL + per "
+        "descriptor NIXL posted):",
+        "",
+    ]
     for path, fit in res["fit"].items():
-        per_entry = f" + {fit['per_entry_ns']:.1f} ns per entry" if "per_entry_ns" in fit \
-            else ""
-        lines.append(f"- {path}: {fit['fixed_ns'] / 1e3:.1f} us{per_entry} + "
-                     f"{fit['per_descriptor_ns']:.1f} ns per posted descriptor")
+        per_entry = f" + {fit['per_entry_ns']:.1f} ns per entry" if "per_entry_ns" in fit else ""
+        lines.append(
+            f"- {path}: {fit['fixed_ns'] / 1e3:.1f} us{per_entry} + "
+            f"{fit['per_descriptor_ns']:.1f} ns per posted descriptor"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -496,10 +535,16 @@ def _post_cost_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", default="32,80", help="--post-cost: model layers to try")
     ap.add_argument("--blocks", default="16,32", help="--post-cost: block sizes (tokens)")
     ap.add_argument("--tokens", default="1900,8192", help="--post-cost: prompt lengths")
-    ap.add_argument("--kinds", default=",".join(POST_KINDS),
-                    help="--post-cost: D's block ids: contiguous, runs8, fragmented")
-    ap.add_argument("--paths", default=",".join(POST_PATHS),
-                    help="--post-cost: old (before runs), auto, prepped, coalesced")
+    ap.add_argument(
+        "--kinds",
+        default=",".join(POST_KINDS),
+        help="--post-cost: D's block ids: contiguous, runs8, fragmented",
+    )
+    ap.add_argument(
+        "--paths",
+        default=",".join(POST_PATHS),
+        help="--post-cost: old (before runs), auto, prepped, coalesced",
+    )
     ap.add_argument("--slot-bytes", type=int, default=256, help="--post-cost: bytes per slot")
     ap.add_argument("--iters", type=int, default=15, help="--post-cost: posts per cell")
 
@@ -511,21 +556,36 @@ def _csv(text: str) -> list[str]:
 def _run_post_cost(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from kvpush_prod.bench.machine import machine_facts
 
-    for what, got, known in (("--kinds", args.kinds, POST_KINDS),
-                             ("--paths", args.paths, POST_PATHS)):
+    for what, got, known in (
+        ("--kinds", args.kinds, POST_KINDS),
+        ("--paths", args.paths, POST_PATHS),
+    ):
         if bad := [x for x in _csv(got) if x not in known]:
             ap.error(f"{what}: unknown {', '.join(bad)} (known: {', '.join(known)})")
     try:
-        layers, blocks, tokens = ([int(x) for x in _csv(v)]
-                                  for v in (args.layers, args.blocks, args.tokens))
+        layers, blocks, tokens = (
+            [int(x) for x in _csv(v)] for v in (args.layers, args.blocks, args.tokens)
+        )
     except ValueError as exc:
         ap.error(f"--layers, --blocks and --tokens take comma lists of integers: {exc}")
-    if any(x < 1 for v in (layers, blocks, tokens) for x in v) or args.slot_bytes < 1 or args.iters < 1:
+    if (
+        any(x < 1 for v in (layers, blocks, tokens) for x in v)
+        or args.slot_bytes < 1
+        or args.iters < 1
+    ):
         ap.error("layers, block sizes, tokens, --slot-bytes and --iters must be >= 1")
     facts = machine_facts()
     where = f"{facts['cpu']}, {facts['simd']}, NIXL {facts['versions'].get('nixl', '?')}"
-    res = post_cost(layers, blocks, tokens, _csv(args.kinds), _csv(args.paths), args.slot_bytes, args.iters,
-                    args.progress_delay_us)
+    res = post_cost(
+        layers,
+        blocks,
+        tokens,
+        _csv(args.kinds),
+        _csv(args.paths),
+        args.slot_bytes,
+        args.iters,
+        args.progress_delay_us,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "post_cost.json").write_text(json.dumps({"meta": facts, **res}, indent=1))
     md = post_cost_markdown(res, where)

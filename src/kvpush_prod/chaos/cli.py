@@ -26,9 +26,14 @@ def listing(names: tuple[str, ...] = SCENARIOS) -> list[str]:
 
 
 def usage(names: tuple[str, ...] = SCENARIOS) -> str:
-    lines = ["usage: kvpush chaos <scenario> [--requests N --concurrency C --seed S "
-             "--report out.json ...]", "       kvpush chaos all [--report-dir DIR] [args]",
-             "       kvpush chaos --list", "", "scenarios:"]
+    lines = [
+        "usage: kvpush chaos <scenario> [--requests N --concurrency C --seed S "
+        "--report out.json ...]",
+        "       kvpush chaos all [--report-dir DIR] [args]",
+        "       kvpush chaos --list",
+        "",
+        "scenarios:",
+    ]
     lines += [f"  {line}" for line in listing(names)]
     return "\n".join(lines)
 
@@ -60,7 +65,7 @@ def _all(names: tuple[str, ...], rest: list[str]) -> int:
     if "--report-dir" in rest:
         i = rest.index("--report-dir")
         out_dir = Path(rest[i + 1])
-        rest = rest[:i] + rest[i + 2:]
+        rest = rest[:i] + rest[i + 2 :]
     out_dir.mkdir(parents=True, exist_ok=True)
     reports = []
     worst = 0

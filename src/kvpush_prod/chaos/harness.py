@@ -66,13 +66,21 @@ class Options:
     extra: dict[str, Any] = field(default_factory=dict)  # the scenario's own options
 
     def mix(self, **over: Any) -> Mix:
-        base = Mix(self.min_prompt, self.max_prompt, self.min_tokens, self.max_tokens,
-                   self.stream_fraction, self.chat_fraction)
+        base = Mix(
+            self.min_prompt,
+            self.max_prompt,
+            self.min_tokens,
+            self.max_tokens,
+            self.stream_fraction,
+            self.chat_fraction,
+        )
         return Mix(**{**asdict(base), **over})
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v)
-                for f in fields(self)}
+        return {
+            f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v)
+            for f in fields(self)
+        }
 
 
 @dataclass(frozen=True)
@@ -109,10 +117,15 @@ def fault_switch(workdir: Path) -> Path:
 
 def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpec:
     """A cluster for ``needs``: stable engine ids, so a restarted engine keeps its identity."""
-    spec = ClusterSpec(workdir=workdir, prefill_engine_id="chaos-prefill",
-                       decode_engine_id="chaos-decode", kv_load_failure_policy=needs.policy,
-                       profile=needs.profile, prefills=needs.prefills,
-                       decodes=needs.decodes)
+    spec = ClusterSpec(
+        workdir=workdir,
+        prefill_engine_id="chaos-prefill",
+        decode_engine_id="chaos-decode",
+        kv_load_failure_policy=needs.policy,
+        profile=needs.profile,
+        prefills=needs.prefills,
+        decodes=needs.decodes,
+    )
     if needs.prefills + needs.decodes > 2:
         spec.prefill_kv_gib = spec.decode_kv_gib = 1  # five engines must fit beside others
     if needs.router_policy:
@@ -159,8 +172,11 @@ async def _pace(gen: LoadGenerator, per_s: float) -> None:
 def _compact(v: Any) -> str:
     """Evidence readings in a few characters: ``P[active=1 blocks=0] D[...]``."""
     if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
-        short = {"transfers_active": "active", "connector_blocks": "blocks",
-                 "credits_in_use_blocks": "credits"}
+        short = {
+            "transfers_active": "active",
+            "connector_blocks": "blocks",
+            "credits_in_use_blocks": "credits",
+        }
         parts = []
         for eng, r in v.items():
             kv = " ".join(f"{short[k]}={r[k]:g}" for k in short if r.get(k) is not None)
@@ -172,8 +188,16 @@ def _compact(v: Any) -> str:
 class Context:
     """What a scenario's ``run`` works with."""
 
-    def __init__(self, name: str, cluster: Cluster, opts: Options, needs: Needs,
-                 report: Report, observer: Observer, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        cluster: Cluster,
+        opts: Options,
+        needs: Needs,
+        report: Report,
+        observer: Observer,
+        log: Callable[[str], None],
+    ) -> None:
         self.name = name
         self.cluster = cluster
         self.opts = opts
@@ -203,17 +227,29 @@ class Context:
         self.log(what + (f" ({extra})" if extra else ""))
 
     # -- load
-    def load(self, limit: int, *, concurrency: int | None = None, mix: Mix | None = None,
-             phase: str = "load") -> LoadGenerator:
+    def load(
+        self,
+        limit: int,
+        *,
+        concurrency: int | None = None,
+        mix: Mix | None = None,
+        phase: str = "load",
+    ) -> LoadGenerator:
         """A load generator through the router; requests continue the run's numbering."""
         if self._stream is None or mix is not None:
             start = len(self.specs)
             base = workload(self.opts.seed, mix or self.opts.mix())
             self._stream = (s for s in base if s.idx >= start)
-        gen = LoadGenerator(self.cluster.urls["router"], self._remember(self._stream),
-                            concurrency=concurrency or self.opts.concurrency, limit=limit,
-                            timeout=self.opts.timeout, progress_every=self.opts.progress_every,
-                            log=self.log, t0=self._t0)
+        gen = LoadGenerator(
+            self.cluster.urls["router"],
+            self._remember(self._stream),
+            concurrency=concurrency or self.opts.concurrency,
+            limit=limit,
+            timeout=self.opts.timeout,
+            progress_every=self.opts.progress_every,
+            log=self.log,
+            t0=self._t0,
+        )
         gen.phase = phase
         self.generators.append(gen)
         return gen
@@ -224,9 +260,13 @@ class Context:
             yield spec
 
     # -- faults
-    async def wait_in_flight(self, engines: tuple[str, ...] = ENGINES, timeout: float = 60.0,
-                             what: str = "fault", gen: LoadGenerator | None = None
-                             ) -> dict[str, Any] | None:
+    async def wait_in_flight(
+        self,
+        engines: tuple[str, ...] = ENGINES,
+        timeout: float = 60.0,
+        what: str = "fault",
+        gen: LoadGenerator | None = None,
+    ) -> dict[str, Any] | None:
         """Wait for transfers in progress on ``engines``; record a failed check if none come.
 
         With ``gen``, its limit is raised as needed so that load keeps coming meanwhile."""
@@ -236,9 +276,13 @@ class Context:
         finally:
             if top_up is not None:
                 top_up.cancel()
-        self.report.check(f"{what} injected mid-transfer", evidence is not None,
-                          "" if evidence else f"no transfer in flight on {engines} "
-                          f"within {timeout:.0f} s; injected anyway")
+        self.report.check(
+            f"{what} injected mid-transfer",
+            evidence is not None,
+            ""
+            if evidence
+            else f"no transfer in flight on {engines} within {timeout:.0f} s; injected anyway",
+        )
         return evidence
 
     def outstanding(self) -> int:
@@ -262,8 +306,9 @@ class Context:
         self.observer.note_restart(name)
         return time.monotonic() - t0
 
-    async def wait_router_ready(self, timeout: float = 60.0,
-                                engine: str | None = None) -> float | None:
+    async def wait_router_ready(
+        self, timeout: float = 60.0, engine: str | None = None
+    ) -> float | None:
         """Wait until the router reports both roles up (with ``engine``: until it routes to
         that engine again); seconds waited, None on timeout."""
         t0 = time.monotonic()
@@ -287,22 +332,29 @@ class Context:
         return [r for g in self.generators for r in g.records if r.phase == phase]
 
 
-async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: str,
-                            tag: str = "") -> float:
+async def break_and_recover(
+    ctx: Context, gen: LoadGenerator, engine: str, how: str, tag: str = ""
+) -> float:
     """Wait for transfers in flight, then ``kill`` (-9) or ``term`` (graceful stop) ``engine``
     and start it again with the same engine id and port; or ``rolling``: drain the load
     first (nothing in flight), stop gracefully, restart, then resume with a burst. Requests launched meanwhile are in
     phase ``outage<tag>``, those launched once the router has the pair again ``after<tag>``.
     Returns the time of the fault (``ctx.now()``)."""
-    verb = {"kill": "kill -9", "term": "graceful stop (SIGTERM) of",
-            "rolling": "rolling restart (drained, then SIGTERM) of"}[how]
+    verb = {
+        "kill": "kill -9",
+        "term": "graceful stop (SIGTERM) of",
+        "rolling": "rolling restart (drained, then SIGTERM) of",
+    }[how]
     if how == "rolling":
         # A redeploy at a quiet moment: nothing in flight, so the peer hears of the new
         # process only from the traffic that follows (no cancel or ack in the queue).
         gen.pause()
         drained = await gen.wait_idle(timeout=ctx.opts.timeout)
-        ctx.report.check(f"nothing in flight before the rolling restart{tag}", drained,
-                         "" if drained else f"{gen.outstanding} requests still in flight")
+        ctx.report.check(
+            f"nothing in flight before the rolling restart{tag}",
+            drained,
+            "" if drained else f"{gen.outstanding} requests still in flight",
+        )
         evidence: dict[str, Any] | None = None
     else:
         evidence = await ctx.wait_in_flight(ENGINES, what=f"{verb} {engine}", gen=gen)
@@ -310,8 +362,11 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
     at = ctx.now()
     if how == "kill":
         await ctx.kill(engine)
-        ctx.event(f"{verb} {engine} (whole process tree)", evidence=evidence,
-                  outstanding=ctx.outstanding())
+        ctx.event(
+            f"{verb} {engine} (whole process tree)",
+            evidence=evidence,
+            outstanding=ctx.outstanding(),
+        )
     else:
         ctx.event(f"{verb} {engine}", evidence=evidence, outstanding=ctx.outstanding())
     secs = await ctx.restart(engine, graceful=how != "kill")
@@ -319,11 +374,17 @@ async def break_and_recover(ctx: Context, gen: LoadGenerator, engine: str, how: 
     waited = await ctx.wait_router_ready()
     gen.phase = f"after{tag}"
     gen.resume()  # after a rolling restart: a burst of `concurrency` requests at once
-    ctx.event("router has the pair again" if waited is not None
-              else "router did NOT report the pair healthy within 60 s",
-              waited_s=None if waited is None else round(waited, 1))
-    ctx.report.check(f"router sees {engine} again after the restart{tag}", waited is not None,
-                     "" if waited is not None else "GET /health of the router stayed 503")
+    ctx.event(
+        "router has the pair again"
+        if waited is not None
+        else "router did NOT report the pair healthy within 60 s",
+        waited_s=None if waited is None else round(waited, 1),
+    )
+    ctx.report.check(
+        f"router sees {engine} again after the restart{tag}",
+        waited is not None,
+        "" if waited is not None else "GET /health of the router stayed 503",
+    )
     return at
 
 
@@ -342,14 +403,25 @@ async def kill_in_flight(ctx: Context, gen: LoadGenerator, engine: str, tag: str
     legs = max(legs, await ctx.observer.router_legs(engine))
     kill = Kill(engine, at, max(held, legs), until)
     ctx.kills.append(kill)
-    ctx.event(f"kill -9 {engine} (whole process tree)", evidence=evidence,
-              in_flight=kill.in_flight, engine_requests=held, router_legs=legs,
-              outstanding=ctx.outstanding())
+    ctx.event(
+        f"kill -9 {engine} (whole process tree)",
+        evidence=evidence,
+        in_flight=kill.in_flight,
+        engine_requests=held,
+        router_legs=legs,
+        outstanding=ctx.outstanding(),
+    )
     return kill
 
 
-async def rejoin(ctx: Context, gen: LoadGenerator, engine: str, tag: str = "",
-                 timeout: float = 120.0, per_s: float = 2.0) -> bool:
+async def rejoin(
+    ctx: Context,
+    gen: LoadGenerator,
+    engine: str,
+    tag: str = "",
+    timeout: float = 120.0,
+    per_s: float = 2.0,
+) -> bool:
     """Start the killed ``engine`` again (same port and engine id) under a steady load of
     ``per_s`` requests a second, wait until the router routes to it and its new process has
     finished a request of the load (phase ``after<tag>`` from then on); checks both. True if
@@ -359,12 +431,17 @@ async def rejoin(ctx: Context, gen: LoadGenerator, engine: str, tag: str = "",
         secs = await ctx.restart(engine)
     finally:
         pacer.cancel()
-    ctx.event(f"{engine} restarted and healthy", seconds=round(secs, 1),
-              sent_meanwhile=len([r for r in gen.records if r.phase == f"outage{tag}"]))
+    ctx.event(
+        f"{engine} restarted and healthy",
+        seconds=round(secs, 1),
+        sent_meanwhile=len([r for r in gen.records if r.phase == f"outage{tag}"]),
+    )
     waited = await ctx.wait_router_ready(engine=engine)
-    ctx.report.check(f"the router routes to {engine} again after its restart{tag}",
-                     waited is not None, "" if waited is not None else
-                     "kvpush_router_backend_up stayed 0 for 60 s")
+    ctx.report.check(
+        f"the router routes to {engine} again after its restart{tag}",
+        waited is not None,
+        "" if waited is not None else "kvpush_router_backend_up stayed 0 for 60 s",
+    )
     gen.phase = f"after{tag}"
     top_up = asyncio.create_task(_keep_loading(gen))
     t0 = time.monotonic()
@@ -378,10 +455,16 @@ async def rejoin(ctx: Context, gen: LoadGenerator, engine: str, tag: str = "",
     finally:
         top_up.cancel()
     took = served > 0
-    ctx.event(f"{engine} {'takes traffic again' if took else 'took NO traffic'}",
-              served=served, waited_s=round(time.monotonic() - t0, 1))
-    ctx.report.check(f"{engine} takes traffic again after its restart{tag}", took,
-                     "" if took else f"its new process finished no request in {timeout:.0f} s")
+    ctx.event(
+        f"{engine} {'takes traffic again' if took else 'took NO traffic'}",
+        served=served,
+        waited_s=round(time.monotonic() - t0, 1),
+    )
+    ctx.report.check(
+        f"{engine} takes traffic again after its restart{tag}",
+        took,
+        "" if took else f"its new process finished no request in {timeout:.0f} s",
+    )
     return took
 
 
@@ -390,8 +473,10 @@ async def traffic_resumes(ctx: Context, gen: LoadGenerator, i: int, per_phase: i
     (phase ``after<i>``); False if they did not within 180 s."""
     gen.extend(max(0, gen.progress.sent + per_phase - gen.limit))
     resumed = await gen.wait_ok_in_phase(f"after{i}", per_phase, timeout=180)
-    ctx.event(f"traffic after restart {i}: {'resumed' if resumed else 'NOT resumed'}",
-              ok=gen.progress.by_phase_ok.get(f"after{i}", 0))
+    ctx.event(
+        f"traffic after restart {i}: {'resumed' if resumed else 'NOT resumed'}",
+        ok=gen.progress.by_phase_ok.get(f"after{i}", 0),
+    )
     return resumed
 
 
@@ -405,22 +490,29 @@ def check_resumed(ctx: Context, phase: str, what: str, until: float | None = Non
         detail = f"no request was sent in phase {phase}"
     elif bad:
         first = bad[0]
-        detail = (f"{len(bad)}/{len(recs)} requests after recovery failed; first: "
-                  f"{first.status or first.error_kind} {first.error[:200]}")
+        detail = (
+            f"{len(bad)}/{len(recs)} requests after recovery failed; first: "
+            f"{first.status or first.error_kind} {first.error[:200]}"
+        )
     ctx.report.check(what, bool(recs) and not bad, detail)
 
 
 def check_all_answered(ctx: Context, records: list[Record], why: str) -> None:
     """A check that every request in ``records`` succeeded; the detail names the first failure."""
     failed = [r for r in records if not r.ok]
-    ctx.report.check(f"every request answered ({why})", not failed,
-                     f"{len(failed)} failed; first: "
-                     f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
-                     if failed else "")
+    ctx.report.check(
+        f"every request answered ({why})",
+        not failed,
+        f"{len(failed)} failed; first: "
+        f"{failed[0].status or failed[0].error_kind} {failed[0].error[:200]}"
+        if failed
+        else "",
+    )
 
 
-async def faults_under_load(ctx: Context, steps: int,
-                            fault: Callable[[LoadGenerator, int], Awaitable[None]]) -> None:
+async def faults_under_load(
+    ctx: Context, steps: int, fault: Callable[[LoadGenerator, int], Awaitable[None]]
+) -> None:
     """Steady load (``ctx.opts.requests`` in all) through ``fault(gen, i)`` for i = 1 ..
     ``steps``: the load keeps coming through each fault, traffic must resume after each
     before the next (phase ``after<i>``; the rest is skipped when it does not), then the
@@ -452,6 +544,7 @@ def allow_after(gen: LoadGenerator, total: int, at_least: int) -> None:
 
 # ---------------------------------------------------------------------- the run
 
+
 def _log_sizes(cluster: Cluster) -> dict[str, int]:
     out = {}
     for p in cluster.log_dir.glob("*.log"):
@@ -477,8 +570,13 @@ def scan_logs(cluster: Cluster, since: dict[str, int], limit: int = 25) -> dict[
         groups: dict[str, dict[str, Any]] = {}
         for line in text.splitlines():
             # kvpush's own warnings reach the log through Python's last-resort handler: bare.
-            if "WARNING" not in line and "ERROR" not in line and "Traceback" not in line \
-                    and "CRITICAL" not in line and not line.startswith("kvpush:"):
+            if (
+                "WARNING" not in line
+                and "ERROR" not in line
+                and "Traceback" not in line
+                and "CRITICAL" not in line
+                and not line.startswith("kvpush:")
+            ):
                 continue
             if not _INTERESTING.search(line):
                 continue
@@ -492,8 +590,9 @@ def scan_logs(cluster: Cluster, since: dict[str, int], limit: int = 25) -> dict[
     return out
 
 
-async def _references(cluster: Cluster, specs: dict[int, RequestSpec],
-                      records: list[Record]) -> dict[int, str | None]:
+async def _references(
+    cluster: Cluster, specs: dict[int, RequestSpec], records: list[Record]
+) -> dict[int, str | None]:
     """The reference engine's greedy answer for every successful request."""
     want: dict[tuple[str, int, bool], list[int]] = {}
     for rec in records:
@@ -516,8 +615,11 @@ async def _references(cluster: Cluster, specs: dict[int, RequestSpec],
                     r = await client.post(url + path, json=body, timeout=120)
                     if r.status_code == 200:
                         c = r.json()["choices"][0]
-                        text = (c.get("message") or {}).get("content") or "" if spec.chat \
+                        text = (
+                            (c.get("message") or {}).get("content") or ""
+                            if spec.chat
                             else c.get("text") or ""
+                        )
                         break
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
@@ -546,12 +648,20 @@ async def _poke(cluster: Cluster) -> None:
             if proc is None or not proc.alive():
                 continue
             with contextlib.suppress(httpx.HTTPError):
-                await client.post(cluster.urls[name] + "/v1/completions", timeout=30, json={
-                    "model": "tiny", "prompt": "w10 w11 w12", "max_tokens": 1})
+                await client.post(
+                    cluster.urls[name] + "/v1/completions",
+                    timeout=30,
+                    json={"model": "tiny", "prompt": "w10 w11 w12", "max_tokens": 1},
+                )
 
 
-async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
-                         log: Callable[[str], None] = print, needs: Needs | None = None) -> Report:
+async def run_on_cluster(
+    module: ModuleType,
+    cluster: Cluster,
+    opts: Options,
+    log: Callable[[str], None] = print,
+    needs: Needs | None = None,
+) -> Report:
     """Run one scenario on a started cluster, which must meet ``module.needs(opts)`` or be
     started for ``needs`` (a compatible cluster shared with other scenarios)."""
     name = module.NAME
@@ -561,10 +671,13 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     ctx = Context(name, cluster, opts, needs, report, observer, log)
     log_from = _log_sizes(cluster)
     t_start = time.monotonic()
-    report.data["cluster"] = {"block_size": _safe(cluster.block_size), "policy": needs.policy,
-                              "prefill_faults": needs.faults_json(cluster.spec.workdir),
-                              "decode_blocks": needs.decode_blocks,
-                              "logs": str(cluster.log_dir)}
+    report.data["cluster"] = {
+        "block_size": _safe(cluster.block_size),
+        "policy": needs.policy,
+        "prefill_faults": needs.faults_json(cluster.spec.workdir),
+        "decode_blocks": needs.decode_blocks,
+        "logs": str(cluster.log_dir),
+    }
     baseline = await _check_idle_before(ctx)
     ctx.event(f"start: {module.DESCRIPTION}", policy=needs.policy)
     await observer.start()
@@ -581,8 +694,11 @@ async def run_on_cluster(module: ModuleType, cluster: Cluster, opts: Options,
     if ctx.kills:
         report.data["kills"] = [k.as_dict() for k in ctx.kills]
         beyond = failures_beyond_kills(records, ctx.kills)
-        report.check("requests that failed were at most those in flight on the victims",
-                     not beyond, "; ".join(beyond[:5]))
+        report.check(
+            "requests that failed were at most those in flight on the victims",
+            not beyond,
+            "; ".join(beyond[:5]),
+        )
 
     # Correctness against the single engine.
     ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
@@ -608,8 +724,9 @@ async def _check_idle_before(ctx: Context) -> dict[str, float]:
     idle = await ctx.observer.readings()
     baseline = {e: (r.kv_usage or 0.0) for e, r in idle.items()}
     ctx.report.data["idle_before"] = {e: r.as_dict() for e, r in idle.items()}
-    not_idle = [p for e, r in idle.items() for p in idle_problems(r, 0.0)
-                if "not exported" not in p]
+    not_idle = [
+        p for e, r in idle.items() for p in idle_problems(r, 0.0) if "not exported" not in p
+    ]
     if not_idle:
         ctx.report.check("idle before the run", False, "; ".join(not_idle))
     return baseline
@@ -628,16 +745,23 @@ async def _check_quiescence(ctx: Context, baseline: dict[str, float]) -> int:
         still = [p for e, r in after.items() for p in idle_problems(r, baseline.get(e))]
         poked = {"readings": {e: r.as_dict() for e, r in after.items()}, "problems": still}
         if not still:
-            leaks = [f"{p} (published only once the engine stepped again: stale gauge)"
-                     for p in leaks]
+            leaks = [
+                f"{p} (published only once the engine stepped again: stale gauge)" for p in leaks
+            ]
     await observer.stop()
     ctx.event("quiescence", settled=settled, waited_s=round(waited, 1))
-    report.data["quiescence"] = {"settled": settled, "waited_s": round(waited, 1),
-                                 "readings": {e: r.as_dict() for e, r in last.items()},
-                                 "after_poke": poked}
+    report.data["quiescence"] = {
+        "settled": settled,
+        "waited_s": round(waited, 1),
+        "readings": {e: r.as_dict() for e, r in last.items()},
+        "after_poke": poked,
+    }
     numeric = [p for p in leaks if "not exported" not in p]
-    report.check("idle after the run (no connector block, no credit, KV usage at idle)",
-                 settled and not numeric, "; ".join(numeric))
+    report.check(
+        "idle after the run (no connector block, no credit, KV usage at idle)",
+        settled and not numeric,
+        "; ".join(numeric),
+    )
     missing = sorted({p for p in leaks if "not exported" in p})
     report.check("the series the verdict reads are exported", not missing, "; ".join(missing))
     leaked = sum(int(r.blocks or 0) for r in last.values() if r.alive) if not settled else 0
@@ -650,9 +774,15 @@ async def _check_engines_up(cluster: Cluster, report: Report) -> None:
     for e in cluster.engine_names:
         p = cluster.procs.get(e)
         up = p is not None and p.alive() and await _healthy(cluster.urls[e])
-        report.check(f"{e} up at the end", up, "" if up else
-                     f"{e} is not running" if p is None or not p.alive() else
-                     f"{e} runs but GET /health does not answer 200 (its readings were skipped)")
+        report.check(
+            f"{e} up at the end",
+            up,
+            ""
+            if up
+            else f"{e} is not running"
+            if p is None or not p.alive()
+            else f"{e} runs but GET /health does not answer 200 (its readings were skipped)",
+        )
 
 
 def _table(t: Tally, streamed: dict[str, int], leaked: int) -> dict[str, int]:
@@ -661,7 +791,8 @@ def _table(t: Tally, streamed: dict[str, int], leaked: int) -> dict[str, int]:
         "sent": t.sent,
         "push": t.served.get("push", 0) + streamed["push"],
         "pull_fallback": t.served.get("pull_fallback", 0) + streamed["pull_fallback"],
-        "recompute": t.served.get("recompute", 0) + t.served.get("local", 0)
+        "recompute": t.served.get("recompute", 0)
+        + t.served.get("local", 0)
         + streamed["recompute"],
         "unattributed_ok": streamed["unknown"],
         "failed_clear": t.failed_clear,
@@ -675,20 +806,35 @@ def _table(t: Tally, streamed: dict[str, int], leaked: int) -> dict[str, int]:
 
 
 def _check_answers(report: Report, t: Tally, opts: Options) -> None:
-    report.check("every request ended within the bound", t.hung == 0,
-                 f"{t.hung} hung past {opts.timeout:.0f} s" if t.hung else "")
-    report.check("every successful answer equals the single engine", t.wrong_tokens == 0,
-                 f"{t.wrong_tokens} answers differ from the reference; first: "
-                 f"{describe_wrong(t.wrong[0])}" if t.wrong_tokens else "")
-    report.check("every failure is a clear error", t.failed_unclear == 0,
-                 f"{t.failed_unclear} failures without a clear HTTP error or stream error event"
-                 if t.failed_unclear else "")
-    report.check("reference answers available", t.unchecked == 0,
-                 f"{t.unchecked} answers could not be checked" if t.unchecked else "")
+    report.check(
+        "every request ended within the bound",
+        t.hung == 0,
+        f"{t.hung} hung past {opts.timeout:.0f} s" if t.hung else "",
+    )
+    report.check(
+        "every successful answer equals the single engine",
+        t.wrong_tokens == 0,
+        f"{t.wrong_tokens} answers differ from the reference; first: {describe_wrong(t.wrong[0])}"
+        if t.wrong_tokens
+        else "",
+    )
+    report.check(
+        "every failure is a clear error",
+        t.failed_unclear == 0,
+        f"{t.failed_unclear} failures without a clear HTTP error or stream error event"
+        if t.failed_unclear
+        else "",
+    )
+    report.check(
+        "reference answers available",
+        t.unchecked == 0,
+        f"{t.unchecked} answers could not be checked" if t.unchecked else "",
+    )
 
 
-def _record_details(report: Report, t: Tally, streamed: dict[str, int], observer: Observer,
-                    records: list[Record]) -> None:
+def _record_details(
+    report: Report, t: Tally, streamed: dict[str, int], observer: Observer, records: list[Record]
+) -> None:
     report.data["served_non_streaming"] = t.served
     report.data["served_streaming_attributed"] = streamed
     report.data["clear_errors"] = dict(sorted(t.errors.items(), key=lambda kv: -kv[1])[:20])
@@ -699,8 +845,7 @@ def _record_details(report: Report, t: Tally, streamed: dict[str, int], observer
     report.data["metrics"] = {e: observer.counters(e) for e in observer.engines}
     report.data["metric_peaks"] = observer.peaks
     report.data["phases"] = _phase_summary(records, t.classes)
-    report.data["records"] = [{**r.to_json(), "class": t.classes.get(r.idx, "")}
-                              for r in records]
+    report.data["records"] = [{**r.to_json(), "class": t.classes.get(r.idx, "")} for r in records]
 
 
 def _phase_summary(records: list[Record], classes: dict[int, str]) -> dict[str, dict[str, int]]:
@@ -726,8 +871,10 @@ def print_report(report: Report, log: Callable[[str], None] = print) -> None:
     t = report.table
     log(f"[{report.scenario}] table: " + ", ".join(f"{k}={v}" for k, v in t.items()))
     for c in report.checks:
-        log(f"[{report.scenario}]   {'ok  ' if c.ok else 'FAIL'} {c.name}"
-            + (f": {c.detail}" if c.detail else ""))
+        log(
+            f"[{report.scenario}]   {'ok  ' if c.ok else 'FAIL'} {c.name}"
+            + (f": {c.detail}" if c.detail else "")
+        )
     if d.get("clear_errors"):
         log(f"[{report.scenario}] clear errors: {json.dumps(d['clear_errors'])[:800]}")
     if d.get("unclear_kinds"):
@@ -746,23 +893,39 @@ def write_report(report: Report, path: Path | None) -> None:
 
 # ---------------------------------------------------------------------- command line
 
+
 def parse_options(module: ModuleType, argv: list[str] | None) -> Options:
     base = Options(**getattr(module, "DEFAULTS", {}))
-    ap = argparse.ArgumentParser(prog=f"kvpush chaos {module.NAME}",
-                                 description=module.DESCRIPTION)
+    ap = argparse.ArgumentParser(prog=f"kvpush chaos {module.NAME}", description=module.DESCRIPTION)
     ap.add_argument("--requests", type=int, default=base.requests, help="requests to send")
     ap.add_argument("--concurrency", type=int, default=base.concurrency)
     ap.add_argument("--seed", type=int, default=base.seed, help="seed of the load and faults")
     ap.add_argument("--report", type=Path, default=None, help="write the JSON report here")
-    ap.add_argument("--timeout", type=float, default=base.timeout,
-                    help="client bound per request in seconds; past it a request is hung")
-    ap.add_argument("--policy", choices=["recompute", "fail"], default=base.policy,
-                    help="D's kv_load_failure_policy (default: the scenario's)")
-    ap.add_argument("--decode-blocks", type=int, default=base.decode_blocks,
-                    help="D's KV cache size in blocks (0: the engine's default)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=base.timeout,
+        help="client bound per request in seconds; past it a request is hung",
+    )
+    ap.add_argument(
+        "--policy",
+        choices=["recompute", "fail"],
+        default=base.policy,
+        help="D's kv_load_failure_policy (default: the scenario's)",
+    )
+    ap.add_argument(
+        "--decode-blocks",
+        type=int,
+        default=base.decode_blocks,
+        help="D's KV cache size in blocks (0: the engine's default)",
+    )
     ap.add_argument("--quiesce-timeout", type=float, default=base.quiesce_timeout)
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="model, logs and fault switch go here (default: a temporary folder)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="model, logs and fault switch go here (default: a temporary folder)",
+    )
     ap.add_argument("--progress-every", type=int, default=base.progress_every)
     ap.add_argument("--min-prompt", type=int, default=base.min_prompt)
     ap.add_argument("--max-prompt", type=int, default=base.max_prompt)
@@ -770,10 +933,17 @@ def parse_options(module: ModuleType, argv: list[str] | None) -> Options:
     ap.add_argument("--max-tokens", type=int, default=base.max_tokens)
     ap.add_argument("--stream-fraction", type=float, default=base.stream_fraction)
     ap.add_argument("--chat-fraction", type=float, default=base.chat_fraction)
-    ap.add_argument("--trace", action="store_true",
-                    help="engines write kvpush event traces to WORKDIR/traces (for bug reports)")
-    ap.add_argument("--no-poke", dest="poke", action="store_false",
-                    help="do not poke engines whose gauges look stale after quiescence")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="engines write kvpush event traces to WORKDIR/traces (for bug reports)",
+    )
+    ap.add_argument(
+        "--no-poke",
+        dest="poke",
+        action="store_false",
+        help="do not poke engines whose gauges look stale after quiescence",
+    )
     own = getattr(module, "add_arguments", None)
     if own is not None:
         own(ap)
@@ -790,17 +960,20 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix=f"kvpush-chaos-{module.NAME}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{module.NAME}] {module.DESCRIPTION}", flush=True)
-    print(f"[{module.NAME}] starting {needs.prefills} prefill, {needs.decodes} decode, "
-          f"reference and router (policy {needs.policy}); logs in {workdir / 'logs'}",
-          flush=True)
+    print(
+        f"[{module.NAME}] starting {needs.prefills} prefill, {needs.decodes} decode, "
+        f"reference and router (policy {needs.policy}); logs in {workdir / 'logs'}",
+        flush=True,
+    )
     t0 = time.monotonic()
     cluster = Cluster(cluster_spec(needs, workdir, opts.trace))
     report = Report(module.NAME, opts.as_dict())
     try:
         cluster.start()
         print(f"[{module.NAME}] cluster ready in {time.monotonic() - t0:.0f} s", flush=True)
-        report = asyncio.run(run_on_cluster(module, cluster, opts,
-                                            log=lambda m: print(m, flush=True)))
+        report = asyncio.run(
+            run_on_cluster(module, cluster, opts, log=lambda m: print(m, flush=True))
+        )
     except Exception as exc:  # noqa: BLE001 - the verdict line must always come
         report.check("cluster started and scenario ran", False, f"{type(exc).__name__}: {exc}")
     finally:
@@ -809,4 +982,3 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     print_report(report, lambda m: print(m, flush=True))
     write_report(report, opts.report)
     return 0 if report.passed else 1
-

@@ -74,20 +74,34 @@ def _error_message(raw: bytes | str) -> str:
     return text.strip()[:600]
 
 
-async def send_one(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
-                   record: Record, timeout: float, t0: float) -> None:
+async def send_one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    spec: RequestSpec,
+    record: Record,
+    timeout: float,
+    t0: float,
+) -> None:
     """Send ``spec``; fill ``record``. Never raises (except cancellation of the caller)."""
     await _send(client, base_url, spec, record, timeout, t0)
     if not record.error_kind and record.finish_reason == "abort":
         # vLLM ends a request it aborted (e.g. on shutdown) with HTTP 200 and this reason:
         # the client gets a success with a cut answer and no error.
         record.error_kind = "aborted"
-        record.error = (f"HTTP 200 with finish_reason 'abort' after {len(record.text.split())} "
-                        "tokens: the engine aborted the request, nothing says so but the reason")
+        record.error = (
+            f"HTTP 200 with finish_reason 'abort' after {len(record.text.split())} "
+            "tokens: the engine aborted the request, nothing says so but the reason"
+        )
 
 
-async def _send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
-                record: Record, timeout: float, t0: float) -> None:
+async def _send(
+    client: httpx.AsyncClient,
+    base_url: str,
+    spec: RequestSpec,
+    record: Record,
+    timeout: float,
+    t0: float,
+) -> None:
     url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.chat else "/v1/completions")
     # httpx's own timeouts sit above the overall bound, which the caller enforces.
     http_timeout = httpx.Timeout(timeout + 30, connect=10.0)
@@ -101,8 +115,14 @@ async def _send(client: httpx.AsyncClient, base_url: str, spec: RequestSpec,
         record.error = f"{type(exc).__name__}: {exc}"[:600]
 
 
-async def _send_whole(client: httpx.AsyncClient, url: str, spec: RequestSpec, record: Record,
-                      http_timeout: httpx.Timeout, t0: float) -> None:
+async def _send_whole(
+    client: httpx.AsyncClient,
+    url: str,
+    spec: RequestSpec,
+    record: Record,
+    http_timeout: httpx.Timeout,
+    t0: float,
+) -> None:
     r = await client.post(url, json=spec.body(), timeout=http_timeout)
     record.status = r.status_code
     record.request_id = r.headers.get("x-request-id", "")
@@ -117,15 +137,24 @@ async def _send_whole(client: httpx.AsyncClient, url: str, spec: RequestSpec, re
         record.error = "200 with a body that is not JSON: " + _error_message(r.content)
         return
     choice = (data.get("choices") or [{}])[0]
-    record.text = (choice.get("message") or {}).get("content") or "" if spec.chat \
+    record.text = (
+        (choice.get("message") or {}).get("content") or ""
+        if spec.chat
         else choice.get("text") or ""
+    )
     record.finish_reason = choice.get("finish_reason")
     record.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
     record.kvpush = (data.get("kv_transfer_params") or {}).get("kvpush")
 
 
-async def _send_streamed(client: httpx.AsyncClient, url: str, spec: RequestSpec,
-                         record: Record, http_timeout: httpx.Timeout, t0: float) -> None:
+async def _send_streamed(
+    client: httpx.AsyncClient,
+    url: str,
+    spec: RequestSpec,
+    record: Record,
+    http_timeout: httpx.Timeout,
+    t0: float,
+) -> None:
     pieces = 0
     async with client.stream("POST", url, json=spec.body(), timeout=http_timeout) as r:
         record.status = r.status_code
@@ -149,8 +178,7 @@ async def _send_streamed(client: httpx.AsyncClient, url: str, spec: RequestSpec,
                 return
             got = _take_event(obj, spec, record)
             pieces += got
-            if got and spec.cancel_after_tokens is not None \
-                    and pieces >= spec.cancel_after_tokens:
+            if got and spec.cancel_after_tokens is not None and pieces >= spec.cancel_after_tokens:
                 raise _Abandon(f"cancelled by the client after {pieces} tokens")
         if not record.done_marker:
             record.error_kind = "truncated"
@@ -169,6 +197,7 @@ def _take_event(obj: dict[str, Any], spec: RequestSpec, record: Record) -> int:
     record.text += piece or ""
     record.finish_reason = c.get("finish_reason") or record.finish_reason
     return 1 if piece else 0
+
 
 @dataclass
 class Progress:
@@ -192,11 +221,20 @@ class LoadGenerator:
     without burning the whole load on it.
     """
 
-    def __init__(self, url: str, specs: Iterator[RequestSpec], *, concurrency: int,
-                 limit: int, timeout: float = 120.0, probe_interval: float = 1.0,
-                 progress_every: int = 20, log: Callable[[str], None] = print,
-                 t0: float | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        specs: Iterator[RequestSpec],
+        *,
+        concurrency: int,
+        limit: int,
+        timeout: float = 120.0,
+        probe_interval: float = 1.0,
+        progress_every: int = 20,
+        log: Callable[[str], None] = print,
+        t0: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.url = url
         self.specs = specs
         self.concurrency = concurrency
@@ -265,10 +303,13 @@ class LoadGenerator:
 
     # -- the loop
     async def run(self) -> list[Record]:
-        limits = httpx.Limits(max_connections=self.concurrency * 2 + 8,
-                              max_keepalive_connections=self.concurrency * 2 + 8)
-        async with httpx.AsyncClient(limits=limits, trust_env=False,
-                                     transport=self._transport) as client:
+        limits = httpx.Limits(
+            max_connections=self.concurrency * 2 + 8,
+            max_keepalive_connections=self.concurrency * 2 + 8,
+        )
+        async with httpx.AsyncClient(
+            limits=limits, trust_env=False, transport=self._transport
+        ) as client:
             last_probe = -1e9
             while not self._stop.is_set():
                 if self.progress.sent >= self.limit:
@@ -297,8 +338,16 @@ class LoadGenerator:
         return self.records
 
     def _launch(self, client: httpx.AsyncClient, spec: RequestSpec) -> None:
-        rec = Record(spec.idx, self.phase, spec.stream, spec.chat, spec.prompt_len,
-                     spec.max_tokens, self.now(), cancel_after=spec.cancel_after)
+        rec = Record(
+            spec.idx,
+            self.phase,
+            spec.stream,
+            spec.chat,
+            spec.prompt_len,
+            spec.max_tokens,
+            self.now(),
+            cancel_after=spec.cancel_after,
+        )
         self.records.append(rec)
         self.progress.sent += 1
         self.outstanding += 1
@@ -310,14 +359,18 @@ class LoadGenerator:
         bound = self.timeout
         cancel = spec.cancel_after is not None and spec.cancel_after < bound
         try:
-            await asyncio.wait_for(send_one(client, self.url, spec, rec, self.timeout, self._t0),
-                                   spec.cancel_after if cancel else bound)
+            await asyncio.wait_for(
+                send_one(client, self.url, spec, rec, self.timeout, self._t0),
+                spec.cancel_after if cancel else bound,
+            )
         except _Abandon as exc:
             rec.error_kind, rec.error = "cancelled", str(exc)
         except asyncio.TimeoutError:
             if cancel:
-                rec.error_kind, rec.error = "cancelled", (
-                    f"cancelled by the client after {spec.cancel_after:.3f} s")
+                rec.error_kind, rec.error = (
+                    "cancelled",
+                    (f"cancelled by the client after {spec.cancel_after:.3f} s"),
+                )
             else:
                 rec.error_kind, rec.error = "timeout", f"no complete answer within {bound:.0f} s"
         except Exception as exc:  # noqa: BLE001 - a harness bug must not lose the record
@@ -342,14 +395,19 @@ class LoadGenerator:
             p.cancelled += 1
         else:
             p.failed += 1
-            if rec.status in _OUTAGE_STATUSES and rec.error_kind in ("http", "transport") \
-                    and not self.outage:
+            if (
+                rec.status in _OUTAGE_STATUSES
+                and rec.error_kind in ("http", "transport")
+                and not self.outage
+            ):
                 self.outage, self._outage_since = True, rec.ended
         if p.done % self.progress_every == 0:
             self.log(self._progress_line(rec.phase))
 
     def _progress_line(self, phase: str) -> str:
         p = self.progress
-        return (f"{p.done:4d}/{self.limit} done: {p.ok} ok, {p.failed} "
-                f"failed, {p.hung} hung, {p.cancelled} cancelled; {self.outstanding} in flight"
-                f"{' (outage: probing)' if self.outage else ''}  [{phase}]")
+        return (
+            f"{p.done:4d}/{self.limit} done: {p.ok} ok, {p.failed} "
+            f"failed, {p.hung} hung, {p.cancelled} cancelled; {self.outstanding} in flight"
+            f"{' (outage: probing)' if self.outage else ''}  [{phase}]"
+        )

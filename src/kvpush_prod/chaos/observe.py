@@ -33,8 +33,15 @@ ROUTER_INFLIGHT = "kvpush_router_inflight"
 ROUTER_BACKEND_UP = "kvpush_router_backend_up"
 
 # Gauges whose highest value over the run goes into the report (evidence of what happened).
-PEAK_GAUGES = (BLOCKS, ACTIVE, CREDITS, BREAKER_STATE, KV_USAGE, "kvpush_inflight_bytes",
-               "kvpush_credits_waiting_transfers")
+PEAK_GAUGES = (
+    BLOCKS,
+    ACTIVE,
+    CREDITS,
+    BREAKER_STATE,
+    KV_USAGE,
+    "kvpush_inflight_bytes",
+    "kvpush_credits_waiting_transfers",
+)
 
 
 def role_of(engine: str) -> str:
@@ -71,9 +78,15 @@ class Reading:
     kv_usage: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "at": round(self.at, 3), "alive": self.alive,
-                "connector_blocks": self.blocks, "transfers_active": self.active,
-                "credits_in_use_blocks": self.credits, "kv_cache_usage_perc": self.kv_usage}
+        return {
+            "engine": self.engine,
+            "at": round(self.at, 3),
+            "alive": self.alive,
+            "connector_blocks": self.blocks,
+            "transfers_active": self.active,
+            "credits_in_use_blocks": self.credits,
+            "kv_cache_usage_perc": self.kv_usage,
+        }
 
 
 def reading(engine: str, samples: Samples | None, at: float) -> Reading:
@@ -103,8 +116,12 @@ class Observer:
     run every ``interval`` s and once more right before each injected fault.
     """
 
-    def __init__(self, cluster: Cluster, engines: tuple[str, ...] = ("prefill", "decode"),
-                 interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        engines: tuple[str, ...] = ("prefill", "decode"),
+        interval: float = 1.0,
+    ) -> None:
         self.cluster = cluster
         self.engines = engines
         self.interval = interval
@@ -177,8 +194,11 @@ class Observer:
         peaks = self.peaks[engine]
         for name in PEAK_GAUGES:
             if has_series(samples, name):
-                v = metric_sum(samples, name) if name != BREAKER_STATE else max(
-                    (val for (n, _), val in samples.items() if n == name), default=0.0)
+                v = (
+                    metric_sum(samples, name)
+                    if name != BREAKER_STATE
+                    else max((val for (n, _), val in samples.items() if n == name), default=0.0)
+                )
                 peaks[name] = max(peaks.get(name, v), v)
 
     def note_restart(self, engine: str) -> None:
@@ -210,8 +230,7 @@ class Observer:
         for (n, lbls), v in sorted(self.tracks[engine].acc.items()):
             if not n.startswith(prefix) or not v:
                 continue
-            label = ",".join(f"{k}={val}" for k, val in lbls
-                             if k not in ("engine", "model_name"))
+            label = ",".join(f"{k}={val}" for k, val in lbls if k not in ("engine", "model_name"))
             out[f"{n}{{{label}}}" if label else n] = v
         return out
 
@@ -220,7 +239,8 @@ class Observer:
         if has_series(self.last.get(engine), name):
             return True
         return any(n == name for n, _ in self.tracks[engine].acc) or any(
-            n == name for n, _ in self.tracks[engine].prev)
+            n == name for n, _ in self.tracks[engine].prev
+        )
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -231,8 +251,9 @@ class Observer:
         return {e: reading(e, s, at) for e, s in got.items()}
 
     # -- triggers
-    async def wait_in_flight(self, engines: tuple[str, ...], timeout: float,
-                             interval: float = 0.1) -> dict[str, Any] | None:
+    async def wait_in_flight(
+        self, engines: tuple[str, ...], timeout: float, interval: float = 0.1
+    ) -> dict[str, Any] | None:
         """Wait until every engine in ``engines`` shows a transfer in progress; None on timeout.
 
         P: a transfer active or blocks held for D; D: blocks reserved for an inbound transfer
@@ -268,15 +289,23 @@ class Observer:
         router does not answer)."""
         s = await asyncio.to_thread(try_scrape, self.cluster.urls["router"], 2.0)
         url = engine_url(self.cluster, engine)
-        return int(sum(v for (n, lbls), v in (s or {}).items()
-                       if n == ROUTER_INFLIGHT and dict(lbls).get("backend") == url))
+        return int(
+            sum(
+                v
+                for (n, lbls), v in (s or {}).items()
+                if n == ROUTER_INFLIGHT and dict(lbls).get("backend") == url
+            )
+        )
 
     async def router_has(self, engine: str) -> bool:
         """Whether the router routes to ``engine`` (``kvpush_router_backend_up`` is 1)."""
         s = await asyncio.to_thread(try_scrape, self.cluster.urls["router"], 2.0)
         url = engine_url(self.cluster, engine)
-        return any(v == 1.0 for (n, lbls), v in (s or {}).items()
-                   if n == ROUTER_BACKEND_UP and dict(lbls).get("backend") == url)
+        return any(
+            v == 1.0
+            for (n, lbls), v in (s or {}).items()
+            if n == ROUTER_BACKEND_UP and dict(lbls).get("backend") == url
+        )
 
     async def served(self, engine: str) -> float:
         """Requests the running process of ``engine`` has finished (vLLM's success counter
@@ -293,8 +322,9 @@ class Observer:
         return max(v for (n, _), v in s.items() if n == BREAKER_STATE)
 
     # -- quiescence
-    async def quiesce(self, baseline_kv: dict[str, float], timeout: float,
-                      interval: float = 0.5) -> tuple[bool, dict[str, Reading], float]:
+    async def quiesce(
+        self, baseline_kv: dict[str, float], timeout: float, interval: float = 0.5
+    ) -> tuple[bool, dict[str, Reading], float]:
         """Wait until every live engine holds no connector block, no credit (D), and its KV
         usage is back at its idle value. Returns (settled, last readings, seconds waited)."""
         t0 = time.monotonic()
@@ -302,8 +332,11 @@ class Observer:
         while True:
             last = await self.readings()
             # A series that is not exported cannot settle by waiting: reported separately.
-            if all(not [p for p in idle_problems(r, baseline_kv.get(e))
-                        if "not exported" not in p] for e, r in last.items() if r.alive):
+            if all(
+                not [p for p in idle_problems(r, baseline_kv.get(e)) if "not exported" not in p]
+                for e, r in last.items()
+                if r.alive
+            ):
                 return True, last, time.monotonic() - t0
             if time.monotonic() - t0 >= timeout:
                 return False, last, time.monotonic() - t0

@@ -13,8 +13,16 @@ from typing import Any
 from kvpush_prod.chaos.load import Record
 
 # The columns of the chaos table (docs/chaos.md), in order.
-TABLE_COLUMNS = ("sent", "push", "pull_fallback", "recompute", "failed_clear", "hung",
-                 "wrong_tokens", "leaked_blocks")
+TABLE_COLUMNS = (
+    "sent",
+    "push",
+    "pull_fallback",
+    "recompute",
+    "failed_clear",
+    "hung",
+    "wrong_tokens",
+    "leaked_blocks",
+)
 
 
 def clear_error(rec: Record) -> bool:
@@ -101,12 +109,16 @@ def _short(rec: Record) -> str:
 def describe_wrong(w: dict[str, Any]) -> str:
     """One line on a wrong answer: which request, how it was served, where it first differs."""
     got, expected = str(w.get("got", "")), str(w.get("expected", ""))
-    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
-              min(len(got), len(expected)))
-    return (f"#{w.get('idx')} phase={w.get('phase')} request={w.get('request_id')} "
-            f"prompt_len={w.get('prompt_len')} stream={w.get('stream')} "
-            f"kvpush={w.get('kvpush')} differs at char {at}: "
-            f"got {got[max(0, at - 20):at + 40]!r}, expected {expected[max(0, at - 20):at + 40]!r}")
+    at = next(
+        (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+        min(len(got), len(expected)),
+    )
+    return (
+        f"#{w.get('idx')} phase={w.get('phase')} request={w.get('request_id')} "
+        f"prompt_len={w.get('prompt_len')} stream={w.get('stream')} "
+        f"kvpush={w.get('kvpush')} differs at char {at}: "
+        f"got {got[max(0, at - 20) : at + 40]!r}, expected {expected[max(0, at - 20) : at + 40]!r}"
+    )
 
 
 def tally(records: list[Record], references: dict[int, str | None]) -> Tally:
@@ -173,8 +185,9 @@ def attribute_streaming(t: Tally, consumer: dict[str, float]) -> dict[str, int]:
     out = {"push": 0, "pull_fallback": 0, "recompute": 0, "unknown": 0}
     pushed = consumer.get("pushed", 0) + consumer.get("retried", 0) - t.served.get("push", 0)
     pulled = consumer.get("pull_fallback", 0) - t.served.get("pull_fallback", 0)
-    recomputed = consumer.get("recompute", 0) - t.served.get("recompute", 0) \
-        - t.served.get("local", 0)
+    recomputed = (
+        consumer.get("recompute", 0) - t.served.get("recompute", 0) - t.served.get("local", 0)
+    )
     for key, n in (("push", pushed), ("pull_fallback", pulled), ("recompute", recomputed)):
         take = max(0, min(left, int(n)))
         out[key] = take
@@ -204,11 +217,13 @@ class Report:
 
     def verdict_line(self) -> str:
         t = self.table
-        summary = (f"{t.get('sent', 0)} sent, {t.get('push', 0)} push, "
-                   f"{t.get('pull_fallback', 0)} pull fallback, {t.get('recompute', 0)} recompute, "
-                   f"{t.get('failed_clear', 0)} failed (clear), {t.get('hung', 0)} hung, "
-                   f"{t.get('wrong_tokens', 0)} wrong tokens, {t.get('leaked_blocks', 0)} leaked "
-                   f"blocks")
+        summary = (
+            f"{t.get('sent', 0)} sent, {t.get('push', 0)} push, "
+            f"{t.get('pull_fallback', 0)} pull fallback, {t.get('recompute', 0)} recompute, "
+            f"{t.get('failed_clear', 0)} failed (clear), {t.get('hung', 0)} hung, "
+            f"{t.get('wrong_tokens', 0)} wrong tokens, {t.get('leaked_blocks', 0)} leaked "
+            f"blocks"
+        )
         if self.passed:
             return f"VERDICT: PASS: {self.scenario}: {summary}"
         failed = "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
@@ -234,8 +249,11 @@ def table_markdown(reports: list[dict[str, Any]]) -> str:
     rows = [head, sep]
     for r in reports:
         t = r.get("table", {})
-        rows.append(f"| {r['scenario']} | {r['verdict']} | "
-                    + " | ".join(str(t.get(c, "")) for c in TABLE_COLUMNS) + " |")
+        rows.append(
+            f"| {r['scenario']} | {r['verdict']} | "
+            + " | ".join(str(t.get(c, "")) for c in TABLE_COLUMNS)
+            + " |"
+        )
     return "\n".join(rows)
 
 
@@ -257,8 +275,12 @@ class Kill:
         return self.at if self.until is None else self.until
 
     def as_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "at": round(self.at, 3), "until": round(self.end, 3),
-                "in_flight": self.in_flight}
+        return {
+            "engine": self.engine,
+            "at": round(self.at, 3),
+            "until": round(self.end, 3),
+            "in_flight": self.in_flight,
+        }
 
 
 def failures_beyond_kills(records: list[Record], kills: list[Kill]) -> list[str]:
@@ -275,13 +297,17 @@ def failures_beyond_kills(records: list[Record], kills: list[Kill]) -> list[str]
     for rec in failed:
         at = [k for k in kills if rec.started <= k.end and rec.ended >= k.at]
         if not at:
-            problems.append(f"request #{rec.idx} ({rec.phase}) failed without a kill while "
-                            f"it ran ({rec.started:.1f}-{rec.ended:.1f} s): "
-                            f"{rec.status or rec.error_kind} {rec.error[:160]}")
+            problems.append(
+                f"request #{rec.idx} ({rec.phase}) failed without a kill while "
+                f"it ran ({rec.started:.1f}-{rec.ended:.1f} s): "
+                f"{rec.status or rec.error_kind} {rec.error[:160]}"
+            )
             continue
         charged[id(at[0])] += 1  # in flight at several kills: counts against the first
     for k in kills:
         if charged[id(k)] > k.in_flight:
-            problems.append(f"{charged[id(k)]} requests failed at the kill of {k.engine} "
-                            f"({k.at:.1f} s), but only {k.in_flight} were in flight on it")
+            problems.append(
+                f"{charged[id(k)]} requests failed at the kill of {k.engine} "
+                f"({k.at:.1f} s), but only {k.in_flight} were in flight on it"
+            )
     return problems

@@ -73,9 +73,16 @@ def make_request(idx: int, seed: int, mix: Mix) -> RequestSpec:
             cancel_tokens = rng.randint(1, max(1, max_tokens - 2))
         else:
             cancel = rng.uniform(0.0, mix.cancel_max_s)
-    return RequestSpec(idx=idx, prompt=prompt, prompt_len=n, max_tokens=max_tokens,
-                       stream=stream, chat=chat, cancel_after=cancel,
-                       cancel_after_tokens=cancel_tokens)
+    return RequestSpec(
+        idx=idx,
+        prompt=prompt,
+        prompt_len=n,
+        max_tokens=max_tokens,
+        stream=stream,
+        chat=chat,
+        cancel_after=cancel,
+        cancel_after_tokens=cancel_tokens,
+    )
 
 
 def workload(seed: int, mix: Mix) -> Iterator[RequestSpec]:

@@ -66,8 +66,9 @@ def parse_extra(text: str | None) -> dict[str, Any]:
     return dict(inner) if isinstance(inner, dict) else data
 
 
-def resolve(path: str | None, extra_json: str | None,
-            env: dict[str, str] | None = None) -> ResolvedConfig:
+def resolve(
+    path: str | None, extra_json: str | None, env: dict[str, str] | None = None
+) -> ResolvedConfig:
     """The configuration an engine given this profile and extra config would run with."""
     extra_profile, overrides = split_extra(parse_extra(extra_json))
     if path and extra_profile and not same_profile(path, extra_profile):
@@ -122,8 +123,10 @@ def render_show(resolved: ResolvedConfig) -> str:
 def render_show_json(resolved: ResolvedConfig) -> str:
     data = effective(resolved)
     sources = {f"{s}.{k}": resolved.source_of(s, k) for s, k, _ in field_rows()}
-    return json.dumps({"profile": resolved.profile, "config": data, "sources": sources},
-                      indent=2) + "\n"
+    return (
+        json.dumps({"profile": resolved.profile, "config": data, "sources": sources}, indent=2)
+        + "\n"
+    )
 
 
 def summary(resolved: ResolvedConfig) -> str:
@@ -135,8 +138,7 @@ def summary(resolved: ResolvedConfig) -> str:
     return (
         f"OK: {where} is a valid kvpush configuration (backend {cfg.transport.backend}, "
         f"chunk_bytes {cfg.push.chunk_bytes}, control {cfg.control.host}:{cfg.control.port}, "
-        f"{_auth_summary(cfg)}; values: "
-        + ", ".join(f"{n} {o}" for o, n in counts.items()) + ")"
+        f"{_auth_summary(cfg)}; values: " + ", ".join(f"{n} {o}" for o, n in counts.items()) + ")"
     )
 
 
@@ -161,16 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", "print the effective configuration and where each value came from"),
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("path", nargs="?", help="YAML profile: a path or a shipped profile's "
-                       f"name (default: ${PROFILE_ENV}, kv_connector_extra_config.profile, "
-                       "or none)")
-        p.add_argument("--extra", metavar="JSON",
-                       help="kv_connector_extra_config as JSON (or a whole kv_transfer_config), "
-                       "or @FILE holding it")
+        p.add_argument(
+            "path",
+            nargs="?",
+            help="YAML profile: a path or a shipped profile's "
+            f"name (default: ${PROFILE_ENV}, kv_connector_extra_config.profile, "
+            "or none)",
+        )
+        p.add_argument(
+            "--extra",
+            metavar="JSON",
+            help="kv_connector_extra_config as JSON (or a whole kv_transfer_config), "
+            "or @FILE holding it",
+        )
         if name == "show":
             p.add_argument("--format", choices=("yaml", "json"), default="yaml")
-    d = sub.add_parser("docs", help="print docs/configuration.md (docs/metrics.md: "
-                       "python -m kvpush_prod.metrics_docs)")
+    d = sub.add_parser(
+        "docs",
+        help="print docs/configuration.md (docs/metrics.md: python -m kvpush_prod.metrics_docs)",
+    )
     d.add_argument("which", nargs="?", choices=("config",), default="config")
     sub.add_parser("schema", help="print the JSON schema of the configuration")
     return parser

@@ -81,5 +81,6 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
 
 def credit_settings(cfg: KvpushConfig, num_blocks: int) -> CreditSettings:
     """D's credit budget over its ``num_blocks`` KV blocks."""
-    return CreditSettings.from_fractions(num_blocks, cfg.credits.budget_fraction,
-                                         cfg.credits.per_peer_fraction)
+    return CreditSettings.from_fractions(
+        num_blocks, cfg.credits.budget_fraction, cfg.credits.per_peer_fraction
+    )

@@ -82,17 +82,29 @@ def render_config_doc() -> str:
         "| profile | file | for |",
         "|---|---|---|",
     ]
-    out += [f"| `{name}` | `configs/{path.name}` | {_cell(first_comment(path))} |"
-            for name, path in shipped().items()]
-    out += ["", "The profiles ship inside the package (`kvpush_prod/config/profiles/`), so an "
-            "installed engine finds them by name; `configs/` in the source tree holds the same "
-            "files. Each profile explains its values in comments.", ""]
+    out += [
+        f"| `{name}` | `configs/{path.name}` | {_cell(first_comment(path))} |"
+        for name, path in shipped().items()
+    ]
+    out += [
+        "",
+        "The profiles ship inside the package (`kvpush_prod/config/profiles/`), so an "
+        "installed engine finds them by name; `configs/` in the source tree holds the same "
+        "files. Each profile explains its values in comments.",
+        "",
+    ]
     current = None
     for section, key, f in field_rows():
         if section != current:
             current = section
-            out += [f"## {section}", "", section_doc(section), "",
-                    "| key | type | default | range | meaning |", "|---|---|---|---|---|"]
+            out += [
+                f"## {section}",
+                "",
+                section_doc(section),
+                "",
+                "| key | type | default | range | meaning |",
+                "|---|---|---|---|---|",
+            ]
         out.append(
             f"| `{section}.{key}` | {type_name(f)} | {_cell(_default_text(f))} | "
             f"{_cell(allowed_range(f))} | {_cell(f.description or '')} |"

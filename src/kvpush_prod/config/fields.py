@@ -107,7 +107,9 @@ def shown(path: tuple[str | int, ...], value: Any) -> str:
     if is_secret(f):
         return MASK
     # An unknown key that looks like a secret (or a typo of one) may hold one too.
-    if f is None and (any(w in name for w in _SECRETISH)
-                      or difflib.get_close_matches(name, secret_names, n=1, cutoff=0.6)):
+    if f is None and (
+        any(w in name for w in _SECRETISH)
+        or difflib.get_close_matches(name, secret_names, n=1, cutoff=0.6)
+    ):
         return MASK
     return repr(value)

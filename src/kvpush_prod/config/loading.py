@@ -49,16 +49,20 @@ def _leaves(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tupl
             yield (*prefix, str(key))
 
 
-_ORIGIN = {"profile": "from the profile", "extra": "from kv_connector_extra_config",
-           "env": "from the environment"}
+_ORIGIN = {
+    "profile": "from the profile",
+    "extra": "from kv_connector_extra_config",
+    "env": "from the environment",
+}
 
 
 def _lower_first(text: str) -> str:
     return text[:1].lower() + text[1:]
 
 
-def _format_validation(err: ValidationError, source: str,
-                       sources: dict[str, str] | None = None) -> str:
+def _format_validation(
+    err: ValidationError, source: str, sources: dict[str, str] | None = None
+) -> str:
     lines = [f"invalid kvpush configuration ({source}):"]
     for e in err.errors():
         loc = tuple(e["loc"])
@@ -105,8 +109,10 @@ def _unknown_key(loc: tuple[str | int, ...], path: str, value: Any, where: str) 
         what = f"unknown key of {loc[0]}"
     close = difflib.get_close_matches(str(loc[-1]), known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return (f"  - {path} = {shown(loc, value)}{where}: {what}; {hint}known: "
-            f"{', '.join(known)}. Fix: remove it or correct its spelling (see {DOCS})")
+    return (
+        f"  - {path} = {shown(loc, value)}{where}: {what}; {hint}known: "
+        f"{', '.join(known)}. Fix: remove it or correct its spelling (see {DOCS})"
+    )
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
@@ -158,10 +164,15 @@ def resolve_config(
             f"${REMOVED_SECRET_ENV} is set, but {REMOVED_KEYS[('control', 'secret')]}; unset "
             f"{REMOVED_SECRET_ENV}"
         )
-    from_env = {key: env[name] for key, name in (("params_key", PARAMS_KEY_ENV),
-                                                  ("key_file", KEY_FILE_ENV),
-                                                  ("allowed_keys", ALLOWED_KEYS_ENV))
-                if env.get(name)}
+    from_env = {
+        key: env[name]
+        for key, name in (
+            ("params_key", PARAMS_KEY_ENV),
+            ("key_file", KEY_FILE_ENV),
+            ("allowed_keys", ALLOWED_KEYS_ENV),
+        )
+        if env.get(name)
+    }
     if from_env:
         layers.append(("env", {"control": from_env}))
     data: dict[str, Any] = {}

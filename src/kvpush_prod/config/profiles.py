@@ -51,7 +51,7 @@ def locate(spec: str | Path) -> Path:
     (``efa-p5en`` or ``efa-p5en.yaml``). ConfigError says what was tried and what exists."""
     text = str(spec)
     if text.startswith(SCHEME):
-        found = _shipped_by_name(text[len(SCHEME):])
+        found = _shipped_by_name(text[len(SCHEME) :])
         if found is None:
             raise ConfigError(f"profile {text!r} is not a shipped profile: {_known()}")
         return found

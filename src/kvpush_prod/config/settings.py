@@ -108,7 +108,9 @@ class ControlSettings(_Section):
         f"The router's params key itself; only from ${PARAMS_KEY_ENV} (keep it out of files)."
     )
     max_peers: int = Field(
-        1024, ge=1, le=1_000_000,
+        1024,
+        ge=1,
+        le=1_000_000,
         description="Most peers (and sockets to them) remembered at once; the least recently "
         "used is forgotten first.",
     )
@@ -129,8 +131,11 @@ class ControlSettings(_Section):
                 "set it to this engine's address on the KV network"
             )
         if (self.key_file is None) != (self.allowed_keys is None):
-            given, missing = (("key_file", "allowed_keys") if self.allowed_keys is None
-                              else ("allowed_keys", "key_file"))
+            given, missing = (
+                ("key_file", "allowed_keys")
+                if self.allowed_keys is None
+                else ("allowed_keys", "key_file")
+            )
             raise ValueError(
                 f"{given} is set but {missing} is not: CurveZMQ needs both this engine's key "
                 f"pair and the list of peers it accepts (see {SECURITY_DOCS})"
@@ -231,6 +236,7 @@ class PushSettings(_Section):
         "least layerwise_min_transfer_ms at the link's measured bandwidth; off: after the "
         "forward, as one piece. CPU KV caches only (a GPU engine pushes after the forward).",
     )
+
     @field_validator("layerwise", mode="before")
     @classmethod
     def _yaml_switch(cls, value: Any) -> Any:
@@ -238,12 +244,16 @@ class PushSettings(_Section):
         return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
 
     layerwise_min_tokens: int = Field(
-        1024, ge=0, le=1 << 24,
+        1024,
+        ge=0,
+        le=1 << 24,
         description="push.layerwise auto: fewest prompt tokens pushed in one step for "
         "layer-wise push (short prompts pay per-layer posts for little overlap).",
     )
     layerwise_min_transfer_ms: float = Field(
-        2.0, ge=0, le=60_000,
+        2.0,
+        ge=0,
+        le=60_000,
         description="push.layerwise auto: least expected transfer time (the step's KV bytes "
         "at the measured bandwidth of P's links) for layer-wise push.",
     )
@@ -253,7 +263,9 @@ class CreditSettings(_Section):
     """D's receive window for inbound transfers."""
 
     budget_fraction: float = Field(
-        0.5, gt=0, le=1.0,
+        0.5,
+        gt=0,
+        le=1.0,
         description="Fraction of D's KV blocks inbound transfers may reserve at most; within "
         "it, a transfer is admitted only when D's KV cache has the blocks free.",
     )
@@ -266,7 +278,9 @@ class LeaseSettings(_Section):
     """Permits (D lets P write) and send leases (P holds blocks for D)."""
 
     permit_ttl_s: float = Field(
-        5.0, gt=0, le=3600,
+        5.0,
+        gt=0,
+        le=3600,
         description="Write permit term; D renews it by heartbeat while P is alive and still "
         "holds the transfer, so a dead P is noticed within about this long.",
     )
@@ -281,7 +295,9 @@ class LeaseSettings(_Section):
         1.0, ge=0, le=600, description="D reuses blocks only this long after permit expiry."
     )
     register_grace_s: float = Field(
-        10.0, gt=0, le=3600,
+        10.0,
+        gt=0,
+        le=3600,
         description="How long P keeps renewing a REGISTER for a request it has not received "
         "yet (the prefill leg can lag the decode leg under load); after that D's permit runs "
         "out and the receive fails.",
@@ -323,7 +339,9 @@ class RetrySettings(_Section):
         200.0, gt=0, le=600_000, description="The wait window doubles per retry up to this."
     )
     budget_per_s: float = Field(
-        10.0, gt=0, le=100_000,
+        10.0,
+        gt=0,
+        le=100_000,
         description="Retry tokens refilled per second per peer; a retry without a token "
         "falls back instead.",
     )
@@ -331,7 +349,9 @@ class RetrySettings(_Section):
         20, ge=1, le=100_000, description="Retry tokens one peer may hold (retries at once)."
     )
     done_query_timeout_ms: float = Field(
-        1000.0, gt=0, le=600_000,
+        1000.0,
+        gt=0,
+        le=600_000,
         description="A failed last chunk (it carries DONE, which may have landed anyway): how "
         "long P waits for D to say whether DONE arrived before falling back to pull. D's "
         "answer ends the push (DONE arrived) or lets P post the last chunk again under the "
@@ -356,7 +376,9 @@ class BreakerSettings(_Section):
     )
     window_s: float = Field(10.0, gt=0, le=3600, description="Window the failures are counted in.")
     cooldown_s: float = Field(
-        5.0, gt=0, le=3600,
+        5.0,
+        gt=0,
+        le=3600,
         description="How long the breaker stays open before a half-open probe; doubles after "
         "each failed probe.",
     )

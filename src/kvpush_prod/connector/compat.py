@@ -65,6 +65,8 @@ def attention_facts(model: Any) -> dict[str, Any]:
     if not getattr(model, "use_mla", False):
         return {"use_mla": False}
     hf = getattr(model, "hf_text_config", None) or model.hf_config
-    return {"use_mla": True,
-            "kv_lora_rank": getattr(hf, "kv_lora_rank", ""),
-            "qk_rope_head_dim": getattr(hf, "qk_rope_head_dim", "")}
+    return {
+        "use_mla": True,
+        "kv_lora_rank": getattr(hf, "kv_lora_rank", ""),
+        "qk_rope_head_dim": getattr(hf, "qk_rope_head_dim", ""),
+    }

@@ -59,11 +59,16 @@ def rank_heads(vllm_config: Any, kv_cache_config: Any, tp_rank: int) -> Heads:
     mla = bool(getattr(vllm_config.model_config, "use_mla", False))
     block_size = int(getattr(spec, "block_size", 0) or 0)
     head_size = int(getattr(spec, "head_size", 0) or 0)
-    return Heads(local=1 if mla else int(getattr(spec, "num_kv_heads", 0) or 0),
-                 total=total_kv_heads(vllm_config),
-                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-                 tp_rank=tp_rank, replicated=mla, block_size=block_size, head_size=head_size,
-                 token_pattern=cpu_token_pattern(vllm_config, block_size, head_size))
+    return Heads(
+        local=1 if mla else int(getattr(spec, "num_kv_heads", 0) or 0),
+        total=total_kv_heads(vllm_config),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tp_rank=tp_rank,
+        replicated=mla,
+        block_size=block_size,
+        head_size=head_size,
+        token_pattern=cpu_token_pattern(vllm_config, block_size, head_size),
+    )
 
 
 def unsupported_topology(parallel: Any) -> None:
@@ -75,13 +80,15 @@ def unsupported_topology(parallel: Any) -> None:
             f"--pipeline-parallel-size {pp}: kvpush does not support pipeline parallelism "
             "(each stage holds other layers' KV and their control ports would collide); run "
             "prefill and decode engines with --pipeline-parallel-size 1 (tensor parallelism "
-            "is supported)")
+            "is supported)"
+        )
     dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
     if dcp > 1:
         raise ConfigError(
             f"--decode-context-parallel-size {dcp}: kvpush does not support decode context "
             "parallelism (KV split by tokens across ranks); run with "
-            "--decode-context-parallel-size 1")
+            "--decode-context-parallel-size 1"
+        )
 
 
 def _supported_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Side:
@@ -108,8 +115,9 @@ def _supported_side(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
 class PushConnector(KVConnectorBase_V1):
     """Push-based KV transfer: D reserves blocks and grants a permit, P WRITEs, D waits."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
@@ -127,7 +135,10 @@ class PushConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = scheduler_side(
-                self.cfg, self.kv_role, engine_id, block_size,
+                self.cfg,
+                self.kv_role,
+                engine_id,
+                block_size,
                 block_bytes=spec.page_size_bytes * num_layers,
                 tp_size=parallel.tensor_parallel_size,
                 dp_index=parallel.data_parallel_index,
@@ -147,7 +158,9 @@ class PushConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
             facts = layout_facts(vllm_config, kv_cache_config)
             self._worker = WorkerSide(
-                self.cfg, self.kv_role, engine_id,
+                self.cfg,
+                self.kv_role,
+                engine_id,
                 tp_rank=tp_rank,
                 heads=rank_heads(vllm_config, kv_cache_config, tp_rank),
                 tp_size=parallel.tensor_parallel_size,
@@ -155,8 +168,9 @@ class PushConnector(KVConnectorBase_V1):
                 signature=signature_of(facts),
                 num_blocks=kv_cache_config.num_blocks,
                 facts=facts,
-                otlp_endpoint=getattr(vllm_config.observability_config,
-                                      "otlp_traces_endpoint", None),
+                otlp_endpoint=getattr(
+                    vllm_config.observability_config, "otlp_traces_endpoint", None
+                ),
             )
             self._kv_buffer_device = ktc.kv_buffer_device
 
@@ -201,8 +215,9 @@ class PushConnector(KVConnectorBase_V1):
         if getattr(self._worker, "offered", None) is meta:
             return
         for spec in meta.recv:
-            logger.error("kvpush: request %s: its REGISTER was not sent; its receive fails",
-                         spec.request_id)
+            logger.error(
+                "kvpush: request %s: its REGISTER was not sent; its receive fails", spec.request_id
+            )
             self._failed_here.add(spec.request_id)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -212,8 +227,9 @@ class PushConnector(KVConnectorBase_V1):
         """Worker: never blocks; a request is scheduled only once its whole KV has arrived
         (it is reported in ``finished_recving`` first)."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Worker, after each attention layer's forward: with a layer-wise push
         (``push.layerwise``) the layers computed so far are handed to the pump, which posts
         them while the forward goes on; never waits. Otherwise nothing: the push starts
@@ -290,8 +306,11 @@ class PushConnector(KVConnectorBase_V1):
     def _contained(self, hook: str, rid: str = "") -> None:
         """Log and count what raised in ``hook`` (for request ``rid``); the engine goes on."""
         self._hook_stats.inc("kvpush_hook_errors", (self.kv_role.value, hook))
-        logger.exception("kvpush: %s raised%s; contained, the engine goes on", hook,
-                         f" for request {rid}" if rid else "")
+        logger.exception(
+            "kvpush: %s raised%s; contained, the engine goes on",
+            hook,
+            f" for request {rid}" if rid else "",
+        )
 
     def shutdown(self) -> None:
         """Worker: stop the pump, close the control endpoint and the NIXL agent."""
@@ -308,8 +327,9 @@ class PushConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Scheduler: how many prompt tokens beyond ``num_computed_tokens`` P will push.
 
         D: ``(n, True)`` once the transfer is admitted within the credit budget (the blocks
@@ -329,8 +349,9 @@ class PushConnector(KVConnectorBase_V1):
             self._contained("get_num_new_matched_tokens", request.request_id)
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Scheduler, D: the blocks for the pushed tokens are allocated; the worker sends P
         the REGISTER (a write permit on them) with this step's metadata. P: nothing."""
         assert self._scheduler is not None
@@ -376,8 +397,9 @@ class PushConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - never kill the engine
             self._contained("update_connector_output")
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler, once when a request finishes, before vLLM frees its blocks.
 
         Returns (delay_free, kv_transfer_params). P: True for a request whose prompt was
@@ -416,9 +438,13 @@ class PushConnector(KVConnectorBase_V1):
         return KvpushStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KvpushPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvpushPromMetrics:
         return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ============================================================== sleep mode (vLLM >= 0.33)
@@ -433,10 +459,14 @@ class PushConnector(KVConnectorBase_V1):
     def unregister_kv_caches(self) -> None:
         """Never called while ``supports_sleep_mode`` is False; if it is, nothing is dropped
         (the engine keeps serving with its registrations) and the call is logged."""
-        logger.error("kvpush: unregister_kv_caches called although kvpush does not support "
-                     "sleep mode; registrations kept. Disable sleep mode on kvpush engines")
+        logger.error(
+            "kvpush: unregister_kv_caches called although kvpush does not support "
+            "sleep mode; registrations kept. Disable sleep mode on kvpush engines"
+        )
 
     def restore_kv_caches(self) -> None:
         """See ``unregister_kv_caches``."""
-        logger.error("kvpush: restore_kv_caches called although kvpush does not support "
-                     "sleep mode. Disable sleep mode on kvpush engines")
+        logger.error(
+            "kvpush: restore_kv_caches called although kvpush does not support "
+            "sleep mode. Disable sleep mode on kvpush engines"
+        )

@@ -28,8 +28,7 @@ def cpu_token_pattern(vllm_config: Any, block_size: int, head_size: int) -> Patt
     except Exception:  # noqa: BLE001 - not the CPU backend (or another vLLM): unknown
         return ()
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
-    if not current_platform.is_cpu() or cache_dtype != "auto" or block_size < 1 \
-            or head_size < 1:
+    if not current_platform.is_cpu() or cache_dtype != "auto" or block_size < 1 or head_size < 1:
         return ()
     dtype = vllm_config.model_config.dtype
     try:
@@ -54,6 +53,11 @@ def cpu_token_pattern(vllm_config: Any, block_size: int, head_size: int) -> Patt
     if bool((owner == -1).any()):
         return ()
     pattern = token_pattern_of(owner.tolist(), block_size)
-    logger.info("kvpush: CPU attention kernel %s stores a head's block of %d tokens as %s "
-                "(token groups, elements per token)", isa, block_size, pattern or "unknown")
+    logger.info(
+        "kvpush: CPU attention kernel %s stores a head's block of %d tokens as %s "
+        "(token groups, elements per token)",
+        isa,
+        block_size,
+        pattern or "unknown",
+    )
     return pattern

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvpush_prod.connector")
 
 
-def layer_parts(kv_caches: dict[str, torch.Tensor], layout: messages.Layout,
-                device: str) -> dict[str, int]:
+def layer_parts(
+    kv_caches: dict[str, torch.Tensor], layout: messages.Layout, device: str
+) -> dict[str, int]:
     """Layer name -> its place, when each layer's KV is its own equal share of the layout's
     regions in ``kv_caches``' order (then part ``i`` of a layer-wise WRITE is layer ``i``'s
     regions); {} when layer-wise push cannot be done on this cache (with the reason logged)."""
@@ -39,12 +40,13 @@ def layer_parts(kv_caches: dict[str, torch.Tensor], layout: messages.Layout,
         per = len(regions) // n
         for i, t in enumerate(kv_caches.values()):
             start, size = t.data_ptr(), t.numel() * t.element_size()
-            if not all(start <= r.base < start + size for r in regions[i * per:(i + 1) * per]):
+            if not all(start <= r.base < start + size for r in regions[i * per : (i + 1) * per]):
                 why = "layers share KV storage (regions are not one share per layer)"
                 break
     if why:
-        logger.warning("kvpush: push.layerwise is set but this engine pushes after the "
-                       "forward: %s", why)
+        logger.warning(
+            "kvpush: push.layerwise is set but this engine pushes after the forward: %s", why
+        )
         return {}
     return {name: i for i, name in enumerate(kv_caches)}
 
@@ -71,8 +73,15 @@ class LayerStep:
         return ready
 
 
-def layerwise_now(mode: str, sends: list[SendSpec], block_bytes: int, block_tokens: int,
-                  bandwidth: float, min_tokens: int, min_transfer_ms: float) -> bool:
+def layerwise_now(
+    mode: str,
+    sends: list[SendSpec],
+    block_bytes: int,
+    block_tokens: int,
+    bandwidth: float,
+    min_tokens: int,
+    min_transfer_ms: float,
+) -> bool:
     """Whether this step's prompts are pushed layer by layer (``push.layerwise``): always
     (on), never (off), or (auto) when they hold at least ``min_tokens`` tokens (blocks x
     block size) and their KV takes at least ``min_transfer_ms`` at ``bandwidth`` bytes/s

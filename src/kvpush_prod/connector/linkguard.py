@@ -29,8 +29,14 @@ class LinkGuard:
     """Decides, per link, whether it is slow: below ``fraction`` x ``expected`` (bytes/s) on
     every measured tick for ``window_s``; one measured tick at or above clears it."""
 
-    def __init__(self, expected_bytes_per_s: float, fraction: float, window_s: float,
-                 transports: str, log: logging.Logger = logger) -> None:
+    def __init__(
+        self,
+        expected_bytes_per_s: float,
+        fraction: float,
+        window_s: float,
+        transports: str,
+        log: logging.Logger = logger,
+    ) -> None:
         self.expected, self.fraction, self.window_s = expected_bytes_per_s, fraction, window_s
         self.threshold = expected_bytes_per_s * fraction
         self.transports = transports
@@ -45,8 +51,12 @@ class LinkGuard:
             return None
         from kvpush_prod.transport.fabric import describe
 
-        return cls(links.expected_gbps * GBIT, links.slow_fraction, links.slow_window_s,
-                   describe(cfg.transport.backend))
+        return cls(
+            links.expected_gbps * GBIT,
+            links.slow_fraction,
+            links.slow_window_s,
+            describe(cfg.transport.backend),
+        )
 
     def observe(self, link: str, bandwidth: float, now: float) -> bool:
         """Whether ``link`` is slow after this tick (its estimate ``bandwidth`` in bytes/s)."""
@@ -59,9 +69,13 @@ class LinkGuard:
             return state.slow
         if bandwidth >= self.threshold:
             if state.slow:
-                self._log.info("kvpush: link to %s is back to %.3f GB/s (at least %.0f%% of "
-                               "links.expected_gbps)", link, bandwidth / 1e9,
-                               self.fraction * 100)
+                self._log.info(
+                    "kvpush: link to %s is back to %.3f GB/s (at least %.0f%% of "
+                    "links.expected_gbps)",
+                    link,
+                    bandwidth / 1e9,
+                    self.fraction * 100,
+                )
             state.below_since, state.slow = None, False
             return False
         if state.below_since is None:
@@ -72,9 +86,15 @@ class LinkGuard:
                 "kvpush: link to %s is slow: measured %.3f GB/s (%.2f Gbit/s), below %.0f%% "
                 "of links.expected_gbps=%g for %.0f s; transports in use: %s. Run `kvpush "
                 "doctor --peer` on this host against that peer (docs/operations.md#"
-                "kvpushlinkslow)", link, bandwidth / 1e9, bandwidth / GBIT,
-                self.fraction * 100, self.expected / GBIT, now - state.below_since,
-                self.transports)
+                "kvpushlinkslow)",
+                link,
+                bandwidth / 1e9,
+                bandwidth / GBIT,
+                self.fraction * 100,
+                self.expected / GBIT,
+                now - state.below_since,
+                self.transports,
+            )
         return state.slow
 
     def forget(self, link: str) -> None:

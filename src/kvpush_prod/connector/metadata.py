@@ -79,10 +79,16 @@ class PushMetadata(KVConnectorMetadata):
     forward: bool = False
 
     def empty(self) -> bool:
-        return not (self.notices or self.recv
-                    or self.abort_recv or self.fail_recv or self.expect_send or self.send or self.hold
-                    or self.abort_send)
-
+        return not (
+            self.notices
+            or self.recv
+            or self.abort_recv
+            or self.fail_recv
+            or self.expect_send
+            or self.send
+            or self.hold
+            or self.abort_send
+        )
 
     # Views of ``notices`` by kind (for logs and tests).
     @property

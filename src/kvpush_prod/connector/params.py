@@ -27,7 +27,8 @@ def check_host(host: object, field: str = "remote_host") -> str:
     """``host`` if it is an IP address or a host name, else KVTransferParamsError."""
     if not isinstance(host, str) or not host:
         raise KVTransferParamsError(
-            f"kv_transfer_params.{field} must be a host name or IP address, got {host!r}")
+            f"kv_transfer_params.{field} must be a host name or IP address, got {host!r}"
+        )
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(bare)
@@ -40,7 +41,8 @@ def check_host(host: object, field: str = "remote_host") -> str:
         raise KVTransferParamsError(
             f"kv_transfer_params.{field}={host[:80]!r} is neither an IP address nor a host "
             "name (letters, digits, hyphens, dots): send the prefill engine's control address "
-            "from its kv_transfer_params")
+            "from its kv_transfer_params"
+        )
     return host
 
 
@@ -49,7 +51,8 @@ def check_key(key: object, field: str) -> str:
     if not isinstance(key, str) or not _Z85.match(key):
         raise KVTransferParamsError(
             f"kv_transfer_params.{field} must be a 40-character Z85 public key (as the engine "
-            f"answers it in its kv_transfer_params), got {str(key)[:60]!r}")
+            f"answers it in its kv_transfer_params), got {str(key)[:60]!r}"
+        )
     return key
 
 
@@ -100,7 +103,8 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
                 f"kv_transfer_params carry a prefill engine's {', '.join(named)} but no "
                 "do_remote_prefill: the router did not pass the prefill engine's answer as it "
                 "is (or stripped do_remote_prefill); send it unchanged (do_remote_prefill: true)",
-                reason=ParamsRejectReason.UNUSABLE)
+                reason=ParamsRejectReason.UNUSABLE,
+            )
         return None
     if not params.get("do_remote_prefill"):
         return None
@@ -109,7 +113,9 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
         raise KVTransferParamsError(
             f"kv_transfer_params.transfer_mode={str(mode)[:20]!r}: the prefill engine runs a "
             "pull connector (vLLM's NixlConnector); a kvpush decode engine needs a kvpush "
-            "prefill engine (kv_connector: PushConnector on both)", reason=ParamsRejectReason.UNUSABLE)
+            "prefill engine (kv_connector: PushConnector on both)",
+            reason=ParamsRejectReason.UNUSABLE,
+        )
     missing = [k for k in ("remote_host", "remote_port") if params.get(k) in (None, "")]
     if missing:
         raise KVTransferParamsError(
@@ -128,7 +134,8 @@ def parse_remote_prefill(request_id: str, params: dict[str, Any] | None) -> Remo
     if not isinstance(engine_id, str) or len(engine_id) > MAX_ID_LEN:
         raise KVTransferParamsError(
             f"kv_transfer_params.remote_engine_id must be a string of at most {MAX_ID_LEN} "
-            f"characters, got {str(engine_id)[:60]!r}")
+            f"characters, got {str(engine_id)[:60]!r}"
+        )
     key = params.get("remote_key")
     return RemotePrefill(
         transfer_id=transfer_id_of(request_id, params),

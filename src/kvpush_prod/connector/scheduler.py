@@ -51,8 +51,9 @@ def trace_headers_of(request: Request) -> dict[str, str] | None:
     headers = getattr(request, "trace_headers", None)
     if not headers:
         return None
-    out = {k: str(v)[:512] for k, v in headers.items()
-           if k.lower() in ("traceparent", "tracestate")}
+    out = {
+        k: str(v)[:512] for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")
+    }
     return out or None
 
 
@@ -60,16 +61,34 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def scheduler_side(cfg: KvpushConfig, role: Side, engine_id: str, block_size: int,
-                   block_bytes: int, tp_size: int, dp_index: int, num_blocks: int,
-                   recompute_on_failure: bool = False,
-                   trust: Trust | None = None, dp_size: int = 1) -> SchedulerSide:
+def scheduler_side(
+    cfg: KvpushConfig,
+    role: Side,
+    engine_id: str,
+    block_size: int,
+    block_bytes: int,
+    tp_size: int,
+    dp_index: int,
+    num_blocks: int,
+    recompute_on_failure: bool = False,
+    trust: Trust | None = None,
+    dp_size: int = 1,
+) -> SchedulerSide:
     """The scheduler-side half for ``role`` (``dp_index`` of ``dp_size`` data-parallel
     engine cores behind one API server)."""
     side: SchedulerSide
     if role is Side.CONSUMER:
-        side = ConsumerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index,
-                            num_blocks, recompute_on_failure, trust)
+        side = ConsumerSide(
+            cfg,
+            engine_id,
+            block_size,
+            block_bytes,
+            tp_size,
+            dp_index,
+            num_blocks,
+            recompute_on_failure,
+            trust,
+        )
     else:
         side = ProducerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
     side.dp_size = dp_size
@@ -90,8 +109,16 @@ class SchedulerSide:
 
     side: Side
 
-    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
-                 tp_size: int, dp_index: int, trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KvpushConfig,
+        engine_id: str,
+        block_size: int,
+        block_bytes: int,
+        tp_size: int,
+        dp_index: int,
+        trust: Trust | None = None,
+    ) -> None:
         self.cfg = cfg
         self.role = self.side.value
         self.engine_id = engine_id
@@ -114,8 +141,11 @@ class SchedulerSide:
     def contained(self, hook: str, rid: str = "") -> None:
         """Log and count what raised in ``hook`` (for request ``rid``); the caller goes on."""
         self.stats.inc("kvpush_hook_errors", (self.role, hook))
-        logger.exception("kvpush: %s raised%s; contained, the engine goes on", hook,
-                         f" for request {rid}" if rid else "")
+        logger.exception(
+            "kvpush: %s raised%s; contained, the engine goes on",
+            hook,
+            f" for request {rid}" if rid else "",
+        )
 
     def take_meta(self) -> PushMetadata:
         """This step's metadata as it stands, and a fresh one for the next step."""
@@ -152,12 +182,14 @@ class SchedulerSide:
             out["remote_key"] = self.trust.public_key
         return out
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         return None
 
     def on_new_request(self, request: Request) -> None:
@@ -168,8 +200,9 @@ class SchedulerSide:
         meta.forward = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
         return meta
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         raise NotImplementedError
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -193,9 +226,18 @@ class ConsumerSide(SchedulerSide):
 
     side = Side.CONSUMER
 
-    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
-                 tp_size: int, dp_index: int, num_blocks: int,
-                 recompute_on_failure: bool = False, trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KvpushConfig,
+        engine_id: str,
+        block_size: int,
+        block_bytes: int,
+        tp_size: int,
+        dp_index: int,
+        num_blocks: int,
+        recompute_on_failure: bool = False,
+        trust: Trust | None = None,
+    ) -> None:
         super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
         self.recompute_on_failure = recompute_on_failure
         self.credits = CreditLedger(credit_settings(cfg, num_blocks))
@@ -203,8 +245,9 @@ class ConsumerSide(SchedulerSide):
         self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
         self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         rid = request.request_id
         if self.admissions.is_over(rid):
             return 0, False
@@ -219,14 +262,20 @@ class ConsumerSide(SchedulerSide):
                 return 0, False
             if remote is None:
                 return 0, False
-            tracked = self.admissions.track(rid, remote.transfer_id,
-                                            f"{remote.host}:{remote.port}", remote)
+            tracked = self.admissions.track(
+                rid, remote.transfer_id, f"{remote.host}:{remote.port}", remote
+            )
             if tracked is None:
                 self._refuse_duplicate(rid, remote.transfer_id)
                 return 0, False
             rx = tracked
-        answer = self.admissions.ask(rid, request.num_prompt_tokens, num_computed_tokens,
-                                     time.monotonic(), self.free_blocks())
+        answer = self.admissions.ask(
+            rid,
+            request.num_prompt_tokens,
+            num_computed_tokens,
+            time.monotonic(),
+            self.free_blocks(),
+        )
         self._tell(rx, answer)
         if answer.verdict is Verdict.LOAD:
             return answer.tokens, True
@@ -237,11 +286,17 @@ class ConsumerSide(SchedulerSide):
     def _refuse_duplicate(self, rid: str, tid: str) -> None:
         """``rid`` names the transfer id of another live request: it computes its prompt
         here, and nothing is said to P (the transfer is the other request's)."""
-        logger.warning("kvpush: request %s computes its prompt locally: its transfer_id %.60r "
-                       "is already received by request %s (a replayed leg, or a client that "
-                       "reuses X-Request-Id; the router gives each request its own)",
-                       rid, tid, self.admissions.holder(tid))
-        self.stats.inc("kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER))
+        logger.warning(
+            "kvpush: request %s computes its prompt locally: its transfer_id %.60r "
+            "is already received by request %s (a replayed leg, or a client that "
+            "reuses X-Request-Id; the router gives each request its own)",
+            rid,
+            tid,
+            self.admissions.holder(tid),
+        )
+        self.stats.inc(
+            "kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER)
+        )
         self.admissions.skip(rid)
 
     def free_blocks(self) -> int | None:
@@ -265,9 +320,13 @@ class ConsumerSide(SchedulerSide):
             if notice is not Notice.NOT_NEEDED:
                 self._meta.notices.append((_ref(rx), notice))
         if answer.decision is Decision.REFUSE:
-            logger.warning("kvpush: request %s needs %d blocks, more than the credit budget "
-                           "(%s); computing its prompt locally", rx.key, answer.nblocks,
-                           answer.reason)
+            logger.warning(
+                "kvpush: request %s needs %d blocks, more than the credit budget "
+                "(%s); computing its prompt locally",
+                rx.key,
+                answer.nblocks,
+                answer.reason,
+            )
             self.stats.inc("kvpush_admissions", (self.role, _DECISION_LABEL[Decision.REFUSE]))
         if answer.not_needed is not None:
             self._not_needed(rx, answer.not_needed)
@@ -276,8 +335,9 @@ class ConsumerSide(SchedulerSide):
         self._meta.notices.append((_ref(rx), Notice.NOT_NEEDED))
         self.stats.inc("kvpush_transfers", (self.role, outcome.value))
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         rx = self.admissions.get(rid)
         if rx is None or rx.allocated:
@@ -290,15 +350,29 @@ class ConsumerSide(SchedulerSide):
                 self._not_needed(rx, Outcome.PREFIX_HIT)
             return
         all_blocks = blocks.get_block_ids()[0]
-        d_blocks = list(all_blocks[rx.first_block:rx.first_block + rx.nblocks])
+        d_blocks = list(all_blocks[rx.first_block : rx.first_block + rx.nblocks])
         if len(d_blocks) != rx.nblocks:
-            logger.error("kvpush: request %s got %d blocks, expected %d from block %d",
-                         rid, len(all_blocks), rx.nblocks, rx.first_block)
+            logger.error(
+                "kvpush: request %s got %d blocks, expected %d from block %d",
+                rid,
+                len(all_blocks),
+                rx.nblocks,
+                rx.first_block,
+            )
         remote = rx.remote
-        spec = RecvSpec(rid, rx.transfer_id, remote.host, remote.port, d_blocks,
-                        rx.first_block, request.num_prompt_tokens, remote.key,
-                        trace_headers_of(request), remote.tp_size,
-                        prompt_digest(request.prompt_token_ids))
+        spec = RecvSpec(
+            rid,
+            rx.transfer_id,
+            remote.host,
+            remote.port,
+            d_blocks,
+            rx.first_block,
+            request.num_prompt_tokens,
+            remote.key,
+            trace_headers_of(request),
+            remote.tp_size,
+            prompt_digest(request.prompt_token_ids),
+        )
         # Last, and together: allocated means its REGISTER is in this step's metadata.
         self.admissions.allocated(rid, len(d_blocks))
         self._meta.recv.append(spec)
@@ -344,8 +418,9 @@ class ConsumerSide(SchedulerSide):
         self._not_needed(rx, Outcome.ABORTED)
         return False, None
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if is_probe(request.kv_transfer_params):
             return False, self.identity()  # a router asks who we are (our key)
@@ -381,8 +456,7 @@ class ConsumerSide(SchedulerSide):
         if rx is None or rx.aborting:
             return
         if ok:
-            self.stats.inc("kvpush_transfer_bytes", (self.role,),
-                           rx.nblocks * self.block_bytes)
+            self.stats.inc("kvpush_transfer_bytes", (self.role,), rx.nblocks * self.block_bytes)
         elif self.recompute_on_failure:
             self.stats.inc("kvpush_transfers", (self.role, Outcome.RECOMPUTE.value))
         self._received[rid] = {
@@ -409,8 +483,7 @@ class ConsumerSide(SchedulerSide):
 
 
 def _ref(rx: Inbound[RemotePrefill]) -> PeerRef:
-    return PeerRef(rx.transfer_id, rx.remote.host, rx.remote.port, rx.remote.key,
-                   rx.remote.tp_size)
+    return PeerRef(rx.transfer_id, rx.remote.host, rx.remote.port, rx.remote.key, rx.remote.tp_size)
 
 
 class ProducerSide(SchedulerSide):
@@ -419,8 +492,16 @@ class ProducerSide(SchedulerSide):
 
     side = Side.PRODUCER
 
-    def __init__(self, cfg: KvpushConfig, engine_id: str, block_size: int, block_bytes: int,
-                 tp_size: int, dp_index: int, trust: Trust | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KvpushConfig,
+        engine_id: str,
+        block_size: int,
+        block_bytes: int,
+        tp_size: int,
+        dp_index: int,
+        trust: Trust | None = None,
+    ) -> None:
         super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
         self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
         self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
@@ -446,10 +527,17 @@ class ProducerSide(SchedulerSide):
             return
         holder = self._live.get(tid)
         if holder is not None and holder != rid:
-            logger.warning("kvpush: request %s will not be pushed: its transfer_id %.60r is "
-                           "already pushed by request %s (a replayed leg, or a client that "
-                           "reuses X-Request-Id)", rid, tid, holder)
-            self.stats.inc("kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER))
+            logger.warning(
+                "kvpush: request %s will not be pushed: its transfer_id %.60r is "
+                "already pushed by request %s (a replayed leg, or a client that "
+                "reuses X-Request-Id)",
+                rid,
+                tid,
+                holder,
+            )
+            self.stats.inc(
+                "kvpush_kv_params_rejected", (self.role, ParamsRejectReason.DUPLICATE_TRANSFER)
+            )
             self._refused.add(rid)
             return
         self._live[tid], self._tid_of[rid] = rid, tid
@@ -501,8 +589,14 @@ class ProducerSide(SchedulerSide):
         tid = self._tid_of[rid]
         nblocks = cdiv(req.num_prompt_tokens, self.block_size)
         blocks = list(self._kv_cache_manager.get_block_ids(rid)[0][:nblocks])
-        spec = SendSpec(rid, tid, blocks, self._owners.get(rid, ""), trace_headers_of(req),
-                        prompt_digest(req.prompt_token_ids))
+        spec = SendSpec(
+            rid,
+            tid,
+            blocks,
+            self._owners.get(rid, ""),
+            trace_headers_of(req),
+            prompt_digest(req.prompt_token_ids),
+        )
         # Together: a request in _sent has its push in this step's metadata, so its blocks
         # must be held until the push is over (request_finished answers True).
         self._sent[rid] = (tid, len(blocks))
@@ -531,8 +625,9 @@ class ProducerSide(SchedulerSide):
             self._meta.abort_send.append(unsent)
         return False, None
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params
         self._requests.pop(rid, None)
@@ -559,8 +654,9 @@ class ProducerSide(SchedulerSide):
         self._meta.hold.append(tid)
         return True, self.answer(request, tid, list(block_ids[:nblocks]), pushed=True)
 
-    def answer(self, request: Request, transfer_id: str, block_ids: list[int],
-               pushed: bool) -> dict[str, Any]:
+    def answer(
+        self, request: Request, transfer_id: str, block_ids: list[int], pushed: bool
+    ) -> dict[str, Any]:
         """P's kv_transfer_params for the router: the keys vLLM's NixlPushConnector answers
         with (routers such as vllm-router learn push mode and the decode leg's parameters
         from them; a sequential router hands them to D as they are), plus our own

@@ -34,8 +34,12 @@ class KvpushStats(KVConnectorStats):
         try:
             return KvpushStats(data=merge_stats(self.data, other.data or {}))
         except Exception:  # noqa: BLE001 - metrics must never stop the engine
-            _log.log(logging.ERROR, "aggregate", "kvpush: a stats snapshot could not be "
-                     "merged and is dropped: %r", type(other).__name__)
+            _log.log(
+                logging.ERROR,
+                "aggregate",
+                "kvpush: a stats snapshot could not be merged and is dropped: %r",
+                type(other).__name__,
+            )
             return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -54,11 +58,19 @@ class KvpushStats(KVConnectorStats):
 class KvpushPromMetrics(KVConnectorPromMetrics):
     """Registers every kvpush series with vLLM's metric classes and records snapshots."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        classes = {"counter": self._counter_cls, "gauge": self._gauge_cls,
-                   "histogram": self._histogram_cls}
+        classes = {
+            "counter": self._counter_cls,
+            "gauge": self._gauge_cls,
+            "histogram": self._histogram_cls,
+        }
         self._sink = MetricsSink(classes.__getitem__, labelnames, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -67,5 +79,9 @@ class KvpushPromMetrics(KVConnectorPromMetrics):
         try:
             self._sink.observe(transfer_stats_data, engine_idx)
         except Exception:  # noqa: BLE001 - metrics must never stop the API server
-            _log.log(logging.ERROR, "observe", "kvpush: a stats snapshot of engine %s could "
-                     "not be recorded and is dropped", engine_idx)
+            _log.log(
+                logging.ERROR,
+                "observe",
+                "kvpush: a stats snapshot of engine %s could not be recorded and is dropped",
+                engine_idx,
+            )

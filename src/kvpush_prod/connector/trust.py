@@ -58,8 +58,7 @@ class Trust:
     allowed: Mapping[str, str] = field(default_factory=dict)  # Z85 key -> name
     params_key: bytes | None = None
     networks: tuple[IpNetwork, ...] = ()
-    _resolved: OrderedDict[str, tuple[float, tuple[str, ...]]] = field(
-        default_factory=OrderedDict)
+    _resolved: OrderedDict[str, tuple[float, tuple[str, ...]]] = field(default_factory=OrderedDict)
     nonces: NonceMemory = field(default_factory=NonceMemory)
 
     @classmethod
@@ -71,16 +70,21 @@ class Trust:
 
             public = load_keypair(c.key_file).public.decode()
             allowed = {k.decode(): name for k, name in load_allowed(c.allowed_keys).items()}
-        return cls(public, allowed, read_params_key(cfg),
-                   tuple(ipaddress.ip_network(n, strict=False) for n in c.allowed_peers))
+        return cls(
+            public,
+            allowed,
+            read_params_key(cfg),
+            tuple(ipaddress.ip_network(n, strict=False) for n in c.allowed_peers),
+        )
 
     @property
     def keyed(self) -> bool:
         return bool(self.public_key)
 
     # ----------------------------------------------------------------- D: the prefill
-    def remote_prefill(self, request_id: str,
-                       params: dict[str, Any] | None) -> RemotePrefill | None:
+    def remote_prefill(
+        self, request_id: str, params: dict[str, Any] | None
+    ) -> RemotePrefill | None:
         """The prefill engine a decode request names, once every check passed; None if the
         request is not a remote prefill. Raises KVTransferParamsError(reason)."""
         remote = parse_remote_prefill(request_id, params)
@@ -93,8 +97,9 @@ class Trust:
         # that DNS could answer differently).
         host = self._check_network(remote.host)
         key = self._prefill_key(remote) if self.keyed else remote.key
-        return RemotePrefill(remote.transfer_id, host, remote.port, remote.engine_id,
-                             remote.tp_size, key)
+        return RemotePrefill(
+            remote.transfer_id, host, remote.port, remote.engine_id, remote.tp_size, key
+        )
 
     def _prefill_key(self, remote: RemotePrefill) -> str:
         if remote.key:
@@ -102,7 +107,9 @@ class Trust:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_key {remote.key[:8]}... is not in this engine's "
                     "allow-list (control.allowed_keys): add the prefill engine's .key file "
-                    "there", reason=ParamsRejectReason.UNKNOWN_KEY)
+                    "there",
+                    reason=ParamsRejectReason.UNKNOWN_KEY,
+                )
             return remote.key
         # A router that does not pass keys: the engine id may name a key in the allow-list.
         by_name = [k for k, name in self.allowed.items() if name == remote.engine_id]
@@ -112,7 +119,9 @@ class Trust:
             "kv_transfer_params name no remote_key, and remote_engine_id "
             f"{remote.engine_id[:60]!r} is not the name of a key in control.allowed_keys: "
             "send the prefill engine's remote_key (kvpush router does), or name each engine's "
-            "key after its engine_id", reason=ParamsRejectReason.UNKNOWN_KEY)
+            "key after its engine_id",
+            reason=ParamsRejectReason.UNKNOWN_KEY,
+        )
 
     # ----------------------------------------------------------------- P: the decode
     def decode_owner(self, request_id: str, params: dict[str, Any]) -> str:
@@ -123,7 +132,9 @@ class Trust:
         if key and self.keyed and key not in self.allowed:
             raise KVTransferParamsError(
                 f"kv_transfer_params.decode_key {key[:8]}... is not in this engine's allow-list "
-                "(control.allowed_keys)", reason=ParamsRejectReason.UNKNOWN_KEY)
+                "(control.allowed_keys)",
+                reason=ParamsRejectReason.UNKNOWN_KEY,
+            )
         return key if self.keyed else ""
 
     # ----------------------------------------------------------------- checks
@@ -151,7 +162,8 @@ class Trust:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_host {host!r} ({addr}) is outside "
                     "control.allowed_peers; add its network there if it is a prefill engine",
-                    reason=ParamsRejectReason.FOREIGN_PEER)
+                    reason=ParamsRejectReason.FOREIGN_PEER,
+                )
         ip = ipaddress.ip_address(addrs[0])
         return f"[{ip}]" if ip.version == 6 else str(ip)
 
@@ -170,7 +182,8 @@ class Trust:
             except OSError as exc:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_host {host!r} does not resolve ({exc})",
-                    reason=ParamsRejectReason.FOREIGN_PEER) from None
+                    reason=ParamsRejectReason.FOREIGN_PEER,
+                ) from None
             cached = tuple(sorted({str(i[4][0]) for i in infos}))
             self._resolved[host] = (now + _RESOLVED_TTL_S, cached)
             while len(self._resolved) > _RESOLVED_KEEP:

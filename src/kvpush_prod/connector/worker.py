@@ -136,6 +136,7 @@ def name_os_thread(name: bytes) -> None:
     except (OSError, AttributeError):  # no prctl: only the name is lost
         logger.debug("kvpush: cannot name the pump thread", exc_info=True)
 
+
 E = TypeVar("E", bound=Engine)
 
 
@@ -173,10 +174,20 @@ class _Results:
 class WorkerSide:
     """Registers the KV cache with NIXL and runs the push protocol of this rank."""
 
-    def __init__(self, cfg: KvpushConfig, role: Side, engine_id: str, tp_rank: int,
-                 tp_size: int, dp_index: int, signature: str, num_blocks: int,
-                 facts: dict[str, str] | None = None,
-                 otlp_endpoint: str | None = None, heads: Heads | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KvpushConfig,
+        role: Side,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        dp_index: int,
+        signature: str,
+        num_blocks: int,
+        facts: dict[str, str] | None = None,
+        otlp_endpoint: str | None = None,
+        heads: Heads | None = None,
+    ) -> None:
         self.cfg = cfg
         self.role = role
         self.engine_id = engine_id
@@ -201,8 +212,7 @@ class WorkerSide:
         # not possible on this cache), and the running forward's layers (engine thread only)
         self._layers: dict[str, int] = {}
         self._step: LayerStep | None = None
-        self.trace = Tracer(f"kvpush-{role.value}",
-                            spans=transfer_spans(role.value, otlp_endpoint))
+        self.trace = Tracer(f"kvpush-{role.value}", spans=transfer_spans(role.value, otlp_endpoint))
 
     @property
     def _pump(self) -> SenderPump | ReceiverPump | None:
@@ -217,8 +227,9 @@ class WorkerSide:
                 "verify.checksums reads KV blocks through host memory and cannot check a GPU "
                 "KV cache; set verify.checksums: false on GPU engines"
             )
-        layout = self.layout = layout_from_kv_caches(kv_caches, self.num_blocks,
-                                                     self.signature, self.facts, self.heads)
+        layout = self.layout = layout_from_kv_caches(
+            kv_caches, self.num_blocks, self.signature, self.facts, self.heads
+        )
         host = self.cfg.control.advertise_host or self.cfg.control.host
         control = f"tcp://{host}:{self.port}"
         security = endpoint_security(self.cfg)
@@ -241,32 +252,53 @@ class WorkerSide:
         rng = random.SystemRandom()
         pump: SenderPump | ReceiverPump
         if self.role is Side.PRODUCER:
-            pump = self._tx = SenderPump(self.cfg, Sender(me, settings.sender, rng), transport,
-                                         endpoint, self.results, self.stats, self.trace)
-            self._tx.splits = Splits(self.tp_rank, self.tp_size, layout.total_kv_heads,
-                                     layout.replicated)
+            pump = self._tx = SenderPump(
+                self.cfg,
+                Sender(me, settings.sender, rng),
+                transport,
+                endpoint,
+                self.results,
+                self.stats,
+                self.trace,
+            )
+            self._tx.splits = Splits(
+                self.tp_rank, self.tp_size, layout.total_kv_heads, layout.replicated
+            )
         else:
             pump = self._rx = ReceiverPump(
-                self.cfg, Receiver(me, settings.receiver, rng, tokens=rng), transport, endpoint,
-                self.results, self.stats, self.trace)
+                self.cfg,
+                Receiver(me, settings.receiver, rng, tokens=rng),
+                transport,
+                endpoint,
+                self.results,
+                self.stats,
+                self.trace,
+            )
         pump.start()
-        logger.info("kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
-                    "block, %d KV heads %s", self.role.value, self.tp_rank, self.tp_size,
-                    me.control, len(layout.regions), block_bytes, self.heads.local,
-                    "head-major" if layout.kv_heads else "(blocks not sliceable by head)")
+        logger.info(
+            "kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
+            "block, %d KV heads %s",
+            self.role.value,
+            self.tp_rank,
+            self.tp_size,
+            me.control,
+            len(layout.regions),
+            block_bytes,
+            self.heads.local,
+            "head-major" if layout.kv_heads else "(blocks not sliceable by head)",
+        )
 
-    def _transport(self, layout: messages.Layout, control: str,
-                   security: EndpointSecurity | None) -> Transport:
+    def _transport(
+        self, layout: messages.Layout, control: str, security: EndpointSecurity | None
+    ) -> Transport:
         """This rank's NIXL agent over ``layout`` (behind the fault injector if enabled)."""
         t = self.cfg.transport
         # The agent is named for this engine's identity (its key; without keys, its control
         # address), so no other engine can announce it.
         identity = security.keypair.public.decode() if security else control
-        name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}",
-                          identity)
+        name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}", identity)
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
-        transport: Transport = NixlTransport(agent, layout,
-                                             producer=self.role is Side.PRODUCER)
+        transport: Transport = NixlTransport(agent, layout, producer=self.role is Side.PRODUCER)
         faults = fault_settings(self.cfg.faults.model_dump())
         if faults.enabled:
             transport = FaultyTransport(transport, faults)
@@ -288,7 +320,9 @@ class WorkerSide:
                 "kvpush: INSECURE control channel on %s:%d (control.insecure: true): plaintext "
                 "and unauthenticated, any host that reaches this port can make the engine write "
                 "or free KV blocks. Give each engine keys (kvpush keys generate; docs/security.md)",
-                self.cfg.control.host, self.port)
+                self.cfg.control.host,
+                self.port,
+            )
         return endpoint
 
     # ------------------------------------------------------------------ per step
@@ -336,19 +370,33 @@ class WorkerSide:
             # The admission's notices, per link: the core's own translation, nothing here.
             links = self._links(pump, ref.transfer_id, ref.p_tp)
             for link in links:
-                command(notice_command(notice, link.core_id,
-                                       self._address(ref.p_host, ref.p_port, link.p_rank),
-                                       ref.p_key))
+                command(
+                    notice_command(
+                        notice,
+                        link.core_id,
+                        self._address(ref.p_host, ref.p_port, link.p_rank),
+                        ref.p_key,
+                    )
+                )
             if notice is Notice.NOT_NEEDED:
-                self._tell_unfed(pump, ref.transfer_id, ref.p_host, ref.p_port, ref.p_key,
-                                 ref.p_tp, refused=not links)
+                self._tell_unfed(
+                    pump,
+                    ref.transfer_id,
+                    ref.p_host,
+                    ref.p_port,
+                    ref.p_key,
+                    ref.p_tp,
+                    refused=not links,
+                )
         for spec in meta.recv:
             try:
                 self._receive(pump, spec)
             except Exception:  # noqa: BLE001 - contained, counted; this receive fails
                 pump.contained(Stage.COMMAND, f"the receive of {spec.transfer_id[:64]}")
-                if not any(pump.request_of.get(i) == spec.request_id
-                           for i in [spec.transfer_id, *pump.joins.parts(spec.transfer_id)]):
+                if not any(
+                    pump.request_of.get(i) == spec.request_id
+                    for i in [spec.transfer_id, *pump.joins.parts(spec.transfer_id)]
+                ):
                     self._fail_here(spec.request_id)
         for tid in meta.abort_recv:
             for part in pump.joins.parts(tid):
@@ -356,8 +404,12 @@ class WorkerSide:
 
     def _receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
         """One receive: its links (parts when P's TP size differs), then its REGISTERs."""
-        self.trace("recv_spec", spec.transfer_id, blocks=len(spec.block_ids),
-                   trace_headers=spec.trace_headers)
+        self.trace(
+            "recv_spec",
+            spec.transfer_id,
+            blocks=len(spec.block_ids),
+            trace_headers=spec.trace_headers,
+        )
         links = self._links(pump, spec.transfer_id, spec.p_tp)
         try:
             views = [self._view(link) for link in links]
@@ -377,12 +429,18 @@ class WorkerSide:
             pump.views[link.core_id] = view
             pump.began[link.core_id] = time.monotonic()
         for link in links:
-            pump.driver.command(RegisterBlocks(
-                link.core_id, self._address(spec.p_host, spec.p_port, link.p_rank),
-                tuple(spec.block_ids), spec.first_block, spec.num_tokens, spec.p_key,
-                spec.prompt))
-        self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key,
-                         spec.p_tp)
+            pump.driver.command(
+                RegisterBlocks(
+                    link.core_id,
+                    self._address(spec.p_host, spec.p_port, link.p_rank),
+                    tuple(spec.block_ids),
+                    spec.first_block,
+                    spec.num_tokens,
+                    spec.p_key,
+                    spec.prompt,
+                )
+            )
+        self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key, spec.p_tp)
 
     def _fail_here(self, rid: str) -> None:
         """The receive of request ``rid`` fails here: no REGISTER left for it, so nothing can
@@ -399,10 +457,15 @@ class WorkerSide:
         holders = {pump.request_of.get(i) for i in ids} - {None, spec.request_id}
         if not holders:
             return False
-        logger.error("kvpush: request %s names transfer %.60r, which request %s receives; "
-                     "its receive fails", spec.request_id, spec.transfer_id, holders.pop())
-        self.stats.inc("kvpush_kv_params_rejected",
-                       (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER))
+        logger.error(
+            "kvpush: request %s names transfer %.60r, which request %s receives; its receive fails",
+            spec.request_id,
+            spec.transfer_id,
+            holders.pop(),
+        )
+        self.stats.inc(
+            "kvpush_kv_params_rejected", (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER)
+        )
         self._fail_here(spec.request_id)
         return True
 
@@ -413,8 +476,9 @@ class WorkerSide:
         if layout is None:
             return [Link(tid, tid, self.tp_rank)]
         try:
-            links = d_links(tid, self.tp_rank, self.tp_size, p_tp, layout.total_kv_heads,
-                            layout.replicated)
+            links = d_links(
+                tid, self.tp_rank, self.tp_size, p_tp, layout.total_kv_heads, layout.replicated
+            )
         except ValueError:
             return []
         if len(links) > 1 or links[0].core_id != tid or links[0].p_rank != self.tp_rank:
@@ -425,11 +489,18 @@ class WorkerSide:
         """The part of each of our blocks ``link`` fills (None: the whole block)."""
         if not link.heads or self.layout is None:
             return None
-        return list(head_slab(self.layout, link.d_first, link.heads,
-                              self.layout.kv_heads).regions)
+        return list(head_slab(self.layout, link.d_first, link.heads, self.layout.kv_heads).regions)
 
-    def _tell_unfed(self, pump: ReceiverPump, tid: str, host: str, port: int, key: str,
-                    p_tp: int, refused: bool = False) -> None:
+    def _tell_unfed(
+        self,
+        pump: ReceiverPump,
+        tid: str,
+        host: str,
+        port: int,
+        key: str,
+        p_tp: int,
+        refused: bool = False,
+    ) -> None:
         """Tell the P ranks that hold ``tid``'s blocks but will get no REGISTER from any D
         rank (``tpmap.unfed_told_by``) that they may free them now, not when their send
         lease ends."""
@@ -437,8 +508,9 @@ class WorkerSide:
         if layout is None and not refused:
             return  # no layout, no mapping: each rank pairs with its own P rank
         total, replicated = (layout.total_kv_heads, layout.replicated) if layout else (0, False)
-        for p_rank in tpmap.unfed_told_by(self.tp_rank, p_tp, self.tp_size, total,
-                                          replicated, refused):
+        for p_rank in tpmap.unfed_told_by(
+            self.tp_rank, p_tp, self.tp_size, total, replicated, refused
+        ):
             pump.driver.command(NotNeeded(tid, self._address(host, port, p_rank), key))
 
     def _refuse_receive(self, pump: ReceiverPump, spec: RecvSpec) -> None:
@@ -449,17 +521,25 @@ class WorkerSide:
         self._tell_unfed(pump, tid, spec.p_host, spec.p_port, spec.p_key, p_tp, refused=True)
         layout = self.layout
         total = layout.total_kv_heads if layout is not None else 0
-        why = tpmap.problem(p_tp, self.tp_size, total,
-                            layout.replicated if layout is not None else False) or (
+        why = tpmap.problem(
+            p_tp, self.tp_size, total, layout.replicated if layout is not None else False
+        ) or (
             "this engine's KV cache blocks are not stored head after head (kv_cache_layout), "
             "so a part of each block cannot be filled from another rank; use the same "
-            "tensor-parallel size on both")
+            "tensor-parallel size on both"
+        )
         if p_tp not in self._refused_tp:
             self._refused_tp.add(p_tp)
-            logger.error("kvpush: cannot receive KV from a prefill engine of tensor-parallel "
-                         "size %d on this decode engine of size %d: %s", p_tp, self.tp_size, why)
-        self.stats.inc("kvpush_control_messages_rejected",
-                       (self.role.value, RejectReason.INCOMPATIBLE))
+            logger.error(
+                "kvpush: cannot receive KV from a prefill engine of tensor-parallel "
+                "size %d on this decode engine of size %d: %s",
+                p_tp,
+                self.tp_size,
+                why,
+            )
+        self.stats.inc(
+            "kvpush_control_messages_rejected", (self.role.value, RejectReason.INCOMPATIBLE)
+        )
         self._fail_here(rid)
         self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
         self.trace("refused", tid, p_tp=p_tp)
@@ -476,10 +556,18 @@ class WorkerSide:
         step = self._step
         if step is None:
             p = self.cfg.push
-            bandwidth = pump.link_bandwidth or pump.engine.sched.settings.initial_bandwidth_bytes_per_s
-            on = layerwise_now(p.layerwise, self._pending_sends, pump.block_bytes,
-                               self.heads.block_size or 16, bandwidth, p.layerwise_min_tokens,
-                               p.layerwise_min_transfer_ms)
+            bandwidth = (
+                pump.link_bandwidth or pump.engine.sched.settings.initial_bandwidth_bytes_per_s
+            )
+            on = layerwise_now(
+                p.layerwise,
+                self._pending_sends,
+                pump.block_bytes,
+                self.heads.block_size or 16,
+                bandwidth,
+                p.layerwise_min_tokens,
+                p.layerwise_min_transfer_ms,
+            )
             step = self._step = LayerStep(list(self._pending_sends), on)
             pump.forward_running = on
         index = self._layers.get(layer_name)
@@ -490,8 +578,9 @@ class WorkerSide:
             sends, parts = step.sends, len(self._layers)
             pump.offer(lambda: self._layers_ready(pump, sends, ready, parts), "layers ready")
 
-    def _layers_ready(self, pump: SenderPump, sends: list[SendSpec], ready: int,
-                      parts: int) -> None:
+    def _layers_ready(
+        self, pump: SenderPump, sends: list[SendSpec], ready: int, parts: int
+    ) -> None:
         """Under the pump's lock: the first ``ready`` layers of ``sends`` are computed."""
         command = pump.driver.command
         for spec in sends:
@@ -505,8 +594,9 @@ class WorkerSide:
             if ready == 1 or ready == parts:
                 self.trace("layers_ready", tid, ready=ready, parts=parts)
             for part in pump.splits.parts(tid):
-                command(LayersReady(part, tuple(spec.block_ids), ready, parts, spec.owner,
-                                    spec.prompt))
+                command(
+                    LayersReady(part, tuple(spec.block_ids), ready, parts, spec.owner, spec.prompt)
+                )
 
     def after_forward(self, forward_failed: bool = False) -> None:
         """P: this step's prompts are computed; hand their blocks to the pump. With
@@ -523,8 +613,9 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()  # KV must be in memory before a WRITE
         # Posted at once when the pump's lock is free (the hot path: no thread hop), else by
         # the pump's next pass; this thread never waits for it.
-        pump.offer(lambda: self._hand_over(pump, sends, forward_failed), "the push hand-over",
-                   now=True)
+        pump.offer(
+            lambda: self._hand_over(pump, sends, forward_failed), "the push hand-over", now=True
+        )
 
     def _hand_over(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool) -> None:
         """Under the pump's lock: this step's prompts to the core. Whatever raises, no push of
@@ -538,20 +629,24 @@ class WorkerSide:
             for spec in sends:
                 if spec.transfer_id not in handed:
                     with contextlib.suppress(Exception):
-                        pump.driver.command(ForwardFailed(spec.transfer_id,
-                                                          tuple(spec.block_ids)))
+                        pump.driver.command(ForwardFailed(spec.transfer_id, tuple(spec.block_ids)))
 
-    def _hand_over_each(self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool,
-                        handed: set[str]) -> None:
+    def _hand_over_each(
+        self, pump: SenderPump, sends: list[SendSpec], forward_failed: bool, handed: set[str]
+    ) -> None:
         parts: dict[str, list[str]] = {}
         for spec in list(sends):
             holder = pump.request_of.get(spec.transfer_id)
             if holder is not None and holder != spec.request_id:
                 # The scheduler side refuses a repeated transfer id first; never let one
                 # request's push take another's place: this one is not pushed.
-                logger.error("kvpush: request %s names transfer %.60r, which request %s "
-                             "pushes; it is not pushed", spec.request_id, spec.transfer_id,
-                             holder)
+                logger.error(
+                    "kvpush: request %s names transfer %.60r, which request %s "
+                    "pushes; it is not pushed",
+                    spec.request_id,
+                    spec.transfer_id,
+                    holder,
+                )
                 sends.remove(spec)
                 handed.add(spec.transfer_id)
                 with self.results.lock:
@@ -565,17 +660,25 @@ class WorkerSide:
             known.blocks, known.prompt = tuple(spec.block_ids), spec.prompt
             parts[spec.transfer_id] = pump.splits.parts(spec.transfer_id)
         if forward_failed:
-            logger.warning("kvpush: the forward raised; %d prompt(s) of this step are not "
-                           "pushed and their decode engines are told", len(sends))
+            logger.warning(
+                "kvpush: the forward raised; %d prompt(s) of this step are not "
+                "pushed and their decode engines are told",
+                len(sends),
+            )
         for spec in sends:
-            self.trace("forward_failed" if forward_failed else "blocks_ready",
-                       spec.transfer_id, blocks=len(spec.block_ids),
-                       trace_headers=spec.trace_headers)
+            self.trace(
+                "forward_failed" if forward_failed else "blocks_ready",
+                spec.transfer_id,
+                blocks=len(spec.block_ids),
+                trace_headers=spec.trace_headers,
+            )
             handed.add(spec.transfer_id)
             for part in parts[spec.transfer_id]:
                 pump.driver.command(
-                    ForwardFailed(part, tuple(spec.block_ids)) if forward_failed
-                    else BlocksReady(part, tuple(spec.block_ids), spec.owner, spec.prompt))
+                    ForwardFailed(part, tuple(spec.block_ids))
+                    if forward_failed
+                    else BlocksReady(part, tuple(spec.block_ids), spec.owner, spec.prompt)
+                )
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """Completions since the last step. Looks at the transport first (one cheap poll), so
@@ -622,9 +725,16 @@ class TransferPump(threading.Thread, Generic[E]):
 
     side: Side
 
-    def __init__(self, cfg: KvpushConfig, engine: E, transport: Transport,
-                 endpoint: ControlEndpoint, results: _Results, stats: StatsBuffer,
-                 trace: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        cfg: KvpushConfig,
+        engine: E,
+        transport: Transport,
+        endpoint: ControlEndpoint,
+        results: _Results,
+        stats: StatsBuffer,
+        trace: Tracer | None = None,
+    ) -> None:
         super().__init__(name=f"kvpush-pump-{self.side.value}", daemon=True)
         self.cfg = cfg
         self.role = self.side.value
@@ -673,17 +783,19 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def log_mapping(self, other_tp: int, layout: messages.Layout) -> None:
         """Say once per pair of sizes how heads map across tensor-parallel ranks."""
-        key = ((other_tp, layout.tp_size) if self.side is Side.CONSUMER
-               else (layout.tp_size, other_tp))  # (P's TP, D's TP)
+        key = (
+            (other_tp, layout.tp_size) if self.side is Side.CONSUMER else (layout.tp_size, other_tp)
+        )  # (P's TP, D's TP)
         if key in self._mappings_logged:
             return
         self._mappings_logged.add(key)
         # A warning so that it shows with vLLM's default logging (kvpush's info lines do
         # not): an operator should see once that the two sides' ranks are mapped by heads.
-        logger.warning("kvpush: tensor-parallel sizes differ, KV heads mapped (this is "
-                       "rank %d): %s", layout.tp_rank,
-                    tpmap.mapping_text(key[0], key[1], max(layout.total_kv_heads, 1),
-                                       layout.replicated))
+        logger.warning(
+            "kvpush: tensor-parallel sizes differ, KV heads mapped (this is rank %d): %s",
+            layout.tp_rank,
+            tpmap.mapping_text(key[0], key[1], max(layout.total_kv_heads, 1), layout.replicated),
+        )
 
     # -- engine thread API: it hands work over and reads results; it never waits for the
     # lock the pump holds
@@ -824,8 +936,9 @@ class TransferPump(threading.Thread, Generic[E]):
                     # Each message on its own: one that raises never drops or delays another.
                     try:
                         if self.trace.on:
-                            self.trace("msg_in", getattr(msg, "transfer_id", ""),
-                                       kind=type(msg).__name__)
+                            self.trace(
+                                "msg_in", getattr(msg, "transfer_id", ""), kind=type(msg).__name__
+                            )
                         msg = self._inbound(msg)
                     except Exception:  # noqa: BLE001 - contained, counted, logged
                         self.contained(Stage.MESSAGE, type(msg).__name__)
@@ -874,8 +987,7 @@ class TransferPump(threading.Thread, Generic[E]):
     def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
         self.endpoint.send(peer, message, to)
         if self.trace.on:
-            self.trace("msg_out", getattr(message, "transfer_id", ""),
-                       kind=type(message).__name__)
+            self.trace("msg_out", getattr(message, "transfer_id", ""), kind=type(message).__name__)
 
     def connect(self, info: messages.PeerInfo) -> RemotePeer | None:
         self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
@@ -887,8 +999,14 @@ class TransferPump(threading.Thread, Generic[E]):
         try:
             return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
         except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
-            self._log.log(logging.ERROR, "connect", "kvpush: cannot connect to %s (%s): %s",
-                          info.agent_name, info.engine_id, exc)
+            self._log.log(
+                logging.ERROR,
+                "connect",
+                "kvpush: cannot connect to %s (%s): %s",
+                info.agent_name,
+                info.engine_id,
+                exc,
+            )
             return None
 
     def disconnect(self, agent: str) -> None:
@@ -901,22 +1019,38 @@ class TransferPump(threading.Thread, Generic[E]):
         if action.parts > 1:
             per = len(self.transport.layout.regions) // action.parts
             part = (action.part * per, (action.part + 1) * per)
-            self.stats.inc("kvpush_layerwise_writes", (self.role, "during_forward"
-                           if self.forward_running else "after_forward"))
-        return self._post(action.chunk_id, action.transfer_id, "WRITE", peer,
-                          action.src_blocks, action.dst_blocks,
-                          self._done_notif(action, regions,
-                                           peer.local_k if peer.unit_tokens else 0),
-                          part, action.parts)
+            self.stats.inc(
+                "kvpush_layerwise_writes",
+                (self.role, "during_forward" if self.forward_running else "after_forward"),
+            )
+        return self._post(
+            action.chunk_id,
+            action.transfer_id,
+            "WRITE",
+            peer,
+            action.src_blocks,
+            action.dst_blocks,
+            self._done_notif(action, regions, peer.local_k if peer.unit_tokens else 0),
+            part,
+            action.parts,
+        )
 
     def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
-        return self._post(action.chunk_id, action.transfer_id, "READ", peer,
-                          action.local_blocks, action.remote_blocks, b"")
+        return self._post(
+            action.chunk_id,
+            action.transfer_id,
+            "READ",
+            peer,
+            action.local_blocks,
+            action.remote_blocks,
+            b"",
+        )
 
     def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
         self.began.setdefault(action.transfer_id, time.monotonic())
-        logger.warning("kvpush: %s for %s failed to post: %s", type(action).__name__,
-                       action.transfer_id, error)
+        logger.warning(
+            "kvpush: %s for %s failed to post: %s", type(action).__name__, action.transfer_id, error
+        )
         self.stats.inc("kvpush_chunks", (self.role, "post_failed"))
 
     def release_send(self, action: ReleaseSend) -> None:
@@ -932,32 +1066,47 @@ class TransferPump(threading.Thread, Generic[E]):
             return
         with self.results.lock:
             self.results.sending.add(rid)
-        self._count_end(join.base if join.base in self.began else tid,
-                        join.outcome or action.outcome, join.nbytes)
+        self._count_end(
+            join.base if join.base in self.began else tid,
+            join.outcome or action.outcome,
+            join.nbytes,
+        )
 
     def report_finished(self, action: ReportFinished) -> None:
         ok = True
         if action.checksum >= 0 and action.blocks:
             # Pulled: the ids read (units when block sizes differ), in P's order.
-            ok = self._checksum(list(action.blocks), self.views.get(action.transfer_id),
-                                action.units) == action.checksum
+            ok = (
+                self._checksum(
+                    list(action.blocks), self.views.get(action.transfer_id), action.units
+                )
+                == action.checksum
+            )
             if not ok:
                 logger.error("kvpush: checksum mismatch on pulled %s", action.transfer_id)
-                self.stats.inc("kvpush_control_messages_rejected", (self.role, RejectReason.CHECKSUM_MISMATCH))
+                self.stats.inc(
+                    "kvpush_control_messages_rejected", (self.role, RejectReason.CHECKSUM_MISMATCH)
+                )
         self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else Outcome.FAILED)
 
     def report_failed(self, action: ReportFailed) -> None:
         self._report(action.transfer_id, ok=False, outcome=Outcome.FAILED)
-        logger.warning("kvpush: receive of %s failed: %s %s", action.transfer_id,
-                       action.reason, action.detail)
+        logger.warning(
+            "kvpush: receive of %s failed: %s %s", action.transfer_id, action.reason, action.detail
+        )
 
     def note(self, note: Note) -> None:
         kind = note.kind
         if kind is NoteKind.REJECTED:
             # Peers choose how many of these happen: counted each, logged rate-limited.
             self.stats.inc("kvpush_control_messages_rejected", (self.role, note.reason))
-            self._log.log(logging.WARNING, (kind, note.reason), "kvpush: rejected (%s): %s",
-                          note.reason, note.detail)
+            self._log.log(
+                logging.WARNING,
+                (kind, note.reason),
+                "kvpush: rejected (%s): %s",
+                note.reason,
+                note.detail,
+            )
         elif kind is NoteKind.FENCED:
             self.stats.inc("kvpush_leases_fenced", self._labels)
             self._log.log(logging.INFO, kind, "kvpush: fenced: %s", note.detail)
@@ -969,8 +1118,9 @@ class TransferPump(threading.Thread, Generic[E]):
         elif kind is NoteKind.LEASE_EXPIRED:
             self.stats.inc("kvpush_leases_expired", (self.role, note.reason))
         elif kind is NoteKind.BREAKER_TRIP:
-            self.stats.inc("kvpush_breaker_trips",
-                           (self.role, self._peer_label.get(note.reason, note.reason)))
+            self.stats.inc(
+                "kvpush_breaker_trips", (self.role, self._peer_label.get(note.reason, note.reason))
+            )
             logger.warning("kvpush: circuit breaker to %s opened: %s", note.reason, note.detail)
         elif kind is NoteKind.QUEUE_WAIT:
             self.stats.observe("kvpush_queue_wait_seconds", self._labels, note.value)
@@ -979,8 +1129,9 @@ class TransferPump(threading.Thread, Generic[E]):
         elif kind is NoteKind.TRANSFER_DONE:
             began = self.began.pop(note.detail, None)
             if began is not None:
-                self.stats.observe("kvpush_transfer_seconds", self._labels,
-                                   time.monotonic() - began)
+                self.stats.observe(
+                    "kvpush_transfer_seconds", self._labels, time.monotonic() - began
+                )
             self.trace("transfer_done", note.detail)
         elif kind is NoteKind.PEER_RESTART:
             self.stats.inc("kvpush_peer_restarts", self._labels)
@@ -989,31 +1140,46 @@ class TransferPump(threading.Thread, Generic[E]):
     def contained(self, stage: Stage, what: str) -> None:
         """Log and count an input or action that raised; the rest of the pass goes on."""
         self.stats.inc("kvpush_pump_errors", (self.role, stage.value))
-        logger.exception("kvpush: %s raised in the transfer pump (%s stage); it is dropped "
-                         "and everything else goes on", what, stage.value)
+        logger.exception(
+            "kvpush: %s raised in the transfer pump (%s stage); it is dropped "
+            "and everything else goes on",
+            what,
+            stage.value,
+        )
 
     # -- the data plane
-    def _done_notif(self, action: PostWrite,
-                    regions: list[messages.Region] | None = None, units: int = 0) -> bytes:
+    def _done_notif(
+        self, action: PostWrite, regions: list[messages.Region] | None = None, units: int = 0
+    ) -> bytes:
         """The DONE the last WRITE carries (``units``: ids are units, that many per block)."""
         if action.done is None:
             return b""
         done = action.done
         if self._verify:
             blocks = list(action.all_src or action.src_blocks)
-            done = msgspec.structs.replace(done,
-                                           checksum=self._checksum(blocks, regions, units))
+            done = msgspec.structs.replace(done, checksum=self._checksum(blocks, regions, units))
         return messages.encode_done(done)
 
-    def _post(self, chunk_id: int, tid: str, op: Op, peer: RemotePeer,
-              local: tuple[int, ...], remote: tuple[int, ...], notif: bytes,
-              regions: tuple[int, int] | None = None, parts: int = 1) -> ChunkError | None:
+    def _post(
+        self,
+        chunk_id: int,
+        tid: str,
+        op: Op,
+        peer: RemotePeer,
+        local: tuple[int, ...],
+        remote: tuple[int, ...],
+        notif: bytes,
+        regions: tuple[int, int] | None = None,
+        parts: int = 1,
+    ) -> ChunkError | None:
         t0 = time.monotonic()
         self.began.setdefault(tid, t0)
         try:
-            handle = (self.transport.post(op, peer, list(local), list(remote), notif)
-                      if regions is None else
-                      self.transport.post(op, peer, list(local), list(remote), notif, regions))
+            handle = (
+                self.transport.post(op, peer, list(local), list(remote), notif)
+                if regions is None
+                else self.transport.post(op, peer, list(local), list(remote), notif, regions)
+            )
         except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
             return chunk_error(exc)
         # Ids are units when block sizes differ: each is 1/local_k of one of our blocks;
@@ -1028,11 +1194,27 @@ class TransferPump(threading.Thread, Generic[E]):
             self.stats.observe("kvpush_post_descriptors", self._labels, cost.descriptors)
             self.stats.observe("kvpush_post_build_seconds", self._labels, cost.build_s)
         if self.trace.on:
-            extra = {} if cost is None else {
-                "descriptors": cost.descriptors, "runs": cost.runs, "parts": cost.parts,
-                "path": cost.path, "build_us": round(1e6 * cost.build_s, 1)}
-            self.trace("post", tid, op=op, chunk=chunk_id, nbytes=nbytes, last=bool(notif),
-                       post_ms=round(1000 * post_s, 3), **extra)
+            extra = (
+                {}
+                if cost is None
+                else {
+                    "descriptors": cost.descriptors,
+                    "runs": cost.runs,
+                    "parts": cost.parts,
+                    "path": cost.path,
+                    "build_us": round(1e6 * cost.build_s, 1),
+                }
+            )
+            self.trace(
+                "post",
+                tid,
+                op=op,
+                chunk=chunk_id,
+                nbytes=nbytes,
+                last=bool(notif),
+                post_ms=round(1000 * post_s, 3),
+                **extra,
+            )
         self._handles[chunk_id] = (handle, t0, nbytes)
         self.inflight_bytes += nbytes
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, post_s)
@@ -1064,8 +1246,9 @@ class TransferPump(threading.Thread, Generic[E]):
             logger.warning("kvpush: chunk %d failed: %s", cid, error)
         self.driver.completed(cid, error)
 
-    def _checksum(self, blocks: list[int], regions: list[messages.Region] | None = None,
-                  units: int = 0) -> int:
+    def _checksum(
+        self, blocks: list[int], regions: list[messages.Region] | None = None, units: int = 0
+    ) -> int:
         """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout).
 
         ``units`` > 0: the ids are units, that many per block (P and D block sizes differ),
@@ -1141,7 +1324,8 @@ class SenderPump(TransferPump[Sender]):
         regions = remote.local.regions if remote.local is not None else None
         units = remote.local_k if remote.unit_tokens else 0
         return msgspec.structs.replace(
-            msg, checksum=self._checksum(list(msg.block_ids), regions, units))
+            msg, checksum=self._checksum(list(msg.block_ids), regions, units)
+        )
 
     def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
         """A REGISTER of a decode engine with more ranks than ours splits its transfer into
@@ -1169,8 +1353,11 @@ class SenderPump(TransferPump[Sender]):
         if known.expected:
             self.driver.command(ExpectBlocks(part, known.owner))
         if known.blocks is None and known.layers:
-            self.driver.command(LayersReady(part, known.layer_blocks, known.layers,
-                                            known.parts, known.owner, known.prompt))
+            self.driver.command(
+                LayersReady(
+                    part, known.layer_blocks, known.layers, known.parts, known.owner, known.prompt
+                )
+            )
         if known.blocks is not None:
             self.driver.command(BlocksReady(part, known.blocks, known.owner, known.prompt))
         if known.held:
@@ -1189,16 +1376,18 @@ class SenderPump(TransferPump[Sender]):
         links = p.sched.links()
         for link in links:
             label, bandwidth = self._peer_label.get(link, link), p.sched.bandwidth(link)
-            self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label),
-                           bandwidth)
+            self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label), bandwidth)
             if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
                 slow = self.link_guard.observe(label, bandwidth, now)
                 self.stats.set("kvpush_link_slow", (self.role, label), float(slow))
         if links:
             self.link_bandwidth = min(p.sched.bandwidth(link) for link in links)
         for peer, state in p.breaker_states(now).items():
-            self.stats.set("kvpush_breaker_state", (self.role, self._peer_label.get(peer, peer)),
-                           _BREAKER_VALUE[state])
+            self.stats.set(
+                "kvpush_breaker_state",
+                (self.role, self._peer_label.get(peer, peer)),
+                _BREAKER_VALUE[state],
+            )
 
 
 class ReceiverPump(TransferPump[Receiver]):
@@ -1228,15 +1417,20 @@ class ReceiverPump(TransferPump[Receiver]):
                 self._notification(str(agent), raw)
 
     def _notification(self, agent: str, raw: bytes) -> None:
-        self.driver.feed(Stage.COMPLETION, f"a notification of {agent[:64]}",
-                         lambda rx, now: self._done_in(rx, now, agent, raw))
+        self.driver.feed(
+            Stage.COMPLETION,
+            f"a notification of {agent[:64]}",
+            lambda rx, now: self._done_in(rx, now, agent, raw),
+        )
 
     def _done_in(self, rx: Receiver, now: float, agent: str, raw: bytes) -> list[Action]:
         """The DONE a notification carries (checked against the blocks with verify on)."""
         try:
             done = messages.decode_done(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return [Note(NoteKind.REJECTED, RejectReason.MALFORMED, f"bad DONE notification: {exc}")]
+            return [
+                Note(NoteKind.REJECTED, RejectReason.MALFORMED, f"bad DONE notification: {exc}")
+            ]
         if done is None:
             return []
         done = self.links.done(done)
@@ -1249,9 +1443,10 @@ class ReceiverPump(TransferPump[Receiver]):
                 if done.unit_tokens:
                     size = self.transport.layout.block_size
                     units = size // done.unit_tokens if size % done.unit_tokens == 0 else 0
-                    blocks = blocksize.expand(blocks, units)[:done.num_blocks]
+                    blocks = blocksize.expand(blocks, units)[: done.num_blocks]
                 verified = (units > 0 or not done.unit_tokens) and self._checksum(
-                    blocks, self.views.get(done.transfer_id), units) == done.checksum
+                    blocks, self.views.get(done.transfer_id), units
+                ) == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
         return rx.on_done(done, now, verified, agent)

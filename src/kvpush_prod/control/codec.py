@@ -29,13 +29,13 @@ def kind_of(body: bytes) -> bytes | None:
         return None
     head = body[0]
     at = 1 if head & 0xF0 == 0x80 else 3 if head == 0xDE else -1  # fixmap, map16
-    if at < 0 or body[at:at + 5] != _TYPE_KEY:
+    if at < 0 or body[at : at + 5] != _TYPE_KEY:
         return None
     tag = body[at + 5]
     if tag & 0xE0 != 0xA0:  # a fixstr: every tag is under 32 bytes
         return None
     start = at + 6
-    return bytes(body[start:start + (tag & 0x1F)])
+    return bytes(body[start : start + (tag & 0x1F)])
 
 
 class ControlCodec:
@@ -43,8 +43,9 @@ class ControlCodec:
     ``max_message_bytes``, and ``small_message_bytes`` for every kind but REGISTER and
     FALLBACK (a heartbeat, a notice, an answer)."""
 
-    def __init__(self, max_message_bytes: int,
-                 small_message_bytes: int = SMALL_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, max_message_bytes: int, small_message_bytes: int = SMALL_MESSAGE_BYTES
+    ) -> None:
         self._max = max_message_bytes
         self._small = min(small_message_bytes, max_message_bytes)
 

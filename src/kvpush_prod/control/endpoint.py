@@ -88,8 +88,15 @@ class KeyQuotas:
     intake_s: float = 0.005
 
     def __post_init__(self) -> None:
-        for name in ("messages_per_receive", "bytes_per_receive", "backlog_messages",
-                     "backlog_bytes", "addresses", "new_addresses_burst", "intake_frames"):
+        for name in (
+            "messages_per_receive",
+            "bytes_per_receive",
+            "backlog_messages",
+            "backlog_bytes",
+            "addresses",
+            "new_addresses_burst",
+            "intake_frames",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"KeyQuotas.{name}={getattr(self, name)}: must be at least 1")
 
@@ -172,7 +179,12 @@ def warn_if_ephemeral(port: int) -> None:
             "kvpush: control port %d is inside this host's ephemeral port range %d-%d "
             "(net.ipv4.ip_local_port_range); an outgoing connection may take it while the "
             "engine restarts. Set control.port below %d, or reserve it with "
-            "net.ipv4.ip_local_reserved_ports", port, rng[0], rng[1], rng[0])
+            "net.ipv4.ip_local_reserved_ports",
+            port,
+            rng[0],
+            rng[1],
+            rng[0],
+        )
 
 
 def _port_taken(exc: BaseException) -> bool:
@@ -197,10 +209,16 @@ class ControlEndpoint:
     its peer must hold.
     """
 
-    def __init__(self, codec: ControlCodec, host: str, port: int,
-                 security: EndpointSecurity | None = None, max_peers: int = 1024,
-                 quotas: KeyQuotas | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        codec: ControlCodec,
+        host: str,
+        port: int,
+        security: EndpointSecurity | None = None,
+        max_peers: int = 1024,
+        quotas: KeyQuotas | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_peers < 1:
             raise ConfigError(f"max_peers={max_peers}: must be at least 1")
         self._codec = codec
@@ -213,8 +231,9 @@ class ControlEndpoint:
         # the pump's lock while the pump thread reads and decodes (``fill``) without it.
         self._books = threading.Lock()
         q = self.quotas
-        self._addresses = _AddressBook(q.addresses, q.address_idle_s, q.new_addresses_burst,
-                                       q.new_addresses_per_s)
+        self._addresses = _AddressBook(
+            q.addresses, q.address_idle_s, q.new_addresses_burst, q.new_addresses_per_s
+        )
         self._stale: list[tuple[str, str]] = []  # (address, key) replaced: sockets to close
         self._backlog: OrderedDict[str, _Backlog] = OrderedDict()  # key -> its messages
         self._filled = False  # a fill ran since the last receive
@@ -252,12 +271,17 @@ class ControlEndpoint:
         self.address = f"tcp://{bind_host}:{port}"
         warn_if_ephemeral(port)
         if security is not None:
-            logger.info("kvpush: control endpoint %s is CurveZMQ as %s (%s), %d allowed keys",
-                        self.address, security.keypair.name, security.keypair.fingerprint,
-                        len(security.allowed))
+            logger.info(
+                "kvpush: control endpoint %s is CurveZMQ as %s (%s), %d allowed keys",
+                self.address,
+                security.keypair.name,
+                security.keypair.fingerprint,
+                len(security.allowed),
+            )
 
-    def _open_router(self, codec: ControlCodec, host: str, port: int,
-                     security: EndpointSecurity | None) -> str:
+    def _open_router(
+        self, codec: ControlCodec, host: str, port: int, security: EndpointSecurity | None
+    ) -> str:
         """Set up the ROUTER that takes every peer's messages and bind it; the host as
         bound (IPv6 in brackets)."""
         self._router.setsockopt(zmq.LINGER, 0)
@@ -285,8 +309,12 @@ class ControlEndpoint:
         # A process restarted at once may race its dying predecessor for the port: wait a
         # little for it to go before calling the port taken.
         try:
-            for attempt in Retrying(stop=stop_after_delay(BIND_WAIT_S), wait=wait_fixed(0.25),
-                                    retry=retry_if_exception(_port_taken), reraise=True):
+            for attempt in Retrying(
+                stop=stop_after_delay(BIND_WAIT_S),
+                wait=wait_fixed(0.25),
+                retry=retry_if_exception(_port_taken),
+                reraise=True,
+            ):
                 with attempt:
                     self._router.bind(address)
         except zmq.ZMQError as exc:
@@ -387,8 +415,10 @@ class ControlEndpoint:
             if self._security is not None:
                 origin = self._origin(frames[-1])
                 if not origin:
-                    self._reject(RejectReason.UNAUTHENTICATED,
-                                 "dropped a control message without an allow-listed sender key")
+                    self._reject(
+                        RejectReason.UNAUTHENTICATED,
+                        "dropped a control message without an allow-listed sender key",
+                    )
                     continue
             if len(frames) == 2 and probe.is_probe(frames[1].buffer):
                 self._answer_probe(frames)
@@ -416,37 +446,50 @@ class ControlEndpoint:
         q = self.quotas
         size = sum(len(f) for f in frames[1:])  # frame 0 is the ROUTER's peer identity
         backlog = self._backlog.get(origin)
-        if backlog is not None and (len(backlog.items) >= q.backlog_messages
-                                    or backlog.nbytes + size > q.backlog_bytes):
+        if backlog is not None and (
+            len(backlog.items) >= q.backlog_messages or backlog.nbytes + size > q.backlog_bytes
+        ):
             n, nbytes = len(backlog.items), backlog.nbytes
-            self._reject(RejectReason.QUOTA_BACKLOG, _Lazy(
-                lambda: f"dropped a control message from {self._who(origin)}: {n} messages "
+            self._reject(
+                RejectReason.QUOTA_BACKLOG,
+                _Lazy(
+                    lambda: (
+                        f"dropped a control message from {self._who(origin)}: {n} messages "
                         f"({nbytes} bytes) of it wait already, the most one key may have "
-                        "waiting"))
+                        "waiting"
+                    )
+                ),
+            )
             return
         try:
             msg = self._codec.open([f.bytes for f in frames[1:]])
         except ProtocolError as exc:
-            self._reject(exc.reason, f"dropped a control message from {self._who(origin)}: "
-                         f"{exc}")
+            self._reject(exc.reason, f"dropped a control message from {self._who(origin)}: {exc}")
             return
         if self._security is not None:
             address = msg.sender.control
             ok, _ = self._admit(origin, address)
             if not ok:
-                self._reject(RejectReason.QUOTA_ADDRESSES, _Lazy(
-                    lambda: f"dropped {type(msg).__name__} from {self._who(origin)}: it names "
+                self._reject(
+                    RejectReason.QUOTA_ADDRESSES,
+                    _Lazy(
+                        lambda: (
+                            f"dropped {type(msg).__name__} from {self._who(origin)}: it names "
                             f"the control address {address!r:.80}, beyond what this key's "
                             f"messages and replies may use ({self.quotas.addresses} addresses, "
-                            f"{self.quotas.new_addresses_per_s:g} new a second)"))
+                            f"{self.quotas.new_addresses_per_s:g} new a second)"
+                        )
+                    ),
+                )
                 return
         if backlog is None:
             backlog = self._backlog[origin] = _Backlog()
         backlog.items.append((msg, size))
         backlog.nbytes += size
 
-    def receive(self, limit: int = 256
-                ) -> Generator[tuple[messages.ControlMessage, str], None, None]:
+    def receive(
+        self, limit: int = 256
+    ) -> Generator[tuple[messages.ControlMessage, str], None, None]:
         """Up to ``limit`` waiting messages (never blocks) as ``(message, origin)``.
 
         ``origin`` is the sender's Z85 public key as proven by its CurveZMQ handshake (in the
@@ -472,8 +515,9 @@ class ControlEndpoint:
                     continue
                 count, nbytes = share.get(key, (0, 0))
                 msg, size = backlog.items[0]
-                if count >= q.messages_per_receive or (count and nbytes + size >
-                                                       q.bytes_per_receive):
+                if count >= q.messages_per_receive or (
+                    count and nbytes + size > q.bytes_per_receive
+                ):
                     continue
                 backlog.items.popleft()
                 backlog.nbytes -= size
@@ -496,8 +540,9 @@ class ControlEndpoint:
         """Messages read and decoded, not yet received (all keys)."""
         return sum(len(b.items) for b in self._backlog.values())
 
-    def poll(self, timeout_s: float,
-             limit: int = 256) -> Iterator[tuple[messages.ControlMessage, str]]:
+    def poll(
+        self, timeout_s: float, limit: int = 256
+    ) -> Iterator[tuple[messages.ControlMessage, str]]:
         """``wait`` then ``receive``."""
         if self.wait(timeout_s):
             yield from self.receive(limit)
@@ -508,8 +553,10 @@ class ControlEndpoint:
             user_id = frame.get("User-Id")  # set by our ZAP handler: the Z85 client key
         except zmq.ZMQError:
             return ""
-        if isinstance(user_id, str) and user_id.encode("ascii", "replace") in \
-                self._security.allowed:
+        if (
+            isinstance(user_id, str)
+            and user_id.encode("ascii", "replace") in self._security.allowed
+        ):
             return user_id
         return ""
 
@@ -527,8 +574,9 @@ class ControlEndpoint:
         that cannot be sent is dropped and counted in ``rejected``.
         """
         if self._closed:
-            logger.debug("kvpush: endpoint closed; not sending %s to %s", type(msg).__name__,
-                         address)
+            logger.debug(
+                "kvpush: endpoint closed; not sending %s to %s", type(msg).__name__, address
+            )
             return
         if not isinstance(to, str):  # the type says str; a caller's bug must not raise here
             to = ""
@@ -538,22 +586,34 @@ class ControlEndpoint:
         if entry is None:
             problem = address_problem(address)
             if problem is not None:
-                self._reject(RejectReason.BAD_ADDRESS, f"not sending {type(msg).__name__} to "
-                             f"{address!r}: {problem}")
+                self._reject(
+                    RejectReason.BAD_ADDRESS,
+                    f"not sending {type(msg).__name__} to {address!r}: {problem}",
+                )
                 return
             if self._security is not None and not self._known_key(to):
-                self._reject(RejectReason.UNKNOWN_PEER_KEY, f"not sending {type(msg).__name__} "
-                             f"to {address}: its key {to!r:.60} is not in the allow-list"
-                             if to else f"not sending {type(msg).__name__} to {address}: no "
-                             "peer key given, and with keys every message names the key "
-                             "its receiver must prove")
+                self._reject(
+                    RejectReason.UNKNOWN_PEER_KEY,
+                    f"not sending {type(msg).__name__} "
+                    f"to {address}: its key {to!r:.60} is not in the allow-list"
+                    if to
+                    else f"not sending {type(msg).__name__} to {address}: no "
+                    "peer key given, and with keys every message names the key "
+                    "its receiver must prove",
+                )
                 return
         if self._security is not None and not self._admit(to, address)[0]:
-            self._reject(RejectReason.QUOTA_ADDRESSES, _Lazy(
-                lambda: f"not sending {type(msg).__name__} to {address!r:.80}: beyond the "
+            self._reject(
+                RejectReason.QUOTA_ADDRESSES,
+                _Lazy(
+                    lambda: (
+                        f"not sending {type(msg).__name__} to {address!r:.80}: beyond the "
                         f"control addresses replies to {self._who(to)} may go to "
                         f"({self.quotas.addresses}, {self.quotas.new_addresses_per_s:g} new a "
-                        "second)"))
+                        "second)"
+                    )
+                ),
+            )
             return
         try:
             frames = self._codec.seal(msg)
@@ -569,9 +629,12 @@ class ControlEndpoint:
         try:
             entry[0].send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            self._reject(RejectReason.QUEUE_FULL, f"control queue to {address} is full "
-                         f"({SNDHWM} messages: the peer is down or slow); dropped "
-                         f"{type(msg).__name__}")
+            self._reject(
+                RejectReason.QUEUE_FULL,
+                f"control queue to {address} is full "
+                f"({SNDHWM} messages: the peer is down or slow); dropped "
+                f"{type(msg).__name__}",
+            )
         except zmq.ZMQError as exc:
             self._reject(RejectReason.NO_SOCKET, f"cannot send to {address}: {exc}")
 
@@ -655,8 +718,11 @@ class ControlEndpoint:
             raise
 
     def _no_socket(self, address: str, exc: zmq.ZMQError) -> None:
-        self._reject(RejectReason.NO_SOCKET, f"cannot open a socket to {address}: {exc}; raise "
-                     "the open-files limit (ulimit -n) or lower control.max_peers")
+        self._reject(
+            RejectReason.NO_SOCKET,
+            f"cannot open a socket to {address}: {exc}; raise "
+            "the open-files limit (ulimit -n) or lower control.max_peers",
+        )
 
     def _close_peer(self, entry: tuple[Socket, Socket]) -> None:
         sock, monitor = entry
@@ -704,8 +770,9 @@ class ControlEndpoint:
             if reason is RejectReason.HANDSHAKE_UNKNOWN_KEY and self._auth is not None:
                 ip, fp = self._auth.allow_list.last_refused
                 refused = f" (last refused: key {fp} from {ip})"
-            self._reject(reason, f"refused a connection to the control port {watch.address}: "
-                         f"{why}{refused}")
+            self._reject(
+                reason, f"refused a connection to the control port {watch.address}: {why}{refused}"
+            )
 
     def _reject(self, reason: str, detail: str | _Lazy) -> None:
         reason = reason.value if isinstance(reason, RejectReason) else reason

@@ -71,8 +71,9 @@ class Certificate:
     secret: bytes | None = field(repr=False)
 
 
-def generate(name: str, directory: str | os.PathLike[str],
-             force: bool = False) -> tuple[Path, Path]:
+def generate(
+    name: str, directory: str | os.PathLike[str], force: bool = False
+) -> tuple[Path, Path]:
     """Write a new key pair as ``DIR/NAME.key`` and ``DIR/NAME.key_secret`` (mode 0600).
 
     Refuses to replace existing files unless ``force``; returns (public path, secret path).
@@ -105,8 +106,9 @@ def generate(name: str, directory: str | os.PathLike[str],
     except OSError as exc:
         raise ConfigError(f"{directory}: cannot write there ({exc.strerror})") from None
     try:
-        tmp_public, tmp_secret = (Path(p) for p in zmq.auth.create_certificates(
-            tmp, name, metadata={"name": name}))
+        tmp_public, tmp_secret = (
+            Path(p) for p in zmq.auth.create_certificates(tmp, name, metadata={"name": name})
+        )
         os.chmod(tmp_secret, 0o600)
         _add_name(tmp_public, name)
         os.replace(tmp_secret, secret_path)
@@ -209,8 +211,11 @@ def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
     cert = read_certificate(path, "key file")
     if cert.secret is None:
         beside = path.with_name(_stem(path) + SECRET_SUFFIX)
-        hint = (f"use {beside}" if beside.exists() and beside != path
-                else f"use the {SECRET_SUFFIX} file written with it by {GENERATE_HINT}")
+        hint = (
+            f"use {beside}"
+            if beside.exists() and beside != path
+            else f"use the {SECRET_SUFFIX} file written with it by {GENERATE_HINT}"
+        )
         raise ConfigError(
             f"{path}: holds only a public key, but an engine's key file needs its secret "
             f"key: {hint} (the {PUBLIC_SUFFIX} file belongs in the allow-list)"
@@ -222,7 +227,8 @@ def load_keypair(path: str | os.PathLike[str]) -> KeyPair:
         raise ConfigError(
             f"{path}: mode {stat.S_IMODE(mode):04o} lets group or others read engine "
             f"{cert.name!r}'s secret key; make it readable by its owner only: chmod 600 "
-            f"{path} (a Kubernetes secret volume: defaultMode: 0400)")
+            f"{path} (a Kubernetes secret volume: defaultMode: 0400)"
+        )
     return KeyPair(cert.name, cert.public, cert.secret)
 
 
@@ -244,8 +250,8 @@ def load_allowed(path: str | os.PathLike[str]) -> dict[bytes, str]:
             secrets = any(path.glob(f"*{SECRET_SUFFIX}"))
             raise ConfigError(
                 f"{path}: no public certificates (*{PUBLIC_SUFFIX}) in this allow-list "
-                "directory" + (f" (only {SECRET_SUFFIX} files, which stay on their engine)"
-                               if secrets else "")
+                "directory"
+                + (f" (only {SECRET_SUFFIX} files, which stay on their engine)" if secrets else "")
                 + f"; copy every engine's NAME{PUBLIC_SUFFIX} there"
             )
     else:
@@ -270,4 +276,3 @@ def load_allowed(path: str | os.PathLike[str]) -> dict[bytes, str]:
         allowed[cert.public] = cert.name
         where[cert.public] = file
     return allowed
-

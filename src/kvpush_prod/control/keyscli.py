@@ -28,26 +28,57 @@ def build_parser() -> argparse.ArgumentParser:
         "allow-list directory of every engine's public key.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="write NAME.key (public) and NAME.key_secret (secret)",
-                       description="Write a key pair per NAME into DIR: NAME.key (public, for "
-                       "the allow-list) and NAME.key_secret (secret, mode 0600, for the engine).")
-    g.add_argument("names", nargs="+", metavar="NAME",
-                   help="engine name: letters, digits, '.', '_', '-' (at most 64)")
-    g.add_argument("--dir", required=True, type=Path, metavar="DIR",
-                   help="directory to write into (created if missing)")
-    g.add_argument("--force", action="store_true",
-                   help="replace existing key files (then update every allow-list)")
-    ls = sub.add_parser("list", help="one line per key in an allow-list directory",
-                        description="Name, fingerprint, public key, and whether the secret "
-                        "file is beside it, for every key file in DIR.")
+    g = sub.add_parser(
+        "generate",
+        help="write NAME.key (public) and NAME.key_secret (secret)",
+        description="Write a key pair per NAME into DIR: NAME.key (public, for "
+        "the allow-list) and NAME.key_secret (secret, mode 0600, for the engine).",
+    )
+    g.add_argument(
+        "names",
+        nargs="+",
+        metavar="NAME",
+        help="engine name: letters, digits, '.', '_', '-' (at most 64)",
+    )
+    g.add_argument(
+        "--dir",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="directory to write into (created if missing)",
+    )
+    g.add_argument(
+        "--force",
+        action="store_true",
+        help="replace existing key files (then update every allow-list)",
+    )
+    ls = sub.add_parser(
+        "list",
+        help="one line per key in an allow-list directory",
+        description="Name, fingerprint, public key, and whether the secret "
+        "file is beside it, for every key file in DIR.",
+    )
     ls.add_argument("dir", type=Path, metavar="DIR")
-    c = sub.add_parser("check", help="exit 0 if a key file loads and is in the allow-list",
-                       description="Load an engine's key file and the allow-list; exit 0 if "
-                       "the engine's public key is in it, 2 (with the reason) otherwise.")
-    c.add_argument("--key-file", required=True, type=Path, metavar="F",
-                   help="the engine's NAME.key_secret (control.key_file)")
-    c.add_argument("--allowed", required=True, type=Path, metavar="DIR",
-                   help="the allow-list directory or file (control.allowed_keys)")
+    c = sub.add_parser(
+        "check",
+        help="exit 0 if a key file loads and is in the allow-list",
+        description="Load an engine's key file and the allow-list; exit 0 if "
+        "the engine's public key is in it, 2 (with the reason) otherwise.",
+    )
+    c.add_argument(
+        "--key-file",
+        required=True,
+        type=Path,
+        metavar="F",
+        help="the engine's NAME.key_secret (control.key_file)",
+    )
+    c.add_argument(
+        "--allowed",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="the allow-list directory or file (control.allowed_keys)",
+    )
     return parser
 
 
@@ -68,8 +99,10 @@ def _generate(names: list[str], directory: Path, force: bool) -> int:
     for name in names:
         public, secret = keys.generate(name, directory, force=force)
         pair = keys.load_keypair(secret)
-        print(f"{name}: wrote {public} (public) and {secret} (secret, mode 0600), "
-              f"fingerprint {pair.fingerprint}")
+        print(
+            f"{name}: wrote {public} (public) and {secret} (secret, mode 0600), "
+            f"fingerprint {pair.fingerprint}"
+        )
     print(REMINDER)
     return EXIT_OK
 
@@ -77,8 +110,10 @@ def _generate(names: list[str], directory: Path, force: bool) -> int:
 def _list(directory: Path) -> int:
     if not directory.is_dir():
         raise ConfigError(f"{directory}: not a directory; give the allow-list directory")
-    stems = sorted({p.name[: -len(keys.PUBLIC_SUFFIX)] for p in directory.glob("*.key")}
-                   | {p.name[: -len(keys.SECRET_SUFFIX)] for p in directory.glob("*.key_secret")})
+    stems = sorted(
+        {p.name[: -len(keys.PUBLIC_SUFFIX)] for p in directory.glob("*.key")}
+        | {p.name[: -len(keys.SECRET_SUFFIX)] for p in directory.glob("*.key_secret")}
+    )
     if not stems:
         raise ConfigError(f"{directory}: no key files (*.key, *.key_secret) in it")
     ok = True
@@ -119,14 +154,18 @@ def _check(key_file: Path, allowed_path: Path) -> int:
     allowed = keys.load_allowed(allowed_path)
     listed = allowed.get(pair.public)
     if listed is None:
-        print(f"kvpush keys check: {key_file}: its public key ({pair.name}, fingerprint "
-              f"{pair.fingerprint}) is not in the allow-list {allowed_path} ({len(allowed)} "
-              f"keys): peers will refuse this engine. Copy its {pair.name}"
-              f"{keys.PUBLIC_SUFFIX} into {allowed_path} on every engine and the router",
-              file=sys.stderr)
+        print(
+            f"kvpush keys check: {key_file}: its public key ({pair.name}, fingerprint "
+            f"{pair.fingerprint}) is not in the allow-list {allowed_path} ({len(allowed)} "
+            f"keys): peers will refuse this engine. Copy its {pair.name}"
+            f"{keys.PUBLIC_SUFFIX} into {allowed_path} on every engine and the router",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
-    print(f"ok: {key_file} ({pair.name}, fingerprint {pair.fingerprint}) is in the "
-          f"allow-list {allowed_path} as {listed!r} ({len(allowed)} keys)")
+    print(
+        f"ok: {key_file} ({pair.name}, fingerprint {pair.fingerprint}) is in the "
+        f"allow-list {allowed_path} as {listed!r} ({len(allowed)} keys)"
+    )
     return EXIT_OK
 
 

@@ -21,7 +21,7 @@ REPLY_BYTES = len(REPLY_PREFIX) + _REPLY.size
 
 def is_probe(body: bytes | memoryview) -> bool:
     """Whether a frame is a probe (read from its first bytes, without copying the rest)."""
-    return bytes(body[:len(PROBE_PREFIX)]) == PROBE_PREFIX
+    return bytes(body[: len(PROBE_PREFIX)]) == PROBE_PREFIX
 
 
 def request(seq: int, payload_bytes: int = 0) -> bytes:

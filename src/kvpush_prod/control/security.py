@@ -18,8 +18,11 @@ from kvpush_prod.vocabulary import RejectReason
 
 # The ZAP domain of our ROUTERs; the handler answers for this domain only.
 ZAP_DOMAIN = "kvpush"
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 ZAP_REFUSED = 400  # the status our handler answers for a key not in the allow-list
 _REFUSED = str(ZAP_REFUSED).encode()
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
@@ -36,18 +39,23 @@ class EndpointSecurity:
 
     def __post_init__(self) -> None:
         if not self.allowed:
-            raise ConfigError("the allow-list is empty: no peer could connect or be sent to; "
-                              "list every engine's public key (control.allowed_keys)")
+            raise ConfigError(
+                "the allow-list is empty: no peer could connect or be sent to; "
+                "list every engine's public key (control.allowed_keys)"
+            )
         bad = [k for k in (self.keypair.public, *self.allowed) if len(k) != 40]
         if bad:
-            raise ConfigError(f"{bad[0]!r} is not a 40-character Z85 public key; load keys "
-                              "with kvpush_prod.control.keys")
+            raise ConfigError(
+                f"{bad[0]!r} is not a 40-character Z85 public key; load keys "
+                "with kvpush_prod.control.keys"
+            )
         # A read-only copy: the ZAP thread reads it while the caller's mapping could change.
         object.__setattr__(self, "allowed", MappingProxyType(dict(self.allowed)))
 
     @classmethod
-    def from_files(cls, key_file: str | os.PathLike[str],
-                   allowed_keys: str | os.PathLike[str]) -> EndpointSecurity:
+    def from_files(
+        cls, key_file: str | os.PathLike[str], allowed_keys: str | os.PathLike[str]
+    ) -> EndpointSecurity:
         """From control.key_file (a ``.key_secret``) and control.allowed_keys."""
         return cls(load_keypair(key_file), load_allowed(allowed_keys))
 
@@ -78,8 +86,9 @@ class AllowListAuthenticator:
     busy engine process we want the smallest thing that cannot miss a wake-up.)
     """
 
-    def __init__(self, context: zmq.Context[zmq.Socket[bytes]],
-                 allowed: Mapping[bytes, str]) -> None:
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], allowed: Mapping[bytes, str]
+    ) -> None:
         self.allow_list = _AllowList(allowed)
         self.answered: dict[bytes, int] = {b"200": 0, _REFUSED: 0, b"500": 0}  # by status
         self._zap = context.socket(zmq.REP)
@@ -140,8 +149,7 @@ class AllowListAuthenticator:
             status, text = b"500", b"malformed ZAP request"
         else:
             domain, address, mechanism = request[2], request[3], request[5]
-            if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" \
-                    and len(request[6]) == 32:
+            if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" and len(request[6]) == 32:
                 key = z85.encode(request[6])
                 self.allow_list.address = address.decode("utf-8", "replace")
                 if self.allow_list.callback(ZAP_DOMAIN, key):
@@ -158,42 +166,59 @@ def handshake_reason(event: int, value: int, outbound: bool) -> tuple[RejectReas
     """
     if outbound:
         if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return (RejectReason.PEER_REFUSED_KEY,
-                    f"the peer refused this engine's key (ZAP status {value}): add this "
-                    "engine's .key file to the peer's allow-list")
-        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
-                value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return (RejectReason.PEER_HANDSHAKE_FAILED,
-                    "the peer and this engine disagree on using keys (one runs without "
-                    "control.key_file): configure keys on both")
+            return (
+                RejectReason.PEER_REFUSED_KEY,
+                f"the peer refused this engine's key (ZAP status {value}): add this "
+                "engine's .key file to the peer's allow-list",
+            )
+        if (
+            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            return (
+                RejectReason.PEER_HANDSHAKE_FAILED,
+                "the peer and this engine disagree on using keys (one runs without "
+                "control.key_file): configure keys on both",
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            return (RejectReason.PEER_HANDSHAKE_FAILED,
-                    "the handshake did not complete: it ran past its 5 s limit (seen on a "
-                    "host with more engine processes than cores), the peer dropped it, or "
-                    "the peer's key is not the one this engine holds for it (refresh the "
-                    "allow-list); ZMQ reconnects by itself")
+            return (
+                RejectReason.PEER_HANDSHAKE_FAILED,
+                "the handshake did not complete: it ran past its 5 s limit (seen on a "
+                "host with more engine processes than cores), the peer dropped it, or "
+                "the peer's key is not the one this engine holds for it (refresh the "
+                "allow-list); ZMQ reconnects by itself",
+            )
         if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            return (RejectReason.PEER_HANDSHAKE_FAILED,
-                    "the handshake failed; most often the peer's key is not the one this "
-                    "engine holds for it (it was regenerated): refresh the allow-list")
+            return (
+                RejectReason.PEER_HANDSHAKE_FAILED,
+                "the handshake failed; most often the peer's key is not the one this "
+                "engine holds for it (it was regenerated): refresh the allow-list",
+            )
         return None
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == ZAP_REFUSED:
-            return (RejectReason.HANDSHAKE_UNKNOWN_KEY,
-                    "a client's key is not in the allow-list")
-        return (RejectReason.HANDSHAKE_PROTOCOL,
-                f"the ZAP handler answered status {value} (it may have stopped)")
+            return (RejectReason.HANDSHAKE_UNKNOWN_KEY, "a client's key is not in the allow-list")
+        return (
+            RejectReason.HANDSHAKE_PROTOCOL,
+            f"the ZAP handler answered status {value} (it may have stopped)",
+        )
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            return (RejectReason.HANDSHAKE_CRYPTO,
-                    "a client's handshake does not decrypt: it holds another public key for "
-                    "this engine (a stale allow-list), or the bytes were replayed or altered")
+            return (
+                RejectReason.HANDSHAKE_CRYPTO,
+                "a client's handshake does not decrypt: it holds another public key for "
+                "this engine (a stale allow-list), or the bytes were replayed or altered",
+            )
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return (RejectReason.HANDSHAKE_MECHANISM,
-                    "a client and this engine disagree on using keys (one runs without "
-                    "control.key_file)")
+            return (
+                RejectReason.HANDSHAKE_MECHANISM,
+                "a client and this engine disagree on using keys (one runs without "
+                "control.key_file)",
+            )
         return (RejectReason.HANDSHAKE_PROTOCOL, f"ZMTP protocol error 0x{value:x}")
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return (RejectReason.HANDSHAKE_FAILED,
-                "a client dropped or did not finish its handshake in time")
+        return (
+            RejectReason.HANDSHAKE_FAILED,
+            "a client dropped or did not finish its handshake in time",
+        )
     return None

@@ -25,8 +25,9 @@ class Verdict(Word):
     LOCAL = "local"  # no transfer: D computes the prompt (or already has it)
 
 
-def blocks_to_receive(num_prompt_tokens: int, num_computed_tokens: int,
-                      block_size: int) -> tuple[int, int]:
+def blocks_to_receive(
+    num_prompt_tokens: int, num_computed_tokens: int, block_size: int
+) -> tuple[int, int]:
     """(first block, block count) of the prompt D must receive: every block from the first
     one D has not computed (whole blocks of a prefix-cache hit stay D's own)."""
     first = num_computed_tokens // block_size
@@ -78,9 +79,15 @@ class Answer:
     @property
     def notices(self) -> tuple[Notice, ...]:
         """What P must hear of this answer, in order."""
-        return tuple(n for n, due in ((Notice.WAIT, self.first_wait),
-                                      (Notice.OVER, self.wait_over),
-                                      (Notice.NOT_NEEDED, self.not_needed is not None)) if due)
+        return tuple(
+            n
+            for n, due in (
+                (Notice.WAIT, self.first_wait),
+                (Notice.OVER, self.wait_over),
+                (Notice.NOT_NEEDED, self.not_needed is not None),
+            )
+            if due
+        )
 
     def commands(self, transfer_id: str, address: str, owner: str = "") -> list[ReceiveCommand]:
         """This answer's notices as D's commands for the prefill engine at ``address``
@@ -88,8 +95,9 @@ class Answer:
         return [notice_command(n, transfer_id, address, owner) for n in self.notices]
 
 
-def notice_command(notice: Notice, transfer_id: str, address: str,
-                   owner: str = "") -> ReceiveCommand:
+def notice_command(
+    notice: Notice, transfer_id: str, address: str, owner: str = ""
+) -> ReceiveCommand:
     """The one translation of an admission notice into D's command."""
     if notice is Notice.WAIT:
         return AwaitAdmission(transfer_id, address, owner)
@@ -171,8 +179,14 @@ class Admissions(Generic[T]):
             del self._by_tid[rx.transfer_id]
         return rx
 
-    def ask(self, key: str, num_prompt_tokens: int, num_computed_tokens: int,
-            now: float, free_blocks: int | None = None) -> Answer:
+    def ask(
+        self,
+        key: str,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        now: float,
+        free_blocks: int | None = None,
+    ) -> Answer:
         """May the tracked request ``key`` load its prompt's missing tokens from P now?
 
         ``free_blocks``: the blocks free in D's KV cache now (None: unknown, the credit
@@ -186,8 +200,9 @@ class Admissions(Generic[T]):
         if tokens <= 0:
             # Everything is in D's prefix cache already: P can free its blocks now.
             return self._give_up(rx, Outcome.PREFIX_HIT)
-        rx.first_block, rx.nblocks = blocks_to_receive(num_prompt_tokens, num_computed_tokens,
-                                                       self.block_size)
+        rx.first_block, rx.nblocks = blocks_to_receive(
+            num_prompt_tokens, num_computed_tokens, self.block_size
+        )
         capacity = None
         if free_blocks is not None:
             capacity = max(0, free_blocks - self.promised(exclude=key))
@@ -196,24 +211,44 @@ class Admissions(Generic[T]):
         if decision is Decision.ADMIT:
             first_admit, wait_over = not rx.admitted, rx.waiting
             rx.admitted, rx.waiting = True, False
-            return Answer(Verdict.LOAD, decision, tokens, rx.nblocks, first_admit=first_admit,
-                          wait_over=wait_over, reason=admission.reason)
+            return Answer(
+                Verdict.LOAD,
+                decision,
+                tokens,
+                rx.nblocks,
+                first_admit=first_admit,
+                wait_over=wait_over,
+                reason=admission.reason,
+            )
         if decision is Decision.LATER:
             # An admitted request asked again with more blocks (a smaller prefix hit) may
             # lose its credit here: it waits like any other.
             rx.admitted = False
             first_wait, rx.waiting = not rx.waiting, True
-            return Answer(Verdict.LATER, decision, nblocks=rx.nblocks, first_wait=first_wait,
-                          reason=admission.reason)
+            return Answer(
+                Verdict.LATER,
+                decision,
+                nblocks=rx.nblocks,
+                first_wait=first_wait,
+                reason=admission.reason,
+            )
         # It can never fit the credit budget: D computes the prompt itself.
         answer = self._give_up(rx, Outcome.RECOMPUTE)
-        return Answer(Verdict.LOCAL, decision, nblocks=rx.nblocks,
-                      not_needed=answer.not_needed, reason=admission.reason)
+        return Answer(
+            Verdict.LOCAL,
+            decision,
+            nblocks=rx.nblocks,
+            not_needed=answer.not_needed,
+            reason=admission.reason,
+        )
 
     def promised(self, exclude: str = "") -> int:
         """Blocks granted (credit held) whose allocation has not happened yet."""
-        return sum(rx.nblocks for rx in self._rx.values()
-                   if rx.admitted and not rx.allocated and rx.key != exclude)
+        return sum(
+            rx.nblocks
+            for rx in self._rx.values()
+            if rx.admitted and not rx.allocated and rx.key != exclude
+        )
 
     def allocated(self, key: str, nblocks: int) -> Inbound[T] | None:
         """The blocks for ``key`` are allocated (``nblocks`` of them): it is received now."""

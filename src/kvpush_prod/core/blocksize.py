@@ -23,8 +23,13 @@ def unit_tokens(p: int, d: int) -> int:
 def converts(p: Layout | None, d: Layout | None) -> bool:
     """Whether the two layouts exchange units rather than whole blocks (both known, block
     sizes known and different)."""
-    return (p is not None and d is not None and p.block_size > 0 and d.block_size > 0
-            and p.block_size != d.block_size)
+    return (
+        p is not None
+        and d is not None
+        and p.block_size > 0
+        and d.block_size > 0
+        and p.block_size != d.block_size
+    )
 
 
 def unit_of(a: Layout | None, b: Layout | None) -> int:
@@ -37,8 +42,7 @@ def unit_of(a: Layout | None, b: Layout | None) -> int:
 def per_block(layout: Layout | None, u: int) -> int:
     """Ids per block of ``layout`` for ``u``-token units (1: whole blocks, ``u`` 0; ``u``
     divides its block size: ``compat`` checked)."""
-    return layout.block_size // u if layout is not None and u > 0 and layout.block_size > 0 \
-        else 1
+    return layout.block_size // u if layout is not None and u > 0 and layout.block_size > 0 else 1
 
 
 def group_lens(region: Region) -> list[int]:
@@ -73,33 +77,47 @@ class Units:
     unit_tokens: int  # 0: whole blocks (equal block sizes)
 
 
-def push_units(p: Layout | None, d: Layout | None, p_blocks: list[int], d_blocks: list[int],
-               first_block: int, num_tokens: int) -> Units | str:
+def push_units(
+    p: Layout | None,
+    d: Layout | None,
+    p_blocks: list[int],
+    d_blocks: list[int],
+    first_block: int,
+    num_tokens: int,
+) -> Units | str:
     """P's prompt blocks and D's REGISTER (``d_blocks`` from D block ``first_block``) as
     units, each side trimmed to the prompt's ``cdiv(num_tokens, u)`` units; or why the
     blocks do not fit the prompt. Called on the raw REGISTER every time: never expands twice.
     Layouts not known (an older peer): whole blocks."""
     if p is None or d is None or not converts(p, d):
         if first_block + len(d_blocks) != len(p_blocks):
-            return (f"{len(d_blocks)} blocks from block {first_block}, but the prompt "
-                    f"fills {len(p_blocks)} blocks here")
+            return (
+                f"{len(d_blocks)} blocks from block {first_block}, but the prompt "
+                f"fills {len(p_blocks)} blocks here"
+            )
         return Units(p_blocks[first_block:], list(d_blocks), first_block, 0)
     u = unit_tokens(p.block_size, d.block_size)
     kp, kd = per_block(p, u), per_block(d, u)
-    if num_tokens <= 0 or len(p_blocks) != cdiv(num_tokens, p.block_size) \
-            or first_block + len(d_blocks) != cdiv(num_tokens, d.block_size):
-        return (f"{len(d_blocks)} decode blocks of {d.block_size} tokens from block "
-                f"{first_block} for a prompt of {num_tokens} tokens, which fills "
-                f"{len(p_blocks)} blocks of {p.block_size} tokens here")
+    if (
+        num_tokens <= 0
+        or len(p_blocks) != cdiv(num_tokens, p.block_size)
+        or first_block + len(d_blocks) != cdiv(num_tokens, d.block_size)
+    ):
+        return (
+            f"{len(d_blocks)} decode blocks of {d.block_size} tokens from block "
+            f"{first_block} for a prompt of {num_tokens} tokens, which fills "
+            f"{len(p_blocks)} blocks of {p.block_size} tokens here"
+        )
     total = cdiv(num_tokens, u)
     first = first_block * kd
     src = expand(p_blocks, kp)[first:total]
-    dst = expand(d_blocks, kd)[:total - first]
+    dst = expand(d_blocks, kd)[: total - first]
     return Units(src, dst, first, u)
 
 
-def pull_units(d: Layout | None, p: Layout | None, d_blocks: list[int],
-               count: int) -> list[int] | str:
+def pull_units(
+    d: Layout | None, p: Layout | None, d_blocks: list[int], count: int
+) -> list[int] | str:
     """D's reserved blocks as the ``count`` units a FALLBACK from ``p`` offers; or why
     they do not match (whole blocks when the sizes are equal or a layout is not known)."""
     if p is None or d is None or not converts(p, d):
@@ -108,8 +126,10 @@ def pull_units(d: Layout | None, p: Layout | None, d_blocks: list[int],
         return list(d_blocks)
     kd = per_block(d, unit_tokens(p.block_size, d.block_size))
     if count <= 0 or cdiv(count, kd) != len(d_blocks):
-        return f"{count} units of {unit_tokens(p.block_size, d.block_size)} tokens for " \
-               f"{len(d_blocks)} blocks of {d.block_size} tokens"
+        return (
+            f"{count} units of {unit_tokens(p.block_size, d.block_size)} tokens for "
+            f"{len(d_blocks)} blocks of {d.block_size} tokens"
+        )
     return expand(d_blocks, kd)[:count]
 
 

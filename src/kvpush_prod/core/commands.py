@@ -51,8 +51,9 @@ class BlocksReady:
     prompt: bytes = b""  # digest of the prompt's token ids (core.digest)
 
     def apply(self, engine: Sender, now: float, /) -> list[Action]:
-        return engine.blocks_ready(self.transfer_id, list(self.blocks), now, self.owner,
-                                   self.prompt)
+        return engine.blocks_ready(
+            self.transfer_id, list(self.blocks), now, self.owner, self.prompt
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +70,15 @@ class LayersReady:
     prompt: bytes = b""
 
     def apply(self, engine: Sender, now: float, /) -> list[Action]:
-        return engine.layers_ready(self.transfer_id, list(self.blocks), self.ready,
-                                   self.parts, now, self.owner, self.prompt)
+        return engine.layers_ready(
+            self.transfer_id,
+            list(self.blocks),
+            self.ready,
+            self.parts,
+            now,
+            self.owner,
+            self.prompt,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +153,16 @@ class RegisterBlocks:
     prompt: bytes = b""  # digest of D's prompt token ids: the KV must be for this prompt
 
     def apply(self, engine: Receiver, now: float, /) -> list[Action]:
-        return engine.register(self.transfer_id, self.address, list(self.blocks),
-                               self.first_block, self.num_tokens, now, self.owner,
-                               self.prompt)
+        return engine.register(
+            self.transfer_id,
+            self.address,
+            list(self.blocks),
+            self.first_block,
+            self.num_tokens,
+            now,
+            self.owner,
+            self.prompt,
+        )
 
 
 @dataclass(frozen=True, slots=True)

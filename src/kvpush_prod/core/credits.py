@@ -49,13 +49,15 @@ class CreditSettings:
     stale_waiter_s: float = 30.0
 
     @classmethod
-    def from_fractions(cls, num_blocks: int, budget_fraction: float,
-                       per_peer_fraction: float) -> CreditSettings:
+    def from_fractions(
+        cls, num_blocks: int, budget_fraction: float, per_peer_fraction: float
+    ) -> CreditSettings:
         """A budget of ``budget_fraction`` of D's ``num_blocks`` KV blocks, a peer cap of
         ``per_peer_fraction`` of the budget (each at least one block)."""
         budget = max(1, int(budget_fraction * num_blocks))
-        return cls(budget_blocks=budget,
-                   per_peer_cap_blocks=max(1, int(per_peer_fraction * budget)))
+        return cls(
+            budget_blocks=budget, per_peer_cap_blocks=max(1, int(per_peer_fraction * budget))
+        )
 
     def __post_init__(self) -> None:
         if self.budget_blocks < 0:
@@ -145,8 +147,14 @@ class CreditLedger:
     def settings(self) -> CreditSettings:
         return self._settings
 
-    def request(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float,
-                capacity: int | None = None) -> Admission:
+    def request(
+        self,
+        transfer_id: TransferId,
+        peer: PeerId,
+        nblocks: int,
+        now: float,
+        capacity: int | None = None,
+    ) -> Admission:
         """Decide whether ``transfer_id`` may reserve ``nblocks`` blocks for ``peer`` now.
 
         Asking again for an admitted transfer with the same peer and size answers ADMIT
@@ -186,8 +194,7 @@ class CreditLedger:
         self._wait(transfer_id, peer, nblocks, now)
         return Admission(Decision.LATER, reason)
 
-    def _asked_again(self, transfer_id: TransferId, peer: PeerId,
-                     nblocks: int) -> Admission | None:
+    def _asked_again(self, transfer_id: TransferId, peer: PeerId, nblocks: int) -> Admission | None:
         """The answer for a transfer already granted (None: decide it as a new one; a
         larger ask gives the grant back first)."""
         held = self._held.get(transfer_id)
@@ -210,8 +217,9 @@ class CreditLedger:
         self._unhold(transfer_id)
         return None
 
-    def _why_not_now(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float,
-                     capacity: int | None) -> str:
+    def _why_not_now(
+        self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float, capacity: int | None
+    ) -> str:
         """Why ``nblocks`` cannot be granted now ("" when they can)."""
         s = self._settings
         head = self._aged_head(now, exclude=transfer_id)
@@ -227,8 +235,10 @@ class CreditLedger:
             return f"peer {peer!r} at cap: {peer_used}/{s.per_peer_cap_blocks} blocks in use"
         if head is not None and not self._leaves_room(head, peer, nblocks, free, peer_free):
             head_id, head_waiter = head
-            return (f"held back for transfer {head_id!r} ({head_waiter.nblocks} blocks), "
-                    f"waiting since {head_waiter.since:.3f}")
+            return (
+                f"held back for transfer {head_id!r} ({head_waiter.nblocks} blocks), "
+                f"waiting since {head_waiter.since:.3f}"
+            )
         return ""
 
     def _wait(self, transfer_id: TransferId, peer: PeerId, nblocks: int, now: float) -> None:

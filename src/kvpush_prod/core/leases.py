@@ -104,8 +104,9 @@ class LeaseTable(Generic[K]):
     Generations are unique and increasing over the whole table.
     """
 
-    def __init__(self, settings: LeaseSettings | None = None,
-                 rng: RandomBits | None = None) -> None:
+    def __init__(
+        self, settings: LeaseSettings | None = None, rng: RandomBits | None = None
+    ) -> None:
         self._settings = settings if settings is not None else LeaseSettings()
         if self._settings.random_bits and rng is None:
             raise ConfigError("a LeaseTable with random_bits needs an rng")

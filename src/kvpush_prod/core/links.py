@@ -116,8 +116,9 @@ class Link:
     heads: int = 0  # heads it fills (0: the whole block)
 
 
-def d_links(tid: str, d_rank: int, d_tp: int, p_tp: int, total_heads: int,
-            replicated: bool) -> list[Link]:
+def d_links(
+    tid: str, d_rank: int, d_tp: int, p_tp: int, total_heads: int, replicated: bool
+) -> list[Link]:
     """The sub-transfers D rank ``d_rank`` receives for ``tid`` from a P of ``p_tp`` ranks
     (raises ValueError when the sizes cannot be mapped: ``tpmap.problem``)."""
     if p_tp in (0, d_tp) and not replicated:
@@ -127,8 +128,7 @@ def d_links(tid: str, d_rank: int, d_tp: int, p_tp: int, total_heads: int,
     for pc in pieces:
         wire = tpmap.sub_id(tid, pc, tpmap.lead(pc.p_rank, p_tp, d_tp, total_heads, replicated))
         core = wire if len(pieces) == 1 else f"{wire}{tpmap.SUB_SEP}p{pc.p_rank}"
-        out.append(Link(core, wire, pc.p_rank, pc.d_first,
-                        0 if pc.whole_d else pc.heads))
+        out.append(Link(core, wire, pc.p_rank, pc.d_first, 0 if pc.whole_d else pc.heads))
     return out
 
 
@@ -162,7 +162,8 @@ class Links:
             if not self._wire or not any(t in self._wire for t, _ in msg.live):
                 return msg
             return msgspec.structs.replace(
-                msg, live=[(self._wire.get(t, t), g) for t, g in msg.live])
+                msg, live=[(self._wire.get(t, t), g) for t, g in msg.live]
+            )
         if isinstance(msg, _WITH_ID):
             wire = self._wire.get(msg.transfer_id)
             if wire is None:
@@ -181,8 +182,9 @@ class Links:
             return msgspec.structs.replace(msg, live=live)
         if isinstance(msg, _WITH_ID):
             core = self._core(msg.transfer_id, msg.generation, msg.sender.rank)
-            return msg if core == msg.transfer_id else msgspec.structs.replace(
-                msg, transfer_id=core)
+            return (
+                msg if core == msg.transfer_id else msgspec.structs.replace(msg, transfer_id=core)
+            )
         return msg
 
     def done(self, done: Done) -> Done:
@@ -192,8 +194,7 @@ class Links:
         return done if core is None else msgspec.structs.replace(done, transfer_id=core)
 
     def _core(self, wire: str, generation: int, p_rank: int) -> str:
-        return (self._by_gen.get((wire, generation))
-                or self._by_rank.get((wire, p_rank)) or wire)
+        return self._by_gen.get((wire, generation)) or self._by_rank.get((wire, p_rank)) or wire
 
 
 @dataclass
@@ -246,16 +247,21 @@ class Splits:
         mapping is refused: the core then refuses the REGISTER with the reason)."""
         layout = reg.sender.layout
         base = tpmap.base_of(reg.transfer_id)
-        if layout is None or layout.tp_size <= self.p_tp or base in self.ended \
-                or self.joins.of(base) is not None:
+        if (
+            layout is None
+            or layout.tp_size <= self.p_tp
+            or base in self.ended
+            or self.joins.of(base) is not None
+        ):
             return base, [], None
         d_tp = layout.tp_size
         if tpmap.problem(self.p_tp, d_tp, self.total_heads, self.replicated):
             return base, [], None
         lead = tpmap.lead(self.p_rank, self.p_tp, d_tp, self.total_heads, self.replicated)
-        parts = [tpmap.sub_id(base, pc, lead)
-                 for pc in tpmap.fed(self.p_rank, self.p_tp, d_tp, self.total_heads,
-                                     self.replicated)]
+        parts = [
+            tpmap.sub_id(base, pc, lead)
+            for pc in tpmap.fed(self.p_rank, self.p_tp, d_tp, self.total_heads, self.replicated)
+        ]
         if reg.transfer_id not in parts or len(parts) < 2:
             return base, [], None
         self.joins.split(base, parts)

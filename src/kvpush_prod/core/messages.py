@@ -58,9 +58,10 @@ class Region(msgspec.Struct, frozen=True):
     # token) runs, repeated through the block (vLLM's CPU "vec" kernel: per head, K as
     # head_size groups of one element per token, then V as one group of head_size); empty:
     # every group ``block_len / (tok_groups * block_size)`` bytes per token.
-    tok_pattern: Annotated[list[tuple[Annotated[int, Meta(ge=1, le=1 << 20)],
-                                      Annotated[int, Meta(ge=1, le=1 << 30)]]],
-                           Meta(max_length=4096)] = []
+    tok_pattern: Annotated[
+        list[tuple[Annotated[int, Meta(ge=1, le=1 << 20)], Annotated[int, Meta(ge=1, le=1 << 30)]]],
+        Meta(max_length=4096),
+    ] = []
 
 
 MAX_FACTS = 32  # named facts of a layout (model, dtype, block size, versions, ...)
@@ -119,7 +120,9 @@ class Register(msgspec.Struct, tag="register", frozen=True):
     num_tokens: Count
     generation: U63
     permit_ttl_ms: TtlMs
-    sent_at: WallTime = 0.0  # sender's wall clock when sent: the receiver subtracts the message's age
+    sent_at: WallTime = (
+        0.0  # sender's wall clock when sent: the receiver subtracts the message's age
+    )
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -204,7 +207,9 @@ class Done(msgspec.Struct, tag="done", frozen=True):
     transfer_id: TransferId
     generation: U63
     num_blocks: Count
-    checksum: Annotated[int, Meta(ge=-1, le=(1 << 32) - 1)] = -1  # crc32 of the blocks P wrote when verification is on, else -1
+    checksum: Annotated[
+        int, Meta(ge=-1, le=(1 << 32) - 1)
+    ] = -1  # crc32 of the blocks P wrote when verification is on, else -1
     attempt: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     # Tokens per unit when P and D block sizes differ (``num_blocks`` then counts units and
     # the checksum runs over unit pieces, ``core.blocksize``); 0: whole blocks.
@@ -242,8 +247,9 @@ class DoneState(msgspec.Struct, tag="done_state", frozen=True):
     state: DoneStateName
 
 
-ControlMessage = (Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone
-                  | DoneQuery | DoneState)
+ControlMessage = (
+    Register | Heartbeat | Cancel | CancelAck | Failed | Fallback | PullDone | DoneQuery | DoneState
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(ControlMessage)

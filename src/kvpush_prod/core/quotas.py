@@ -30,8 +30,9 @@ def entry_bytes(tid: str) -> int:
     return len(tid.encode("utf-8", "surrogatepass")) + ENTRY_OVERHEAD
 
 
-def live_batches(live: list[tuple[str, int]],
-                 max_bytes: int = HEARTBEAT_LIVE_BYTES) -> Iterator[list[tuple[str, int]]]:
+def live_batches(
+    live: list[tuple[str, int]], max_bytes: int = HEARTBEAT_LIVE_BYTES
+) -> Iterator[list[tuple[str, int]]]:
     """``live`` cut into consecutive batches of at most ``MAX_LIVE`` entries and
     ``max_bytes`` bytes (a batch holds at least one entry); none for an empty list."""
     batch: list[tuple[str, int]] = []

@@ -128,16 +128,24 @@ class _Peer:
 class Receiver:
     """D side of one rank."""
 
-    def __init__(self, me: PeerInfo, settings: ReceiverSettings, rng: RandomLike,
-                 tokens: RandomBits | None = None) -> None:
+    def __init__(
+        self,
+        me: PeerInfo,
+        settings: ReceiverSettings,
+        rng: RandomLike,
+        tokens: RandomBits | None = None,
+    ) -> None:
         """``tokens`` draws the random low bits of generations (a CSPRNG in the shells); without
         it generations only count up (tests that want to read them)."""
         self.me = me
         self.slim = PeerInfo(me.engine_id, me.incarnation, me.rank, me.control, me.agent_name)
         self.s = settings
         self.leases: LeaseTable[str] = LeaseTable(
-            LeaseSettings(skew_margin_s=settings.skew_margin_s,
-                          random_bits=32 if tokens is not None else 0), tokens)
+            LeaseSettings(
+                skew_margin_s=settings.skew_margin_s, random_bits=32 if tokens is not None else 0
+            ),
+            tokens,
+        )
         self.reads = ChunkScheduler(settings.scheduler)
         self.policy = RetryPolicy.from_settings(settings.retry, rng)
         self.budget = RetryBudget(settings.budget)
@@ -181,33 +189,68 @@ class Receiver:
         self._waiting.pop(tid, None)
         return []
 
-    def register(self, tid: str, address: str, blocks: list[int], first_block: int,
-                 num_tokens: int, now: float, owner: str = "",
-                 prompt: bytes = b"") -> list[Action]:
+    def register(
+        self,
+        tid: str,
+        address: str,
+        blocks: list[int],
+        first_block: int,
+        num_tokens: int,
+        now: float,
+        owner: str = "",
+        prompt: bytes = b"",
+    ) -> list[Action]:
         """D reserved ``blocks`` for ``tid``: grant the prefill engine ``owner`` at ``address``
         a write permit on them (``owner`` "": the address stands in for it, no keys).
         ``prompt``: the digest of the request's token ids; KV stated for another prompt is
         refused."""
         self._waiting.pop(tid, None)
         if tid in self._in:
-            return [Note(NoteKind.REJECTED, RejectReason.DUPLICATE, f"transfer {tid} is already being received")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.DUPLICATE,
+                    f"transfer {tid} is already being received",
+                )
+            ]
         lease = self.leases.grant(tid, now, self.s.permit_ttl_s)
         # Not the incarnation last heard at ``address``: P may have restarted since, and the
         # new process is the one that gets this REGISTER.
-        rx = _Receive(tid, TransferMachine(tid, now, self.s.timeouts), address, list(blocks),
-                      lease.generation, now, now, None, owner or address, prompt=prompt)
+        rx = _Receive(
+            tid,
+            TransferMachine(tid, now, self.s.timeouts),
+            address,
+            list(blocks),
+            lease.generation,
+            now,
+            now,
+            None,
+            owner or address,
+            prompt=prompt,
+        )
         rx.machine.fire(E.REGISTER, now)
         rx.machine.fire(E.BLOCKS_READY, now)
         self._in[tid] = rx
-        reg = Register(PROTOCOL_VERSION, tid, self.me, list(blocks), first_block, num_tokens,
-                       lease.generation, int(self.s.permit_ttl_s * 1000))
+        reg = Register(
+            PROTOCOL_VERSION,
+            tid,
+            self.me,
+            list(blocks),
+            first_block,
+            num_tokens,
+            lease.generation,
+            int(self.s.permit_ttl_s * 1000),
+        )
         return [SendMessage(address, reg, rx.owner)]
 
     def not_needed(self, tid: str, address: str, owner: str = "") -> list[Action]:
         """D will not receive ``tid`` (it computes locally): P may free its blocks now."""
         self._waiting.pop(tid, None)
-        return [SendMessage(address, Cancel(PROTOCOL_VERSION, tid, 0, self.slim, "not_needed"),
-                            owner or address)]
+        return [
+            SendMessage(
+                address, Cancel(PROTOCOL_VERSION, tid, 0, self.slim, "not_needed"), owner or address
+            )
+        ]
 
     def abort(self, tid: str, now: float) -> list[Action]:
         """D's request was aborted while receiving: stop P; free only once fenced."""
@@ -218,12 +261,18 @@ class Receiver:
         if rx.fallback is not None:
             self.reads.cancel(tid)
             return self._finish_pull(rx, now)
-        return [SendMessage(rx.address, Cancel(PROTOCOL_VERSION, tid, rx.generation,
-                                               self.slim, "aborted"), rx.owner)]
+        return [
+            SendMessage(
+                rx.address,
+                Cancel(PROTOCOL_VERSION, tid, rx.generation, self.slim, "aborted"),
+                rx.owner,
+            )
+        ]
 
     # ------------------------------------------------------------------ network events
-    def on_done(self, done: Done, now: float, verified: bool = True,
-                agent: str = "") -> list[Action]:
+    def on_done(
+        self, done: Done, now: float, verified: bool = True, agent: str = ""
+    ) -> list[Action]:
         """The DONE notification of a last WRITE, from NIXL agent ``agent`` ("" unknown)."""
         rx = self._in.get(done.transfer_id)
         if rx is None:
@@ -231,35 +280,68 @@ class Receiver:
             if logged is not None and logged[0] == done.generation:
                 # A DONE is delivered once: a second one of the same generation (a re-post
                 # whose first post landed after all) changes nothing.
-                return [Note(NoteKind.FENCED, "duplicate_done",
-                             f"DONE {done.transfer_id} gen {done.generation} again")]
-            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"DONE for {done.transfer_id}")]
+                return [
+                    Note(
+                        NoteKind.FENCED,
+                        "duplicate_done",
+                        f"DONE {done.transfer_id} gen {done.generation} again",
+                    )
+                ]
+            return [
+                Note(
+                    NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"DONE for {done.transfer_id}"
+                )
+            ]
         expected = self._owner_agent(rx)
         if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
-            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                         f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's",
+                )
+            ]
         if done.generation != rx.generation or rx.fallback is not None:
-            return [Note(NoteKind.FENCED, "stale_generation",
-                         f"DONE {done.transfer_id} gen {done.generation}, expected "
-                         f"{rx.generation}")]
+            return [
+                Note(
+                    NoteKind.FENCED,
+                    "stale_generation",
+                    f"DONE {done.transfer_id} gen {done.generation}, expected {rx.generation}",
+                )
+            ]
         if done.attempt < rx.void_below:
             # D told P this post's DONE had not arrived; P re-posts the last chunk, and only
             # that post's DONE (after its bytes) ends the receive.
-            return [Note(NoteKind.FENCED, "void_attempt",
-                         f"DONE {done.transfer_id} attempt {done.attempt}, void below "
-                         f"{rx.void_below}")]
+            return [
+                Note(
+                    NoteKind.FENCED,
+                    "void_attempt",
+                    f"DONE {done.transfer_id} attempt {done.attempt}, void below {rx.void_below}",
+                )
+            ]
         self.leases.ack(rx.tid, rx.generation)  # the last WRITE landed: P is done with them
         if rx.cancelling:
             return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if not verified:
-            return self._end(rx, now, ReportFailed(rx.tid, "checksum_mismatch",
-                                                   "the pushed blocks differ from P's"))
+            return self._end(
+                rx,
+                now,
+                ReportFailed(rx.tid, "checksum_mismatch", "the pushed blocks differ from P's"),
+            )
         if self._other_prompt(rx, done.prompt):
             # The KV is another prompt's (a replayed or re-bound leg): never usable here.
-            return [Note(NoteKind.REJECTED, RejectReason.PROMPT_MISMATCH,
-                         f"DONE {rx.tid}: the prefill computed its KV for another prompt"),
-                    *self._end(rx, now, ReportFailed(rx.tid, "prompt_mismatch",
-                                                     "the KV pushed is another prompt's"))]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.PROMPT_MISMATCH,
+                    f"DONE {rx.tid}: the prefill computed its KV for another prompt",
+                ),
+                *self._end(
+                    rx,
+                    now,
+                    ReportFailed(rx.tid, "prompt_mismatch", "the KV pushed is another prompt's"),
+                ),
+            ]
         rx.machine.fire(E.DONE, now)
         self._log_done(rx)
         return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
@@ -270,16 +352,22 @@ class Receiver:
         while len(self._done_log) > self.s.max_done_log:
             self._done_log.popitem(last=False)
 
-    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
-                   origin: str = "") -> list[Action]:
+    def on_message(
+        self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
+    ) -> list[Action]:
         """A control message from ``origin`` (the authenticated sender; "" when the channel
         has no keys: then the control address the message claims stands in for it)."""
         origin = origin or msg.sender.control
         if isinstance(msg, Heartbeat):
             return self._on_heartbeat(msg, now, origin)
         if not isinstance(msg, (Failed, CancelAck, Fallback, DoneQuery)):
-            return [Note(NoteKind.REJECTED, RejectReason.UNEXPECTED,
-                         f"{type(msg).__name__} is not for a decode engine")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.UNEXPECTED,
+                    f"{type(msg).__name__} is not for a decode engine",
+                )
+            ]
         out = self._note_peer(msg.sender, origin, now)
         if out is None:
             return [self._retired_note(msg.sender)]
@@ -287,16 +375,33 @@ class Receiver:
         if rx is None and isinstance(msg, DoneQuery):
             return out + self._on_done_query_ended(msg, origin)
         if rx is None:
-            return [*out, Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER,
-                               f"{type(msg).__name__} for unknown transfer {msg.transfer_id}")]
+            return [
+                *out,
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.UNKNOWN_TRANSFER,
+                    f"{type(msg).__name__} for unknown transfer {msg.transfer_id}",
+                ),
+            ]
         if rx.owner != origin:
-            return [*out, Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                               f"{type(msg).__name__} {msg.transfer_id} from an engine that "
-                               "does not own it")]
+            return [
+                *out,
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"{type(msg).__name__} {msg.transfer_id} from an engine that does not own it",
+                ),
+            ]
         if msg.generation != rx.generation:
-            return [*out, Note(NoteKind.FENCED, "stale_generation",
-                               f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
-                               f"expected {rx.generation}")]
+            return [
+                *out,
+                Note(
+                    NoteKind.FENCED,
+                    "stale_generation",
+                    f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
+                    f"expected {rx.generation}",
+                ),
+            ]
         if isinstance(msg, DoneQuery):
             # Not arrived (or D no longer takes pushes: cancelling, pulling). From now on
             # the DONE of that post, or of an earlier one, is void: it may still land, late,
@@ -306,7 +411,14 @@ class Receiver:
         if isinstance(msg, Fallback):
             return out + self._on_fallback(rx, msg, now, age)
         if rx.fallback is not None:
-            return [*out, Note(NoteKind.REJECTED, RejectReason.UNEXPECTED, f"{type(msg).__name__} while pulling")]
+            return [
+                *out,
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.UNEXPECTED,
+                    f"{type(msg).__name__} while pulling",
+                ),
+            ]
         # Failed and CancelAck both promise that no WRITE is or will be in flight.
         self.leases.ack(rx.tid, rx.generation)
         if rx.cancelling:
@@ -321,17 +433,26 @@ class Receiver:
         says so, for that generation and owner) or the receive ended otherwise."""
         logged = self._done_log.get(q.transfer_id)
         if logged is not None and logged[1] != origin:
-            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                         f"DoneQuery {q.transfer_id} from an engine that does not own it")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"DoneQuery {q.transfer_id} from an engine that does not own it",
+                )
+            ]
         if logged is not None and logged[0] == q.generation:
             return [self._done_state(q.sender.control, q, origin, "done")]
         # Unknown here (never, or long ago): the answer goes only to the asker's channel.
         return [self._done_state(q.sender.control, q, origin, "gone")]
 
-    def _done_state(self, address: str, q: DoneQuery, origin: str,
-                    state: DoneStateName) -> SendMessage:
-        return SendMessage(address, DoneState(PROTOCOL_VERSION, q.transfer_id, q.generation,
-                                              self.slim, q.attempt, state), origin)
+    def _done_state(
+        self, address: str, q: DoneQuery, origin: str, state: DoneStateName
+    ) -> SendMessage:
+        return SendMessage(
+            address,
+            DoneState(PROTOCOL_VERSION, q.transfer_id, q.generation, self.slim, q.attempt, state),
+            origin,
+        )
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, origin: str) -> list[Action]:
         out = self._note_peer(hb.sender, origin, now)
@@ -380,10 +501,17 @@ class Receiver:
                 if rx.cancelling:
                     out += self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
                 else:
-                    out += self._end(rx, now, ReportFailed(rx.tid, "peer_restarted",
-                                                           f"prefill {sender.control} restarted"))
+                    out += self._end(
+                        rx,
+                        now,
+                        ReportFailed(
+                            rx.tid, "peer_restarted", f"prefill {sender.control} restarted"
+                        ),
+                    )
         if old is not None:
-            out.append(Note(NoteKind.PEER_RESTART, "prefill", f"{sender.control} -> {sender.incarnation}"))
+            out.append(
+                Note(NoteKind.PEER_RESTART, "prefill", f"{sender.control} -> {sender.incarnation}")
+            )
         return out + self._prune_peers()
 
     def _prune_peers(self) -> list[Action]:
@@ -418,8 +546,11 @@ class Receiver:
     @staticmethod
     def _retired_note(sender: PeerInfo) -> Note:
         # Fenced like a stale generation: it is about a process that no longer exists.
-        return Note(NoteKind.FENCED, "stale_generation",
-                    f"{sender.control} incarnation {sender.incarnation} was replaced")
+        return Note(
+            NoteKind.FENCED,
+            "stale_generation",
+            f"{sender.control} incarnation {sender.incarnation} was replaced",
+        )
 
     def _on_fallback(self, rx: _Receive, msg: Fallback, now: float, age: float) -> list[Action]:
         if rx.fallback is not None:
@@ -428,28 +559,46 @@ class Receiver:
         self.leases.ack(rx.tid, rx.generation)
         if rx.cancelling:
             ack = PullDone(PROTOCOL_VERSION, rx.tid, rx.generation, self.slim, False)
-            return [SendMessage(rx.address, ack, rx.owner),
-                    *self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))]
+            return [
+                SendMessage(rx.address, ack, rx.owner),
+                *self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED)),
+            ]
         if self._other_prompt(rx, msg.prompt):
             rx.fallback = msg
             rx.read_failed = "prompt_mismatch"
-            return [Note(NoteKind.REJECTED, RejectReason.PROMPT_MISMATCH,
-                         f"FALLBACK {rx.tid}: the prefill holds the KV of another prompt"),
-                    *self._finish_pull(rx, now)]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.PROMPT_MISMATCH,
+                    f"FALLBACK {rx.tid}: the prefill holds the KV of another prompt",
+                ),
+                *self._finish_pull(rx, now),
+            ]
         problem = self._fallback_problem(rx, msg)
         if problem:
             rx.fallback = msg
             rx.read_failed = "bad_fallback"
-            return [Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, f"FALLBACK {rx.tid}: {problem}"),
-                    *self._finish_pull(rx, now)]
+            return [
+                Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, f"FALLBACK {rx.tid}: {problem}"),
+                *self._finish_pull(rx, now),
+            ]
         rx.machine.fire(E.FALLBACK, now)
         rx.fallback, rx.renew, rx.checksum = msg, False, msg.checksum
-        rx.read_permit = Permit.from_ttl(rx.tid, rx.generation, msg.permit_ttl_ms / 1000.0,
-                                         now - age, self.s.stop_margin_s)
-        out: list[Action] = [ConnectPeer(msg.sender), Note(NoteKind.FALLBACK, msg.reason.split(":")[0]
-                                                           or "push_failed", msg.reason)]
-        self.reads.add(rx.tid, msg.sender.agent_name, rx.pull_bytes, len(rx.pull),
-                       rx.read_permit.expires_at, now)
+        rx.read_permit = Permit.from_ttl(
+            rx.tid, rx.generation, msg.permit_ttl_ms / 1000.0, now - age, self.s.stop_margin_s
+        )
+        out: list[Action] = [
+            ConnectPeer(msg.sender),
+            Note(NoteKind.FALLBACK, msg.reason.split(":")[0] or "push_failed", msg.reason),
+        ]
+        self.reads.add(
+            rx.tid,
+            msg.sender.agent_name,
+            rx.pull_bytes,
+            len(rx.pull),
+            rx.read_permit.expires_at,
+            now,
+        )
         return out + self.poll(now)
 
     @staticmethod
@@ -472,8 +621,10 @@ class Receiver:
         if mine is not None:
             problem = compat.layout_problem(theirs, mine)
             if problem:
-                return (f"prefill KV layout {theirs.compat} is not this engine's "
-                        f"{mine.compat}: {problem}")
+                return (
+                    f"prefill KV layout {theirs.compat} is not this engine's "
+                    f"{mine.compat}: {problem}"
+                )
         # P's block size differs: both sides' ids are units of the smaller block size.
         pull = blocksize.pull_units(mine, theirs, rx.blocks, len(msg.block_ids))
         if isinstance(pull, str):
@@ -488,8 +639,9 @@ class Receiver:
         rx.pull_per_block = blocksize.per_block(mine, u) if u else 0
         return ""
 
-    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
-                 now: float) -> list[Action]:
+    def on_chunk(
+        self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
+    ) -> list[Action]:
         """A READ posted during a fallback completed or failed."""
         rec = self._chunks.pop(chunk_id, None)
         if rec is None:
@@ -510,8 +662,15 @@ class Receiver:
         if rx is None or rx.read_failed or rx.cancelling:
             self.reads.on_chunk_failed(chunk_id, now, give_up=True)
             return self._finish_pull(rx, now) if rx is not None else []
-        decision = decide(error, attempt=chunk.attempt + 1, first_attempt_at=chunk.first_posted_at,
-                          now=now, policy=self.policy, budget=self.budget, peer=chunk.link)
+        decision = decide(
+            error,
+            attempt=chunk.attempt + 1,
+            first_attempt_at=chunk.first_posted_at,
+            now=now,
+            policy=self.policy,
+            budget=self.budget,
+            peer=chunk.link,
+        )
         if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
             self.reads.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
             return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason)]
@@ -531,10 +690,17 @@ class Receiver:
                 continue
             self._chunks[chunk.id] = (chunk, rx.tid)
             rx.reads.add(chunk.id)
-            out.append(PostRead(rx.tid, rx.generation, chunk.id, rx.fallback.sender.agent_name,
-                                tuple(rx.pull[chunk.start:chunk.end]),
-                                tuple(rx.fallback.block_ids[chunk.start:chunk.end]),
-                                chunk.nbytes))
+            out.append(
+                PostRead(
+                    rx.tid,
+                    rx.generation,
+                    chunk.id,
+                    rx.fallback.sender.agent_name,
+                    tuple(rx.pull[chunk.start : chunk.end]),
+                    tuple(rx.fallback.block_ids[chunk.start : chunk.end]),
+                    chunk.nbytes,
+                )
+            )
         for tid in self.reads.take_expired():
             rx = self._in.get(tid)
             if rx is not None and not rx.read_failed:
@@ -563,8 +729,11 @@ class Receiver:
                     out += self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
                 else:
                     rx.machine.fire(E.EXPIRE, now)
-                    out += self._end(rx, now, ReportFailed(rx.tid, "permit_expired",
-                                                           "no DONE before the permit ran out"))
+                    out += self._end(
+                        rx,
+                        now,
+                        ReportFailed(rx.tid, "permit_expired", "no DONE before the permit ran out"),
+                    )
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
@@ -590,8 +759,7 @@ class Receiver:
             if not (fresh or (alive and listed)):
                 continue
             if self.leases.renew(rx.tid, rx.generation, now) is LeaseCheck.OK:
-                per_peer.setdefault((rx.address, rx.owner), []).append(
-                    (rx.tid, rx.generation))
+                per_peer.setdefault((rx.address, rx.owner), []).append((rx.tid, rx.generation))
                 if rx.p_rank >= 0:
                     slot_of[(rx.address, rx.owner)] = rx.p_rank
         out: list[Action] = []
@@ -599,9 +767,13 @@ class Receiver:
             peer = self._peers.get((owner, slot_of.get((address, owner), self.me.rank)))
             # Small enough for P's codec (core.quotas): a long list goes as several.
             for batch in live_batches(live):
-                hb = Heartbeat(PROTOCOL_VERSION, self.slim, peer.incarnation if peer and
-                               peer.incarnation is not None else 0, batch,
-                               int(self.s.permit_ttl_s * 1000))
+                hb = Heartbeat(
+                    PROTOCOL_VERSION,
+                    self.slim,
+                    peer.incarnation if peer and peer.incarnation is not None else 0,
+                    batch,
+                    int(self.s.permit_ttl_s * 1000),
+                )
                 out.append(SendMessage(address, hb, owner))
         return out
 
@@ -618,8 +790,13 @@ class Receiver:
             return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if ok:
             rx.machine.fire(E.PULL_DONE, now)
-            return out + self._end(rx, now, ReportFinished(
-                rx.tid, Outcome.PULL_FALLBACK, rx.checksum, tuple(rx.pull), rx.pull_per_block))
+            return out + self._end(
+                rx,
+                now,
+                ReportFinished(
+                    rx.tid, Outcome.PULL_FALLBACK, rx.checksum, tuple(rx.pull), rx.pull_per_block
+                ),
+            )
         rx.machine.fire(E.FAIL, now)
         return out + self._end(rx, now, ReportFailed(rx.tid, "pull_failed", rx.read_failed))
 

@@ -47,9 +47,10 @@ def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> str:
 
 def actions_markdown() -> str:
     """Every action type (``core.actions.Action``): its fields and what it asks."""
-    return _table(("action", "fields", "what the shell does"),
-                  ((f"`{cls.__name__}`", _fields(cls), _summary(cls))
-                   for cls in get_args(Action)))
+    return _table(
+        ("action", "fields", "what the shell does"),
+        ((f"`{cls.__name__}`", _fields(cls), _summary(cls)) for cls in get_args(Action)),
+    )
 
 
 def _side_of_command(cls: Any) -> str:
@@ -60,24 +61,43 @@ def _side_of_command(cls: Any) -> str:
 def events_markdown() -> str:
     """Every event an engine takes: the engine-thread commands, then the network's and the
     clock's (the engines' ``on_*``, ``poll`` and ``tick``)."""
-    command_types: list[type] = [*get_args(commands.SendCommand),
-                                 *get_args(commands.ReceiveCommand)]
-    rows = [(f"`{cls.__name__}`", _side_of_command(cls), "engine thread", _fields(cls),
-             _summary(cls)) for cls in command_types]
+    command_types: list[type] = [
+        *get_args(commands.SendCommand),
+        *get_args(commands.ReceiveCommand),
+    ]
+    rows = [
+        (f"`{cls.__name__}`", _side_of_command(cls), "engine thread", _fields(cls), _summary(cls))
+        for cls in command_types
+    ]
     for engine, name in ENGINE_EVENTS:
         method: Callable[..., Any] = getattr(engine, name)
         params = [p for p in inspect.signature(method).parameters if p != "self"]
-        rows.append((f"`{engine.__name__}.{name}`", _SIDE_OF[engine],
-                     _SOURCE.get(name, "clock"),
-                     ", ".join(f"`{p}`" for p in params), _summary(method)))
+        rows.append(
+            (
+                f"`{engine.__name__}.{name}`",
+                _SIDE_OF[engine],
+                _SOURCE.get(name, "clock"),
+                ", ".join(f"`{p}`" for p in params),
+                _summary(method),
+            )
+        )
     return _table(("event", "side", "from", "arguments", "meaning"), rows)
 
 
 def words_markdown() -> str:
     """The values of the core's enums (the strings on the wire and in metric labels)."""
-    words: tuple[tuple[str, type[Side] | type[Outcome] | type[NoteKind] | type[AfterDrain]],
-                 ...] = (("`Side`", Side), ("`Outcome`", Outcome), ("`NoteKind`", NoteKind),
-                         ("`AfterDrain`", AfterDrain))
-    return _table(("word", "values", "meaning"),
-                  ((name, ", ".join(f"`{m.value}`" if m.value else '`""`' for m in enum),
-                    _summary(enum)) for name, enum in words))
+    words: tuple[
+        tuple[str, type[Side] | type[Outcome] | type[NoteKind] | type[AfterDrain]], ...
+    ] = (
+        ("`Side`", Side),
+        ("`Outcome`", Outcome),
+        ("`NoteKind`", NoteKind),
+        ("`AfterDrain`", AfterDrain),
+    )
+    return _table(
+        ("word", "values", "meaning"),
+        (
+            (name, ", ".join(f"`{m.value}`" if m.value else '`""`' for m in enum), _summary(enum))
+            for name, enum in words
+        ),
+    )

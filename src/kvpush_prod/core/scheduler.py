@@ -179,8 +179,7 @@ class _Transfer:
             if self.cursor >= self.ready_end:
                 return None  # its part is not computed yet (``extend`` releases it)
             return self.cursor, self._end_of(self.cursor), False, 0, 0.0
-        if (self.last == _LAST_PENDING and not self.inflight and not self.delayed
-                and self.sealed):
+        if self.last == _LAST_PENDING and not self.inflight and not self.delayed and self.sealed:
             return self.last_start, self.total, True, self.last_attempt, self.last_first_at
         return None
 
@@ -200,8 +199,9 @@ class _Transfer:
             self.cursor = self._end_of(self.cursor)
 
 
-def _check_sizes(tid: TransferId, block_bytes: int, num_blocks: int, parts: int,
-                 ready: int | None) -> None:
+def _check_sizes(
+    tid: TransferId, block_bytes: int, num_blocks: int, parts: int, ready: int | None
+) -> None:
     """``ChunkScheduler.add``'s sizes, or a ``ProtocolError`` naming the bad one."""
     if block_bytes < 1:
         raise ProtocolError(
@@ -480,8 +480,9 @@ class ChunkScheduler:
                 self._requeue(t, chunk, now, retry_at)
         self._wake(lk)
 
-    def repost_last(self, transfer_id: TransferId, now: float,
-                    retry_at: float | None = None) -> bool:
+    def repost_last(
+        self, transfer_id: TransferId, now: float, retry_at: float | None = None
+    ) -> bool:
         """A held last chunk did not land: queue it again (from ``retry_at``, as a retry).
 
         False if the transfer is gone (expired, cancelled) or holds no last chunk."""
@@ -491,8 +492,19 @@ class ChunkScheduler:
         if retry_at is not None and retry_at > now:
             t.delayed += 1
             t.last = _LAST_DELAYED
-            heapq.heappush(self._delayed, (retry_at, next(self._seq), t, t.last_start,
-                                           t.total, True, t.last_attempt, t.last_first_at))
+            heapq.heappush(
+                self._delayed,
+                (
+                    retry_at,
+                    next(self._seq),
+                    t,
+                    t.last_start,
+                    t.total,
+                    True,
+                    t.last_attempt,
+                    t.last_first_at,
+                ),
+            )
             return True
         t.last = _LAST_PENDING
         if t.heap_seq == 0 and t.peek() is not None:

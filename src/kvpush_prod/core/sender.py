@@ -275,8 +275,9 @@ class Sender:
         self._uncount(o)
         return self._require(o, owner, now)
 
-    def blocks_ready(self, tid: str, blocks: list[int], now: float,
-                     owner: str = "", prompt: bytes = b"") -> list[Action]:
+    def blocks_ready(
+        self, tid: str, blocks: list[int], now: float, owner: str = "", prompt: bytes = b""
+    ) -> list[Action]:
         """The prompt's KV is in ``blocks`` (this step's forward has finished); ``prompt``:
         the digest of its token ids, stated to D with the KV."""
         o = self._get(tid, now)
@@ -284,8 +285,16 @@ class Sender:
             return self._complete(o, now)
         return self._ready(o, blocks, now, owner, prompt)
 
-    def _ready(self, o: _Out, blocks: list[int], now: float, owner: str, prompt: bytes,
-               parts: int = 1, ready: int = 1) -> list[Action]:
+    def _ready(
+        self,
+        o: _Out,
+        blocks: list[int],
+        now: float,
+        owner: str,
+        prompt: bytes,
+        parts: int = 1,
+        ready: int = 1,
+    ) -> list[Action]:
         o.blocks, o.expected, o.prompt = list(blocks), True, prompt
         o.lease_until = now + self.s.send_lease_s
         self._uncount(o)
@@ -298,15 +307,26 @@ class Sender:
         self._fire(o, E.BLOCKS_READY, now)
         return out + self._maybe_start(o, now)
 
-    def layers_ready(self, tid: str, blocks: list[int], ready: int, parts: int, now: float,
-                     owner: str = "", prompt: bytes = b"") -> list[Action]:
+    def layers_ready(
+        self,
+        tid: str,
+        blocks: list[int],
+        ready: int,
+        parts: int,
+        now: float,
+        owner: str = "",
+        prompt: bytes = b"",
+    ) -> list[Action]:
         """Layer-wise push: the forward that computes this prompt has computed the first
         ``ready`` of the ``parts`` parts (layers) of ``blocks`` and is still running. Those
         parts may be pushed now; ``blocks_ready`` says when the forward is over (then the
         last chunk, with DONE, may go). ``parts`` < 2 or ``ready`` < 1: nothing to do."""
         o = self._out.get(tid)
-        if parts < 2 or ready < 1 or (o is not None and (o.outcome or (
-                o.blocks is not None and not o.partial))):
+        if (
+            parts < 2
+            or ready < 1
+            or (o is not None and (o.outcome or (o.blocks is not None and not o.partial)))
+        ):
             return []  # not layer-wise, already over, or the whole KV was handed over
         if o is not None and o.partial:
             if ready > o.ready:
@@ -345,8 +365,11 @@ class Sender:
         self._fire(o, E.FAIL, now)
         out: list[Action] = []
         if o.reg is not None:
-            out.append(self._failed(o, "prefill_failed",
-                                    "the prefill forward that computes this prompt raised"))
+            out.append(
+                self._failed(
+                    o, "prefill_failed", "the prefill forward that computes this prompt raised"
+                )
+            )
         return out + self._close(o, Outcome.FAILED)
 
     def hold(self, tid: str) -> list[Action]:
@@ -389,8 +412,9 @@ class Sender:
         return []
 
     # ------------------------------------------------------------------ network events
-    def on_message(self, msg: ControlMessage, now: float, age: float = 0.0,
-                   origin: str = "") -> list[Action]:
+    def on_message(
+        self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
+    ) -> list[Action]:
         """A control message from ``origin`` (the authenticated sender; "" when the channel
         has no keys: then the control address the message claims stands in for it)."""
         origin = origin or msg.sender.control
@@ -404,7 +428,13 @@ class Sender:
             return self._on_pull_done(msg, now, origin)
         if isinstance(msg, DoneState):
             return self._on_done_state(msg, now, origin)
-        return [Note(NoteKind.REJECTED, RejectReason.UNEXPECTED, f"{type(msg).__name__} is not for a prefill engine")]
+        return [
+            Note(
+                NoteKind.REJECTED,
+                RejectReason.UNEXPECTED,
+                f"{type(msg).__name__} is not for a prefill engine",
+            )
+        ]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
         o = self._out.get(reg.transfer_id)
@@ -415,10 +445,15 @@ class Sender:
             # Before anything of the message is believed: a key may have P keep only so
             # many transfers P's own engine has not named (D's permit runs out, and D
             # computes the prompt itself).
-            return [Note(NoteKind.REJECTED, RejectReason.QUOTA_REGISTRATIONS,
-                         f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
-                         f"{self._unknown.count(origin)} registrations of transfers this "
-                         "engine does not know, the most one key may have")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.QUOTA_REGISTRATIONS,
+                    f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
+                    f"{self._unknown.count(origin)} registrations of transfers this "
+                    "engine does not know, the most one key may have",
+                )
+            ]
         met = self._learn_peer(reg.sender, origin, now)
         if met is None:
             return [self._retired_note(reg.sender)]
@@ -430,17 +465,31 @@ class Sender:
             return out  # an agent that is not the sender's own: nothing of it is believed
         if reg.permit_ttl_ms <= 0:
             # Before it is kept in any role (a contender's permit is built from it).
-            return [*out, Note(NoteKind.REJECTED, RejectReason.BAD_PERMIT,
-                               f"REGISTER with ttl {reg.permit_ttl_ms} ms")]
+            return [
+                *out,
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.BAD_PERMIT,
+                    f"REGISTER with ttl {reg.permit_ttl_ms} ms",
+                ),
+            ]
         if o is not None and o.reg is not None and origin != o.owner:
             if o.required:
                 return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
             # The owner is not known yet: keep it, the prefill leg may name this origin. The
             # latest few are kept: the decode the router picked registers once, early.
             o.contenders.pop(origin, None)
-            o.contenders[origin] = (reg, Permit.from_ttl(
-                reg.transfer_id, reg.generation, reg.permit_ttl_ms / 1000.0, now - age,
-                self.s.stop_margin_s), now)
+            o.contenders[origin] = (
+                reg,
+                Permit.from_ttl(
+                    reg.transfer_id,
+                    reg.generation,
+                    reg.permit_ttl_ms / 1000.0,
+                    now - age,
+                    self.s.stop_margin_s,
+                ),
+                now,
+            )
             if len(o.contenders) > self.s.max_contenders:
                 first = next(iter(o.contenders))
                 dropped, _, _ = o.contenders.pop(first)
@@ -449,31 +498,70 @@ class Sender:
         if o is not None and o.reg is not None:
             if reg.generation == o.reg.generation:
                 return out  # a duplicate: idempotent
-            if reg.generation < o.reg.generation or o.machine.state not in (S.NEW, S.WAITING_BLOCKS):
-                return [*out, Note(NoteKind.FENCED, "stale_generation",
-                                   f"REGISTER {reg.transfer_id} gen {reg.generation} after "
-                                   f"{o.reg.generation}")]
+            if reg.generation < o.reg.generation or o.machine.state not in (
+                S.NEW,
+                S.WAITING_BLOCKS,
+            ):
+                return [
+                    *out,
+                    Note(
+                        NoteKind.FENCED,
+                        "stale_generation",
+                        f"REGISTER {reg.transfer_id} gen {reg.generation} after {o.reg.generation}",
+                    ),
+                ]
         if self._tombstoned(reg.transfer_id, origin):
-            return [*out, SendMessage(reg.sender.control, Failed(
-                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "prefill_aborted",
-                "the prefill request is gone"), origin)]
+            return [
+                *out,
+                SendMessage(
+                    reg.sender.control,
+                    Failed(
+                        PROTOCOL_VERSION,
+                        reg.transfer_id,
+                        reg.generation,
+                        self.slim,
+                        "prefill_aborted",
+                        "the prefill request is gone",
+                    ),
+                    origin,
+                ),
+            ]
         if o is None and len(self._out) >= self.s.max_transfers:
-            return [*out, Note(NoteKind.REJECTED, RejectReason.OVERLOADED,
-                               f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
-                               f"the most this engine keeps")]
+            return [
+                *out,
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.OVERLOADED,
+                    f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
+                    f"the most this engine keeps",
+                ),
+            ]
         if o is None:
             o = self._get(reg.transfer_id, now)
             o.unknown_of = origin
             self._unknown.add(origin, o.tid)
         return out + self._bind(o, reg, origin, now, age)
 
-    def _incompatible(self, reg: Register, o: _Out | None, origin: str, detail: str,
-                      out: list[Action], now: float) -> list[Action]:
+    def _incompatible(
+        self, reg: Register, o: _Out | None, origin: str, detail: str, out: list[Action], now: float
+    ) -> list[Action]:
         """``reg`` names a layout P cannot write into: D hears at once instead of waiting
         out its permit; the transfer ends only where ``origin`` owns it."""
-        out = [*out, SendMessage(reg.sender.control, Failed(
-            PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, "incompatible",
-            detail), origin)]
+        out = [
+            *out,
+            SendMessage(
+                reg.sender.control,
+                Failed(
+                    PROTOCOL_VERSION,
+                    reg.transfer_id,
+                    reg.generation,
+                    self.slim,
+                    "incompatible",
+                    detail,
+                ),
+                origin,
+            ),
+        ]
         if o is not None and o.owner == origin and self._drop_registrant(o, now):
             pass
         elif o is not None and (o.owner or o.required) == origin and not o.inflight:
@@ -490,8 +578,15 @@ class Sender:
             self._refused.add(reg.transfer_id, origin, now + self.s.tombstone_s)
         return out
 
-    def _bind(self, o: _Out, reg: Register, origin: str, now: float, age: float,
-              permit: Permit | None = None) -> list[Action]:
+    def _bind(
+        self,
+        o: _Out,
+        reg: Register,
+        origin: str,
+        now: float,
+        age: float,
+        permit: Permit | None = None,
+    ) -> list[Action]:
         """``reg`` (from ``origin``) becomes the registration of ``o`` (``permit``: its
         permit as renewed while it was a contender)."""
         info = self._peers.get((origin, peer_slot(reg.sender.engine_id, reg.sender.rank)))
@@ -500,9 +595,13 @@ class Sender:
         # message carries.
         o.peer = info.agent_name if info is not None else ""
         # The term counts from when D granted it: subtract how long the message travelled.
-        o.permit = permit or Permit.from_ttl(reg.transfer_id, reg.generation,
-                                             reg.permit_ttl_ms / 1000.0, now - age,
-                                             self.s.stop_margin_s)
+        o.permit = permit or Permit.from_ttl(
+            reg.transfer_id,
+            reg.generation,
+            reg.permit_ttl_ms / 1000.0,
+            now - age,
+            self.s.stop_margin_s,
+        )
         if o.machine.state in (S.NEW, S.WAITING_REGISTER):
             self._fire(o, E.REGISTER, now)
         return self._maybe_start(o, now)
@@ -562,9 +661,12 @@ class Sender:
         return True
 
     def _not_owner(self, reg: Register, origin: str, why: str) -> Note:
-        return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                    f"REGISTER {reg.transfer_id} from {origin[:16]} ({reg.sender.engine_id} rank "
-                    f"{reg.sender.rank}): {why}")
+        return Note(
+            NoteKind.REJECTED,
+            RejectReason.NOT_OWNER,
+            f"REGISTER {reg.transfer_id} from {origin[:16]} ({reg.sender.engine_id} rank "
+            f"{reg.sender.rank}): {why}",
+        )
 
     def _on_heartbeat(self, hb: Heartbeat, now: float, age: float, origin: str) -> list[Action]:
         met = self._learn_peer(hb.sender, origin, now)
@@ -596,23 +698,40 @@ class Sender:
                         out += self._maybe_start(o, now)
                 o.lease_until = max(o.lease_until, now + self.s.send_lease_s)
             elif o.reg is not None:
-                out.append(Note(NoteKind.FENCED, "stale_generation",
-                                f"heartbeat for {tid} gen {gen}, current {o.reg.generation}"))
+                out.append(
+                    Note(
+                        NoteKind.FENCED,
+                        "stale_generation",
+                        f"heartbeat for {tid} gen {gen}, current {o.reg.generation}",
+                    )
+                )
         return out
 
     def _on_cancel(self, msg: Cancel, now: float, origin: str) -> list[Action]:
-        ack = SendMessage(msg.sender.control, CancelAck(PROTOCOL_VERSION, msg.transfer_id,
-                                                        msg.generation, self.slim), origin)
+        ack = SendMessage(
+            msg.sender.control,
+            CancelAck(PROTOCOL_VERSION, msg.transfer_id, msg.generation, self.slim),
+            origin,
+        )
         o = self._out.get(msg.transfer_id)
         owner = (o.owner or o.required) if o is not None else ""
         if owner and origin != owner:
-            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                         f"CANCEL {msg.transfer_id} from an engine that does not own it")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"CANCEL {msg.transfer_id} from an engine that does not own it",
+                )
+            ]
         if o is not None and o.reg is not None and msg.generation not in (0, o.reg.generation):
             # Checked before the tombstone: a stale CANCEL must not cancel the blocks to come.
-            return [Note(NoteKind.FENCED, "stale_generation",
-                         f"CANCEL {msg.transfer_id} gen {msg.generation}, "
-                         f"current {o.reg.generation}")]
+            return [
+                Note(
+                    NoteKind.FENCED,
+                    "stale_generation",
+                    f"CANCEL {msg.transfer_id} gen {msg.generation}, current {o.reg.generation}",
+                )
+            ]
         if o is not None and origin in o.contenders:
             o.contenders.pop(origin)  # a contender withdraws: only its registration ends
             self._tombstone(msg.transfer_id, now, origin)
@@ -634,10 +753,21 @@ class Sender:
     def _on_pull_done(self, msg: PullDone, now: float, origin: str) -> list[Action]:
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None or msg.generation != o.reg.generation:
-            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"PullDone for {msg.transfer_id}")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.UNKNOWN_TRANSFER,
+                    f"PullDone for {msg.transfer_id}",
+                )
+            ]
         if origin != o.owner:
-            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                         f"PullDone {msg.transfer_id} from an engine that does not own it")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"PullDone {msg.transfer_id} from an engine that does not own it",
+                )
+            ]
         if msg.ok:
             self._fire(o, E.PULL_DONE, now)
             return self._close(o, Outcome.PULL_FALLBACK)
@@ -646,8 +776,9 @@ class Sender:
         self._fire(o, E.FAIL, now)
         return self._close(o, Outcome.FAILED)
 
-    def on_chunk(self, chunk_id: int, ok: bool, error: ChunkError | str,
-                 now: float) -> list[Action]:
+    def on_chunk(
+        self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
+    ) -> list[Action]:
         """A posted chunk completed (``ok``) or failed with transport error ``error`` (a
         ``ChunkError``, or the text NIXL reported)."""
         rec = self._chunks.pop(chunk_id, None)
@@ -687,15 +818,27 @@ class Sender:
             self._fire(o, E.CHUNK_ERROR, now)
             if not self.sched.has_transfer(o.tid):
                 return out + self.poll(now)  # past its cut-off: reported expired there
-            o.confirm = _Confirm(chunk.attempt, error, chunk.first_posted_at, chunk.nbytes,
-                                 now + self.s.done_query_s, now + self.s.done_query_s / 4)
+            o.confirm = _Confirm(
+                chunk.attempt,
+                error,
+                chunk.first_posted_at,
+                chunk.nbytes,
+                now + self.s.done_query_s,
+                now + self.s.done_query_s / 4,
+            )
             return [*out, self._done_query(o)]
         if chunk.is_last:
             action, reason = kind.action, f"{kind.kind}: {kind.why}"
         else:
-            decision = decide(error, attempt=chunk.attempt + 1,
-                              first_attempt_at=chunk.first_posted_at, now=now,
-                              policy=self.policy, budget=self.budget, peer=chunk.link)
+            decision = decide(
+                error,
+                attempt=chunk.attempt + 1,
+                first_attempt_at=chunk.first_posted_at,
+                now=now,
+                policy=self.policy,
+                budget=self.budget,
+                peer=chunk.link,
+            )
             if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
                 self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
                 o.retried = True
@@ -714,8 +857,10 @@ class Sender:
         if action is not ErrorClass.FATAL and o.peer:
             before = self.breakers[o.peer].state(now)
             self.breakers.record_failure(o.peer, now)
-            if before is not BreakerState.OPEN and \
-                    self.breakers[o.peer].state(now) is BreakerState.OPEN:
+            if (
+                before is not BreakerState.OPEN
+                and self.breakers[o.peer].state(now) is BreakerState.OPEN
+            ):
                 out.append(Note(NoteKind.BREAKER_TRIP, o.peer, reason))
         self.sched.cancel(o.tid)
         o.queued = False
@@ -735,15 +880,29 @@ class Sender:
         """D's answer to a DoneQuery: only the transfer's owner speaks, for its generation."""
         o = self._out.get(msg.transfer_id)
         if o is None or o.reg is None:
-            return [Note(NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER,
-                         f"DoneState for {msg.transfer_id}")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.UNKNOWN_TRANSFER,
+                    f"DoneState for {msg.transfer_id}",
+                )
+            ]
         if origin != o.owner:
-            return [Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                         f"DoneState {msg.transfer_id} from an engine that does not own it")]
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.NOT_OWNER,
+                    f"DoneState {msg.transfer_id} from an engine that does not own it",
+                )
+            ]
         if msg.generation != o.reg.generation:
-            return [Note(NoteKind.FENCED, "stale_generation",
-                         f"DoneState {msg.transfer_id} gen {msg.generation}, "
-                         f"current {o.reg.generation}")]
+            return [
+                Note(
+                    NoteKind.FENCED,
+                    "stale_generation",
+                    f"DoneState {msg.transfer_id} gen {msg.generation}, current {o.reg.generation}",
+                )
+            ]
         c = o.confirm
         if c is None or msg.attempt != c.attempt or not o.queued:
             return []  # a duplicate or late answer: the question is settled
@@ -755,8 +914,10 @@ class Sender:
             o.pushed_bytes += c.nbytes
             self.breakers.record_success(o.peer, now)
             self._fire(o, E.DONE, now)
-            return [Note(NoteKind.TRANSFER_DONE, Outcome.RETRIED, o.tid),
-                    *self._close(o, Outcome.RETRIED)]
+            return [
+                Note(NoteKind.TRANSFER_DONE, Outcome.RETRIED, o.tid),
+                *self._close(o, Outcome.RETRIED),
+            ]
         if msg.state == "gone":
             # D no longer receives it (it failed or ended the receive): nothing to push.
             self.sched.cancel(o.tid)
@@ -765,13 +926,22 @@ class Sender:
             return self._close(o, Outcome.FAILED)
         # Not arrived, and D now ignores that post's DONE: post the last chunk again, like
         # any chunk, under the same policy and budget.
-        decision = decide(c.error, attempt=c.attempt + 1, first_attempt_at=c.first_posted_at,
-                          now=now, policy=self.policy, budget=self.budget, peer=o.peer)
+        decision = decide(
+            c.error,
+            attempt=c.attempt + 1,
+            first_attempt_at=c.first_posted_at,
+            now=now,
+            policy=self.policy,
+            budget=self.budget,
+            peer=o.peer,
+        )
         if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
             if not self.sched.repost_last(o.tid, now, decision.retry_at):
                 return self.poll(now)
-            return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason),
-                    *self.poll(now)]
+            return [
+                Note(NoteKind.RETRY, decision.classification.kind, decision.reason),
+                *self.poll(now),
+            ]
         return self._give_up(o, decision.action, decision.reason, now)
 
     # ------------------------------------------------------------------ time
@@ -790,9 +960,15 @@ class Sender:
                 continue
             done = None
             if chunk.is_last:
-                done = Done(PROTOCOL_VERSION, o.tid, reg.generation, len(units.dst),
-                            attempt=chunk.attempt, unit_tokens=units.unit_tokens,
-                            prompt=o.prompt)
+                done = Done(
+                    PROTOCOL_VERSION,
+                    o.tid,
+                    reg.generation,
+                    len(units.dst),
+                    attempt=chunk.attempt,
+                    unit_tokens=units.unit_tokens,
+                    prompt=o.prompt,
+                )
             # Layer-wise: the chunk's ids are part by part (``ChunkScheduler.add``).
             nb = len(units.dst)
             part = chunk.start // nb if o.parts > 1 and nb else 0
@@ -805,18 +981,26 @@ class Sender:
             if o.ready_at >= 0:
                 out.append(Note(NoteKind.QUEUE_WAIT, "", o.tid, now - o.ready_at))
                 o.ready_at = -1.0
-            out.append(PostWrite(
-                o.tid, reg.generation, chunk.id, o.peer,
-                tuple(units.src[start:end]),
-                tuple(units.dst[start:end]),
-                chunk.nbytes, done,
-                tuple(units.src) if chunk.is_last else (),
-                part, o.parts if nb else 1,
-            ))
+            out.append(
+                PostWrite(
+                    o.tid,
+                    reg.generation,
+                    chunk.id,
+                    o.peer,
+                    tuple(units.src[start:end]),
+                    tuple(units.dst[start:end]),
+                    chunk.nbytes,
+                    done,
+                    tuple(units.src) if chunk.is_last else (),
+                    part,
+                    o.parts if nb else 1,
+                )
+            )
         capped = self.sched.capped()
         if capped != self._capped:
-            for reason, now_n, before in zip(("bytes", "chunks"), capped, self._capped,
-                                             strict=True):
+            for reason, now_n, before in zip(
+                ("bytes", "chunks"), capped, self._capped, strict=True
+            ):
                 if now_n > before:
                     out.append(Note(NoteKind.LINK_CAPPED, reason, "", float(now_n - before)))
             self._capped = capped
@@ -826,7 +1010,9 @@ class Sender:
             # blocks) must not be ended as expired under D's READs.
             if o is not None and o.queued:
                 o.queued = False
-                out.append(Note(NoteKind.LEASE_EXPIRED, "permit", f"permit of {tid} ran out mid-push"))
+                out.append(
+                    Note(NoteKind.LEASE_EXPIRED, "permit", f"permit of {tid} ran out mid-push")
+                )
                 o.drain_then, o.reason = AfterDrain.EXPIRED, "permit_expired"
                 out += self._after_drain(o, now)
         return out
@@ -856,9 +1042,12 @@ class Sender:
             return [], False
         if now >= c.until:
             # D did not answer: maybe it never will (partitioned, dead). Pull.
-            return self._give_up(o, ErrorClass.FALLBACK,
-                                 "done_query_timeout: D did not say whether the "
-                                 "last chunk's DONE arrived", now), True
+            return self._give_up(
+                o,
+                ErrorClass.FALLBACK,
+                "done_query_timeout: D did not say whether the last chunk's DONE arrived",
+                now,
+            ), True
         if now >= c.resend_at:
             c.resend_at = now + self.s.done_query_s / 4
             return [self._done_query(o)], False
@@ -867,12 +1056,10 @@ class Sender:
     def _deadlines(self, o: _Out, now: float) -> list[Action]:
         """The leases and bounds of ``o`` that ran out by ``now``."""
         st = o.machine.state
-        if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) \
-                and now >= o.lease_until:
+        if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) and now >= o.lease_until:
             # D never registered nor asked us to wait: the send lease is over.
             self._fire(o, E.EXPIRE, now)
-            return [Note(NoteKind.LEASE_EXPIRED, "send", o.tid),
-                    *self._close(o, Outcome.EXPIRED)]
+            return [Note(NoteKind.LEASE_EXPIRED, "send", o.tid), *self._close(o, Outcome.EXPIRED)]
         if st is S.WAITING_BLOCKS and o.permit is not None and now >= o.permit.expires_at:
             # The permit ran out before our blocks did: D fails the receive itself, and
             # blocks that still come are freed unpushed. A registration P's engine never
@@ -895,16 +1082,19 @@ class Sender:
         if self._awaits_permit(o) and o.permit is not None and now >= o.permit.expires_at:
             # Registered and computed, but no renewal came before the permit ran out:
             # D hears at once (it recomputes or fails the request) instead of waiting.
-            note = Note(NoteKind.LEASE_EXPIRED, "permit",
-                        f"permit of {o.tid} ran out before its push began")
+            note = Note(
+                NoteKind.LEASE_EXPIRED, "permit", f"permit of {o.tid} ran out before its push began"
+            )
             self._fire(o, E.EXPIRE, now)
-            return [note, self._failed(o, "permit_expired", "the permit ran out before P "
-                                       "could push"), *self._close(o, Outcome.EXPIRED)]
+            return [
+                note,
+                self._failed(o, "permit_expired", "the permit ran out before P could push"),
+                *self._close(o, Outcome.EXPIRED),
+            ]
         if st is S.FALLBACK and now >= o.pull_until + self.s.skew_margin_s:
             # D's read permit is over: D no longer reads our blocks.
             self._fire(o, E.EXPIRE, now)
-            return [Note(NoteKind.LEASE_EXPIRED, "pull", o.tid),
-                    *self._close(o, Outcome.FAILED)]
+            return [Note(NoteKind.LEASE_EXPIRED, "pull", o.tid), *self._close(o, Outcome.FAILED)]
         if st is not S.FALLBACK and o.machine.expired(now):
             return self._past_bound(o, st, now)
         return []
@@ -945,8 +1135,9 @@ class Sender:
             return False
         return o.machine.fire(event, now)
 
-    def _learn_peer(self, info: PeerInfo, origin: str,
-                    now: float) -> tuple[list[Action], Note | None] | None:
+    def _learn_peer(
+        self, info: PeerInfo, origin: str, now: float
+    ) -> tuple[list[Action], Note | None] | None:
         """Connect to a D rank on first sight; a new incarnation supersedes the old one.
 
         Peers are keyed by the authenticated ``origin`` and the rank: a message can speak
@@ -976,20 +1167,27 @@ class Sender:
         if problem:
             return Note(NoteKind.REJECTED, RejectReason.INCOMPATIBLE, problem)
         if not owns_agent(origin, info.agent_name):
-            return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                        f"{info.engine_id} rank {info.rank} announces agent "
-                        f"{info.agent_name[:64]}, which is not named for its key")
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.NOT_OWNER,
+                f"{info.engine_id} rank {info.rank} announces agent "
+                f"{info.agent_name[:64]}, which is not named for its key",
+            )
         holder = self._agents.get(info.agent_name)
         if holder is not None and holder != key:
             # An agent name P already met for another engine rank: writing "to it" would
             # write into that engine's memory (and a restart of it would cut that engine off).
-            return Note(NoteKind.REJECTED, RejectReason.NOT_OWNER,
-                        f"{info.engine_id} rank {info.rank} claims agent "
-                        f"{info.agent_name[:64]}, which belongs to another engine")
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.NOT_OWNER,
+                f"{info.engine_id} rank {info.rank} claims agent "
+                f"{info.agent_name[:64]}, which belongs to another engine",
+            )
         return None
 
-    def _meet(self, info: PeerInfo, origin: str, key: tuple[str, int], known: PeerInfo | None,
-              now: float) -> list[Action]:
+    def _meet(
+        self, info: PeerInfo, origin: str, key: tuple[str, int], known: PeerInfo | None, now: float
+    ) -> list[Action]:
         """``info`` becomes the D rank ``key``; a process it replaces (``known``) is retired
         and the transfers to it end."""
         if known is not None:
@@ -1001,7 +1199,13 @@ class Sender:
         if known is not None:
             self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
             self._retired.move_to_end(key)
-            out.append(Note(NoteKind.PEER_RESTART, "decode", f"{info.engine_id} rank {info.rank} incarnation {info.incarnation}"))
+            out.append(
+                Note(
+                    NoteKind.PEER_RESTART,
+                    "decode",
+                    f"{info.engine_id} rank {info.rank} incarnation {info.incarnation}",
+                )
+            )
             # Transfers to the old process: its blocks are gone; stop and free ours.
             for o in list(self._out.values()):
                 kept = o.contenders.get(origin)
@@ -1026,18 +1230,25 @@ class Sender:
         mine, theirs = self.me.layout, info.layout
         if mine is None or theirs is None:
             return ""
-        problem = compat.layout_problem(mine, theirs) if theirs.mem_type in ("DRAM", "VRAM") \
+        problem = (
+            compat.layout_problem(mine, theirs)
+            if theirs.mem_type in ("DRAM", "VRAM")
             else f"memory type {theirs.mem_type!r}"
+        )
         if problem:
-            return (f"{info.engine_id} rank {info.rank} is incompatible: {problem} (KV layout "
-                    f"{theirs.compat} with {len(theirs.regions)} regions, this engine's "
-                    f"{mine.compat} with {len(mine.regions)})")[:MAX_TEXT_LEN]
+            return (
+                f"{info.engine_id} rank {info.rank} is incompatible: {problem} (KV layout "
+                f"{theirs.compat} with {len(theirs.regions)} regions, this engine's "
+                f"{mine.compat} with {len(mine.regions)})"
+            )[:MAX_TEXT_LEN]
         own = max((r.num_blocks for r in mine.regions), default=0)
         limit = max(own * self.s.max_peer_blocks_ratio, self.s.min_peer_blocks_limit)
         most = max((r.num_blocks for r in theirs.regions), default=0)
         if most > limit:
-            return (f"{info.engine_id} rank {info.rank}: a KV cache of {most} blocks, over "
-                    f"{limit} ({self.s.max_peer_blocks_ratio}x this engine's {own})")
+            return (
+                f"{info.engine_id} rank {info.rank}: a KV cache of {most} blocks, over "
+                f"{limit} ({self.s.max_peer_blocks_ratio}x this engine's {own})"
+            )
         return ""
 
     def _prune_peers(self) -> list[Action]:
@@ -1078,9 +1289,11 @@ class Sender:
     @staticmethod
     def _retired_note(info: PeerInfo) -> Note:
         # Fenced like a stale generation: it is about a process that no longer exists.
-        return Note(NoteKind.FENCED, "stale_generation",
-                    f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was "
-                    "replaced")
+        return Note(
+            NoteKind.FENCED,
+            "stale_generation",
+            f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was replaced",
+        )
 
     def _maybe_start(self, o: _Out, now: float) -> list[Action]:
         if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
@@ -1089,24 +1302,40 @@ class Sender:
         problem = self._check(o, reg)
         if problem:
             self._fire(o, E.FAIL, now)
-            return [Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, problem),
-                    self._failed(o, "bad_blocks", problem), *self._close(o, Outcome.FAILED)]
+            return [
+                Note(NoteKind.REJECTED, RejectReason.BAD_BLOCKS, problem),
+                self._failed(o, "bad_blocks", problem),
+                *self._close(o, Outcome.FAILED),
+            ]
         assert o.permit is not None
         if not o.permit.usable(now):
             # Not usable as last heard; D's renewals may be queued behind its REGISTER (this
             # engine was paused, or a pass ran out of budget before reading them). A
             # heartbeat that renews it starts the push; tick ends it once the permit is over.
             return []
-        if o.partial and self.s.fallback and self.breakers[o.peer].state(now) \
-                is not BreakerState.CLOSED:
+        if (
+            o.partial
+            and self.s.fallback
+            and self.breakers[o.peer].state(now) is not BreakerState.CLOSED
+        ):
             return []  # a pull reads whole blocks: decided once the forward ended
         if self.s.fallback and not self.breakers.allow(o.peer, now):
             # Repeated failures to this D: straight to pull until a probe push succeeds.
-            return [Note(NoteKind.FALLBACK, "breaker_open", o.peer), *self._fallback(o, now, "breaker_open")]
+            return [
+                Note(NoteKind.FALLBACK, "breaker_open", o.peer),
+                *self._fallback(o, now, "breaker_open"),
+            ]
         assert o.units is not None
-        self.sched.add(o.tid, o.peer, max(1, self._unit_bytes(o.units) // o.parts),
-                       len(o.units.dst),
-                       o.permit.expires_at, now, o.parts, o.ready if o.partial else None)
+        self.sched.add(
+            o.tid,
+            o.peer,
+            max(1, self._unit_bytes(o.units) // o.parts),
+            len(o.units.dst),
+            o.permit.expires_at,
+            now,
+            o.parts,
+            o.ready if o.partial else None,
+        )
         o.queued, o.ready_at = True, now
         return self.poll(now)
 
@@ -1114,8 +1343,13 @@ class Sender:
     def _awaits_permit(o: _Out) -> bool:
         """Registered and its blocks ready, not queued: its permit was not usable when it
         could have started (a renewal may still come)."""
-        return (o.machine.state is S.REGISTERED and o.blocks is not None and o.reg is not None
-                and not o.queued and not o.inflight)
+        return (
+            o.machine.state is S.REGISTERED
+            and o.blocks is not None
+            and o.reg is not None
+            and not o.queued
+            and not o.inflight
+        )
 
     def _check(self, o: _Out, reg: Register) -> str:
         """Why ``reg`` cannot be pushed into ("" if it can; then ``o.units`` is the plan)."""
@@ -1123,15 +1357,20 @@ class Sender:
         o.units = None
         info = self._peers.get((o.owner, peer_slot(reg.sender.engine_id, reg.sender.rank)))
         if info is None or info.agent_name != o.peer or not o.peer:
-            return (f"REGISTER of {reg.transfer_id}: no connected decode agent for "
-                    f"{reg.sender.engine_id} rank {reg.sender.rank}")
+            return (
+                f"REGISTER of {reg.transfer_id}: no connected decode agent for "
+                f"{reg.sender.engine_id} rank {reg.sender.rank}"
+            )
         layout = info.layout  # what P connected to, not what the message says
         mine = self.me.layout
         if reg.first_block < 0:
-            return (f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
-                    f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here")
-        plan = blocksize.push_units(mine, layout, blocks, list(reg.block_ids),
-                                    reg.first_block, reg.num_tokens)
+            return (
+                f"REGISTER of {reg.transfer_id} has {len(reg.block_ids)} blocks from block "
+                f"{reg.first_block}, but the prompt fills {len(blocks)} blocks here"
+            )
+        plan = blocksize.push_units(
+            mine, layout, blocks, list(reg.block_ids), reg.first_block, reg.num_tokens
+        )
         if isinstance(plan, str):
             return f"REGISTER of {reg.transfer_id} has {plan}"
         what = f"units of {plan.unit_tokens} tokens" if plan.unit_tokens else "blocks"
@@ -1156,19 +1395,24 @@ class Sender:
         then, o.drain_then = o.drain_then, AfterDrain.NOTHING
         if then is AfterDrain.ACK and o.reg is not None:
             ack = CancelAck(PROTOCOL_VERSION, o.tid, o.reg.generation, self.slim)
-            return [SendMessage(o.reg.sender.control, ack, o.owner),
-                    *self._close(o, Outcome.CANCELLED)]
+            return [
+                SendMessage(o.reg.sender.control, ack, o.owner),
+                *self._close(o, Outcome.CANCELLED),
+            ]
         if then is AfterDrain.FALLBACK:
-            out: list[Action] = [Note(NoteKind.FALLBACK, o.reason.split(":")[0] or "push_failed",
-                                      o.reason)]
+            out: list[Action] = [
+                Note(NoteKind.FALLBACK, o.reason.split(":")[0] or "push_failed", o.reason)
+            ]
             return out + self._fallback(o, now, o.reason)
         if then is AfterDrain.DROPPED:
             return self._close(o, Outcome.FAILED)
         assert o.reg is not None
         failed = then is AfterDrain.FAILED
         self._fire(o, E.FAIL if failed else E.EXPIRE, now)
-        return [self._failed(o, o.reason or then.value, "the push could not complete"),
-                *self._close(o, Outcome.FAILED if failed else Outcome.EXPIRED)]
+        return [
+            self._failed(o, o.reason or then.value, "the push could not complete"),
+            *self._close(o, Outcome.FAILED if failed else Outcome.EXPIRED),
+        ]
 
     def _fallback(self, o: _Out, now: float, reason: str) -> list[Action]:
         assert o.reg is not None and o.blocks is not None and o.units is not None
@@ -1176,9 +1420,17 @@ class Sender:
         o.pull_until = now + self.s.pull_permit_s
         reg = o.reg
         # In units when the block sizes differ: D converts its own blocks alike.
-        msg = Fallback(PROTOCOL_VERSION, o.tid, reg.generation, self.me,
-                       list(o.units.src), o.units.first, reason,
-                       int(self.s.pull_permit_s * 1000), prompt=o.prompt)
+        msg = Fallback(
+            PROTOCOL_VERSION,
+            o.tid,
+            reg.generation,
+            self.me,
+            list(o.units.src),
+            o.units.first,
+            reason,
+            int(self.s.pull_permit_s * 1000),
+            prompt=o.prompt,
+        )
         return [SendMessage(reg.sender.control, msg, o.owner)]
 
     def _close(self, o: _Out, outcome: Outcome) -> list[Action]:
@@ -1206,9 +1458,13 @@ class Sender:
     def _failed(self, o: _Out, reason: str, detail: str) -> SendMessage:
         reg = o.reg
         assert reg is not None
-        return SendMessage(reg.sender.control, Failed(PROTOCOL_VERSION, reg.transfer_id,
-                                                      reg.generation, self.slim, reason,
-                                                      detail[:1000]), o.owner)
+        return SendMessage(
+            reg.sender.control,
+            Failed(
+                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, reason, detail[:1000]
+            ),
+            o.owner,
+        )
 
     def _heartbeats(self, now: float) -> list[Action]:
         """Tell each D which of its transfers we still hold (it renews their permits)."""
@@ -1220,13 +1476,17 @@ class Sender:
                 # Kept for the prefill leg to name: their decode engines renew them too,
                 # for as long as a registrant's would be.
                 if o.expected or now - at <= self.s.register_grace_s:
-                    _, live = per_peer.setdefault((creg.sender.control, origin),
-                                                  (creg.sender.incarnation, []))
+                    _, live = per_peer.setdefault(
+                        (creg.sender.control, origin), (creg.sender.incarnation, [])
+                    )
                     live.append((o.tid, creg.generation))
             if o.reg is None:
                 continue
-            if (o.machine.state is S.WAITING_BLOCKS and not o.expected
-                    and now - o.reg_at > self.s.register_grace_s):
+            if (
+                o.machine.state is S.WAITING_BLOCKS
+                and not o.expected
+                and now - o.reg_at > self.s.register_grace_s
+            ):
                 continue  # the request never reached us: let D's permit run out
             dest = (o.reg.sender.control, o.owner)
             _, live = per_peer.setdefault(dest, (o.reg.sender.incarnation, []))
@@ -1235,6 +1495,7 @@ class Sender:
         for (addr, owner), (inc, live) in per_peer.items():
             # Small enough for D's codec (core.quotas): a long list goes as several.
             for batch in live_batches(live):
-                out.append(SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc,
-                                                       batch), owner))
+                out.append(
+                    SendMessage(addr, Heartbeat(PROTOCOL_VERSION, self.slim, inc, batch), owner)
+                )
         return out

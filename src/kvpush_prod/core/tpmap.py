@@ -42,19 +42,25 @@ def problem(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) ->
     """Why a P of ``p_tp`` ranks cannot feed a D of ``d_tp`` ranks ("" if it can), with
     what to change."""
     if p_tp < 1 or d_tp < 1 or total_heads < 1:
-        return (f"tensor-parallel sizes {p_tp} (prefill) and {d_tp} (decode) with "
-                f"{total_heads} KV heads: all must be at least 1")
+        return (
+            f"tensor-parallel sizes {p_tp} (prefill) and {d_tp} (decode) with "
+            f"{total_heads} KV heads: all must be at least 1"
+        )
     if p_tp == d_tp or replicated:
         return ""
     big, small = max(p_tp, d_tp), min(p_tp, d_tp)
     if big % small:
-        return (f"prefill --tensor-parallel-size {p_tp} and decode --tensor-parallel-size "
-                f"{d_tp}: one must divide the other; run sizes such as 1, 2, 4, 8")
+        return (
+            f"prefill --tensor-parallel-size {p_tp} and decode --tensor-parallel-size "
+            f"{d_tp}: one must divide the other; run sizes such as 1, 2, 4, 8"
+        )
     if total_heads % big:
-        return (f"the model's {total_heads} KV heads do not split evenly over "
-                f"--tensor-parallel-size {big} (prefill {p_tp}, decode {d_tp}); kvpush does "
-                f"not move replicated KV heads between different tensor-parallel sizes: use a "
-                f"tensor-parallel size that divides {total_heads} on both, or the same size")
+        return (
+            f"the model's {total_heads} KV heads do not split evenly over "
+            f"--tensor-parallel-size {big} (prefill {p_tp}, decode {d_tp}); kvpush does "
+            f"not move replicated KV heads between different tensor-parallel sizes: use a "
+            f"tensor-parallel size that divides {total_heads} on both, or the same size"
+        )
     return ""
 
 
@@ -66,10 +72,18 @@ def pieces(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) -> 
     if replicated or p_tp == d_tp:
         # Equal TP: rank to rank. Replicated: D rank r from P rank r mod p_tp, so no P rank
         # sends the same bytes to one D rank twice and the senders are spread evenly.
-        return [Piece(r % p_tp, r, 0, 0, _local(total_heads, p_tp, replicated),
-                      _local(total_heads, p_tp, replicated),
-                      _local(total_heads, d_tp, replicated))
-                for r in range(d_tp)]
+        return [
+            Piece(
+                r % p_tp,
+                r,
+                0,
+                0,
+                _local(total_heads, p_tp, replicated),
+                _local(total_heads, p_tp, replicated),
+                _local(total_heads, d_tp, replicated),
+            )
+            for r in range(d_tp)
+        ]
     hp, hd = total_heads // p_tp, total_heads // d_tp
     out = []
     for r in range(d_tp):
@@ -84,14 +98,16 @@ def _local(total: int, tp: int, replicated: bool) -> int:
     return total if replicated else max(1, total // tp)
 
 
-def feeders(d_rank: int, p_tp: int, d_tp: int, total_heads: int,
-            replicated: bool = False) -> list[Piece]:
+def feeders(
+    d_rank: int, p_tp: int, d_tp: int, total_heads: int, replicated: bool = False
+) -> list[Piece]:
     """The pieces D rank ``d_rank`` receives, by P rank."""
     return [p for p in pieces(p_tp, d_tp, total_heads, replicated) if p.d_rank == d_rank]
 
 
-def fed(p_rank: int, p_tp: int, d_tp: int, total_heads: int,
-        replicated: bool = False) -> list[Piece]:
+def fed(
+    p_rank: int, p_tp: int, d_tp: int, total_heads: int, replicated: bool = False
+) -> list[Piece]:
     """The pieces P rank ``p_rank`` sends, by D rank."""
     return [p for p in pieces(p_tp, d_tp, total_heads, replicated) if p.p_rank == p_rank]
 
@@ -105,8 +121,14 @@ def idle(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) -> li
     return [r for r in range(p_tp) if r not in feeding]
 
 
-def unfed_told_by(d_rank: int, p_tp: int, d_tp: int, total_heads: int,
-                  replicated: bool = False, refused: bool = False) -> list[int]:
+def unfed_told_by(
+    d_rank: int,
+    p_tp: int,
+    d_tp: int,
+    total_heads: int,
+    replicated: bool = False,
+    refused: bool = False,
+) -> list[int]:
     """The P ranks D rank ``d_rank`` tells that a transfer will not be received: those
     that feed no D rank, or every P rank when D ``refused`` the transfer; each P rank is
     told by exactly one D rank (P rank mod D's TP). ``p_tp`` 0: not told, same as D's."""
@@ -115,8 +137,9 @@ def unfed_told_by(d_rank: int, p_tp: int, d_tp: int, total_heads: int,
     return [r for r in unfed if r % d_tp == d_rank]
 
 
-def piece(p_rank: int, d_rank: int, p_tp: int, d_tp: int, total_heads: int,
-          replicated: bool = False) -> Piece | None:
+def piece(
+    p_rank: int, d_rank: int, p_tp: int, d_tp: int, total_heads: int, replicated: bool = False
+) -> Piece | None:
     """The piece between one P rank and one D rank (None: they exchange nothing)."""
     for p in pieces(p_tp, d_tp, total_heads, replicated):
         if p.p_rank == p_rank and p.d_rank == d_rank:
@@ -154,7 +177,9 @@ def mapping_text(p_tp: int, d_tp: int, total_heads: int, replicated: bool = Fals
         return "no mapping"
     parts = []
     for p in pieces(p_tp, d_tp, total_heads, replicated):
-        parts.append(f"P{p.p_rank}[{p.p_first}:{p.p_first + p.heads}]->"
-                     f"D{p.d_rank}[{p.d_first}:{p.d_first + p.heads}]")
+        parts.append(
+            f"P{p.p_rank}[{p.p_first}:{p.p_first + p.heads}]->"
+            f"D{p.d_rank}[{p.d_first}:{p.d_first + p.heads}]"
+        )
     kind = "replicated" if replicated else f"{total_heads} KV heads"
     return f"prefill TP {p_tp} -> decode TP {d_tp}, {kind}: " + ", ".join(parts)

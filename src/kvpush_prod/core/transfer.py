@@ -148,8 +148,15 @@ class TransferTimeouts:
     def within(cls, total_s: float, pull_permit_s: float) -> TransferTimeouts:
         """Every live state may last the whole transfer (leases end a stuck phase sooner); a
         fallback lasts D's read permit plus a quarter of the whole (the shells' relation)."""
-        return cls(new_s=total_s, waiting_s=total_s, registered_s=total_s, pushing_s=total_s,
-                   retrying_s=total_s, fallback_s=pull_permit_s + total_s / 4, total_s=total_s)
+        return cls(
+            new_s=total_s,
+            waiting_s=total_s,
+            registered_s=total_s,
+            pushing_s=total_s,
+            retrying_s=total_s,
+            fallback_s=pull_permit_s + total_s / 4,
+            total_s=total_s,
+        )
 
     def __post_init__(self) -> None:
         for name in (

@@ -14,5 +14,15 @@ from kvpush_prod.vocabulary import (
     Word,
 )
 
-__all__ = ["SIGNATURE_REASONS", "AfterDrain", "KeyProblem", "NoteKind", "Notice", "Outcome", "ParamsRejectReason",
-           "RejectReason", "Side", "Word"]
+__all__ = [
+    "SIGNATURE_REASONS",
+    "AfterDrain",
+    "KeyProblem",
+    "NoteKind",
+    "Notice",
+    "Outcome",
+    "ParamsRejectReason",
+    "RejectReason",
+    "Side",
+    "Word",
+]

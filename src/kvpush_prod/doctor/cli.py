@@ -31,20 +31,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvpush doctor",
         description="Preflight of this host for a kvpush engine (and, with --peer, of the path "
-                    "to a running engine): a table, then one verdict line. Exit 0 ok, 1 "
-                    "problems (each with its fix), 2 usage error.")
-    p.add_argument("--config", metavar="FILE",
-                   help="the engine's kv_connector_extra_config (JSON or YAML; a whole "
-                        "kv_transfer_config works too); default: the built-in defaults and "
-                        "$KVPUSH_PROFILE")
-    p.add_argument("--peer", metavar="HOST:PORT",
-                   help="a running engine's control port: authenticated latency, bandwidth "
-                        "and clock-skew probe")
-    p.add_argument("--peer-name", metavar="NAME",
-                   help="the peer's name in the allow-list (needed with keys when the list "
-                        "holds more than one other engine)")
-    p.add_argument("--ranks", type=int, default=1,
-                   help="control ports this engine uses (tensor x data-parallel ranks)")
+        "to a running engine): a table, then one verdict line. Exit 0 ok, 1 "
+        "problems (each with its fix), 2 usage error.",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the engine's kv_connector_extra_config (JSON or YAML; a whole "
+        "kv_transfer_config works too); default: the built-in defaults and "
+        "$KVPUSH_PROFILE",
+    )
+    p.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="a running engine's control port: authenticated latency, bandwidth "
+        "and clock-skew probe",
+    )
+    p.add_argument(
+        "--peer-name",
+        metavar="NAME",
+        help="the peer's name in the allow-list (needed with keys when the list "
+        "holds more than one other engine)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="control ports this engine uses (tensor x data-parallel ranks)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     return p
 
@@ -53,8 +67,10 @@ def read_extra(path: str) -> dict[str, Any]:
     """The kv_connector_extra_config in ``path`` (a whole kv_transfer_config is unwrapped)."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"--config {path!r}: no such file; give the engine's "
-                         "kv_connector_extra_config as a JSON or YAML file")
+        raise UsageError(
+            f"--config {path!r}: no such file; give the engine's "
+            "kv_connector_extra_config as a JSON or YAML file"
+        )
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -68,8 +84,10 @@ def read_extra(path: str) -> dict[str, Any]:
 def parse_peer(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--peer {text!r}: write it as HOST:PORT, the engine's control port "
-                         "(control.port + rank), e.g. 10.0.0.5:15500")
+        raise UsageError(
+            f"--peer {text!r}: write it as HOST:PORT, the engine's control port "
+            "(control.port + rank), e.g. 10.0.0.5:15500"
+        )
     return host.strip("[]"), int(port)
 
 
@@ -95,12 +113,27 @@ class Report:
         problems = [r for r in self.rows if r.problem]
         warns = [r for r in self.rows if r.status is Status.WARN]
         if self.as_json:
-            print(json.dumps([{"check": r.check, "status": r.status.value, "detail": r.detail,
-                               "fix": r.fix} for r in self.rows], indent=1))
+            print(
+                json.dumps(
+                    [
+                        {
+                            "check": r.check,
+                            "status": r.status.value,
+                            "detail": r.detail,
+                            "fix": r.fix,
+                        }
+                        for r in self.rows
+                    ],
+                    indent=1,
+                )
+            )
         if problems:
             names = ", ".join(dict.fromkeys(r.check for r in problems))
-            print(f"kvpush doctor: {len(problems)} problem(s): {names}; fix each as shown "
-                  "above, then run kvpush doctor again", flush=True)
+            print(
+                f"kvpush doctor: {len(problems)} problem(s): {names}; fix each as shown "
+                "above, then run kvpush doctor again",
+                flush=True,
+            )
             return EXIT_PROBLEMS
         extra = f", {len(warns)} warning(s)" if warns else ""
         print(f"kvpush doctor: OK ({len(self.rows)} checks{extra})", flush=True)
@@ -112,9 +145,16 @@ def run(args: argparse.Namespace, report: Report) -> None:
     try:
         cfg = config_from_extra(read_extra(args.config) if args.config else None)
     except ConfigError as exc:
-        report.add([Row("config", Status.FAIL, str(exc).splitlines()[0],
-                        "; ".join(line.strip(" -") for line in str(exc).splitlines()[1:])
-                        or str(exc))])
+        report.add(
+            [
+                Row(
+                    "config",
+                    Status.FAIL,
+                    str(exc).splitlines()[0],
+                    "; ".join(line.strip(" -") for line in str(exc).splitlines()[1:]) or str(exc),
+                )
+            ]
+        )
         return
     where = args.config or os.environ.get("KVPUSH_PROFILE") or "built-in defaults"
     report.add([Row("config", Status.OK, f"{where} is valid (links.fabric: {cfg.links.fabric})")])
@@ -148,4 +188,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpush doctor: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return report.verdict()
-

@@ -44,8 +44,9 @@ class ProbePlan:
 class _Session:
     """One DEALER to the engine's control port, through its handshake."""
 
-    def __init__(self, address: str, keypair: KeyPair | None, server_key: bytes | None,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, address: str, keypair: KeyPair | None, server_key: bytes | None, timeout_s: float
+    ) -> None:
         self.address, self.timeout_ms = address, int(timeout_s * 1000)
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -55,7 +56,8 @@ class _Session:
             self.sock.curve_publickey = keypair.public
             self.sock.curve_serverkey = server_key
         self.monitor = self.sock.get_monitor_socket(
-            HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
 
     def handshake(self) -> float:
         start = time.perf_counter()
@@ -73,13 +75,15 @@ class _Session:
         raise ProbeError(
             f"no handshake with {self.address} within {self.timeout_ms / 1000:g} s: is an "
             "engine's control port there (control.port + rank), and does a firewall let "
-            "this host reach it?")
+            "this host reach it?"
+        )
 
     def receive(self) -> probe.Pong:
         if not self.sock.poll(self.timeout_ms, zmq.POLLIN):
             raise ProbeError(
                 f"{self.address} did not answer a probe within {self.timeout_ms / 1000:g} s: "
-                "the engine may run a kvpush without the probe (upgrade it) or be stalled")
+                "the engine may run a kvpush without the probe (upgrade it) or be stalled"
+            )
         pong = probe.parse_reply(self.sock.recv())
         if pong is None:
             raise ProbeError(f"{self.address} answered the probe with something else")
@@ -92,8 +96,9 @@ class _Session:
         self.ctx.term()
 
 
-def probe_peer(address: str, keypair: KeyPair | None, server_key: bytes | None,
-               plan: ProbePlan = ProbePlan()) -> ProbeResult:
+def probe_peer(
+    address: str, keypair: KeyPair | None, server_key: bytes | None, plan: ProbePlan = ProbePlan()
+) -> ProbeResult:
     """Probe the control port at ``address`` (``tcp://host:port``): with keys, as
     ``keypair`` proving the engine holds ``server_key``. Raises ProbeError."""
     session = _Session(address, keypair, server_key, plan.timeout_s)
@@ -117,5 +122,6 @@ def probe_peer(address: str, keypair: KeyPair | None, server_key: bytes | None,
         session.close()
 
     best_rtt, skew = min(skews)
-    return ProbeResult(handshake_s, tuple(sorted(rtts)), received / elapsed, received, skew,
-                       best_rtt / 2)
+    return ProbeResult(
+        handshake_s, tuple(sorted(rtts)), received / elapsed, received, skew, best_rtt / 2
+    )

@@ -32,10 +32,21 @@ class Result:
         return self.status == 200 and not self.error
 
 
-def completion_body(prompt: str, max_tokens: int, stream: bool, model: str = "tiny",
-                    chat: bool = False, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
-                            "stream": stream, **extra}
+def completion_body(
+    prompt: str,
+    max_tokens: int,
+    stream: bool,
+    model: str = "tiny",
+    chat: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": stream,
+        **extra,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -55,8 +66,13 @@ def _piece(obj: dict[str, Any], chat: bool) -> str:
     return c.get("text") or ""
 
 
-async def request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any],
-                  headers: dict[str, str] | None = None, timeout: float = 120.0) -> Result:
+async def request(
+    client: httpx.AsyncClient,
+    base_url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Result:
     """POST a completion (chat if ``messages`` is in the body) and gather the result."""
     chat = "messages" in body
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -78,8 +94,7 @@ async def request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
             res.finish_reason = (data.get("choices") or [{}])[0].get("finish_reason")
             res.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
             return res
-        async with client.stream("POST", url, json=body, headers=headers,
-                                 timeout=timeout) as r:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
             res.status = r.status_code
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:500]
@@ -117,7 +132,9 @@ async def request(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
     return res
 
 
-def scrape(base_url: str, timeout: float = 10.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    base_url: str, timeout: float = 10.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of ``base_url``/metrics as {(name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -129,8 +146,9 @@ def scrape(base_url: str, timeout: float = 10.0) -> dict[tuple[str, tuple[tuple[
     return out
 
 
-def metric_sum(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-               **labels: str) -> float:
+def metric_sum(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     """Sum of samples named ``name`` whose labels include ``labels``."""
     total = 0.0
     for (n, lbls), v in samples.items():

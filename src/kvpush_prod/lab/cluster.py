@@ -140,8 +140,9 @@ class Cluster:
         self.decode_names = role_names("decode", spec.decodes)
         # Four control ports per engine (TP ranks), one block for all of them.
         ports = free_port_block(4 * (spec.prefills + spec.decodes))
-        self.control_ports = {name: ports + 4 * i for i, name in
-                              enumerate(self.prefill_names + self.decode_names)}
+        self.control_ports = {
+            name: ports + 4 * i for i, name in enumerate(self.prefill_names + self.decode_names)
+        }
         self.p_control, self.d_control = self.control_ports["prefill"], self.control_ports["decode"]
         self.router_port = free_port()
         self.keys_dir = spec.workdir / "keys"
@@ -168,8 +169,9 @@ class Cluster:
         signs)."""
         if not self.spec.signed_params:
             return params
-        return sign_params(params, self.params_key_file.read_text().strip().encode(), time.time(),
-                           leg)
+        return sign_params(
+            params, self.params_key_file.read_text().strip().encode(), time.time(), leg
+        )
 
     def key_file(self, name: str) -> Path:
         return self.keys_dir / f"{name}.key_secret"
@@ -177,8 +179,7 @@ class Cluster:
     def _security_extra(self, name: str) -> dict[str, Any]:
         control: dict[str, Any] = {}
         if self.spec.secure:
-            control.update(key_file=str(self.key_file(name)),
-                           allowed_keys=str(self.allowed_dir))
+            control.update(key_file=str(self.key_file(name)), allowed_keys=str(self.allowed_dir))
         if self.spec.signed_params:
             control["params_key_file"] = str(self.params_key_file)
         return {"control": control} if control else {}
@@ -186,37 +187,68 @@ class Cluster:
     def _engine_spec(self, name: str) -> EngineSpec:
         s = self.spec
         profile = s.profile or default_profile()
-        common: dict[str, Any] = {"model": self.model, "block_size": s.block_size,
-                                  "max_num_seqs": s.max_num_seqs,
-                                  "extra_args": list(s.engine_args)}
+        common: dict[str, Any] = {
+            "model": self.model,
+            "block_size": s.block_size,
+            "max_num_seqs": s.max_num_seqs,
+            "extra_args": list(s.engine_args),
+        }
         if isinstance(s.model, TinyMlaSpec):
             common["extra_args"] += s.model.engine_args()
         if self.tls is not None and name in self.engine_names:
-            common["extra_args"] += ["--ssl-keyfile", str(self.tls.key),
-                                     "--ssl-certfile", str(self.tls.cert)]
+            common["extra_args"] += [
+                "--ssl-keyfile",
+                str(self.tls.key),
+                "--ssl-certfile",
+                str(self.tls.cert),
+            ]
         if name in self.prefill_names:
-            kv = push_kv_config("kv_producer", profile, self.control_ports[name],
-                                {**s.extra, **s.prefill_extra},
-                                _engine_id(s.prefill_engine_id, name, "prefill"),
-                                security=self._security_extra(name))
+            kv = push_kv_config(
+                "kv_producer",
+                profile,
+                self.control_ports[name],
+                {**s.extra, **s.prefill_extra},
+                _engine_id(s.prefill_engine_id, name, "prefill"),
+                security=self._security_extra(name),
+            )
             args, bind = tp_args(s.prefill_tp, "0")
             common["extra_args"] += s.prefill_args + args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind,
-                              kv_cache_gib=s.prefill_kv_gib, env=dict(s.prefill_env), **common)
+            return EngineSpec(
+                name,
+                port=free_port(),
+                kv_transfer_config=kv,
+                cpu_bind=bind,
+                kv_cache_gib=s.prefill_kv_gib,
+                env=dict(s.prefill_env),
+                **common,
+            )
         if name in self.decode_names:
-            kv = push_kv_config("kv_consumer", profile, self.control_ports[name],
-                                {**s.extra, **s.decode_extra},
-                                _engine_id(s.decode_engine_id, name, "decode"),
-                                s.kv_load_failure_policy, security=self._security_extra(name))
+            kv = push_kv_config(
+                "kv_consumer",
+                profile,
+                self.control_ports[name],
+                {**s.extra, **s.decode_extra},
+                _engine_id(s.decode_engine_id, name, "decode"),
+                s.kv_load_failure_policy,
+                security=self._security_extra(name),
+            )
             args, bind = tp_args(s.decode_tp, "1")
             common["extra_args"] += s.decode_args + args
-            return EngineSpec(name, port=free_port(), kv_transfer_config=kv, cpu_bind=bind,
-                              kv_cache_gib=s.decode_kv_gib, env=dict(s.decode_env), **common)
+            return EngineSpec(
+                name,
+                port=free_port(),
+                kv_transfer_config=kv,
+                cpu_bind=bind,
+                kv_cache_gib=s.decode_kv_gib,
+                env=dict(s.decode_env),
+                **common,
+            )
         return EngineSpec(name, port=free_port(), cpu_bind="0", **common)
 
     def start(self, timeout: float = 600.0) -> Cluster:
         names = [*self.prefill_names, *self.decode_names] + (
-            ["reference"] if self.spec.reference and not self.spec.reference_url else [])
+            ["reference"] if self.spec.reference and not self.spec.reference_url else []
+        )
         for name in names:
             self.start_engine(name, wait=False)
         try:
@@ -250,8 +282,15 @@ class Cluster:
         return self.tls.ca if self.tls is not None else None
 
     def start_router(self) -> None:
-        cmd = [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1",
-               "--port", str(self.router_port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpush_prod.router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.router_port),
+        ]
         for name in self.prefill_names:
             cmd += ["--prefill", self.urls[name]]
         for name in self.decode_names:
@@ -267,8 +306,7 @@ class Cluster:
             cmd += ["--backend-ca-file", str(self.tls.ca)]
         import os
 
-        self.procs["router"] = Proc("router", cmd, dict(os.environ),
-                                    self.log_dir / "router.log")
+        self.procs["router"] = Proc("router", cmd, dict(os.environ), self.log_dir / "router.log")
         self.urls["router"] = f"http://127.0.0.1:{self.router_port}"
         wait_healthy(self.urls["router"], self.procs["router"], 120)
 
@@ -306,8 +344,11 @@ class Cluster:
         deadline = time.monotonic() + timeout
         last: dict[str, float] = {}
         while time.monotonic() < deadline:
-            last = {n: self.connector_blocks(n) for n in self.engine_names
-                    if n in self.procs and self.procs[n].alive()}
+            last = {
+                n: self.connector_blocks(n)
+                for n in self.engine_names
+                if n in self.procs and self.procs[n].alive()
+            }
             if all(v == 0 for v in last.values()):
                 return last
             time.sleep(0.5)
@@ -340,8 +381,13 @@ class SharedReference:
 
     @staticmethod
     def serves(spec: ClusterSpec) -> bool:
-        return (spec.reference and spec.model is None and spec.block_size is None
-                and spec.max_num_seqs is None and not spec.engine_args)
+        return (
+            spec.reference
+            and spec.model is None
+            and spec.block_size is None
+            and spec.max_num_seqs is None
+            and not spec.engine_args
+        )
 
     def attach(self, spec: ClusterSpec) -> ClusterSpec:
         """``spec``, comparing with this engine when it ``serves`` it (else unchanged)."""

@@ -39,21 +39,27 @@ async def _run(cluster: Cluster, lengths: list[int], max_tokens: int) -> int:
             await request(client, url, completion_body(prompt_of_length(64, seed=999), 4, True))
         for i, n in enumerate(lengths, 1):
             prompt = prompt_of_length(n, seed=i)
-            single = await request(client, cluster.urls["reference"],
-                                   completion_body(prompt_of_length(n, seed=1000 + i),
-                                                   max_tokens, True))
-            expect = await request(client, cluster.urls["reference"],
-                                   completion_body(prompt, max_tokens, False))
+            single = await request(
+                client,
+                cluster.urls["reference"],
+                completion_body(prompt_of_length(n, seed=1000 + i), max_tokens, True),
+            )
+            expect = await request(
+                client, cluster.urls["reference"], completion_body(prompt, max_tokens, False)
+            )
             before = metric_sum(scrape(cluster.urls["decode"]), "kvpush_transfer_bytes_total")
-            got = await request(client, cluster.urls["router"],
-                                completion_body(prompt, max_tokens, True))
+            got = await request(
+                client, cluster.urls["router"], completion_body(prompt, max_tokens, True)
+            )
             after = metric_sum(scrape(cluster.urls["decode"]), "kvpush_transfer_bytes_total")
             ok = got.ok and got.text == expect.text
             rows.append((i, n, got.ttft, single.ttft, after - before, ok, got.error))
-            print(f"  [{i}/{len(lengths)}] {n:5d} tokens  P/D TTFT {1000 * (got.ttft or 0):7.1f} ms"
-                  f"  single {1000 * (single.ttft or 0):7.1f} ms  pushed {int(after - before):>9,d} B"
-                  f"  {'same tokens as single engine' if ok else 'MISMATCH ' + got.error[:80]}",
-                  flush=True)
+            print(
+                f"  [{i}/{len(lengths)}] {n:5d} tokens  P/D TTFT {1000 * (got.ttft or 0):7.1f} ms"
+                f"  single {1000 * (single.ttft or 0):7.1f} ms  pushed {int(after - before):>9,d} B"
+                f"  {'same tokens as single engine' if ok else 'MISMATCH ' + got.error[:80]}",
+                flush=True,
+            )
     held = cluster.wait_idle(30)
     pd = [r[2] for r in rows if r[2] is not None]
     singles = [r[3] for r in rows if r[3] is not None]
@@ -61,16 +67,22 @@ async def _run(cluster: Cluster, lengths: list[int], max_tokens: int) -> int:
     pushed = sum(r[4] for r in rows)
     p50, s50 = statistics.median(pd), statistics.median(singles)
     print(f"\nCPU: {_cpu_model()}; dtype float32; {len(rows)} requests, {max_tokens} output tokens")
-    print(f"TTFT p50: P/D push {1000 * p50:.1f} ms, single engine {1000 * s50:.1f} ms "
-          f"(ratio {p50 / s50:.2f}x)")
-    print(f"Connector blocks held after the run: prefill {held.get('prefill')}, "
-          f"decode {held.get('decode')}")
+    print(
+        f"TTFT p50: P/D push {1000 * p50:.1f} ms, single engine {1000 * s50:.1f} ms "
+        f"(ratio {p50 / s50:.2f}x)"
+    )
+    print(
+        f"Connector blocks held after the run: prefill {held.get('prefill')}, "
+        f"decode {held.get('decode')}"
+    )
     good = correct == len(rows) and pushed > 0 and all(v == 0 for v in held.values())
     verdict = "PASS" if good else "FAIL"
-    print(f"VERDICT: {verdict}: {correct}/{len(rows)} answers equal to the single engine, "
-          f"{int(pushed):,d} KV bytes pushed over NIXL, TTFT p50 {1000 * p50:.1f} ms "
-          f"vs {1000 * s50:.1f} ms single ({p50 / s50:.2f}x), "
-          f"{'no' if all(v == 0 for v in held.values()) else 'LEAKED'} blocks held")
+    print(
+        f"VERDICT: {verdict}: {correct}/{len(rows)} answers equal to the single engine, "
+        f"{int(pushed):,d} KV bytes pushed over NIXL, TTFT p50 {1000 * p50:.1f} ms "
+        f"vs {1000 * s50:.1f} ms single ({p50 / s50:.2f}x), "
+        f"{'no' if all(v == 0 for v in held.values()) else 'LEAKED'} blocks held"
+    )
     return 0 if good else 1
 
 
@@ -78,22 +90,31 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="kvpush demo", description=__doc__)
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="where the model and logs go (default: a temporary folder)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where the model and logs go (default: a temporary folder)",
+    )
     ap.add_argument("--requests", type=int, default=len(LENGTHS))
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvpush-demo-"))
     lengths = (LENGTHS * (args.requests // len(LENGTHS) + 1))[: args.requests]
-    print(f"kvpush demo: starting prefill, decode and a single reference engine "
-          f"(tiny Llama, float32) and the router; logs in {workdir / 'logs'}", flush=True)
+    print(
+        f"kvpush demo: starting prefill, decode and a single reference engine "
+        f"(tiny Llama, float32) and the router; logs in {workdir / 'logs'}",
+        flush=True,
+    )
     t0 = time.monotonic()
     cluster = Cluster(ClusterSpec(workdir=workdir))
     try:
         cluster.start()
-        print(f"engines ready in {time.monotonic() - t0:.0f} s; block size "
-              f"{cluster.block_size()}; sending {len(lengths)} requests through the router",
-              flush=True)
+        print(
+            f"engines ready in {time.monotonic() - t0:.0f} s; block size "
+            f"{cluster.block_size()}; sending {len(lengths)} requests through the router",
+            flush=True,
+        )
         return asyncio.run(_run(cluster, lengths, args.max_tokens))
     except Exception as exc:  # noqa: BLE001 - the verdict line must always come
         print(f"VERDICT: FAIL: {type(exc).__name__}: {exc}", flush=True)

@@ -98,11 +98,24 @@ class EngineSpec:
     def command(self) -> list[str]:
         inside = ["ip", "netns", "exec", self.netns] if self.netns else []
         cmd = [
-            *inside, sys.executable, "-m", "kvpush_prod.lab.serve", self.model,
-            "--host", "0.0.0.0" if self.netns else "127.0.0.1", "--port", str(self.port),
-            "--dtype", self.dtype, "--enforce-eager", "--seed", "0",
-            "--max-model-len", str(self.max_model_len),
-            "--served-model-name", "tiny",
+            *inside,
+            sys.executable,
+            "-m",
+            "kvpush_prod.lab.serve",
+            self.model,
+            "--host",
+            "0.0.0.0" if self.netns else "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--served-model-name",
+            "tiny",
         ]
         if self.block_size:
             cmd += ["--block-size", str(self.block_size)]
@@ -184,10 +197,10 @@ class Proc:
             return ""
         for i in range(len(lines) - 1, -1, -1):
             if lines[i].startswith(RUN_MARKER):
-                lines = lines[i + 1:]
+                lines = lines[i + 1 :]
                 break
         head = len(lines) - n
-        causes = [line for line in lines[:max(0, head)] if _CAUSE.search(line)][-20:]
+        causes = [line for line in lines[: max(0, head)] if _CAUSE.search(line)][-20:]
         out = lines[-n:]
         if causes:
             out = ["[earlier lines naming an error]", *causes, "[last lines]", *out]
@@ -222,8 +235,9 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> Proc:
     return Proc(spec.name, spec.command(), engine_env(spec), log_dir / f"{spec.name}.log")
 
 
-def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0,
-                 ca_file: Path | None = None) -> None:
+def wait_healthy(
+    url: str, proc: Proc | None = None, timeout: float = 300.0, ca_file: Path | None = None
+) -> None:
     """Wait for ``url``/health to answer 200; raise with the log tail if the process died.
     An https:// ``url`` is verified against ``ca_file`` (the lab's CA) when given."""
     context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
@@ -238,13 +252,20 @@ def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 300.0,
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout}s" + (f":\n{proc.tail()}" if proc else ""))
+    raise TimeoutError(
+        f"{url} not healthy after {timeout}s" + (f":\n{proc.tail()}" if proc else "")
+    )
 
 
-def push_kv_config(role: str, profile: str | None, control_port: int,
-                   extra: dict[str, Any] | None = None, engine_id: str | None = None,
-                   kv_load_failure_policy: str | None = None,
-                   security: dict[str, Any] | None = None) -> dict[str, Any]:
+def push_kv_config(
+    role: str,
+    profile: str | None,
+    control_port: int,
+    extra: dict[str, Any] | None = None,
+    engine_id: str | None = None,
+    kv_load_failure_policy: str | None = None,
+    security: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A ``kv_transfer_config`` that loads PushConnector (``security``: the control keys and
     params key, merged before ``extra`` so a test can override them)."""
     extra_config: dict[str, Any] = {"control": {"port": control_port}}
@@ -303,12 +324,15 @@ class TlsFiles:
 def _openssl(*args: str, cwd: Path) -> None:
     exe = shutil.which("openssl")
     if exe is None:
-        raise RuntimeError("the openssl command is not installed; the lab makes its TLS "
-                           "certificates with it: install openssl (apt-get install openssl)")
+        raise RuntimeError(
+            "the openssl command is not installed; the lab makes its TLS "
+            "certificates with it: install openssl (apt-get install openssl)"
+        )
     done = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"openssl {' '.join(args[:2])} failed ({done.returncode}): "
-                           f"{done.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"openssl {' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+        )
 
 
 def make_ca(directory: Path, name: str = "kvpush-lab") -> tuple[Path, Path]:
@@ -317,31 +341,90 @@ def make_ca(directory: Path, name: str = "kvpush-lab") -> tuple[Path, Path]:
     ext = directory / f"{name}-ca.cnf"
     ext.write_text("[req]\ndistinguished_name = dn\n[dn]\n" + _CA_EXTENSIONS)
     cert, key = directory / f"{name}-ca.pem", directory / f"{name}-ca.key"
-    _openssl("req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-             "-nodes", "-keyout", key.name, "-out", cert.name, "-days", "30",
-             "-subj", f"/CN={name} CA", "-config", ext.name, "-extensions", "ca", cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        key.name,
+        "-out",
+        cert.name,
+        "-days",
+        "30",
+        "-subj",
+        f"/CN={name} CA",
+        "-config",
+        ext.name,
+        "-extensions",
+        "ca",
+        cwd=directory,
+    )
     key.chmod(0o600)
     return cert, key
 
 
-def issue_cert(ca: tuple[Path, Path], directory: Path, name: str,
-               hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
-               client: bool = False) -> TlsFiles:
+def issue_cert(
+    ca: tuple[Path, Path],
+    directory: Path,
+    name: str,
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+    client: bool = False,
+) -> TlsFiles:
     """A certificate ``ca`` signs for ``hosts`` (IP addresses and DNS names; a server's, or
     with ``client`` a client's for mutual TLS), with its key, in ``directory``."""
     ca_cert, ca_key = ca
     directory.mkdir(parents=True, exist_ok=True)
     names = ",".join(f"IP:{h}" if _is_ip(h) else f"DNS:{h}" for h in hosts)
     ext = directory / f"{name}.cnf"
-    ext.write_text("[req]\ndistinguished_name = dn\n[dn]\n" + _LEAF_EXTENSIONS.format(
-        usage="clientAuth" if client else "serverAuth", names=names))
+    ext.write_text(
+        "[req]\ndistinguished_name = dn\n[dn]\n"
+        + _LEAF_EXTENSIONS.format(usage="clientAuth" if client else "serverAuth", names=names)
+    )
     cert, key, csr = (directory / f"{name}{s}" for s in (".pem", ".key", ".csr"))
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-             "-keyout", key.name, "-out", csr.name, "-subj", f"/CN={hosts[0]}",
-             "-config", ext.name, cwd=directory)
-    _openssl("x509", "-req", "-in", csr.name, "-CA", str(ca_cert), "-CAkey", str(ca_key),
-             "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", "30",
-             "-out", cert.name, "-extfile", ext.name, "-extensions", "leaf", cwd=directory)
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        key.name,
+        "-out",
+        csr.name,
+        "-subj",
+        f"/CN={hosts[0]}",
+        "-config",
+        ext.name,
+        cwd=directory,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr.name,
+        "-CA",
+        str(ca_cert),
+        "-CAkey",
+        str(ca_key),
+        "-set_serial",
+        str(int.from_bytes(os.urandom(8), "big")),
+        "-days",
+        "30",
+        "-out",
+        cert.name,
+        "-extfile",
+        ext.name,
+        "-extensions",
+        "leaf",
+        cwd=directory,
+    )
     key.chmod(0o600)
     return TlsFiles(ca_cert, ca_key, cert, key)
 

@@ -130,16 +130,19 @@ def _write_weights(path: Path, spec: TinyMlaSpec) -> None:
         q = rnd(heads, qk, h, fan_in=h)
         kv_a = rnd(spec.latent_size, h, fan_in=h)
         if not spec.rope_weights:
-            q[:, spec.qk_nope_head_dim:] = 0
-            kv_a[spec.kv_lora_rank:] = 0
+            q[:, spec.qk_nope_head_dim :] = 0
+            kv_a[spec.kv_lora_rank :] = 0
         tensors[attn + "q_proj.weight"] = q.reshape(heads * qk, h)
         tensors[attn + "kv_a_proj_with_mqa.weight"] = kv_a
         tensors[attn + "kv_a_layernorm.weight"] = torch.ones(spec.kv_lora_rank)
         tensors[attn + "kv_b_proj.weight"] = rnd(
-            heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
-            fan_in=spec.kv_lora_rank)
-        tensors[attn + "o_proj.weight"] = rnd(h, heads * spec.v_head_dim,
-                                              fan_in=heads * spec.v_head_dim)
+            heads * (spec.qk_nope_head_dim + spec.v_head_dim),
+            spec.kv_lora_rank,
+            fan_in=spec.kv_lora_rank,
+        )
+        tensors[attn + "o_proj.weight"] = rnd(
+            h, heads * spec.v_head_dim, fan_in=heads * spec.v_head_dim
+        )
         tensors[pre + "mlp.gate_proj.weight"] = rnd(inter, h, fan_in=h)
         tensors[pre + "mlp.up_proj.weight"] = rnd(inter, h, fan_in=h)
         tensors[pre + "mlp.down_proj.weight"] = rnd(h, inter, fan_in=inter)

@@ -75,8 +75,9 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
     return out
 
 
-def write_config_and_tokenizer(out: Path, config: dict[str, object], vocab_size: int,
-                               max_positions: int) -> None:
+def write_config_and_tokenizer(
+    out: Path, config: dict[str, object], vocab_size: int, max_positions: int
+) -> None:
     """config.json, generation_config.json and the lab tokenizer of a tiny model in ``out``."""
     _write_if_changed(out / "config.json", json.dumps(config, indent=2))
     _write_if_changed(
@@ -129,12 +130,15 @@ def write_tokenizer(out: Path, vocab_size: int, max_positions: int) -> None:
     _write_if_changed(out / "tokenizer_config.json", json.dumps(tok_config, indent=2))
     _write_if_changed(
         out / "special_tokens_map.json",
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}),
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+        ),
     )
 
 
-def seeded_weights(seed: int, h: int, vocab: int, weight_std: float
-                   ) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor]]:
+def seeded_weights(
+    seed: int, h: int, vocab: int, weight_std: float
+) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor]]:
     """A tiny model's weight maker and its first tensors (embeddings, final norm, LM head),
     drawn from one generator seeded with ``seed``: ``rnd(*shape, fan_in=n)`` draws the next
     tensor with std ``weight_std * sqrt(h / n)``."""

@@ -19,8 +19,10 @@ NAMESPACE = "kvpush"
 LABELS = {"app.kubernetes.io/part-of": "kvpush"}
 RULE_FILE = "prometheusrule.yaml"
 DASHBOARD_FILE = "grafana-dashboard.yaml"
-_HEADER = ("# Generated from {source} by `python -m kvpush_prod.ops.kubernetes deploy/kubernetes`;"
-           "\n# edit the source, then regenerate (tests/ops/test_kubernetes.py checks it).\n")
+_HEADER = (
+    "# Generated from {source} by `python -m kvpush_prod.ops.kubernetes deploy/kubernetes`;"
+    "\n# edit the source, then regenerate (tests/ops/test_kubernetes.py checks it).\n"
+)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -42,18 +44,28 @@ def _dump(obj: dict[str, Any]) -> str:
 def prometheus_rule() -> dict[str, Any]:
     """The shipped alert rules as a Prometheus Operator PrometheusRule."""
     rules = yaml.safe_load(ALERT_RULES.read_text())
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": "kvpush", "labels": dict(LABELS)},
-            "spec": {"groups": rules["groups"]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "kvpush", "labels": dict(LABELS)},
+        "spec": {"groups": rules["groups"]},
+    }
 
 
 def dashboard_configmap() -> dict[str, Any]:
     """The dashboard as a ConfigMap Grafana's sidecar loads (label grafana_dashboard: "1")."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": "kvpush-grafana-dashboard",
-                         "labels": {**LABELS, "grafana_dashboard": "1"}},
-            "data": {"kvpush.json": json.dumps(json.loads(DASHBOARD.read_text()),
-                                               indent=1, sort_keys=False) + "\n"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "kvpush-grafana-dashboard",
+            "labels": {**LABELS, "grafana_dashboard": "1"},
+        },
+        "data": {
+            "kvpush.json": json.dumps(json.loads(DASHBOARD.read_text()), indent=1, sort_keys=False)
+            + "\n"
+        },
+    }
 
 
 def render() -> dict[str, str]:
@@ -69,8 +81,11 @@ def render() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m kvpush_prod.ops.kubernetes DIR (an existing directory, e.g. "
-              "deploy/kubernetes)", file=sys.stderr)
+        print(
+            "usage: python -m kvpush_prod.ops.kubernetes DIR (an existing directory, e.g. "
+            "deploy/kubernetes)",
+            file=sys.stderr,
+        )
         return 2
     for name, text in render().items():
         (Path(args[0]) / name).write_text(text)

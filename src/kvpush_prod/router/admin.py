@@ -24,13 +24,21 @@ MAX_ADMIN_BODY = 4096
 def _authorized(settings: RouterSettings, request: Request) -> Response | None:
     """None if the call may go on, else the answer that refuses it."""
     if settings.admin_token is None:
-        return error_response(404, "the admin API is off: start the router with "
-                              "--admin-token-file PATH", "invalid_request_error", "admin_off")
+        return error_response(
+            404,
+            "the admin API is off: start the router with --admin-token-file PATH",
+            "invalid_request_error",
+            "admin_off",
+        )
     given = request.headers.get("authorization", "")
     want = b"Bearer " + settings.admin_token
     if not hmac.compare_digest(given.encode(), want):
-        return error_response(401, "missing or wrong admin token (Authorization: Bearer ...)",
-                              "invalid_request_error", "unauthorized")
+        return error_response(
+            401,
+            "missing or wrong admin token (Authorization: Bearer ...)",
+            "invalid_request_error",
+            "unauthorized",
+        )
     return None
 
 
@@ -41,13 +49,18 @@ async def _backend_of(pool: BackendPool, request: Request) -> tuple[Any, Respons
     except (ValueError, AttributeError):
         url = None
     if not isinstance(url, str):
-        return None, error_response(400, 'send {"backend": "http://host:port"}',
-                                    "invalid_request_error", "bad_request")
+        return None, error_response(
+            400, 'send {"backend": "http://host:port"}', "invalid_request_error", "bad_request"
+        )
     b = pool.find(url)
     if b is None:
         known = ", ".join(x.url for x in pool.all)
-        return None, error_response(404, f"no backend {url!r}; the router knows: {known}",
-                                    "invalid_request_error", "unknown_backend")
+        return None, error_response(
+            404,
+            f"no backend {url!r}; the router knows: {known}",
+            "invalid_request_error",
+            "unknown_backend",
+        )
     return b, None
 
 
@@ -59,8 +72,12 @@ def add_admin_routes(app: FastAPI, settings: RouterSettings, pool: BackendPool) 
         refused = _authorized(settings, request)
         if refused is not None:
             return refused
-        return JSONResponse({"prefill": [b.describe() for b in pool.prefill],
-                             "decode": [b.describe() for b in pool.decode]})
+        return JSONResponse(
+            {
+                "prefill": [b.describe() for b in pool.prefill],
+                "decode": [b.describe() for b in pool.decode],
+            }
+        )
 
     async def set_draining(request: Request, draining: bool) -> Response:
         refused = _authorized(settings, request)

@@ -66,8 +66,13 @@ def build_app(
     return app
 
 
-def _add_routes(app: FastAPI, settings: RouterSettings, pool: BackendPool,
-                admission: Admission, metrics: RouterMetrics) -> None:
+def _add_routes(
+    app: FastAPI,
+    settings: RouterSettings,
+    pool: BackendPool,
+    admission: Admission,
+    metrics: RouterMetrics,
+) -> None:
     """The client-facing routes: the two OpenAI endpoints, health, models and metrics."""
 
     @app.post(COMPLETIONS_PATH)
@@ -99,7 +104,6 @@ def _add_routes(app: FastAPI, settings: RouterSettings, pool: BackendPool,
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
 
 
 def _lifespan(

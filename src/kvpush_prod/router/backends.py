@@ -103,8 +103,9 @@ class BackendPool:
             Backend(Role.PREFILL, b.url, overrides=b, needs_identity=settings.mode == "push")
             for b in settings.prefill
         ]
-        self.decode = [Backend(Role.DECODE, b.url, needs_key=settings.probes_decode)
-                       for b in settings.decode]
+        self.decode = [
+            Backend(Role.DECODE, b.url, needs_key=settings.probes_decode) for b in settings.decode
+        ]
         self._policy: dict[Role, Policy] = {
             Role.PREFILL: make_policy(settings.policy),
             Role.DECODE: make_policy(settings.policy),
@@ -131,8 +132,11 @@ class BackendPool:
             if b.up and b.draining:
                 # Back after being down: the drained engine was restarted.
                 b.draining = False
-                log.warning("%s backend %s is back after its drain: routing to it again",
-                            b.role.value, b.url)
+                log.warning(
+                    "%s backend %s is back after its drain: routing to it again",
+                    b.role.value,
+                    b.url,
+                )
             if b.up:
                 log.info("%s backend %s is up", b.role.value, b.url)
             else:
@@ -163,12 +167,20 @@ class BackendPool:
         if b.up:
             b.last_error = None
         elif b.last_error is None:
-            b.last_error = ("identity not probed yet" if b.role is Role.PREFILL
-                            else "control-channel key not probed yet")
+            b.last_error = (
+                "identity not probed yet"
+                if b.role is Role.PREFILL
+                else "control-channel key not probed yet"
+            )
         self._publish(b, was_up)
 
-    def set_identity(self, b: Backend, identity: PrefillIdentity | None, error: str | None,
-                     ranks: dict[int, PrefillIdentity] | None = None) -> None:
+    def set_identity(
+        self,
+        b: Backend,
+        identity: PrefillIdentity | None,
+        error: str | None,
+        ranks: dict[int, PrefillIdentity] | None = None,
+    ) -> None:
         """Record P's identity (``ranks``: with data parallelism, every DP rank's)."""
         was_up = b.up
         b.identity = identity
@@ -213,8 +225,12 @@ class BackendPool:
     def set_draining(self, b: Backend, draining: bool) -> None:
         """Stop (or resume) giving ``b`` new legs; legs already open finish."""
         if b.draining != draining:
-            log.warning("%s backend %s %s", b.role.value, b.url,
-                        "draining: no new requests" if draining else "undrained")
+            log.warning(
+                "%s backend %s %s",
+                b.role.value,
+                b.url,
+                "draining: no new requests" if draining else "undrained",
+            )
         b.draining = draining
 
     def leg_started(self, b: Backend) -> None:
@@ -238,8 +254,11 @@ class BackendPool:
         return any(b.up for b in self.prefill) and any(b.up for b in self.decode)
 
     def _eligible(self, role: Role, model: str | None, exclude: set[Backend]) -> list[Backend]:
-        return [b for b in self.by_role(role)
-                if b.up and not b.draining and b not in exclude and b.serves(model)]
+        return [
+            b
+            for b in self.by_role(role)
+            if b.up and not b.draining and b not in exclude and b.serves(model)
+        ]
 
     def has_pair(self, model: str | None, exclude: set[Backend]) -> bool:
         return bool(self._eligible(Role.PREFILL, model, exclude)) and bool(

@@ -122,9 +122,8 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
         help="send a request whose prompt is estimated below N tokens to a decode backend "
         "alone, which computes it (no KV transfer; counted in kvpush_router_direct_total); "
         f"0 turns it off (default {DIRECT_BELOW_TOKENS}, measured on the lab box; measure "
-        "yours: docs/router.md, \"Short prompts: straight to D\")",
+        'yours: docs/router.md, "Short prompts: straight to D")',
     )
-
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:

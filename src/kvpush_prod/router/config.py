@@ -236,23 +236,31 @@ class RouterSettings(_Strict):
             given, missing = (
                 ("backend_client_cert_file", "backend_client_key_file")
                 if self.backend_client_key_file is None
-                else ("backend_client_key_file", "backend_client_cert_file"))
+                else ("backend_client_key_file", "backend_client_cert_file")
+            )
             raise ValueError(
                 f"{given} is set but {missing} is not: mutual TLS needs the client "
-                "certificate and its key; set both (or neither)")
+                "certificate and its key; set both (or neither)"
+            )
         if self.backend_ca_file is not None:
             # The operator asked for TLS to the engines: a plain http:// leg would carry the
             # signed kv_transfer_params in clear text beside the encrypted ones.
-            urls = (("prefill", [b.url for b in self.prefill]),
-                    ("decode", [b.url for b in self.decode]))
-            plain = [f"{role}[{i}].url = {url!r}"
-                     for role, lst in urls
-                     for i, url in enumerate(lst) if url.startswith("http://")]
+            urls = (
+                ("prefill", [b.url for b in self.prefill]),
+                ("decode", [b.url for b in self.decode]),
+            )
+            plain = [
+                f"{role}[{i}].url = {url!r}"
+                for role, lst in urls
+                for i, url in enumerate(lst)
+                if url.startswith("http://")
+            ]
             if plain:
                 raise ValueError(
                     f"backend_ca_file is set (TLS to the engines) but {', '.join(plain)} "
                     f"{'is' if len(plain) == 1 else 'are'} plain http://: use https:// for "
-                    "every backend, or drop backend_ca_file")
+                    "every backend, or drop backend_ca_file"
+                )
         return self
 
     @property
@@ -370,8 +378,7 @@ def _with_admin_token(settings: RouterSettings) -> RouterSettings:
     """``settings`` with ``admin_token`` read from ``admin_token_file`` (if given)."""
     if settings.admin_token is not None or settings.admin_token_file is None:
         return settings
-    return settings.model_copy(
-        update={"admin_token": read_admin_token(settings.admin_token_file)})
+    return settings.model_copy(update={"admin_token": read_admin_token(settings.admin_token_file)})
 
 
 def with_params_key(
@@ -400,7 +407,8 @@ def with_params_key(
             "vllm_push_compat (--vllm-push-compat) with a params key: vLLM's "
             "NixlPushConnector checks no signature and kvpush engines refuse D's signed "
             "remote_request_id; drop the params key for vLLM's connectors, or "
-            "vllm_push_compat for kvpush engines")
+            "vllm_push_compat for kvpush engines"
+        )
     return settings.model_copy(update={"params_key": key})
 
 

@@ -20,8 +20,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 # What must be zero on a drained engine: vLLM's requests, then ours.
-BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-               "kvpush_transfers_active", "kvpush_connector_blocks")
+BUSY_SERIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "kvpush_transfers_active",
+    "kvpush_connector_blocks",
+)
 # Every vLLM engine exports this one: a /metrics without it is not an engine's (the
 # router's own, a proxy's), and reading "nothing busy" there would prove nothing.
 ENGINE_SERIES = "vllm:num_requests_running"
@@ -54,8 +58,9 @@ def read_busy(client: httpx.Client, engine: str) -> dict[str, float]:
     except httpx.HTTPError as exc:
         raise MetricsUnreadable(f"GET {url} failed ({type(exc).__name__}: {exc})") from None
     if r.status_code != 200:
-        raise MetricsUnreadable(f"GET {url} answered HTTP {r.status_code}: "
-                                f"{r.text[:200].strip()!r}")
+        raise MetricsUnreadable(
+            f"GET {url} answered HTTP {r.status_code}: {r.text[:200].strip()!r}"
+        )
     try:
         families = list(text_string_to_metric_families(r.text))
     except ValueError as exc:
@@ -63,22 +68,33 @@ def read_busy(client: httpx.Client, engine: str) -> dict[str, float]:
     if not any(s.name == ENGINE_SERIES for f in families for s in f.samples):
         raise MetricsUnreadable(
             f"GET {url} has no {ENGINE_SERIES}: it is not a vLLM engine's /metrics (the "
-            "router's, or a proxy's?)")
+            "router's, or a proxy's?)"
+        )
     return busy(r.text)
 
 
-def _admin(client: httpx.Client, router: str, token: str, path: str,
-           engine: str) -> dict[str, object]:
-    r = client.post(router.rstrip("/") + path, json={"backend": engine},
-                    headers={"Authorization": f"Bearer {token}"})
+def _admin(
+    client: httpx.Client, router: str, token: str, path: str, engine: str
+) -> dict[str, object]:
+    r = client.post(
+        router.rstrip("/") + path,
+        json={"backend": engine},
+        headers={"Authorization": f"Bearer {token}"},
+    )
     if r.status_code != 200:
         raise RuntimeError(f"{router}{path}: {r.status_code} {r.text[:300]}")
     return dict(r.json())
 
 
-def drain(engine: str, routers: list[str], token: str, deadline_s: float,
-          say: Callable[[str], None] = print, poll_s: float = 1.0,
-          client: httpx.Client | None = None) -> bool:
+def drain(
+    engine: str,
+    routers: list[str],
+    token: str,
+    deadline_s: float,
+    say: Callable[[str], None] = print,
+    poll_s: float = 1.0,
+    client: httpx.Client | None = None,
+) -> bool:
     """Drain ``engine`` behind ``routers``; True once its /metrics show it idle within
     ``deadline_s``, False at the deadline; MetricsUnreadable when its /metrics cannot be
     read MAX_FAILED_READS times in a row."""
@@ -101,14 +117,14 @@ def drain(engine: str, routers: list[str], token: str, deadline_s: float,
                     f"cannot tell whether {engine} is drained: {exc}. Pass the engine's "
                     "OpenAI server URL as the router lists it (GET /admin/backends); if the "
                     "engine has stopped it holds nothing, but check its log before "
-                    "restarting") from None
+                    "restarting"
+                ) from None
             time.sleep(poll_s)
             continue
         failed = 0
         waited = time.monotonic() - start
         left = {k.split(":")[-1]: int(v) for k, v in now.items() if v}
-        say(f"[drain] {waited:5.1f}s " + (", ".join(f"{k}={v}" for k, v in left.items())
-                                           or "idle"))
+        say(f"[drain] {waited:5.1f}s " + (", ".join(f"{k}={v}" for k, v in left.items()) or "idle"))
         if not left:
             return True
         if waited >= deadline_s:
@@ -116,26 +132,40 @@ def drain(engine: str, routers: list[str], token: str, deadline_s: float,
         time.sleep(poll_s)
 
 
-def main(argv: list[str] | None = None,
-         transport: httpx.BaseTransport | None = None) -> int:
+def main(argv: list[str] | None = None, transport: httpx.BaseTransport | None = None) -> int:
     """``kvpush drain``; ``transport`` replaces the network (tests)."""
     ap = argparse.ArgumentParser(prog="kvpush drain", description=__doc__.split("\n\n")[0])
     ap.add_argument("engine", help="the engine's OpenAI server URL, as the router lists it")
-    ap.add_argument("--router", action="append", required=True, metavar="URL",
-                    help="a router fronting the engine (repeat for several)")
-    ap.add_argument("--admin-token-file", required=True, metavar="PATH",
-                    help="the routers' admin token (their --admin-token-file)")
-    ap.add_argument("--deadline", type=float, default=300.0, metavar="S",
-                    help="give up after this many seconds (default 300)")
-    ap.add_argument("--undo", action="store_true",
-                    help="put the engine back in rotation (an engine that restarted comes "
-                    "back by itself)")
+    ap.add_argument(
+        "--router",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a router fronting the engine (repeat for several)",
+    )
+    ap.add_argument(
+        "--admin-token-file",
+        required=True,
+        metavar="PATH",
+        help="the routers' admin token (their --admin-token-file)",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="give up after this many seconds (default 300)",
+    )
+    ap.add_argument(
+        "--undo",
+        action="store_true",
+        help="put the engine back in rotation (an engine that restarted comes back by itself)",
+    )
     args = ap.parse_args(argv)
     try:
         token = Path(args.admin_token_file).read_text().strip()
     except OSError as exc:
-        print(f"kvpush drain: cannot read {args.admin_token_file}: {exc.strerror}",
-              file=sys.stderr)
+        print(f"kvpush drain: cannot read {args.admin_token_file}: {exc.strerror}", file=sys.stderr)
         return 2
     try:
         with httpx.Client(timeout=10.0, trust_env=False, transport=transport) as client:
@@ -152,9 +182,13 @@ def main(argv: list[str] | None = None,
         print(f"kvpush drain: {exc}", file=sys.stderr)
         return 2
     if ok:
-        print(f"DRAINED: {args.engine} holds no request, transfer or block; restart it now "
-              "(it rejoins the routers once healthy)")
+        print(
+            f"DRAINED: {args.engine} holds no request, transfer or block; restart it now "
+            "(it rejoins the routers once healthy)"
+        )
         return 0
-    print(f"NOT DRAINED: {args.engine} still busy after {args.deadline:.0f}s (see above); "
-          "raise --deadline or restart anyway (open requests fail)")
+    print(
+        f"NOT DRAINED: {args.engine} still busy after {args.deadline:.0f}s (see above); "
+        "raise --deadline or restart anyway (open requests fail)"
+    )
     return 1

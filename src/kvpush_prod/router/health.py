@@ -34,8 +34,11 @@ def _err(e: BaseException) -> str:
     return describe_error(e)
 
 
-_LOAD_SERIES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-                "vllm:kv_cache_usage_perc": "kv_usage"}
+_LOAD_SERIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
 
 
 def parse_load(text: str, now: float) -> EngineLoad:
@@ -59,6 +62,7 @@ def parse_load(text: str, now: float) -> EngineLoad:
 # Data-parallel ranks of one API server the identity probe looks for, at most.
 MAX_DP_RANKS = 256
 OUT_OF_RANGE = "data-parallel rank out of range"
+
 
 class HealthMonitor:
     """Keeps each backend's ``healthy``, ``models``, (for P) ``identity`` and (for D, with
@@ -177,28 +181,43 @@ class HealthMonitor:
                 self.pool.set_identity(b, None, error)
                 return
             if got.dp_rank != rank:
-                self.pool.set_identity(b, None, (
-                    f"identity probe of data-parallel rank {rank} was answered by rank "
-                    f"{got.dp_rank}: this vLLM ignores the X-data-parallel-rank header, so a "
-                    "decode engine cannot know which engine core holds a request's KV; run "
-                    "one API server per DP rank (--data-parallel-rank / "
-                    "--data-parallel-external-lb) and list each as a prefill backend"))
+                self.pool.set_identity(
+                    b,
+                    None,
+                    (
+                        f"identity probe of data-parallel rank {rank} was answered by rank "
+                        f"{got.dp_rank}: this vLLM ignores the X-data-parallel-rank header, so a "
+                        "decode engine cannot know which engine core holds a request's KV; run "
+                        "one API server per DP rank (--data-parallel-rank / "
+                        "--data-parallel-external-lb) and list each as a prefill backend"
+                    ),
+                )
                 return
             ranks[rank] = got
         if ranks:
             if identity.dp_size not in (1, len(ranks)):
-                self.pool.set_identity(b, None, (
-                    f"P says it has {identity.dp_size} data-parallel ranks but answered "
-                    f"for {len(ranks)}"))
+                self.pool.set_identity(
+                    b,
+                    None,
+                    (
+                        f"P says it has {identity.dp_size} data-parallel ranks but answered "
+                        f"for {len(ranks)}"
+                    ),
+                )
                 return
             identity = dataclasses.replace(identity, dp_size=len(ranks))
             ranks = {r: dataclasses.replace(i, dp_size=len(ranks)) for r, i in ranks.items()}
-        log.info("prefill backend %s identity %s%s", b.url, identity,
-                 f" ({len(ranks)} data-parallel ranks)" if ranks else "")
+        log.info(
+            "prefill backend %s identity %s%s",
+            b.url,
+            identity,
+            f" ({len(ranks)} data-parallel ranks)" if ranks else "",
+        )
         self.pool.set_identity(b, identity, None, ranks)
 
-    async def _probe_identity(self, b: Backend, epoch: int, rank: int | None
-                              ) -> tuple[PrefillIdentity | None, str]:
+    async def _probe_identity(
+        self, b: Backend, epoch: int, rank: int | None
+    ) -> tuple[PrefillIdentity | None, str]:
         """One probe (pinned to DP ``rank`` when given): the identity, or None and why."""
         at = "" if rank is None else f" (data-parallel rank {rank})"
         try:
@@ -211,8 +230,7 @@ class HealthMonitor:
             return None, f"identity probe{at} answered HTTP {r.status_code}: {r.text[:300]}"
         try:
             params = r.json().get("kv_transfer_params")
-            return resolve_identity(params if isinstance(params, dict) else None,
-                                    b.overrides), ""
+            return resolve_identity(params if isinstance(params, dict) else None, b.overrides), ""
         except (ValueError, AttributeError) as e:
             return None, f"identity probe{at}: {e}"
 
@@ -253,7 +271,9 @@ class HealthMonitor:
         else:
             try:
                 params = r.json().get("kv_transfer_params")
-                key = check_remote_key(params.get("remote_key") if isinstance(params, dict) else None)
+                key = check_remote_key(
+                    params.get("remote_key") if isinstance(params, dict) else None
+                )
             except (ValueError, AttributeError) as e:
                 failure = f"key probe: {e}"
             else:
@@ -263,8 +283,12 @@ class HealthMonitor:
         self.pool.set_decode_key_failure(b, failure)
         if self._key_failures.get(b.url) != failure:  # one failing every poll is logged once
             self._key_failures[b.url] = failure
-            log.warning("decode backend %s: %s; not routed to until its key is known "
-                        "(--no-probe-decode routes without it)", b.url, failure)
+            log.warning(
+                "decode backend %s: %s; not routed to until its key is known "
+                "(--no-probe-decode routes without it)",
+                b.url,
+                failure,
+            )
 
     def note_prefill_response(self, b: Backend, body: bytes) -> None:
         """Pick up a changed identity (P restarted between polls) from a P leg's answer."""
@@ -282,8 +306,11 @@ class HealthMonitor:
         if identity.dp_rank is not None or ident.dp_rank is not None:
             # Restarted with data parallelism (before or now): every rank's identity may
             # have changed; probe them all again before the next leg.
-            log.warning("prefill backend %s changed identity (data-parallel engine): "
-                        "probing its ranks again", b.url)
+            log.warning(
+                "prefill backend %s changed identity (data-parallel engine): "
+                "probing its ranks again",
+                b.url,
+            )
             self.pool.set_identity(b, None, "identity changed: probing its ranks again")
             return
         if identity != b.identity:

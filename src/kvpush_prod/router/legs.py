@@ -84,19 +84,23 @@ def direct_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def signed(body: dict[str, Any], key: bytes | None, now: float, ttl_s: float,
-           leg: str) -> dict[str, Any]:
+def signed(
+    body: dict[str, Any], key: bytes | None, now: float, ttl_s: float, leg: str
+) -> dict[str, Any]:
     """``body`` with its ``kv_transfer_params`` signed by the params key for ``leg``
     (``signing.PREFILL``/``DECODE``), valid ``ttl_s`` from ``now`` (wall-clock: the engines
     check it against theirs) and once (a fresh nonce); unchanged without a key."""
     if key is None:
         return body
-    return {**body, "kv_transfer_params": sign_params(body["kv_transfer_params"], key, now, leg,
-                                                      ttl_s)}
+    return {
+        **body,
+        "kv_transfer_params": sign_params(body["kv_transfer_params"], key, now, leg, ttl_s),
+    }
 
 
-def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str,
-                      for_signing: bool = False) -> dict[str, Any]:
+def pull_prefill_body(
+    body: dict[str, Any], path: str, transfer_id: str, for_signing: bool = False
+) -> dict[str, Any]:
     """Pull mode, P's leg: one token, non-streaming; P keeps the KV for D to READ.
 
     The kv_transfer_params are those of vLLM's own disaggregation proxies for NixlConnector;
@@ -117,8 +121,9 @@ def pull_prefill_body(body: dict[str, Any], path: str, transfer_id: str,
     return out
 
 
-def pull_decode_body(body: dict[str, Any], p_params: dict[str, Any],
-                     transfer_id: str | None = None) -> dict[str, Any]:
+def pull_decode_body(
+    body: dict[str, Any], p_params: dict[str, Any], transfer_id: str | None = None
+) -> dict[str, Any]:
     """Pull mode, D's leg: the client's request with P's answered kv_transfer_params
     (P's block ids, engine id and side channel), so D READs the KV from P.
 
@@ -175,15 +180,21 @@ def tls_hint(text: str) -> str:
     """What to check when ``text`` (an error's description) is a TLS failure of an
     https:// backend ("" otherwise)."""
     if "CERTIFICATE_VERIFY_FAILED" in text:
-        return ("; the engine's TLS certificate does not chain to the router's CA or does "
-                "not name the host of its URL: check --backend-ca-file against the engine's "
-                "--ssl-certfile")
+        return (
+            "; the engine's TLS certificate does not chain to the router's CA or does "
+            "not name the host of its URL: check --backend-ca-file against the engine's "
+            "--ssl-certfile"
+        )
     if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
-        return ("; the backend does not speak TLS: start the engine with --ssl-keyfile/"
-                "--ssl-certfile, or list it as http://")
+        return (
+            "; the backend does not speak TLS: start the engine with --ssl-keyfile/"
+            "--ssl-certfile, or list it as http://"
+        )
     if "CERTIFICATE_REQUIRED" in text or "alert certificate required" in text:
-        return ("; the engine requires a client certificate: give the router "
-                "--backend-client-cert-file and --backend-client-key-file")
+        return (
+            "; the engine requires a client certificate: give the router "
+            "--backend-client-cert-file and --backend-client-key-file"
+        )
     return ""
 
 

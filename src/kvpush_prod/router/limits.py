@@ -78,8 +78,9 @@ class Ticket:
             return
         reason = self.admission.refusal()
         if reason is not None:
-            raise RequestRejected(reason, 503, _refusal_message(reason, self.admission),
-                                  retry_after=RETRY_AFTER_S)
+            raise RequestRejected(
+                reason, 503, _refusal_message(reason, self.admission), retry_after=RETRY_AFTER_S
+            )
         self.admission.inflight += 1
         self.held = True
 
@@ -280,8 +281,14 @@ def _is_exactly(v: Any, want: Any) -> bool:
     return type(v) is type(want) and v == want
 
 
-_JSON_TYPE = {str: "a string", bool: "a boolean", int: "a number", float: "a fraction",
-              list: "an array", dict: "an object"}
+_JSON_TYPE = {
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a fraction",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def check_one_sequence(body: dict[str, Any]) -> None:
@@ -302,8 +309,10 @@ def check_one_sequence(body: dict[str, Any]) -> None:
         elif type(v) is int and v > 1 and key == "n":
             fix = f"send {shown} separate requests with n = 1 instead"
         elif type(v) is int and v > 1:
-            fix = ("leave it out or send 1 (for the best of several, send several requests "
-                   "and compare them)")
+            fix = (
+                "leave it out or send 1 (for the best of several, send several requests "
+                "and compare them)"
+            )
         else:
             fix = f"send {want_text} (not a string, boolean or fraction) or leave it out"
         raise RequestRejected(

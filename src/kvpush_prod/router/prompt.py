@@ -85,8 +85,7 @@ class _Counter:
         self.text(json.dumps(obj, separators=(",", ":"), ensure_ascii=False))
 
 
-def prompt_tokens(path: str, body: dict[str, Any], chars_per_token: float,
-                  cap: int) -> PromptSize:
+def prompt_tokens(path: str, body: dict[str, Any], chars_per_token: float, cap: int) -> PromptSize:
     """The number of tokens ``body``'s prompt is estimated to be, counted up to ``cap``.
 
     /v1/completions: a list of token ids (or of such lists) counts exactly; text counts by
@@ -179,8 +178,11 @@ def _content(counter: _Counter, content: Any) -> None:
     for part in content:
         if isinstance(part, str):
             counter.text(part)
-        elif (isinstance(part, dict) and part.get("type") in _TEXT_PARTS
-              and isinstance(part.get("text"), str)):
+        elif (
+            isinstance(part, dict)
+            and part.get("type") in _TEXT_PARTS
+            and isinstance(part.get("text"), str)
+        ):
             counter.text(part["text"])
         else:
             raise _Unsized()

@@ -194,10 +194,12 @@ class Dispatcher:
         # Detached P legs (D answered first); kept referenced so they are not collected.
         self._background: set[asyncio.Task[Any]] = set()
         if settings.direct_below_tokens:
-            log.info("requests whose prompt is estimated below %d tokens go to a decode "
-                     "backend alone, which computes it (direct_below_tokens; 0 turns this "
-                     "off); counted in kvpush_router_direct_total",
-                     settings.direct_below_tokens)
+            log.info(
+                "requests whose prompt is estimated below %d tokens go to a decode "
+                "backend alone, which computes it (direct_below_tokens; 0 turns this "
+                "off); counted in kvpush_router_direct_total",
+                settings.direct_below_tokens,
+            )
 
     async def aclose(self) -> None:
         for t in list(self._background):
@@ -245,15 +247,13 @@ class Dispatcher:
             authorization=None
             if self.settings.backend_api_key
             else request.headers.get("authorization"),
-            trace={k: v[:512] for k in TRACE_HEADERS
-                   if (v := request.headers.get(k)) is not None},
+            trace={k: v[:512] for k in TRACE_HEADERS if (v := request.headers.get(k)) is not None},
         )
         threshold = self.settings.direct_below_tokens
         # A client's own kv_transfer_params ask for a transfer: such a request takes both
         # legs as it always did (the router's params replace the client's on each leg).
         if threshold and body.get("kv_transfer_params") is None:
-            req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token,
-                                       threshold)
+            req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token, threshold)
             req.direct = req.prompt.below(threshold)
             if req.direct:
                 self.metrics.count_direct(path)
@@ -267,8 +267,7 @@ class Dispatcher:
         """With no routable pair, wait up to ``no_backend_wait_s`` for one (an engine
         restarting after a drain), checking every 100 ms; the route then answers."""
         deadline = time.monotonic() + self.settings.no_backend_wait_s
-        while (not self._routable(req) and time.monotonic() < deadline
-               and not req.disconnect.done()):
+        while not self._routable(req) and time.monotonic() < deadline and not req.disconnect.done():
             await asyncio.sleep(0.1)
 
     def _routable(self, req: _Request) -> bool:
@@ -399,8 +398,11 @@ class Dispatcher:
         # With data parallelism behind P's API server: pin P's leg to one engine core, the
         # one whose control port D registers with.
         p_ident = p.pick_rank()
-        p_headers = headers if p_ident.dp_rank is None else {
-            **headers, DP_RANK_HEADER: str(p_ident.dp_rank)}
+        p_headers = (
+            headers
+            if p_ident.dp_rank is None
+            else {**headers, DP_RANK_HEADER: str(p_ident.dp_rank)}
+        )
         p_content = self._seal(prefill_body(req.body, req.path, tid, d.remote_key), PREFILL)
         d_body = decode_body(req.body, p_ident, tid)
         if self.settings.vllm_push_compat:
@@ -435,16 +437,26 @@ class Dispatcher:
         d = self.pool.choose_decode(req.model, req.exclude)
         tid = uuid.uuid4().hex
         assert req.prompt is not None and req.prompt.tokens is not None
-        log.debug("request %s: prompt of %s%d tokens is below direct_below_tokens = %d: sent "
-                  "to decode %s alone", tid, "" if req.prompt.exact else "~",
-                  req.prompt.tokens, self.settings.direct_below_tokens, d.url)
-        d_task = asyncio.create_task(self._decode_leg(
-            d, req.path, dumps(direct_body(req.body)), _leg_headers(req, tid), req.stream))
+        log.debug(
+            "request %s: prompt of %s%d tokens is below direct_below_tokens = %d: sent "
+            "to decode %s alone",
+            tid,
+            "" if req.prompt.exact else "~",
+            req.prompt.tokens,
+            self.settings.direct_below_tokens,
+            d.url,
+        )
+        d_task = asyncio.create_task(
+            self._decode_leg(
+                d, req.path, dumps(direct_body(req.body)), _leg_headers(req, tid), req.stream
+            )
+        )
         started = await self._decode_started(req, d_task)
         return await self._answer(req, started, tid, None)
 
-    async def _decode_started(self, req: _Request,
-                              d_task: asyncio.Task[DecodeStart]) -> DecodeStart:
+    async def _decode_started(
+        self, req: _Request, d_task: asyncio.Task[DecodeStart]
+    ) -> DecodeStart:
         """D's first byte (TTFT observed), or ClientGone when the client left first (D's leg
         cancelled, as on any error)."""
         try:
@@ -458,8 +470,9 @@ class Dispatcher:
         self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
         return started
 
-    async def _answer(self, req: _Request, started: DecodeStart, tid: str,
-                      p_task: asyncio.Task[Any] | None) -> Response:
+    async def _answer(
+        self, req: _Request, started: DecodeStart, tid: str, p_task: asyncio.Task[Any] | None
+    ) -> Response:
         """The client's response from D's started leg: D's JSON, or its stream relayed
         (``p_task``, P's leg if one is still running, is cancelled if the client leaves)."""
         outcome = Outcome.OK if req.attempts == 1 else Outcome.RETRIED_OK
@@ -498,13 +511,19 @@ class Dispatcher:
             if signing and params.get("transfer_mode", "push") != "push":
                 # Signed, D's leg carries only the fields a kvpush D verifies: a pull
                 # connector's answer would lose what makes D refuse it as unusable.
-                raise LegFailure(p, "status", (
-                    f"prefill answered transfer_mode {str(params['transfer_mode'])[:20]!r} "
-                    "(a pull connector such as vLLM's NixlConnector) while the router signs "
-                    "legs for kvpush engines: run kvpush's connector on both engines, or "
-                    "the router without a params key for vLLM's connectors"))
+                raise LegFailure(
+                    p,
+                    "status",
+                    (
+                        f"prefill answered transfer_mode {str(params['transfer_mode'])[:20]!r} "
+                        "(a pull connector such as vLLM's NixlConnector) while the router signs "
+                        "legs for kvpush engines: run kvpush's connector on both engines, or "
+                        "the router without a params key for vLLM's connectors"
+                    ),
+                )
             d_content = self._seal(
-                pull_decode_body(req.body, params, tid if signing else None), DECODE)
+                pull_decode_body(req.body, params, tid if signing else None), DECODE
+            )
             d_task = asyncio.create_task(
                 self._decode_leg(d, req.path, d_content, headers, req.stream)
             )
@@ -644,7 +663,10 @@ class Dispatcher:
     # -- streaming -----------------------------------------------------------------------------
 
     async def _relay(
-        self, req: _Request, d: DecodeStart, p_task: asyncio.Task[Any] | None,
+        self,
+        req: _Request,
+        d: DecodeStart,
+        p_task: asyncio.Task[Any] | None,
         outcome: Outcome,
     ) -> AsyncIterator[bytes]:
         """D's SSE bytes to the client as they arrive; never retried once begun."""

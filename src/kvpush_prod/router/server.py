@@ -256,9 +256,7 @@ def _code(status: int) -> str:
     return "header_too_large" if status == 431 else "header_timeout"
 
 
-def limited_protocol(
-    settings: RouterSettings, metrics: RouterMetrics
-) -> type[LimitedHttpProtocol]:
+def limited_protocol(settings: RouterSettings, metrics: RouterMetrics) -> type[LimitedHttpProtocol]:
     """A :class:`LimitedHttpProtocol` that applies ``settings`` and counts in ``metrics``."""
     return type(
         "LimitedHttpProtocol",
@@ -354,4 +352,3 @@ def serve(settings: RouterSettings) -> None:
         uvicorn_config(app, settings), app.state.admission, settings.drain_timeout_s
     )
     server.run()
-

@@ -114,9 +114,13 @@ class Backend:
             "healthy": self.healthy,
             "inflight": self.inflight,
             "draining": self.draining,
-            "load": None if self.load is None else {
-                "running": self.load.running, "waiting": self.load.waiting,
-                "kv_usage": self.load.kv_usage},
+            "load": None
+            if self.load is None
+            else {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "kv_usage": self.load.kv_usage,
+            },
             "models": list(self.models),
         }
         if self.role is Role.PREFILL:
@@ -134,8 +138,10 @@ class Backend:
             )
             if ident is not None and ident.dp_rank is not None:
                 out["identity"]["dp_size"] = ident.dp_size
-                out["dp_ranks"] = {r: {"engine_id": i.engine_id, "control_port": i.port}
-                                   for r, i in sorted(self.ranks.items())}
+                out["dp_ranks"] = {
+                    r: {"engine_id": i.engine_id, "control_port": i.port}
+                    for r, i in sorted(self.ranks.items())
+                }
         elif self.key_probed:
             out["remote_key"] = self.remote_key
         if not self.up:

@@ -153,8 +153,11 @@ def predict(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpush sim", description=__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="p5en")
-    p.add_argument("--profile", help="kvpush profile the kvpush mode runs on (a shipped "
-                   "profile's name or a path; default: the preset's, e.g. efa-p5en)")
+    p.add_argument(
+        "--profile",
+        help="kvpush profile the kvpush mode runs on (a shipped "
+        "profile's name or a path; default: the preset's, e.g. efa-p5en)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma list of pull,push,kvpush")
     p.add_argument("--prefill", type=int, help="prefill engines (N)")
     p.add_argument("--decode", type=int, help="decode engines (M)")
@@ -226,11 +229,13 @@ def kvpush_settings(m: ClusterModel) -> str:
     core, credits = m.core()
     sched, rx = core.sender.scheduler, core.receiver
     sets = f" + {', '.join(m.overrides)}" if m.overrides else ""
-    return (f"kvpush: profile {m.profile}{sets}: chunks of {sched.chunk_bytes / 2**20:g} MiB, "
-            f"{sched.target_latency_s * 1e3:g} ms of data in flight per link (at most "
-            f"{sched.max_inflight_chunks} chunks), permit {rx.permit_ttl_s:g} s, stop margin "
-            f"{rx.stop_margin_s:g} s, credit budget {credits.budget_blocks} of "
-            f"{m.decode_kv_blocks} blocks")
+    return (
+        f"kvpush: profile {m.profile}{sets}: chunks of {sched.chunk_bytes / 2**20:g} MiB, "
+        f"{sched.target_latency_s * 1e3:g} ms of data in flight per link (at most "
+        f"{sched.max_inflight_chunks} chunks), permit {rx.permit_ttl_s:g} s, stop margin "
+        f"{rx.stop_margin_s:g} s, credit budget {credits.budget_blocks} of "
+        f"{m.decode_kv_blocks} blocks"
+    )
 
 
 def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:

@@ -336,14 +336,20 @@ class Sim:
         self.admissions: list[Admissions[None]] = []
         self.endpoint: dict[str, Driver[Sender, str] | Driver[Receiver, str]] = {}
         for i in range(m.n_prefill):
-            s = Sender(self._peer_info(f"p{i}", 1_000_000, block_bytes), self.settings.sender,
-                       random.Random(i))
+            s = Sender(
+                self._peer_info(f"p{i}", 1_000_000, block_bytes),
+                self.settings.sender,
+                random.Random(i),
+            )
             self.senders.append(s)
             self.tx.append(Driver(s, _SimEffects(self)))
             self.endpoint[s.me.control] = self.tx[-1]
         for j in range(m.n_decode):
-            r = Receiver(self._peer_info(f"d{j}", m.decode_kv_blocks, block_bytes),
-                         self.settings.receiver, random.Random(100 + j))
+            r = Receiver(
+                self._peer_info(f"d{j}", m.decode_kv_blocks, block_bytes),
+                self.settings.receiver,
+                random.Random(100 + j),
+            )
             self.receivers.append(r)
             self.rx.append(Driver(r, _SimEffects(self)))
             self.endpoint[r.me.control] = self.rx[-1]
@@ -380,12 +386,18 @@ class Sim:
             sender.completed(a.chunk_id)
             done = a.done
             if done is not None:
-                loop.after(m.kvpush_pump_s, lambda: receiver.feed(
-                    Stage.COMPLETION, "DONE", lambda r, now: r.on_done(done, now)))
+                loop.after(
+                    m.kvpush_pump_s,
+                    lambda: receiver.feed(
+                        Stage.COMPLETION, "DONE", lambda r, now: r.on_done(done, now)
+                    ),
+                )
 
         self.counters["chunks"] = self.counters.get("chunks", 0) + 1
         descs = m.kv_regions * len(a.src_blocks)
-        loop.after(m.kvpush_chunk_overhead_s + m.desc_s * descs, lambda: link.send(a.nbytes, landed))
+        loop.after(
+            m.kvpush_chunk_overhead_s + m.desc_s * descs, lambda: link.send(a.nbytes, landed)
+        )
 
     def received(self, transfer_id: str, failed: bool) -> None:
         """D reported the receive: its credit is back and the request decodes (a failed one
@@ -490,7 +502,9 @@ class Sim:
         keep: deque[Req] = deque()
         while d.incoming:
             req = d.incoming.popleft()
-            placed = self._admit(d, req, cost) if self.mode == "kvpush" else self._place(d, req, cost)
+            placed = (
+                self._admit(d, req, cost) if self.mode == "kvpush" else self._place(d, req, cost)
+            )
             if placed is None:
                 keep.append(req)  # no credit or no blocks yet: a later step
             else:
@@ -558,7 +572,9 @@ class Sim:
             req.d_blocks = blocks
             req.kv_at_d = loop.now
             d.arrived.append(req)
-            return cost + req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
+            return (
+                cost + req.length * m.prefill_s_per_token + req.length**2 * m.prefill_s_per_token2
+            )
         blocks = d.alloc(n)
         if blocks is None:
             admissions.withdraw(tid)

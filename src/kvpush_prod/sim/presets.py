@@ -162,8 +162,9 @@ def _fit_decode(m: ClusterModel, single: dict[str, Any], fitted: dict[str, Any])
     return m
 
 
-def _fit_vllm_transfer(m: ClusterModel, cells: dict[str, Any],
-                       fitted: dict[str, Any]) -> ClusterModel:
+def _fit_vllm_transfer(
+    m: ClusterModel, cells: dict[str, Any], fitted: dict[str, Any]
+) -> ClusterModel:
     """vLLM's per-transfer overhead beyond bytes / bandwidth, from its own NIXL timing."""
     for side in ("vllm-pull", "vllm-push"):
         for c in cells.get(side, {}).values():

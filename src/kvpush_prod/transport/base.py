@@ -80,9 +80,15 @@ class Transport(Protocol):
 
     def disconnect(self, agent_name: str) -> None: ...
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
-             remote_blocks: list[int], notif: bytes = b"",
-             regions: tuple[int, int] | None = None) -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+        regions: tuple[int, int] | None = None,
+    ) -> Any:
         """Start a WRITE (local -> remote) or READ (remote -> local) of regions ``[first,
         end)`` of each block (None: all of them); a handle to poll."""
         ...

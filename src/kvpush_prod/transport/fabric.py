@@ -14,8 +14,21 @@ from pathlib import Path
 
 SYS_RDMA = Path("/sys/class/infiniband")
 # UCX transport names that move data over an RDMA device (ucx_info -d names them).
-RDMA_TLS = ("rc", "rc_v", "rc_x", "rc_mlx5", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x",
-            "ud_mlx5", "ib", "srd")
+RDMA_TLS = (
+    "rc",
+    "rc_v",
+    "rc_x",
+    "rc_mlx5",
+    "dc",
+    "dc_x",
+    "dc_mlx5",
+    "ud",
+    "ud_v",
+    "ud_x",
+    "ud_mlx5",
+    "ib",
+    "srd",
+)
 BACKENDS = ("UCX", "LIBFABRIC")  # transport.backend's choices
 
 _LOAD_SCRIPT = """
@@ -65,8 +78,11 @@ def inter_host_ucx(devices: list[RdmaDevice], env: Mapping[str, str]) -> tuple[s
     """What UCX would move KV over between two hosts: ("rdma" | "tcp", why)."""
     verbs = [d for d in devices if not d.efa]
     if not verbs:
-        return "tcp", (f"no InfiniBand/RoCE device in {SYS_RDMA}" if not devices else
-                       "the only RDMA devices are EFA, which UCX does not drive")
+        return "tcp", (
+            f"no InfiniBand/RoCE device in {SYS_RDMA}"
+            if not devices
+            else "the only RDMA devices are EFA, which UCX does not drive"
+        )
     tls = ucx_tls(env)
     negated = env.get("UCX_TLS", "").strip().startswith("^")
     if tls is not None and not negated and not any(t in RDMA_TLS for t in tls):
@@ -74,14 +90,18 @@ def inter_host_ucx(devices: list[RdmaDevice], env: Mapping[str, str]) -> tuple[s
     return "rdma", "verbs on " + ", ".join(d.name for d in verbs)
 
 
-def backends_loading(names: tuple[str, ...] = BACKENDS, timeout_s: float = 60.0
-                     ) -> dict[str, str]:
+def backends_loading(names: tuple[str, ...] = BACKENDS, timeout_s: float = 60.0) -> dict[str, str]:
     """Each NIXL backend -> "" when it starts here, else why not. In a child process: NIXL
     logs to stderr and a plugin may abort its process."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, *names], text=True,
-                              capture_output=True, timeout=timeout_s, check=False,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD_SCRIPT, *names],
+            text=True,
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
     except subprocess.TimeoutExpired:
         return dict.fromkeys(names, f"starting NIXL took over {timeout_s:g} s")
     for line in proc.stdout.splitlines():
@@ -92,8 +112,9 @@ def backends_loading(names: tuple[str, ...] = BACKENDS, timeout_s: float = 60.0
     return dict.fromkeys(names, f"NIXL did not start (exit {proc.returncode}): {tail}")
 
 
-def describe(backend: str, env: Mapping[str, str] | None = None,
-             devices: list[RdmaDevice] | None = None) -> str:
+def describe(
+    backend: str, env: Mapping[str, str] | None = None, devices: list[RdmaDevice] | None = None
+) -> str:
     """One line of the transports a link would use (for logs): backend, UCX_TLS, devices."""
     env = os.environ if env is None else env
     devices = rdma_devices() if devices is None else devices

@@ -136,22 +136,31 @@ class FaultyTransport:
             return False
         return s.active_file is None or Path(s.active_file).exists()
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int],
-             remote_blocks: list[int], notif: bytes = b"",
-             regions: tuple[int, int] | None = None) -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+        regions: tuple[int, int] | None = None,
+    ) -> Any:
         self._posted_real = False
         if not self._active(op, peer.agent_name):
-            handle = (self.inner.post(op, peer, local_blocks, remote_blocks, notif)
-                      if regions is None else
-                      self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions))
+            handle = (
+                self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+                if regions is None
+                else self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions)
+            )
             self._posted_real = True
             return _Handle(handle, "ok", 0)
         self._count += 1
         nth = self.s.fail_nth and self._count == self.s.fail_nth
         if nth or self._rng.random() < self.s.post_fail_rate:
             self.injected += 1
-            raise ChunkFailed(ChunkError(self._error.kind,
-                                         f"{self.s.error} (injected post failure)"))
+            raise ChunkFailed(
+                ChunkError(self._error.kind, f"{self.s.error} (injected post failure)")
+            )
         roll = self._rng.random()
         fate = "ok"
         if roll < self.s.complete_fail_rate:
@@ -162,9 +171,11 @@ class FaultyTransport:
             self.injected += 1
             # A failed or stalled transfer must not move data: post nothing real.
             return _Handle(None, fate, time.monotonic() + self.s.delay_ms / 1000.0)
-        inner = (self.inner.post(op, peer, local_blocks, remote_blocks, notif)
-                 if regions is None else
-                 self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions))
+        inner = (
+            self.inner.post(op, peer, local_blocks, remote_blocks, notif)
+            if regions is None
+            else self.inner.post(op, peer, local_blocks, remote_blocks, notif, regions)
+        )
         self._posted_real = True
         return _Handle(inner, "ok", time.monotonic() + self.s.delay_ms / 1000.0)
 

@@ -40,8 +40,7 @@ class Heads:
     token_pattern: Pattern = ()
 
 
-def _head_major(name: str, t: torch.Tensor, inner: list[int], kstride: int,
-                local: int) -> bool:
+def _head_major(name: str, t: torch.Tensor, inner: list[int], kstride: int, local: int) -> bool:
     """Whether a block of ``t`` is ``local`` equal slabs, one per KV head, head after head:
     the outermost axis inside the block (largest stride, size > 1) has ``local`` entries and
     no other axis inside the block could be it (a block size equal to the head count cannot
@@ -73,7 +72,7 @@ def token_pattern_of(owner: list[int], block_size: int) -> Pattern:
         if size == 0 or p + block_size * size > n:
             return ()
         for tok in range(block_size):
-            if any(o != tok for o in owner[p + tok * size:p + (tok + 1) * size]):
+            if any(o != tok for o in owner[p + tok * size : p + (tok + 1) * size]):
                 return ()
         if runs and runs[-1][1] == size:
             runs[-1] = (runs[-1][0] + 1, size)
@@ -83,8 +82,9 @@ def token_pattern_of(owner: list[int], block_size: int) -> Pattern:
     return tuple(runs)
 
 
-def _token_groups(t: torch.Tensor, inner: list[int], kstride: int,
-                  heads: Heads) -> tuple[int, list[tuple[int, int]]]:
+def _token_groups(
+    t: torch.Tensor, inner: list[int], kstride: int, heads: Heads
+) -> tuple[int, list[tuple[int, int]]]:
     """How many groups of ``block_size`` tokens one block of ``t`` holds, each token's bytes
     together (``[groups][tokens][bytes]``), and their sizes when they differ (``Region.
     tok_pattern``, in bytes); 0 when the shape and strides do not tell.
@@ -99,16 +99,19 @@ def _token_groups(t: torch.Tensor, inner: list[int], kstride: int,
         return 0, []
     sized = [i for i in inner if t.shape[i] > 1]  # innermost first
     hs = heads.head_size
-    if hs > 0 and len(sized) >= 2 and t.shape[sized[0]] == 2 * hs \
-            and t.shape[sized[1]] == block_size:
+    if (
+        hs > 0
+        and len(sized) >= 2
+        and t.shape[sized[0]] == 2 * hs
+        and t.shape[sized[1]] == block_size
+    ):
         # The CPU backend's shape: its kernel's order, as probed, or unknown.
         pattern = heads.token_pattern
         per_head = block_size * sum(g * e for g, e in pattern)
         if not pattern or per_head != 2 * hs * block_size or kstride % per_head:
             return 0, []
         repeats = kstride // per_head
-        return (repeats * sum(g for g, _ in pattern),
-                [(g, e * esz) for g, e in pattern])
+        return (repeats * sum(g for g, _ in pattern), [(g, e * esz) for g, e in pattern])
     tok = [i for i in inner if t.shape[i] == block_size]
     if len(tok) != 1:
         return 0, []
@@ -121,8 +124,9 @@ def _token_groups(t: torch.Tensor, inner: list[int], kstride: int,
     return groups, []
 
 
-def _regions_of(name: str, t: torch.Tensor, num_blocks: int, dev_id: int,
-                heads: Heads) -> tuple[list[Region], bool]:
+def _regions_of(
+    name: str, t: torch.Tensor, num_blocks: int, dev_id: int, heads: Heads
+) -> tuple[list[Region], bool]:
     esz = t.element_size()
     axes = [i for i in range(t.dim()) if t.shape[i] % num_blocks == 0 and t.shape[i] > 0]
     if not axes:
@@ -133,9 +137,7 @@ def _regions_of(name: str, t: torch.Tensor, num_blocks: int, dev_id: int,
     bdim = max(axes, key=lambda i: t.stride(i))
     ratio = t.shape[bdim] // num_blocks  # kernel blocks per manager block
     kstride = t.stride(bdim)
-    inner = sorted(
-        (i for i in range(t.dim()) if i != bdim and t.stride(i) < kstride), key=t.stride
-    )
+    inner = sorted((i for i in range(t.dim()) if i != bdim and t.stride(i) < kstride), key=t.stride)
     expect = 1
     for i in inner:
         if t.shape[i] != 1 and t.stride(i) != expect:
@@ -171,8 +173,11 @@ def _regions_of(name: str, t: torch.Tensor, num_blocks: int, dev_id: int,
 
 
 def layout_from_kv_caches(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, signature: str,
-    facts: dict[str, str] | None = None, heads: Heads | None = None,
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    signature: str,
+    facts: dict[str, str] | None = None,
+    heads: Heads | None = None,
 ) -> Layout:
     """The NIXL view of ``kv_caches``; ``signature`` hashes what must match on both sides,
     ``facts`` name it (and the model and versions) for the error when it does not.
@@ -200,8 +205,9 @@ def layout_from_kv_caches(
             if (r.base, r.block_len) not in seen:  # layers may share one storage view
                 seen.add((r.base, r.block_len))
                 regions.append(r)
-    kv_heads = heads.local if head_major and all(r.block_len % heads.local == 0
-                                                 for r in regions) else 0
+    kv_heads = (
+        heads.local if head_major and all(r.block_len % heads.local == 0 for r in regions) else 0
+    )
     if kv_heads and any(not _slabs_whole(r, kv_heads) for r in regions):
         regions = [msgspec.structs.replace(r, tok_groups=0, tok_pattern=[]) for r in regions]
     # Bytes per head when the block is head-major: the same on every tensor-parallel size;
@@ -210,10 +216,18 @@ def layout_from_kv_caches(
     shape = ",".join(_shape_of(r, kv_heads, heads.block_size) for r in regions)
     unit = "head" if kv_heads else "block"
     compat = hashlib.sha256(f"{signature}|{mem_type}|{unit}:{shape}".encode()).hexdigest()[:16]
-    return Layout(compat=compat, mem_type=mem_type, regions=regions,
-                  facts=dict(facts or {}), tp_size=heads.tp_size, tp_rank=heads.tp_rank,
-                  kv_heads=kv_heads, total_kv_heads=heads.total,
-                  replicated=heads.replicated, block_size=heads.block_size)
+    return Layout(
+        compat=compat,
+        mem_type=mem_type,
+        regions=regions,
+        facts=dict(facts or {}),
+        tp_size=heads.tp_size,
+        tp_rank=heads.tp_rank,
+        kv_heads=kv_heads,
+        total_kv_heads=heads.total,
+        replicated=heads.replicated,
+        block_size=heads.block_size,
+    )
 
 
 def _slabs_whole(r: Region, kv_heads: int) -> bool:
@@ -248,14 +262,18 @@ def head_slab(layout: Layout, first: int, count: int, local: int) -> Layout:
             f"cannot take KV heads [{first}, {first + count}) of a rank holding "
             f"{layout.kv_heads} heads (0: its block interior is not head-major); run prefill "
             "and decode with the same --tensor-parallel-size, or a KV layout whose blocks "
-            "store head after head (vLLM's CPU backend, or HND on GPUs)")
+            "store head after head (vLLM's CPU backend, or HND on GPUs)"
+        )
     regions = []
     for r in layout.regions:
         per = r.block_len // layout.kv_heads
         # The slab of ``count`` heads holds their token groups (head-major: per head alike).
         groups = r.tok_groups * count // layout.kv_heads
-        regions.append(msgspec.structs.replace(r, base=r.base + first * per,
-                                               block_len=count * per, tok_groups=groups))
+        regions.append(
+            msgspec.structs.replace(
+                r, base=r.base + first * per, block_len=count * per, tok_groups=groups
+            )
+        )
     return msgspec.structs.replace(layout, regions=regions, kv_heads=count)
 
 
@@ -274,8 +292,10 @@ def pair_views(mine: Layout, theirs: Layout, producer: bool) -> tuple[Layout, La
         raise ConfigError(why)
     pc = tpmap.piece(p.tp_rank, d.tp_rank, p.tp_size, d.tp_size, total, replicated)
     if pc is None:
-        raise ConfigError(f"prefill rank {p.tp_rank} of {p.tp_size} does not feed decode "
-                          f"rank {d.tp_rank} of {d.tp_size}")
+        raise ConfigError(
+            f"prefill rank {p.tp_rank} of {p.tp_size} does not feed decode "
+            f"rank {d.tp_rank} of {d.tp_size}"
+        )
     pv = head_slab(p, pc.p_first, pc.heads, pc.p_local)
     dv = head_slab(d, pc.d_first, pc.heads, pc.d_local)
     return (pv, dv) if producer else (dv, pv)
@@ -322,7 +342,7 @@ def unit_descriptors(layout: Layout, k: int) -> np.ndarray:
         offs = np.concatenate([np.zeros(1, dtype=np.uint64), np.cumsum(lens)[:-1]])
         units = np.arange(r.num_blocks * k, dtype=np.uint64)
         start = r.base + (units // k) * r.block_stride
-        addrs = (start[:, None] + offs[None, :] + (units % k)[:, None] * (lens // k)[None, :])
+        addrs = start[:, None] + offs[None, :] + (units % k)[:, None] * (lens // k)[None, :]
         arr = np.empty((addrs.size, 3), dtype=np.uint64)
         arr[:, 0] = addrs.reshape(-1)
         arr[:, 1] = np.tile(lens // k, units.size)

@@ -50,8 +50,9 @@ def _nixl_api() -> Any:
     return _api
 
 
-def make_agent(name: str, backend: str, progress_thread: bool, progress_delay_us: int,
-               num_threads: int = 0) -> Any:
+def make_agent(
+    name: str, backend: str, progress_thread: bool, progress_delay_us: int, num_threads: int = 0
+) -> Any:
     """A ``nixl_agent`` whose progress thread sleeps ``progress_delay_us`` between passes.
 
     nixl's Python API hard-codes ``pthrDelay = 0``, which busy-spins a core per agent. The
@@ -138,9 +139,14 @@ class NixlTransport:
     builder per post (``runs.choose_path``); "prepped" / "coalesced" force one (tests,
     ``kvpush bench transfer --post-cost``; "coalesced" only applies to linear pairs)."""
 
-    def __init__(self, agent: Any, layout: Layout, producer: bool = True,
-                 max_descriptors: int = MAX_POST_DESCRIPTORS,
-                 path: Literal["auto", "prepped", "coalesced"] = "auto") -> None:
+    def __init__(
+        self,
+        agent: Any,
+        layout: Layout,
+        producer: bool = True,
+        max_descriptors: int = MAX_POST_DESCRIPTORS,
+        path: Literal["auto", "prepped", "coalesced"] = "auto",
+    ) -> None:
         if max_descriptors < 1:
             raise ConfigError(f"max_descriptors must be >= 1, got {max_descriptors}")
         self.agent = agent
@@ -151,8 +157,10 @@ class NixlTransport:
         self.last_post: PostStats | None = None
         descs = all_descriptors(layout)
         self._reg = agent.register_memory(
-            [(r.base, r.block_stride * (r.num_blocks - 1) + r.block_len, r.dev_id, "")
-             for r in layout.regions],
+            [
+                (r.base, r.block_stride * (r.num_blocks - 1) + r.block_len, r.dev_id, "")
+                for r in layout.regions
+            ],
             layout.mem_type,
         )
         self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, layout.mem_type)
@@ -202,14 +210,14 @@ class NixlTransport:
             # Planned first: a pair whose lists cannot be paired is refused before NIXL
             # prepares anything for it.
             plan = _plan(side_of(local_view.regions), side_of(remote_view.regions))
-            dlist = self.agent.prep_xfer_dlist(name, all_descriptors(remote_view),
-                                               layout.mem_type)
+            dlist = self.agent.prep_xfer_dlist(name, all_descriptors(remote_view), layout.mem_type)
             peer = RemotePeer(name, remote_view, dlist, plan=plan)
             if local_view is not self.layout:
                 # A head slab of our blocks (tensor-parallel sizes differ): its own dlist.
                 peer.local = local_view
                 peer.local_dlist = self.agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", all_descriptors(local_view), local_view.mem_type)
+                    "NIXL_INIT_AGENT", all_descriptors(local_view), local_view.mem_type
+                )
             self._peers[name] = peer
         return peer
 
@@ -218,24 +226,34 @@ class NixlTransport:
         block size's tokens; each token group of a block is split into its units)."""
         u = blocksize.unit_tokens(self.layout.block_size, remote_view.block_size)
         lk, rk = blocksize.per_block(local_view, u), blocksize.per_block(remote_view, u)
-        plan = _plan(side_of(local_view.regions, lk, units=True),
-                     side_of(remote_view.regions, rk, units=True))
+        plan = _plan(
+            side_of(local_view.regions, lk, units=True),
+            side_of(remote_view.regions, rk, units=True),
+        )
         remote = unit_descriptors(remote_view, rk)
         local = unit_descriptors(local_view, lk)
         dlist = self.agent.prep_xfer_dlist(name, remote, remote_view.mem_type)
-        local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local,
-                                                 local_view.mem_type)
-        logger.info("kvpush: block size %d here, %d on %s: units of %d tokens, %d local and "
-                    "%d remote descriptors", self.layout.block_size, remote_view.block_size,
-                    name[:64], u, len(local), len(remote))
+        local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, local_view.mem_type)
+        logger.info(
+            "kvpush: block size %d here, %d on %s: units of %d tokens, %d local and "
+            "%d remote descriptors",
+            self.layout.block_size,
+            remote_view.block_size,
+            name[:64],
+            u,
+            len(local),
+            len(remote),
+        )
         return RemotePeer(name, remote_view, dlist, local_view, local_dlist, u, lk, rk, plan)
 
     def _slice(self, peer: RemotePeer, plan: PairPlan, regions: tuple[int, int]) -> PairPlan:
         """``plan`` over regions ``[first, end)`` only (kept per peer and range)."""
         first, end = regions
         if not 0 <= first < end <= plan.local.regions:
-            raise TransportError("invalid_param", f"regions {first}..{end} of a layout of "
-                                 f"{plan.local.regions} regions")
+            raise TransportError(
+                "invalid_param",
+                f"regions {first}..{end} of a layout of {plan.local.regions} regions",
+            )
         key = (peer.agent_name, first, end)
         sliced = self._slices.get(key)
         if sliced is None or sliced[0] is not plan:
@@ -260,8 +278,15 @@ class NixlTransport:
         except Exception:  # noqa: BLE001
             logger.debug("remove_remote_agent failed for %s", agent_name, exc_info=True)
 
-    def post(self, op: Op, peer: RemotePeer, local_blocks: list[int], remote_blocks: list[int],
-             notif: bytes = b"", regions: tuple[int, int] | None = None) -> Any:
+    def post(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        notif: bytes = b"",
+        regions: tuple[int, int] | None = None,
+    ) -> Any:
         """Start a WRITE (local -> remote) or READ (remote -> local) of whole blocks (of
         units, ``RemotePeer.unit_tokens``, when the two block sizes differ); a handle for
         ``state`` and ``release``. ``last_post`` then says what it carried and cost.
@@ -293,36 +318,63 @@ class NixlTransport:
         _check_ids(remote_blocks, plan.remote, "remote", peer)
         lids = np.asarray(local_blocks, dtype=np.int32)  # < limit < 2**31: checked above
         rids = np.asarray(remote_blocks, dtype=np.int32)
-        starts = run_starts(local_blocks, remote_blocks) if n <= SMALL_POST \
-            else run_starts(lids, rids)
+        starts = (
+            run_starts(local_blocks, remote_blocks) if n <= SMALL_POST else run_starts(lids, rids)
+        )
         per_run = plan.descriptors_per_run
         entries = n * plan.local.entries_per_id
         descriptors = starts.size * per_run if per_run else entries
-        path: Path = choose_path(entries, descriptors, plan.linear) if self.path == "auto" \
+        path: Path = (
+            choose_path(entries, descriptors, plan.linear)
+            if self.path == "auto"
             else ("coalesced" if self.path == "coalesced" and plan.linear else "prepped")
+        )
         cuts: list[int] = []
         if descriptors > self.max_descriptors:
             lengths = np.diff(np.append(starts, n))
-            cuts = split_points(lengths, plan.local.entries_per_id, per_run,
-                                self.max_descriptors)
+            cuts = split_points(lengths, plan.local.entries_per_id, per_run, self.max_descriptors)
         post = _Post(op, peer, notif if cuts else b"", plan)
         bounds = [0, *cuts, n]
         for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
             post.pending.append((lids[a:b], rids[a:b], path))
         first = bounds[1]
-        handle = self._request(op, peer, plan, lids[:first], rids[:first], path,
-                               b"" if cuts else notif, None if cuts else starts)
+        handle = self._request(
+            op,
+            peer,
+            plan,
+            lids[:first],
+            rids[:first],
+            path,
+            b"" if cuts else notif,
+            None if cuts else starts,
+        )
         t1 = time.perf_counter()
         self._submit(post, handle)
         t2 = time.perf_counter()
         sent = descriptors if path == "coalesced" else entries
-        self.last_post = PostStats(path, n, int(starts.size), int(sent), int(descriptors),
-                                   len(bounds) - 1, t1 - t0, t2 - t1)
+        self.last_post = PostStats(
+            path,
+            n,
+            int(starts.size),
+            int(sent),
+            int(descriptors),
+            len(bounds) - 1,
+            t1 - t0,
+            t2 - t1,
+        )
         return post
 
-    def _request(self, op: Op, peer: RemotePeer, plan: PairPlan, lids: np.ndarray,
-                 rids: np.ndarray, path: Path, notif: bytes,
-                 starts: np.ndarray | None = None) -> Any:
+    def _request(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        plan: PairPlan,
+        lids: np.ndarray,
+        rids: np.ndarray,
+        path: Path,
+        notif: bytes,
+        starts: np.ndarray | None = None,
+    ) -> Any:
         """One NIXL request moving ``lids`` to ``rids`` (in ``op``'s direction) over the
         regions of ``plan``; ``starts``: their ``run_starts`` if known."""
         if path == "coalesced":
@@ -330,8 +382,12 @@ class NixlTransport:
             local = run_descriptors(plan.local, starts_l, lengths)
             remote = run_descriptors(plan.remote, starts_r, lengths)
             return self.agent.initialize_xfer(
-                op, self.agent.get_xfer_descs(local, self.layout.mem_type),
-                self.agent.get_xfer_descs(remote, peer.layout.mem_type), peer.agent_name, notif)
+                op,
+                self.agent.get_xfer_descs(local, self.layout.mem_type),
+                self.agent.get_xfer_descs(remote, peer.layout.mem_type),
+                peer.agent_name,
+                notif,
+            )
         return self.agent.make_prepped_xfer(
             op,
             self._local if peer.local_dlist is None else peer.local_dlist,
@@ -345,8 +401,9 @@ class NixlTransport:
         state = self.agent.transfer(handle)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
-            raise TransportError("post_failed",
-                                 f"NIXL refused to post a {post.op} to {post.peer.agent_name}")
+            raise TransportError(
+                "post_failed", f"NIXL refused to post a {post.op} to {post.peer.agent_name}"
+            )
         post.handles.append(handle)
 
     def state(self, handle: Any) -> Completion:
@@ -358,8 +415,9 @@ class NixlTransport:
         try:
             if post.pending:
                 lids, rids, path = post.pending.popleft()
-                self._submit(post, self._request(post.op, post.peer, post.plan, lids, rids,
-                                                 path, b""))
+                self._submit(
+                    post, self._request(post.op, post.peer, post.plan, lids, rids, path, b"")
+                )
             while post.done < len(post.handles):
                 state = str(self.agent.check_xfer_state(post.handles[post.done]))
                 if state == "PROC":
@@ -413,8 +471,10 @@ def _plan(local: Side, remote: Side) -> PairPlan:
 def _sides(layout: Layout, peer: RemotePeer) -> tuple[Side, Side]:
     local = peer.local or layout
     if peer.unit_tokens:
-        return (side_of(local.regions, peer.local_k, units=True),
-                side_of(peer.layout.regions, peer.remote_k, units=True))
+        return (
+            side_of(local.regions, peer.local_k, units=True),
+            side_of(peer.layout.regions, peer.remote_k, units=True),
+        )
     return side_of(local.regions), side_of(peer.layout.regions)
 
 
@@ -423,8 +483,9 @@ def _check_ids(ids: list[int], side: Side, which: str, peer: RemotePeer) -> None
     address the next region's bytes. Python's min/max: cheaper than numpy's on the short
     lists most posts carry, and before any int32 conversion could wrap."""
     if not ids:
-        raise TransportError("invalid_param", f"a post to {peer.agent_name[:64]} names no "
-                             f"{which} blocks")
+        raise TransportError(
+            "invalid_param", f"a post to {peer.agent_name[:64]} names no {which} blocks"
+        )
     low, high = min(ids), max(ids)
     if low < 0 or high >= side.limit:
         what = "units" if peer.unit_tokens else "blocks"

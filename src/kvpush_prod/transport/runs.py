@@ -128,44 +128,60 @@ def side_slice(side: Side, first: int, end: int) -> Side:
     the same prepared list."""
     groups = side.groups[first:end]
     uniform = int(groups[0]) if groups.size and bool(np.all(groups == groups[0])) else 0
-    return Side(side.offsets[first:end], groups, side.limit, side.linear,
-                side.base[first:end], side.size[first:end], side.dev[first:end],
-                side.prepared, side.offsets32[first:end], uniform)
+    return Side(
+        side.offsets[first:end],
+        groups,
+        side.limit,
+        side.linear,
+        side.base[first:end],
+        side.size[first:end],
+        side.dev[first:end],
+        side.prepared,
+        side.offsets32[first:end],
+        uniform,
+    )
 
 
 def plan_slice(plan: PairPlan, first: int, end: int) -> PairPlan:
     """Regions ``[first, end)`` of both sides of ``plan``."""
-    return PairPlan(side_slice(plan.local, first, end), side_slice(plan.remote, first, end),
-                    plan.linear)
+    return PairPlan(
+        side_slice(plan.local, first, end), side_slice(plan.remote, first, end), plan.linear
+    )
 
 
 def pair_linear(local: Side, remote: Side) -> bool:
     """Whether a run of ids consecutive on both sides is one descriptor per region: both
     sides linear with pieces of the same size region by region (then the run's bytes are
     the same bytes in the same order on both sides)."""
-    return (local.linear and remote.linear and local.regions == remote.regions
-            and bool(np.array_equal(local.size, remote.size)))
+    return (
+        local.linear
+        and remote.linear
+        and local.regions == remote.regions
+        and bool(np.array_equal(local.size, remote.size))
+    )
 
 
-def run_starts(local: Sequence[int] | np.ndarray,
-               remote: Sequence[int] | np.ndarray) -> np.ndarray:
+def run_starts(local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray) -> np.ndarray:
     """Where each maximal run of ``(local[i], remote[i])`` pairs whose ids both go up by
     one starts (int64 positions, 0 first; empty input: empty)."""
     n = len(local)
     if n <= SMALL_POST and not isinstance(local, np.ndarray):
-        at = [i for i in range(1, n)
-              if local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1]
+        at = [
+            i for i in range(1, n) if local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1
+        ]
         return np.array([0, *at] if n else [], dtype=np.int64)
     a = np.asarray(local, dtype=np.int64)
     b = np.asarray(remote, dtype=np.int64)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.flatnonzero(np.concatenate((np.ones(1, dtype=bool),
-                                          (np.diff(a) != 1) | (np.diff(b) != 1))))
+    return np.flatnonzero(
+        np.concatenate((np.ones(1, dtype=bool), (np.diff(a) != 1) | (np.diff(b) != 1)))
+    )
 
 
-def id_runs(local: np.ndarray, remote: np.ndarray,
-            starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def id_runs(
+    local: np.ndarray, remote: np.ndarray, starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Maximal runs of ``(local[i], remote[i])`` pairs whose ids both go up by one:
     (local starts, remote starts, lengths), in order (``starts``: ``run_starts`` if known).
     Empty input: three empty arrays."""
@@ -200,8 +216,10 @@ def prepped_indices(side: Side, ids: np.ndarray) -> np.ndarray:
     if g > 1:
         first: np.ndarray = np.add.outer(side.offsets32, ids32 * np.int32(g))
         return (first[:, :, None] + np.arange(g, dtype=np.int32)).reshape(-1)
-    parts = [(off + ids32[:, None] * np.int32(per) + np.arange(per, dtype=np.int32)).reshape(-1)
-             for off, per in zip(side.offsets32.tolist(), side.groups.tolist(), strict=True)]
+    parts = [
+        (off + ids32[:, None] * np.int32(per) + np.arange(per, dtype=np.int32)).reshape(-1)
+        for off, per in zip(side.offsets32.tolist(), side.groups.tolist(), strict=True)
+    ]
     return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, dtype=np.int32)
 
 
@@ -222,12 +240,16 @@ class PairPlan:
 
 def pair_plan(local: Side, remote: Side) -> PairPlan:
     if local.regions != remote.regions or not np.array_equal(local.groups, remote.groups):
-        raise ValueError(f"the two sides list {local.regions} and {remote.regions} regions "
-                         f"of {local.groups.tolist()} and {remote.groups.tolist()} pieces "
-                         "per id: their descriptors cannot be paired")
+        raise ValueError(
+            f"the two sides list {local.regions} and {remote.regions} regions "
+            f"of {local.groups.tolist()} and {remote.groups.tolist()} pieces "
+            "per id: their descriptors cannot be paired"
+        )
     if max(local.prepared, remote.prepared) > MAX_PREPARED:
-        raise ValueError(f"{max(local.prepared, remote.prepared)} prepared descriptors on one "
-                         f"side: NIXL indexes at most {MAX_PREPARED}")
+        raise ValueError(
+            f"{max(local.prepared, remote.prepared)} prepared descriptors on one "
+            f"side: NIXL indexes at most {MAX_PREPARED}"
+        )
     return PairPlan(local, remote, pair_linear(local, remote))
 
 
@@ -238,8 +260,9 @@ def choose_path(entries: int, descriptors: int, linear: bool) -> Path:
     at least as good)."""
     if not linear:
         return "prepped"
-    prepped = (PREPPED_FIXED_NS + PREPPED_PER_INDEX_NS * entries
-               + PREPPED_PER_DESCRIPTOR_NS * descriptors)
+    prepped = (
+        PREPPED_FIXED_NS + PREPPED_PER_INDEX_NS * entries + PREPPED_PER_DESCRIPTOR_NS * descriptors
+    )
     coalesced = COALESCED_FIXED_NS + COALESCED_PER_DESCRIPTOR_NS * descriptors
     return "coalesced" if coalesced < prepped else "prepped"
 

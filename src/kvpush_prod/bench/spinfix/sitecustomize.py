@@ -72,8 +72,9 @@ def _patch(mod: types.ModuleType) -> None:
 class _After(importlib.abc.MetaPathFinder):
     """Patches ``nixl_cu*._api`` right after it is executed (nixl._api is an alias of it)."""
 
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if not (name.startswith("nixl") and name.endswith("._api")):
             return None
         sys.meta_path.remove(self)

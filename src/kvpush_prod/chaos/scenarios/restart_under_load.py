@@ -20,18 +20,22 @@ from kvpush_prod.chaos.harness import (
 from kvpush_prod.chaos.load import LoadGenerator
 
 NAME = "restart_under_load"
-DESCRIPTION = ("P and D restarted under load (graceful, kill -9, rolling redeploy); traffic "
-               "resumes each time")
+DESCRIPTION = (
+    "P and D restarted under load (graceful, kill -9, rolling redeploy); traffic resumes each time"
+)
 ALL_EVENTS = "prefill:term,decode:kill,decode:term,prefill:kill,prefill:rolling,decode:rolling"
 SHORT_EVENTS = "prefill:term,decode:kill,prefill:rolling"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--events", default=None,
-                    help="comma-separated engine:how (how: term = graceful, kill = kill -9, "
-                         "rolling = drained then graceful, as a redeploy); default "
-                         f"{ALL_EVENTS!r} "
-                         f"from 100 requests up, else {SHORT_EVENTS!r}")
+    ap.add_argument(
+        "--events",
+        default=None,
+        help="comma-separated engine:how (how: term = graceful, kill = kill -9, "
+        "rolling = drained then graceful, as a redeploy); default "
+        f"{ALL_EVENTS!r} "
+        f"from 100 requests up, else {SHORT_EVENTS!r}",
+    )
 
 
 def needs(opts: Options) -> Needs:

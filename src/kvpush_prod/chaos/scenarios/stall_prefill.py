@@ -25,13 +25,19 @@ from kvpush_prod.chaos.load import LoadGenerator
 from kvpush_prod.chaos.observe import TRANSFERS
 
 NAME = "stall_prefill"
-DESCRIPTION = ("SIGSTOP P longer than its write permit mid-transfer, then SIGCONT: no late "
-               "write lands in reused blocks (policy fail: failed receives are clear errors)")
+DESCRIPTION = (
+    "SIGSTOP P longer than its write permit mid-transfer, then SIGCONT: no late "
+    "write lands in reused blocks (policy fail: failed receives are clear errors)"
+)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--stall-s", type=float, default=9.0,
-                    help="how long P stays stopped (the permit is leases.permit_ttl_s = 5 s)")
+    ap.add_argument(
+        "--stall-s",
+        type=float,
+        default=9.0,
+        help="how long P stays stopped (the permit is leases.permit_ttl_s = 5 s)",
+    )
 
 
 def needs(opts: Options) -> Needs:
@@ -49,21 +55,24 @@ async def run(ctx: Context) -> None:
     try:
         await gen.wait_done(max(2, n // 4))
         evidence = await ctx.wait_in_flight(ENGINES, what="SIGSTOP prefill", gen=gen)
-        failed_before = ctx.observer.increase("decode", TRANSFERS, role="consumer",
-                                              outcome="failed")
+        failed_before = ctx.observer.increase(
+            "decode", TRANSFERS, role="consumer", outcome="failed"
+        )
         gen.phase = "stall"
         proc.signal_tree(signal.SIGSTOP)
         stopped = True
-        ctx.event(f"SIGSTOP prefill for {stall:g} s", evidence=evidence,
-                  outstanding=ctx.outstanding())
+        ctx.event(
+            f"SIGSTOP prefill for {stall:g} s", evidence=evidence, outstanding=ctx.outstanding()
+        )
         await asyncio.sleep(stall)  # the fault's duration, not a wait for something
         proc.signal_tree(signal.SIGCONT)
         stopped = False
         ctx.event("SIGCONT prefill", outstanding=ctx.outstanding())
         waited = await ctx.wait_router_ready()
         gen.phase = "after"
-        ctx.event("router has the pair again", waited_s=None if waited is None
-                  else round(waited, 1))
+        ctx.event(
+            "router has the pair again", waited_s=None if waited is None else round(waited, 1)
+        )
         # Enough requests after the stall that D's allocations cycle through its whole KV
         # cache (vLLM hands out free blocks in LRU order): the blocks freed by the stall are
         # then certainly reused by requests admitted after it.
@@ -73,23 +82,35 @@ async def run(ctx: Context) -> None:
         cycled = await _cycle_pool(ctx, gen, block, pool)
         allow_after(gen, n, 0)
         await task
-        ctx.report.check("D's KV cache was cycled after the stall (freed blocks reused)",
-                         pool == 0 or cycled >= pool,
-                         "" if pool == 0 or cycled >= pool else
-                         f"requests after the stall used {cycled} blocks of D's {pool}")
+        ctx.report.check(
+            "D's KV cache was cycled after the stall (freed blocks reused)",
+            pool == 0 or cycled >= pool,
+            ""
+            if pool == 0 or cycled >= pool
+            else f"requests after the stall used {cycled} blocks of D's {pool}",
+        )
         await ctx.observer.poll()
-        failed = ctx.observer.increase("decode", TRANSFERS, role="consumer",
-                                       outcome="failed") - failed_before
-        recompute = ctx.observer.increase("decode", TRANSFERS, role="consumer",
-                                          outcome="recompute")
-        ctx.event("receives D failed during/after the stall", failed=failed,
-                  recompute=recompute, blocks_allocated_after=cycled)
-        expired = ctx.observer.increase("decode", "kvpush_leases_expired_total",
-                                        role="consumer")
+        failed = (
+            ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="failed")
+            - failed_before
+        )
+        recompute = ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="recompute")
+        ctx.event(
+            "receives D failed during/after the stall",
+            failed=failed,
+            recompute=recompute,
+            blocks_allocated_after=cycled,
+        )
+        expired = ctx.observer.increase("decode", "kvpush_leases_expired_total", role="consumer")
         fenced = {e: ctx.observer.increase(e, "kvpush_leases_fenced_total") for e in ENGINES}
-        ctx.report.data["stall"] = {"seconds": stall, "d_failed_receives": failed,
-                                    "d_permits_expired": expired, "fenced": fenced,
-                                    "blocks_allocated_after": cycled, "decode_blocks": pool}
+        ctx.report.data["stall"] = {
+            "seconds": stall,
+            "d_failed_receives": failed,
+            "d_permits_expired": expired,
+            "fenced": fenced,
+            "blocks_allocated_after": cycled,
+            "decode_blocks": pool,
+        }
     finally:
         if stopped:
             proc.signal_tree(signal.SIGCONT)
@@ -101,14 +122,15 @@ async def run(ctx: Context) -> None:
 async def _cycle_pool(ctx: Context, gen: LoadGenerator, block: int, pool: int) -> int:
     """Extend the load until the requests launched after the stall have allocated 1.2x
     D's blocks (prompt + output, rounded up to blocks); returns the blocks they allocated."""
+
     def used() -> int:
-        return sum(-(-(r.prompt_len + r.max_tokens) // block)
-                   for r in ctx.phase_records("after"))
+        return sum(-(-(r.prompt_len + r.max_tokens) // block) for r in ctx.phase_records("after"))
 
     target = int(1.2 * pool)
     cap = 10 * max(8, ctx.opts.requests)  # a bound, should the pool be huge
-    while (used() < target or gen.progress.sent < gen.limit) \
-            and len(ctx.phase_records("after")) < cap:
+    while (used() < target or gen.progress.sent < gen.limit) and len(
+        ctx.phase_records("after")
+    ) < cap:
         if gen.progress.sent >= gen.limit:
             gen.extend(max(1, (target - used()) // 8))
         await gen.wait_done(gen.progress.done + 1, timeout=5)

@@ -15,6 +15,7 @@ from kvpush_prod.errors import ConfigError
 
 PeerId = str
 
+
 class BreakerState(enum.Enum):
     CLOSED = "closed"  # pushes go through
     OPEN = "open"  # new transfers go straight to fallback

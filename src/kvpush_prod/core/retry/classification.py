@@ -87,12 +87,16 @@ _TABLE: tuple[tuple[ErrorKind, str, str, ErrorClass, bool, str], ...] = (
 )  # fmt: skip
 
 # Anything not in the table: do not repeat what we do not understand, but let D still pull.
-UNCLASSIFIED = Classification(ErrorKind.UNCLASSIFIED, ErrorClass.FALLBACK, False,
-                              "not in the table")
+UNCLASSIFIED = Classification(
+    ErrorKind.UNCLASSIFIED, ErrorClass.FALLBACK, False, "not in the table"
+)
 
 BY_KIND: Mapping[ErrorKind, Classification] = MappingProxyType(
-    {**{row[0]: Classification(row[0], row[3], row[4], row[5]) for row in _TABLE},
-     ErrorKind.UNCLASSIFIED: UNCLASSIFIED})
+    {
+        **{row[0]: Classification(row[0], row[3], row[4], row[5]) for row in _TABLE},
+        ErrorKind.UNCLASSIFIED: UNCLASSIFIED,
+    }
+)
 
 
 def _build_lookup() -> Mapping[str, Classification]:

@@ -49,12 +49,18 @@ def decide(
     at = policy.next_attempt_at(attempt, first_attempt_at, now)
     if at is None:
         return RetryDecision(
-            ErrorClass.FALLBACK, None, c,
-            f"retries_exhausted: {c.kind}, gave up after attempt {attempt}", "retries_exhausted",
+            ErrorClass.FALLBACK,
+            None,
+            c,
+            f"retries_exhausted: {c.kind}, gave up after attempt {attempt}",
+            "retries_exhausted",
         )
     if not budget.try_spend(peer, now):
         return RetryDecision(
-            ErrorClass.FALLBACK, None, c,
-            f"retry_budget: {c.kind}, the retry budget of peer {peer!r} is empty", "retry_budget",
+            ErrorClass.FALLBACK,
+            None,
+            c,
+            f"retry_budget: {c.kind}, the retry budget of peer {peer!r} is empty",
+            "retry_budget",
         )
     return RetryDecision(ErrorClass.RETRY, at, c, f"{c.kind}: retry {attempt} at {at:.3f}")
