@@ -5,7 +5,9 @@ credits, coordination on the engine step) and ``kvpush`` (our connector: the rea
 Receiver and ChunkScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
 
 Only the protocol decisions come from the core, on the settings a kvpush profile gives them
-(``config.core``, as in the connector); compute and wires are simple models whose parameters
+(``config.core``, as in the connector; a layer-wise push as ``push.layerwise`` says, through
+the core's ``LayersReady``); compute, wires and the cost of posting NIXL requests (fixed +
+per descriptor, descriptors per run of adjacent blocks) are simple models whose parameters
 live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
 """
 
@@ -178,6 +180,7 @@ class Req:
     registered_at: float = -1.0  # P got D's registration (push modes)
     xfer_start: float = -1.0  # the first WRITE (or READ) posted
     done_posted: float = -1.0  # kvpush: the WRITE that carries DONE posted
+    first_bytes: float = -1.0  # kvpush: the first WRITE's bytes on the wire
     refused: bool = False  # kvpush: D computes the prompt (no credit could ever fit it)
 
     @property
@@ -474,6 +477,11 @@ class Sim:
                     ),
                 )
 
+        def send() -> None:
+            if req.first_bytes < 0:
+                req.first_bytes = loop.now
+            link.send(a.nbytes, landed)
+
         self.count("chunks")
         if a.parts > 1:
             self.count("layer_writes")
@@ -481,12 +489,12 @@ class Sim:
                 self.count("layer_writes_during_forward")
         cost = m.post_cost(self.descriptors(a.src_blocks, a.dst_blocks, a.parts))
         if not m.post_serial:
-            loop.after(m.kvpush_chunk_overhead_s + cost, lambda: link.send(a.nbytes, landed))
+            loop.after(m.kvpush_chunk_overhead_s + cost, send)
             return
         # The pump posts one request after another: this one once the ones before it are out.
         posted = max(loop.now, self.pump_free[req.p]) + cost
         self.pump_free[req.p] = posted
-        loop.at(posted + m.kvpush_chunk_overhead_s, lambda: link.send(a.nbytes, landed))
+        loop.at(posted + m.kvpush_chunk_overhead_s, send)
 
     def descriptors(self, src: Sequence[int], dst: Sequence[int], parts: int = 1) -> int:
         """``ClusterModel.descriptors`` of one post, counted with the time it costs."""
