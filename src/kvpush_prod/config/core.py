@@ -84,3 +84,25 @@ def credit_settings(cfg: KvpushConfig, num_blocks: int) -> CreditSettings:
     return CreditSettings.from_fractions(
         num_blocks, cfg.credits.budget_fraction, cfg.credits.per_peer_fraction
     )
+
+
+def layerwise_on(
+    mode: str,
+    blocks: int,
+    block_bytes: int,
+    block_tokens: int,
+    bandwidth: float,
+    min_tokens: int,
+    min_transfer_ms: float,
+) -> bool:
+    """Whether a step whose prompts to push hold ``blocks`` blocks is pushed layer by layer
+    (``push.layerwise``): always (on), never (off), or (auto) when they hold at least
+    ``min_tokens`` tokens (blocks x block size) and their KV takes at least
+    ``min_transfer_ms`` at ``bandwidth`` bytes/s (the slowest of P's links as measured;
+    short transfers gain little overlap and pay a post per layer). The connector and the
+    simulator both decide here."""
+    if mode != "auto":
+        return mode == "on"
+    if blocks * block_tokens < min_tokens:
+        return False
+    return blocks * block_bytes * 1000.0 / max(bandwidth, 1.0) >= min_transfer_ms

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvpush_prod.config.core import layerwise_on
 from kvpush_prod.connector.metadata import SendSpec
 from kvpush_prod.core import messages
 
@@ -85,11 +86,8 @@ def layerwise_now(
     """Whether this step's prompts are pushed layer by layer (``push.layerwise``): always
     (on), never (off), or (auto) when they hold at least ``min_tokens`` tokens (blocks x
     block size) and their KV takes at least ``min_transfer_ms`` at ``bandwidth`` bytes/s
-    (the slowest of P's links as measured; short transfers gain little overlap and pay a
-    post per layer)."""
-    if mode != "auto":
-        return mode == "on"
+    (``config.core.layerwise_on``, which the simulator decides by too)."""
     blocks = sum(len(s.block_ids) for s in sends)
-    if blocks * block_tokens < min_tokens:
-        return False
-    return blocks * block_bytes * 1000.0 / max(bandwidth, 1.0) >= min_transfer_ms
+    return layerwise_on(
+        mode, blocks, block_bytes, block_tokens, bandwidth, min_tokens, min_transfer_ms
+    )

@@ -14,6 +14,7 @@ from typing import Any
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.sim.model import MODES, ClusterModel, Workload, simulate
 from kvpush_prod.sim.presets import PRESETS, SIDE_OF_MODE, calibrate, load_results
+from kvpush_prod.sim.scaling import layerwise_table
 
 
 def scenarios(
@@ -167,14 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-us", type=float, help="one router leg each way, us")
     p.add_argument("--prefill-us-per-token", type=float)
     p.add_argument("--decode-step-ms", type=float)
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0, or "
-        "a key of the kvpush profile, e.g. --set credits.budget_fraction=0.1",
-    )
+    _layerwise_args(p)
     p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths, mixed")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=200)
@@ -188,6 +182,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, help="also write the numbers here")
     return p
+
+
+def _layerwise_args(p: argparse.ArgumentParser) -> None:
+    """Layer-wise push, D's fragmentation and the model's depth."""
+    p.add_argument(
+        "--layerwise",
+        choices=["off", "on", "auto"],
+        help="kvpush's push.layerwise (default: the profile's): on posts each layer's KV "
+        "as the forward computes it",
+    )
+    p.add_argument(
+        "--fragment",
+        type=float,
+        metavar="P",
+        help="D's cache fragmentation: probability that the next free block is not adjacent "
+        "to the one before (0: fresh, 1: every block its own descriptor)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="model layers (sets kv_regions to 2 x N, K and V apart; KV per token stays "
+        "--set kv_bytes_per_token)",
+    )
+    p.add_argument(
+        "--layerwise-table",
+        action="store_true",
+        help="TTFT p50 / p90 per prompt length (--lengths, one at a time) and concurrency: "
+        "vLLM push and kvpush with push.layerwise off / on / auto, D's cache fresh and "
+        "fragmented (--fragment, default 1)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override any ClusterModel field (repeatable), e.g. --set pull_coord_s=0, or "
+        "a key of the kvpush profile, e.g. --set credits.budget_fraction=0.1",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     m = _overrides(PRESETS[a.preset], a)
     lengths = tuple(int(x) for x in a.lengths.split(","))
     conc = [int(x) for x in a.concurrency.split(",") if x]
+    if a.layerwise_table:
+        return _layerwise_table(m, a, list(lengths), conc)
     work = scenarios(m, a.requests, lengths, a.output_tokens, conc)
     table, rows = compare(m, work, modes)
     print(f"# kvpush sim: {m.name} — {m.notes}\n")
@@ -221,6 +255,35 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if a.json:
         a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))
+    return 0
+
+
+def _layerwise_table(
+    m: ClusterModel, a: argparse.Namespace, lengths: list[int], conc: list[int]
+) -> int:
+    fragment = 1.0 if a.fragment is None else a.fragment
+    print(f"# kvpush sim --layerwise-table: {m.name}: {m.notes}\n")
+    print(
+        f"{m.layers} layers, {m.kv_regions} regions, {m.kv_bytes_per_token / 1024:g} KiB of KV "
+        f"per token, block {m.block_tokens}; post {m.post_fixed_s * 1e6:g} us + "
+        f"{m.desc_s * 1e6:g} us per descriptor; fragmented: {fragment:g}; "
+        f"{a.output_tokens} output tokens\n"
+    )
+    print(kvpush_settings(m) + "\n")
+    table, rows = layerwise_table(
+        m,
+        lengths,
+        conc,
+        a.requests,
+        a.output_tokens,
+        fragment,
+        lambda line: print(f"  ... {line}", file=sys.stderr, flush=True),
+    )
+    print("TTFT p50 / p90 (ms):\n")
+    print(table)
+    if a.json:
+        a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))
+    print(f"\nverdict: {len(rows)} cells simulated", file=sys.stderr)
     return 0
 
 
@@ -258,6 +321,10 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
         kw["prefill_s_per_token"] = a.prefill_us_per_token / 1e6
     if a.decode_step_ms:
         kw["decode_step_s"] = a.decode_step_ms / 1000
+    if a.fragment is not None:
+        kw["fragment"] = a.fragment
+    if a.layers is not None:
+        kw["layers"], kw["kv_regions"] = a.layers, 2 * a.layers
     fields = ClusterModel.__dataclass_fields__
     numeric = [k for k in fields if isinstance(getattr(m, k), int | float)]
     overrides = list(m.overrides)
@@ -273,11 +340,28 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
                 "kvpush profile (docs/configuration.md)"
             )
         kw[key] = int(value) if isinstance(getattr(m, key), int) else float(value)
+    if a.layerwise:
+        overrides.append(f"push.layerwise={a.layerwise}")
     if overrides != list(m.overrides):
         kw["overrides"] = tuple(overrides)
     out = m.with_(**kw) if kw else m
+    _check(out)
+    return out
+
+
+def _check(m: ClusterModel) -> None:
+    """A model the simulator can run, or SystemExit naming the value and the fix."""
+    if not 0.0 <= m.fragment <= 1.0:
+        raise SystemExit(
+            f"kvpush sim: --fragment {m.fragment:g}: give a probability from 0 (a fresh cache) "
+            "to 1 (every block apart)"
+        )
+    if m.layers < 1 or m.kv_regions % m.layers:
+        raise SystemExit(
+            f"kvpush sim: {m.layers} layers over {m.kv_regions} KV regions: give --layers N "
+            "(>= 1; kv_regions becomes 2 x N) or kv_regions a multiple of layers"
+        )
     try:
-        out.config()
+        m.config()
     except ConfigError as exc:
         raise SystemExit(f"kvpush sim: {exc}") from None
-    return out

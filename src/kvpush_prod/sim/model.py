@@ -5,22 +5,26 @@ credits, coordination on the engine step) and ``kvpush`` (our connector: the rea
 Receiver and ChunkScheduler from ``kvpush_prod.core``, and D's CreditLedger admission).
 
 Only the protocol decisions come from the core, on the settings a kvpush profile gives them
-(``config.core``, as in the connector); compute and wires are simple models whose parameters
+(``config.core``, as in the connector; a layer-wise push as ``push.layerwise`` says, through
+the core's ``LayersReady``); compute, wires and the cost of posting NIXL requests (fixed +
+per descriptor, descriptors per run of adjacent blocks) are simple models whose parameters
 live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
 
 from kvpush_prod.config import KvpushConfig, load_config
-from kvpush_prod.config.core import CoreSettings, core_settings, credit_settings
+from kvpush_prod.config.core import CoreSettings, core_settings, credit_settings, layerwise_on
 from kvpush_prod.core.actions import (
     Note,
     PostRead,
@@ -30,7 +34,7 @@ from kvpush_prod.core.actions import (
     ReportFinished,
 )
 from kvpush_prod.core.admission import Admissions, Verdict
-from kvpush_prod.core.commands import BlocksReady, Hold, RegisterBlocks
+from kvpush_prod.core.commands import BlocksReady, Hold, LayersReady, RegisterBlocks
 from kvpush_prod.core.credits import CreditLedger, CreditSettings
 from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.messages import ControlMessage, Layout, PeerInfo, Region
@@ -66,11 +70,24 @@ class ClusterModel:
     kv_bytes_per_token: float = 320 * 1024
     block_tokens: int = 16
     kv_regions: int = 160  # registered KV regions per rank (layers x K/V): descriptors per block
+    layers: int = 80  # model layers: a layer-wise WRITE moves kv_regions / layers regions
     decode_kv_blocks: int = 200_000
+    # D's cache: the probability that the next free block D hands out is not adjacent to
+    # the one before (0: a fresh cache, runs as long as the transfer; 1: every block apart)
+    fragment: float = 0.0
     # connector software costs
     vllm_xfer_overhead_s: float = 1e-3  # per vLLM transfer, beyond bytes / bandwidth
     pull_coord_s: float = 3e-3  # D engine-thread time per pulled request (handshake, descs, post)
-    desc_s: float = 0.15e-6  # building and posting one NIXL descriptor (Python + prep)
+    # Building and posting one NIXL request (a chunk, or vLLM's whole transfer) costs
+    # post_fixed_s + desc_s x the descriptors it posts: one per run of blocks adjacent on
+    # both sides per region (NIXL merges the rest; coalesce=0: one per block per region).
+    # Fitted from `kvpush bench transfer --post-cost` (presets.py, docs/simulator.md).
+    post_fixed_s: float = 19e-6
+    desc_s: float = 0.94e-6
+    coalesce: int = 1
+    # Our pump is one thread: its posts of one prefill engine go one after another (0: each
+    # post's cost runs apart from the others, the simulator before per-descriptor costs)
+    post_serial: int = 1
     push_reg_coord_s: float = 0.3e-3  # D engine-thread time per vLLM push registration
     push_post_coord_s: float = 0.5e-3  # P engine-thread time per vLLM push post
     kvpush_chunk_overhead_s: float = 20e-6  # per posted chunk, beyond bytes / bandwidth
@@ -108,9 +125,21 @@ class ClusterModel:
     def blocks(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.block_tokens))
 
-    def desc_cost(self, tokens: int) -> float:
-        """Time to build and post the descriptors of a whole transfer of ``tokens``."""
-        return self.desc_s * self.kv_regions * self.blocks(tokens)
+    def descriptors(self, src: Sequence[int], dst: Sequence[int], parts: int = 1) -> int:
+        """The descriptors one post of blocks ``src`` into ``dst`` hands the backend: one per
+        region per run of blocks adjacent on both sides (per block with ``coalesce`` 0);
+        a layer-wise post (``parts`` layers) covers one layer's regions."""
+        regions = max(1, self.kv_regions // max(1, parts))
+        if not self.coalesce or not src:
+            return regions * len(src)
+        runs = 1 + sum(
+            1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1
+        )
+        return regions * runs
+
+    def post_cost(self, descriptors: int) -> float:
+        """Time to build and post one NIXL request of ``descriptors``."""
+        return self.post_fixed_s + self.desc_s * descriptors
 
 
 @dataclass(frozen=True)
@@ -147,8 +176,11 @@ class Req:
     stalls: int = 0
     d_blocks: list[int] = field(default_factory=list)
     p_blocks: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens P computed so far (chunked prefill)
     registered_at: float = -1.0  # P got D's registration (push modes)
-    xfer_start: float = -1.0
+    xfer_start: float = -1.0  # the first WRITE (or READ) posted
+    done_posted: float = -1.0  # kvpush: the WRITE that carries DONE posted
+    first_bytes: float = -1.0  # kvpush: the first WRITE's bytes on the wire
     refused: bool = False  # kvpush: D computes the prompt (no credit could ever fit it)
 
     @property
@@ -164,7 +196,9 @@ class Req:
 
 class PrefillEngine:
     """FIFO batches up to ``max_batched_tokens``; a step costs fixed + per-token time plus any
-    engine-thread work a connector put on it (``debt``)."""
+    engine-thread work a connector put on it (``debt``). A prompt longer than a step is
+    computed in steps of ``max_batched_tokens`` (vLLM's chunked prefill); shorter ones are
+    batched whole."""
 
     def __init__(self, sim: Sim, idx: int) -> None:
         self.sim, self.idx = sim, idx
@@ -179,30 +213,52 @@ class PrefillEngine:
         if not self.busy:
             self._step()
 
+    def _take(self) -> tuple[list[Req], int, int]:
+        """This step's prompts that it completes, its tokens and its sum of (squared context
+        after - squared context before) per prompt (attention); a prompt it only starts stays
+        at the head of the queue."""
+        m, now = self.sim.m, self.sim.loop.now
+        batch: list[Req] = []
+        tokens = squares = 0
+        while self.queue and (
+            not batch or tokens + self._left(self.queue[0]) <= m.max_batched_tokens
+        ):
+            r = self.queue[0]
+            n = min(self._left(r), m.max_batched_tokens)
+            if r.prefilled == 0:
+                r.p_start = now
+            squares += (r.prefilled + n) ** 2 - r.prefilled**2
+            tokens += n
+            r.prefilled += n
+            if r.prefilled < r.length:
+                break  # chunked prefill: the rest in later steps
+            batch.append(self.queue.popleft())
+        return batch, tokens, squares
+
+    @staticmethod
+    def _left(r: Req) -> int:
+        return r.length - r.prefilled
+
     def _step(self) -> None:
         m, loop = self.sim.m, self.sim.loop
         if not self.queue:
             self.busy = False
             return
         self.busy = True
-        batch: list[Req] = []
-        tokens = 0
-        while self.queue and (not batch or tokens + self.queue[0].length <= m.max_batched_tokens):
-            r = self.queue.popleft()
-            r.p_start = loop.now
-            batch.append(r)
-            tokens += r.length
-        quad = sum(r.length**2 for r in batch) * m.prefill_s_per_token2
+        batch, tokens, squares = self._take()
+        quad = squares * m.prefill_s_per_token2
         dur = m.prefill_step_s + tokens * m.prefill_s_per_token + quad + self.debt
         self.debt = 0.0
         self.busy_time += dur
+        for r in batch:  # the blocks the forward writes the prompts' KV into
+            n = m.blocks(r.length)
+            r.p_blocks = [(self.next_block + i) % 1_000_000 for i in range(n)]
+            self.next_block += n
+        self.sim.on_prefill_step(self.idx, batch, dur)
 
         def end() -> None:
             for r in batch:
                 r.p_done = loop.now
-                n = m.blocks(r.length)
-                r.p_blocks = [(self.next_block + i) % 1_000_000 for i in range(n)]
-                self.next_block += n
                 self.sim.on_prefill_done(r)
             self._step()
 
@@ -216,7 +272,13 @@ class DecodeEngine:
     def __init__(self, sim: Sim, idx: int) -> None:
         self.sim, self.idx = sim, idx
         m = sim.m
-        self.free: list[int] = list(range(m.decode_kv_blocks))
+        # Handed out from the end: a fresh cache's in order (kept sorted), a fragmented one's
+        # in runs.
+        self.free: list[int] = (
+            scattered(m.decode_kv_blocks, m.fragment, random.Random(f"{sim.w.seed}-d{idx}"))
+            if m.fragment > 0
+            else list(range(m.decode_kv_blocks))
+        )
         self.incoming: deque[Req] = deque()  # requests D's scheduler has not placed yet
         self.arrived: list[Req] = []  # KV here, joins the batch at the next step
         self.running: list[Req] = []
@@ -234,6 +296,10 @@ class DecodeEngine:
 
     def release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
+        if not self.sim.m.fragment:
+            # A fresh cache: D hands out its highest free ids in order, so a transfer's
+            # blocks are one run (ids only: the timing does not depend on the order).
+            self.free.sort()
 
     def submit(self, req: Req) -> None:
         self.incoming.append(req)
@@ -298,6 +364,19 @@ class DecodeEngine:
         loop.after(dur, end)
 
 
+def scattered(n: int, fragment: float, rng: random.Random) -> list[int]:
+    """Block ids ``0..n-1`` as a fragmented cache hands them out: runs of adjacent ids, each
+    next id starting a new run with probability ``fragment``, the runs in random order."""
+    runs: list[list[int]] = [[0]] if n else []
+    for i in range(1, n):
+        if rng.random() < fragment:
+            runs.append([i])
+        else:
+            runs[-1].append(i)
+    rng.shuffle(runs)
+    return [i for run in runs for i in run]
+
+
 class Sim:
     """One run of one mode on one cluster model and workload."""
 
@@ -321,6 +400,8 @@ class Sim:
         self.registrations: dict[int, Req] = {}  # vLLM push: registered at P
         self.p_ready: dict[int, Req] = {}  # vLLM push: prefill done, waiting for registration
         self.counters: dict[str, int] = {}
+        self.post_s = 0.0  # time spent building and posting NIXL requests, every engine
+        self.pump_free = [0.0] * m.n_prefill  # when each P's pump is done with its posts
         if mode == "kvpush":
             self._setup_core()
 
@@ -329,6 +410,7 @@ class Sim:
         m = self.m
         block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
         self.settings, credits = m.core()
+        self.push = m.config().push
         self.senders: list[Sender] = []
         self.receivers: list[Receiver] = []
         self.tx: list[Driver[Sender, str]] = []
@@ -379,6 +461,8 @@ class Sim:
         req = self._by_tid[a.transfer_id]
         if req.xfer_start < 0:
             req.xfer_start = loop.now
+        if a.done is not None:
+            req.done_posted = loop.now
         link = self.links[req.p]
         sender, receiver = self.tx[req.p], self.rx[req.d]
 
@@ -393,17 +477,41 @@ class Sim:
                     ),
                 )
 
-        self.counters["chunks"] = self.counters.get("chunks", 0) + 1
-        descs = m.kv_regions * len(a.src_blocks)
-        loop.after(
-            m.kvpush_chunk_overhead_s + m.desc_s * descs, lambda: link.send(a.nbytes, landed)
-        )
+        def send() -> None:
+            if req.first_bytes < 0:
+                req.first_bytes = loop.now
+            link.send(a.nbytes, landed)
+
+        self.count("chunks")
+        if a.parts > 1:
+            self.count("layer_writes")
+            if req.p_done < 0:
+                self.count("layer_writes_during_forward")
+        cost = m.post_cost(self.descriptors(a.src_blocks, a.dst_blocks, a.parts))
+        if not m.post_serial:
+            loop.after(m.kvpush_chunk_overhead_s + cost, send)
+            return
+        # The pump posts one request after another: this one once the ones before it are out.
+        posted = max(loop.now, self.pump_free[req.p]) + cost
+        self.pump_free[req.p] = posted
+        loop.at(posted + m.kvpush_chunk_overhead_s, send)
+
+    def descriptors(self, src: Sequence[int], dst: Sequence[int], parts: int = 1) -> int:
+        """``ClusterModel.descriptors`` of one post, counted with the time it costs."""
+        n = self.m.descriptors(src, dst, parts)
+        self.count("descriptors", n)
+        self.count("posts")
+        self.post_s += self.m.post_cost(n)
+        return n
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counters[what] = self.counters.get(what, 0) + n
 
     def received(self, transfer_id: str, failed: bool) -> None:
         """D reported the receive: its credit is back and the request decodes (a failed one
         recomputes: counted, not modelled)."""
         if failed:
-            self.counters["failed"] = self.counters.get("failed", 0) + 1
+            self.count("failed")
         req = self._by_tid[transfer_id]
         self.admissions[req.d].ended(transfer_id)
         self.decode[req.d].kv_arrived(req)
@@ -459,6 +567,46 @@ class Sim:
             loop.after(m.http_s, lambda: p.submit(req))
             loop.after(m.http_s, lambda: d.submit(req))
 
+    def on_prefill_step(self, p: int, batch: list[Req], dur: float) -> None:
+        """P ``p`` starts a step of ``dur`` that completes the prompts of ``batch``. kvpush
+        with a layer-wise push (``push.layerwise``, decided per step as the connector does):
+        layer ``l`` of the forward is computed at ``(l + 1) / layers`` of the step, and the
+        pump hears each (the connector's save_kv_layer) a reaction later; the whole prompt,
+        with DONE's last chunk, still goes at the step's end (``on_prefill_done``)."""
+        m = self.m
+        if self.mode != "kvpush" or not batch or m.layers < 2:
+            return
+        sched = self.senders[p].sched
+        links = sched.links()
+        bandwidth = (
+            min(sched.bandwidth(link) for link in links)
+            if links
+            else sched.settings.initial_bandwidth_bytes_per_s
+        )
+        blocks = sum(len(r.p_blocks) for r in batch)
+        block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
+        push = self.push
+        if not layerwise_on(
+            push.layerwise,
+            blocks,
+            block_bytes,
+            m.block_tokens,
+            bandwidth,
+            push.layerwise_min_tokens,
+            push.layerwise_min_transfer_ms,
+        ):
+            return
+        self.count("layerwise_steps")
+        for layer in range(1, m.layers + 1):
+            self.loop.after(
+                layer / m.layers * dur + m.kvpush_pump_s,
+                functools.partial(self._layers_ready, p, batch, layer),
+            )
+
+    def _layers_ready(self, p: int, batch: list[Req], ready: int) -> None:
+        for r in batch:
+            self.tx[p].command(LayersReady(f"t{r.rid}", tuple(r.p_blocks), ready, self.m.layers))
+
     def on_prefill_done(self, req: Req) -> None:
         m, loop = self.m, self.loop
         if self.mode == "pull":
@@ -494,7 +642,9 @@ class Sim:
                 ),
             )
 
-        loop.after(m.push_post_coord_s + m.desc_cost(req.length), post)
+        # One WRITE of the whole KV: its descriptors follow D's runs, as NIXL merges them.
+        descs = self.descriptors(req.p_blocks, req.d_blocks)
+        loop.after(m.push_post_coord_s + m.post_cost(descs), post)
 
     def place_incoming(self, d: DecodeEngine) -> float:
         """D's scheduler at the start of a step: place new requests; returns engine time."""
@@ -524,7 +674,7 @@ class Sim:
         if self.mode == "pull":
             # vLLM pull posts the READ from D's engine thread (start_load_kv): the whole
             # descriptor list is built and posted there, holding up every running decode.
-            cost += m.pull_coord_s + m.desc_cost(req.length)
+            cost += m.pull_coord_s + m.post_cost(self.descriptors(req.p_blocks, req.d_blocks))
 
             def read() -> None:
                 req.xfer_start = loop.now
@@ -568,7 +718,7 @@ class Sim:
             blocks = d.alloc(n)
             if blocks is None:
                 return None
-            self.counters["refused"] = self.counters.get("refused", 0) + 1
+            self.count("refused")
             req.d_blocks = blocks
             req.kv_at_d = loop.now
             d.arrived.append(req)
@@ -624,7 +774,7 @@ class _SimEffects:
         return None  # pulls are not modelled (no chunk fails in the simulator)
 
     def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
-        self.sim.counters["post_failed"] = self.sim.counters.get("post_failed", 0) + 1
+        self.sim.count("post_failed")
 
     def release_send(self, action: ReleaseSend) -> None:
         return None  # P's blocks are not modelled
@@ -636,8 +786,7 @@ class _SimEffects:
         self.sim.received(action.transfer_id, failed=True)
 
     def note(self, note: Note) -> None:
-        counters = self.sim.counters
-        counters[note.kind.value] = counters.get(note.kind.value, 0) + 1
+        self.sim.count(note.kind.value)
 
     def contained(self, stage: Stage, what: str) -> None:
         raise  # noqa: PLE0704 - a simulator bug must surface, not be counted

@@ -12,6 +12,16 @@ from typing import Any
 
 from kvpush_prod.sim.model import ClusterModel
 
+# The post cost, both presets (ClusterModel.post_fixed_s, desc_s): building and posting one
+# NIXL request costs 19 us + 0.94 us per descriptor it posts. Fitted (least squares on the
+# relative error) to the 18 cells of one run of
+#   kvpush bench transfer --post-cost --layers 8,32,80 --blocks 32 --tokens 512,1900 \
+#       --kinds contiguous,runs8,fragmented --paths auto --iters 11
+# (Intel Xeon AVX-512, NIXL 1.5.1, UCX loopback, 2026-12-02, 35 s): build + submit from 34 us
+# (16 descriptors) to 19.1 ms (9,600). Per descriptor it grows with the post's size: ~0.75-1.3
+# us up to 2,560 descriptors, 1.7-2 us at 3,776-9,600 (vLLM #35264 saw 2.4 us at 18,880 on
+# GPUs). On loopback each descriptor is also a cross-process copy; on EFA the NIC copies, so
+# P5en's per-descriptor cost may be lower: an assumption (docs/simulator.md).
 # AWS P5en: 8 x H200 and 16 x 200 Gbps EFA per node (3.2 Tbps = 400 GB/s). Llama-3.1-70B,
 # TP8 per engine, bf16: 80 layers x 2 (K, V) x 8 KV heads x 128 x 2 B = 320 KiB per token.
 P5EN = ClusterModel(
@@ -33,6 +43,7 @@ P5EN = ClusterModel(
     kv_bytes_per_token=320 * 1024,
     block_tokens=16,
     kv_regions=160,  # 80 layers x (K, V) per rank
+    layers=80,
     decode_kv_blocks=8 * 100 * 1024**3 // (320 * 1024 * 16),  # ~100 GiB of KV per node
     # Connector software costs: CPU-side Python in the engine process; the AVX-512 CPU box
     # measured ~3 ms of vLLM transfer time for 512 KiB whose raw WRITE takes ~40 us.
@@ -64,6 +75,7 @@ CPU_LOOPBACK = ClusterModel(
     kv_bytes_per_token=1024,
     block_tokens=128,
     kv_regions=4,  # 2 layers x (K, V)
+    layers=2,
     decode_kv_blocks=2 * 1024**3 // (1024 * 128),
     vllm_xfer_overhead_s=3e-3,
     pull_coord_s=3e-3,
