@@ -121,6 +121,48 @@ class _Confirm:
 
 @dataclass(eq=False)
 class _Out:
+    """One transfer as P sees it: where its push is (``machine``, the table shared with D)
+    and what that table does not hold.
+
+    The flags beside the machine, and why each is not one of its states:
+
+    - ``held``: P's scheduler finished the request and lends us its blocks until
+      ReleaseSend. The engine's side of the blocks; it comes in any state, before or
+      after the push ended.
+    - ``expected``: P's engine named the request (its blocks will come). With
+      ``required`` and ``blocks`` it decides who may end the transfer (``_unclaimed``)
+      and whether D's permit is kept renewed: trust, not the push's progress, and true
+      already in NEW and WAITING_BLOCKS.
+    - ``partial``: layer-wise, the forward that computes the blocks still runs. The
+      engine's progress, orthogonal to the push's (true from WAITING_REGISTER to
+      RETRYING). Not ``ready < parts``: a push stopped mid-forward clears it with parts
+      still missing.
+    - ``queued``: the chunk scheduler posts its chunks. The sender's own record of that:
+      the scheduler may still report a push expired after P gave it up, and only one
+      still queued is ended as expired. A push given up stays PUSHING or RETRYING in the
+      machine while its chunks drain, not queued, ``drain_then`` saying what comes next.
+    - ``drain_then`` (and ``reason``): what to do once the chunks in flight landed: ack a
+      CANCEL, fall back, fail, expire. A P-only step between a decision and its end; as
+      machine states it would make the shared table know its side, and entering them
+      would restart the state clocks the deadlines count from.
+    - ``confirm``: the open question to D about the last chunk's DONE (attempt, error,
+      when to ask again and give up): data for a P-only step within RETRYING.
+    - ``retried``: some chunk was retried or questioned: history, only the outcome word
+      (RETRIED or PUSHED); RETRYING -> PUSHING forgets it.
+    - ``outcome``: the result word once over (PUSHED, RETRIED, PULL_FALLBACK, CANCELLED,
+      FAILED, EXPIRED), finer than the machine's DONE / FAILED / CANCELLED and reported
+      in ReleaseSend; P ends a transfer by ``_close`` even where the table has no event
+      for it (``_fire`` skips those), so ``outcome`` and not ``machine.terminal`` says it
+      is over.
+    - ``released``: ReleaseSend was given (the transfer is also dropped then): guards a
+      reference still held after the release.
+
+    The rest is data: ids and trust (``owner``, ``required``, ``contenders``, ``peer``,
+    ``unknown_of``), terms (``permit``, ``lease_until``, ``pull_until``), chunk ids in
+    flight, counters and timestamps (``pushed_bytes``, ``ready_at``, ``reg_at``), the plan
+    (``blocks``, ``units``, ``parts``, ``ready``, ``prompt``).
+    """
+
     tid: str
     machine: TransferMachine
     blocks: list[int] | None = None
