@@ -1,9 +1,10 @@
 """The checks a reviewer would run, run by CI: ruff (lint over src and tests, format over the
-whole tree) and mypy --strict over the whole package (pyproject's [tool.mypy]: every module of
-kvpush_prod, not only the core)."""
+whole tree), mypy --strict over the whole package (pyproject's [tool.mypy]: every module of
+kvpush_prod, not only the core) and no function of the package over 60 lines."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -45,3 +46,20 @@ def test_ruff_format_finds_nothing_to_change() -> None:
     assert done.returncode == 0, (
         done.stdout[-4000:] + done.stderr + "\nrun `ruff format .` and commit the result"
     )
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_in_the_package_is_over_60_lines() -> None:
+    """Counted as printed by ``ruff format``: from the first decorator to the last line."""
+    long: list[str] = []
+    for path in sorted((ROOT / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                lines = (node.end_lineno or node.lineno) - first + 1
+                if lines > MAX_FUNCTION_LINES:
+                    where = path.relative_to(ROOT)
+                    long.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "split these functions:\n" + "\n".join(long)

@@ -412,22 +412,7 @@ def run(s: BenchSettings) -> ResultStore:
 
     patch_vllm_version()
     store = ResultStore(s.out / RESULTS)
-    meta = machine_facts()
-    # Every invocation that added cells to this results file, in order (resumed runs).
-    meta["commands"] = [*store.data.get("meta", {}).get("commands", []), s.command]
-    meta.update(
-        {
-            "workload": asdict(s.workload),
-            "max_num_seqs": s.side.max_num_seqs,
-            "pthr_delay_us_vllm": s.side.pthr_delay_us,
-            "kvpush_extra": s.side.kvpush_extra,
-            "command": s.command,
-            "client": s.client,
-            "binding": {"prefill": "0", "decode": "1", "single": s.side.single_cores},
-            "frontend_cores": s.side.frontend_cores,
-        }
-    )
-    store.data["meta"] = meta
+    meta = _record_meta(store, s)
     if s.force:
         for name in s.sides:
             store.forget(name)
@@ -469,6 +454,27 @@ def run(s: BenchSettings) -> ResultStore:
         if pbar is not None:
             pbar.close()
     return store
+
+
+def _record_meta(store: ResultStore, s: BenchSettings) -> dict[str, Any]:
+    """The machine and the settings of this run, kept in ``store`` (not saved yet)."""
+    meta = machine_facts()
+    # Every invocation that added cells to this results file, in order (resumed runs).
+    meta["commands"] = [*store.data.get("meta", {}).get("commands", []), s.command]
+    meta.update(
+        {
+            "workload": asdict(s.workload),
+            "max_num_seqs": s.side.max_num_seqs,
+            "pthr_delay_us_vllm": s.side.pthr_delay_us,
+            "kvpush_extra": s.side.kvpush_extra,
+            "command": s.command,
+            "client": s.client,
+            "binding": {"prefill": "0", "decode": "1", "single": s.side.single_cores},
+            "frontend_cores": s.side.frontend_cores,
+        }
+    )
+    store.data["meta"] = meta
+    return meta
 
 
 def _run_side(

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -302,8 +303,6 @@ def post_cost(
 
     # NIXL counts the descriptors it posts only with telemetry on (read at agent creation).
     os.environ.setdefault("NIXL_TELEMETRY_ENABLE", "y")
-    from kvpush_prod.transport.nixl import NixlTransport, make_agent
-
     rng = np.random.default_rng(seed)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -313,40 +312,78 @@ def post_cost(
     rows: list[dict[str, Any]] = []
     try:
         for n_layers, block, n_tokens in itertools.product(layers, blocks, tokens):
-            regions, n = 2 * n_layers, -(-n_tokens // block)
-            num_blocks = 4 * n  # room for D's ids to scatter
             name = f"kvpush-postcost-{os.getpid()}-{len(rows)}"
-            parent.send(("setup", name + "-d", regions, num_blocks, slot))
-            meta, remote_base = parent.recv()
-            buf, base = _buffer(regions * num_blocks * slot, 7, "cpu")
-            transport = NixlTransport(
-                make_agent(name + "-p", "UCX", True, delay_us),
-                _post_layout(base, regions, num_blocks, slot),
-                max_descriptors=10**9,
-            )
-            try:
-                peer = transport.connect(meta, _post_layout(remote_base, regions, num_blocks, slot))
-                for kind in kinds:
-                    lids, rids = list(range(n)), _post_ids(kind, n, num_blocks, rng)
-                    for path in paths:
-                        rows.append(
-                            _post_cell(transport, peer, lids, rids, path, iters)
-                            | {
-                                "layers": n_layers,
-                                "regions": regions,
-                                "block": block,
-                                "tokens": n_tokens,
-                                "blocks": n,
-                                "kind": kind,
-                                "path": path,
-                            }
-                        )
-            finally:
-                transport.close()
-                del buf
+            shape = _PostShape(n_layers, block, n_tokens, slot)
+            rows += _post_rows(parent, name, shape, kinds, paths, iters, delay_us, rng)
     finally:
         _stop_child(parent, proc)
     return {"rows": rows, "slot_bytes": slot, "progress_delay_us": delay_us, "fit": fit_costs(rows)}
+
+
+@dataclass(frozen=True)
+class _PostShape:
+    """One transfer shape of ``post_cost``: its layers, block size, tokens and slot bytes."""
+
+    layers: int
+    block: int
+    tokens: int
+    slot: int
+
+    @property
+    def regions(self) -> int:
+        return 2 * self.layers  # K and V apart, as on GPUs
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // self.block)
+
+
+def _post_rows(
+    parent: Any,
+    name: str,
+    shape: _PostShape,
+    kinds: list[str],
+    paths: list[str],
+    iters: int,
+    delay_us: int,
+    rng: Any,
+) -> list[dict[str, Any]]:
+    """``post_cost``'s rows of one shape: a fresh pair of agents (D's in the child process
+    behind ``parent``), every ids kind and path measured over it."""
+    from kvpush_prod.transport.nixl import NixlTransport, make_agent
+
+    regions, n, slot = shape.regions, shape.blocks, shape.slot
+    num_blocks = 4 * n  # room for D's ids to scatter
+    parent.send(("setup", name + "-d", regions, num_blocks, slot))
+    meta, remote_base = parent.recv()
+    buf, base = _buffer(regions * num_blocks * slot, 7, "cpu")
+    transport = NixlTransport(
+        make_agent(name + "-p", "UCX", True, delay_us),
+        _post_layout(base, regions, num_blocks, slot),
+        max_descriptors=10**9,
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        peer = transport.connect(meta, _post_layout(remote_base, regions, num_blocks, slot))
+        for kind in kinds:
+            lids, rids = list(range(n)), _post_ids(kind, n, num_blocks, rng)
+            for path in paths:
+                rows.append(
+                    _post_cell(transport, peer, lids, rids, path, iters)
+                    | {
+                        "layers": shape.layers,
+                        "regions": regions,
+                        "block": shape.block,
+                        "tokens": shape.tokens,
+                        "blocks": n,
+                        "kind": kind,
+                        "path": path,
+                    }
+                )
+    finally:
+        transport.close()
+        del buf
+    return rows
 
 
 def _post_cell(

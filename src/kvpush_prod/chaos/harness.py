@@ -691,32 +691,43 @@ async def run_on_cluster(
     ctx.event("load over; waiting for quiescence", requests=len(records))
     leaked = await _check_quiescence(ctx, baseline)
     await _check_engines_up(cluster, report)
-    if ctx.kills:
-        report.data["kills"] = [k.as_dict() for k in ctx.kills]
-        beyond = failures_beyond_kills(records, ctx.kills)
-        report.check(
-            "requests that failed were at most those in flight on the victims",
-            not beyond,
-            "; ".join(beyond[:5]),
-        )
+    _check_kills(ctx, records)
 
     # Correctness against the single engine.
     ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
     refs = await _references(cluster, ctx.specs, records)
     t = tally(records, refs)
-    consumer: dict[str, float] = {}
-    for engine in cluster.decode_names:  # every decode engine's receives, added up
-        for (n, lbls), v in observer.tracks[engine].acc.items():
-            if n == TRANSFERS and dict(lbls).get("role") == "consumer":
-                outcome = dict(lbls).get("outcome", "")
-                consumer[outcome] = consumer.get(outcome, 0.0) + v
-    streamed = attribute_streaming(t, consumer)
+    streamed = attribute_streaming(t, _receives(cluster, observer))
     report.table = _table(t, streamed, leaked)
     _check_answers(report, t, opts)
     _record_details(report, t, streamed, observer, records)
     report.data["logs"] = scan_logs(cluster, log_from)
     report.data["duration_s"] = round(time.monotonic() - t_start, 1)
     return report
+
+
+def _check_kills(ctx: Context, records: list[Record]) -> None:
+    """With engines killed: the requests that failed were at most those in flight on them."""
+    if not ctx.kills:
+        return
+    ctx.report.data["kills"] = [k.as_dict() for k in ctx.kills]
+    beyond = failures_beyond_kills(records, ctx.kills)
+    ctx.report.check(
+        "requests that failed were at most those in flight on the victims",
+        not beyond,
+        "; ".join(beyond[:5]),
+    )
+
+
+def _receives(cluster: Cluster, observer: Observer) -> dict[str, float]:
+    """Every decode engine's receives since start, added up, by outcome."""
+    consumer: dict[str, float] = {}
+    for engine in cluster.decode_names:
+        for (n, lbls), v in observer.tracks[engine].acc.items():
+            if n == TRANSFERS and dict(lbls).get("role") == "consumer":
+                outcome = dict(lbls).get("outcome", "")
+                consumer[outcome] = consumer.get(outcome, 0.0) + v
+    return consumer
 
 
 async def _check_idle_before(ctx: Context) -> dict[str, float]:

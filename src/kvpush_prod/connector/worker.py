@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
-from kvpush_prod.config.core import core_settings
+from kvpush_prod.config.core import CoreSettings, core_settings
 from kvpush_prod.connector.layerwise import LayerStep, layer_parts, layerwise_now
 from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
@@ -247,33 +247,7 @@ class WorkerSide:
         if self.role is Side.PRODUCER and self.cfg.push.layerwise != "off":
             self._layers = layer_parts(kv_caches, layout, self._device)
         settings = core_settings(self.cfg, block_bytes)
-        endpoint = self._endpoint(security)
-        # Not seeded from anything a peer sees: generations must be unguessable.
-        rng = random.SystemRandom()
-        pump: SenderPump | ReceiverPump
-        if self.role is Side.PRODUCER:
-            pump = self._tx = SenderPump(
-                self.cfg,
-                Sender(me, settings.sender, rng),
-                transport,
-                endpoint,
-                self.results,
-                self.stats,
-                self.trace,
-            )
-            self._tx.splits = Splits(
-                self.tp_rank, self.tp_size, layout.total_kv_heads, layout.replicated
-            )
-        else:
-            pump = self._rx = ReceiverPump(
-                self.cfg,
-                Receiver(me, settings.receiver, rng, tokens=rng),
-                transport,
-                endpoint,
-                self.results,
-                self.stats,
-                self.trace,
-            )
+        pump = self._make_pump(me, layout, settings, transport, self._endpoint(security))
         pump.start()
         logger.info(
             "kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
@@ -287,6 +261,42 @@ class WorkerSide:
             self.heads.local,
             "head-major" if layout.kv_heads else "(blocks not sliceable by head)",
         )
+
+    def _make_pump(
+        self,
+        me: messages.PeerInfo,
+        layout: messages.Layout,
+        settings: CoreSettings,
+        transport: Transport,
+        endpoint: ControlEndpoint,
+    ) -> SenderPump | ReceiverPump:
+        """This rank's pump (not started): P's around a Sender, D's around a Receiver."""
+        # Not seeded from anything a peer sees: generations must be unguessable.
+        rng = random.SystemRandom()
+        if self.role is Side.PRODUCER:
+            self._tx = SenderPump(
+                self.cfg,
+                Sender(me, settings.sender, rng),
+                transport,
+                endpoint,
+                self.results,
+                self.stats,
+                self.trace,
+            )
+            self._tx.splits = Splits(
+                self.tp_rank, self.tp_size, layout.total_kv_heads, layout.replicated
+            )
+            return self._tx
+        self._rx = ReceiverPump(
+            self.cfg,
+            Receiver(me, settings.receiver, rng, tokens=rng),
+            transport,
+            endpoint,
+            self.results,
+            self.stats,
+            self.trace,
+        )
+        return self._rx
 
     def _transport(
         self, layout: messages.Layout, control: str, security: EndpointSecurity | None

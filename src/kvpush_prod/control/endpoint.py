@@ -242,21 +242,8 @@ class ControlEndpoint:
         self._log = LogLimiter(logger, LOG_EVERY_S)
         self._pending = False
         self._closed = False
-        # A context of our own: the ZAP handler is per context, and so is the socket limit.
-        self._ctx: zmq.Context[Socket] = zmq.Context()
-        # Each peer costs a DEALER and the two ends of its monitor; closed sockets hold their
-        # slot until ZMQ's reaper thread gets to them, which a burst of new peers can outrun.
-        self._ctx.set(zmq.MAX_SOCKETS, 4 * max_peers + 4096)
         self._auth: AllowListAuthenticator | None = None
-        self._peers: OrderedDict[tuple[str, str], tuple[Socket, Socket]] = OrderedDict()
-        self._spares: deque[tuple[Socket, Socket]] = deque()  # made ahead (``prepare``)
-        self._monitors: dict[Socket, _Watch] = {}
-        self._monitor_ids = itertools.count()
-        self._poller = zmq.Poller()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._init_zmq(max_peers)
         try:
             if security is not None:
                 # Started before the bind: no connection may ever be accepted unchecked.
@@ -278,6 +265,24 @@ class ControlEndpoint:
                 security.keypair.fingerprint,
                 len(security.allowed),
             )
+
+    def _init_zmq(self, max_peers: int) -> None:
+        """The ZMQ context, the peer and monitor books, and the poller with its wake pipe
+        (the ROUTER comes after: ``_open_router``)."""
+        # A context of our own: the ZAP handler is per context, and so is the socket limit.
+        self._ctx: zmq.Context[Socket] = zmq.Context()
+        # Each peer costs a DEALER and the two ends of its monitor; closed sockets hold their
+        # slot until ZMQ's reaper thread gets to them, which a burst of new peers can outrun.
+        self._ctx.set(zmq.MAX_SOCKETS, 4 * max_peers + 4096)
+        self._peers: OrderedDict[tuple[str, str], tuple[Socket, Socket]] = OrderedDict()
+        self._spares: deque[tuple[Socket, Socket]] = deque()  # made ahead (``prepare``)
+        self._monitors: dict[Socket, _Watch] = {}
+        self._monitor_ids = itertools.count()
+        self._poller = zmq.Poller()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _open_router(
         self, codec: ControlCodec, host: str, port: int, security: EndpointSecurity | None
@@ -583,31 +588,15 @@ class ControlEndpoint:
         self._close_stale()
         peer_key = (address, to if self._security is not None else "")
         entry = self._peers.get(peer_key) if isinstance(address, str) else None
-        if entry is None:
-            problem = address_problem(address)
-            if problem is not None:
-                self._reject(
-                    RejectReason.BAD_ADDRESS,
-                    f"not sending {type(msg).__name__} to {address!r}: {problem}",
-                )
-                return
-            if self._security is not None and not self._known_key(to):
-                self._reject(
-                    RejectReason.UNKNOWN_PEER_KEY,
-                    f"not sending {type(msg).__name__} "
-                    f"to {address}: its key {to!r:.60} is not in the allow-list"
-                    if to
-                    else f"not sending {type(msg).__name__} to {address}: no "
-                    "peer key given, and with keys every message names the key "
-                    "its receiver must prove",
-                )
-                return
+        what = type(msg).__name__
+        if entry is None and self._refuse_new_peer(address, to, what):
+            return
         if self._security is not None and not self._admit(to, address)[0]:
             self._reject(
                 RejectReason.QUOTA_ADDRESSES,
                 _Lazy(
                     lambda: (
-                        f"not sending {type(msg).__name__} to {address!r:.80}: beyond the "
+                        f"not sending {what} to {address!r:.80}: beyond the "
                         f"control addresses replies to {self._who(to)} may go to "
                         f"({self.quotas.addresses}, {self.quotas.new_addresses_per_s:g} new a "
                         "second)"
@@ -626,14 +615,39 @@ class ControlEndpoint:
                 return
         else:
             self._peers.move_to_end(peer_key)
+        self._put(entry[0], frames, address, what)
+
+    def _refuse_new_peer(self, address: str, to: str, what: str) -> bool:
+        """A message (a ``what``) to a peer with no socket open yet: True when it is refused
+        (and counted) for a bad address or, with keys, a key not in the allow-list."""
+        problem = address_problem(address)
+        if problem is not None:
+            self._reject(
+                RejectReason.BAD_ADDRESS,
+                f"not sending {what} to {address!r}: {problem}",
+            )
+            return True
+        if self._security is not None and not self._known_key(to):
+            self._reject(
+                RejectReason.UNKNOWN_PEER_KEY,
+                f"not sending {what} to {address}: its key {to!r:.60} is not in the allow-list"
+                if to
+                else f"not sending {what} to {address}: no peer key given, and with keys "
+                "every message names the key its receiver must prove",
+            )
+            return True
+        return False
+
+    def _put(self, dealer: Socket, frames: list[bytes], address: str, what: str) -> None:
+        """Queue ``frames`` (a ``what``) on the DEALER to ``address`` without blocking; a full
+        queue or a socket error drops them (counted)."""
         try:
-            entry[0].send_multipart(frames, zmq.NOBLOCK)
+            dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self._reject(
                 RejectReason.QUEUE_FULL,
                 f"control queue to {address} is full "
-                f"({SNDHWM} messages: the peer is down or slow); dropped "
-                f"{type(msg).__name__}",
+                f"({SNDHWM} messages: the peer is down or slow); dropped {what}",
             )
         except zmq.ZMQError as exc:
             self._reject(RejectReason.NO_SOCKET, f"cannot send to {address}: {exc}")

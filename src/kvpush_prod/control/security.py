@@ -165,36 +165,46 @@ def handshake_reason(event: int, value: int, outbound: bool) -> tuple[RejectReas
     from a client of our control port (the ROUTER). None for any other event.
     """
     if outbound:
-        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return (
-                RejectReason.PEER_REFUSED_KEY,
-                f"the peer refused this engine's key (ZAP status {value}): add this "
-                "engine's .key file to the peer's allow-list",
-            )
-        if (
-            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-        ):
-            return (
-                RejectReason.PEER_HANDSHAKE_FAILED,
-                "the peer and this engine disagree on using keys (one runs without "
-                "control.key_file): configure keys on both",
-            )
-        if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            return (
-                RejectReason.PEER_HANDSHAKE_FAILED,
-                "the handshake did not complete: it ran past its 5 s limit (seen on a "
-                "host with more engine processes than cores), the peer dropped it, or "
-                "the peer's key is not the one this engine holds for it (refresh the "
-                "allow-list); ZMQ reconnects by itself",
-            )
-        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            return (
-                RejectReason.PEER_HANDSHAKE_FAILED,
-                "the handshake failed; most often the peer's key is not the one this "
-                "engine holds for it (it was regenerated): refresh the allow-list",
-            )
-        return None
+        return _outbound_reason(event, value)
+    return _inbound_reason(event, value)
+
+
+def _outbound_reason(event: int, value: int) -> tuple[RejectReason, str] | None:
+    """``handshake_reason`` of our connection to a peer (a DEALER)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            RejectReason.PEER_REFUSED_KEY,
+            f"the peer refused this engine's key (ZAP status {value}): add this "
+            "engine's .key file to the peer's allow-list",
+        )
+    if (
+        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    ):
+        return (
+            RejectReason.PEER_HANDSHAKE_FAILED,
+            "the peer and this engine disagree on using keys (one runs without "
+            "control.key_file): configure keys on both",
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return (
+            RejectReason.PEER_HANDSHAKE_FAILED,
+            "the handshake did not complete: it ran past its 5 s limit (seen on a "
+            "host with more engine processes than cores), the peer dropped it, or "
+            "the peer's key is not the one this engine holds for it (refresh the "
+            "allow-list); ZMQ reconnects by itself",
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return (
+            RejectReason.PEER_HANDSHAKE_FAILED,
+            "the handshake failed; most often the peer's key is not the one this "
+            "engine holds for it (it was regenerated): refresh the allow-list",
+        )
+    return None
+
+
+def _inbound_reason(event: int, value: int) -> tuple[RejectReason, str] | None:
+    """``handshake_reason`` of a client of our control port (the ROUTER)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == ZAP_REFUSED:
             return (RejectReason.HANDSHAKE_UNKNOWN_KEY, "a client's key is not in the allow-list")

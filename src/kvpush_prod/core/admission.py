@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from kvpush_prod.core.commands import AdmissionOver, AwaitAdmission, NotNeeded, ReceiveCommand
-from kvpush_prod.core.credits import CreditLedger, Decision
+from kvpush_prod.core.credits import Admission, CreditLedger, Decision
 from kvpush_prod.core.vocabulary import Notice, Outcome, Word
 
 T = TypeVar("T")
@@ -207,6 +207,11 @@ class Admissions(Generic[T]):
         if free_blocks is not None:
             capacity = max(0, free_blocks - self.promised(exclude=key))
         admission = self.ledger.request(rx.transfer_id, rx.peer, rx.nblocks, now, capacity)
+        return self._answer(rx, admission, tokens)
+
+    def _answer(self, rx: Inbound[T], admission: Admission, tokens: int) -> Answer:
+        """The ledger's ``admission`` of ``rx`` (``tokens`` to load) as the scheduler's answer;
+        ``rx`` remembers whether it is admitted or waiting, so P hears of each change once."""
         decision = admission.decision
         if decision is Decision.ADMIT:
             first_admit, wait_over = not rx.admitted, rx.waiting

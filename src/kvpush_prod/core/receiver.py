@@ -276,49 +276,10 @@ class Receiver:
         """The DONE notification of a last WRITE, from NIXL agent ``agent`` ("" unknown)."""
         rx = self._in.get(done.transfer_id)
         if rx is None:
-            logged = self._done_log.get(done.transfer_id)
-            if logged is not None and logged[0] == done.generation:
-                # A DONE is delivered once: a second one of the same generation (a re-post
-                # whose first post landed after all) changes nothing.
-                return [
-                    Note(
-                        NoteKind.FENCED,
-                        "duplicate_done",
-                        f"DONE {done.transfer_id} gen {done.generation} again",
-                    )
-                ]
-            return [
-                Note(
-                    NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"DONE for {done.transfer_id}"
-                )
-            ]
-        expected = self._owner_agent(rx)
-        if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
-            return [
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.NOT_OWNER,
-                    f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's",
-                )
-            ]
-        if done.generation != rx.generation or rx.fallback is not None:
-            return [
-                Note(
-                    NoteKind.FENCED,
-                    "stale_generation",
-                    f"DONE {done.transfer_id} gen {done.generation}, expected {rx.generation}",
-                )
-            ]
-        if done.attempt < rx.void_below:
-            # D told P this post's DONE had not arrived; P re-posts the last chunk, and only
-            # that post's DONE (after its bytes) ends the receive.
-            return [
-                Note(
-                    NoteKind.FENCED,
-                    "void_attempt",
-                    f"DONE {done.transfer_id} attempt {done.attempt}, void below {rx.void_below}",
-                )
-            ]
+            return [self._done_of_unknown(done)]
+        refusal = self._done_refusal(done, rx, agent)
+        if refusal is not None:
+            return [refusal]
         self.leases.ack(rx.tid, rx.generation)  # the last WRITE landed: P is done with them
         if rx.cancelling:
             return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
@@ -345,6 +306,47 @@ class Receiver:
         rx.machine.fire(E.DONE, now)
         self._log_done(rx)
         return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
+
+    def _done_of_unknown(self, done: Done) -> Note:
+        """A DONE for a transfer D does not receive: a duplicate of one delivered, or unknown."""
+        logged = self._done_log.get(done.transfer_id)
+        if logged is not None and logged[0] == done.generation:
+            # A DONE is delivered once: a second one of the same generation (a re-post
+            # whose first post landed after all) changes nothing.
+            return Note(
+                NoteKind.FENCED,
+                "duplicate_done",
+                f"DONE {done.transfer_id} gen {done.generation} again",
+            )
+        return Note(
+            NoteKind.REJECTED, RejectReason.UNKNOWN_TRANSFER, f"DONE for {done.transfer_id}"
+        )
+
+    def _done_refusal(self, done: Done, rx: _Receive, agent: str) -> Note | None:
+        """Why ``done`` (from NIXL agent ``agent``) does not end ``rx`` (None: it does): an
+        agent not its prefill's, another generation, a pull under way, or a void post."""
+        expected = self._owner_agent(rx)
+        if agent and (not owns_agent(rx.owner, agent) or (expected and agent != expected)):
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.NOT_OWNER,
+                f"DONE {done.transfer_id} from agent {agent[:64]}, not its prefill's",
+            )
+        if done.generation != rx.generation or rx.fallback is not None:
+            return Note(
+                NoteKind.FENCED,
+                "stale_generation",
+                f"DONE {done.transfer_id} gen {done.generation}, expected {rx.generation}",
+            )
+        if done.attempt < rx.void_below:
+            # D told P this post's DONE had not arrived; P re-posts the last chunk, and only
+            # that post's DONE (after its bytes) ends the receive.
+            return Note(
+                NoteKind.FENCED,
+                "void_attempt",
+                f"DONE {done.transfer_id} attempt {done.attempt}, void below {rx.void_below}",
+            )
+        return None
 
     def _log_done(self, rx: _Receive) -> None:
         self._done_log[rx.tid] = (rx.generation, rx.owner)
@@ -374,34 +376,10 @@ class Receiver:
         rx = self._in.get(msg.transfer_id)
         if rx is None and isinstance(msg, DoneQuery):
             return out + self._on_done_query_ended(msg, origin)
-        if rx is None:
-            return [
-                *out,
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.UNKNOWN_TRANSFER,
-                    f"{type(msg).__name__} for unknown transfer {msg.transfer_id}",
-                ),
-            ]
-        if rx.owner != origin:
-            return [
-                *out,
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.NOT_OWNER,
-                    f"{type(msg).__name__} {msg.transfer_id} from an engine that does not own it",
-                ),
-            ]
-        if msg.generation != rx.generation:
-            return [
-                *out,
-                Note(
-                    NoteKind.FENCED,
-                    "stale_generation",
-                    f"{type(msg).__name__} {msg.transfer_id} gen {msg.generation}, "
-                    f"expected {rx.generation}",
-                ),
-            ]
+        refusal = self._message_refusal(msg, rx, origin)
+        if refusal is not None:
+            return [*out, refusal]
+        assert rx is not None
         if isinstance(msg, DoneQuery):
             # Not arrived (or D no longer takes pushes: cancelling, pulling). From now on
             # the DONE of that post, or of an earlier one, is void: it may still land, late,
@@ -410,23 +388,53 @@ class Receiver:
             return [*out, self._done_state(rx.address, msg, origin, "pending")]
         if isinstance(msg, Fallback):
             return out + self._on_fallback(rx, msg, now, age)
+        return out + self._on_push_ended(rx, msg, now)
+
+    @staticmethod
+    def _message_refusal(
+        msg: Failed | CancelAck | Fallback | DoneQuery, rx: _Receive | None, origin: str
+    ) -> Note | None:
+        """Why ``msg`` from ``origin`` is not for ``rx`` (None: it is): an unknown transfer,
+        an origin that does not own it, or another generation."""
+        what = type(msg).__name__
+        if rx is None:
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.UNKNOWN_TRANSFER,
+                f"{what} for unknown transfer {msg.transfer_id}",
+            )
+        if rx.owner != origin:
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.NOT_OWNER,
+                f"{what} {msg.transfer_id} from an engine that does not own it",
+            )
+        if msg.generation != rx.generation:
+            return Note(
+                NoteKind.FENCED,
+                "stale_generation",
+                f"{what} {msg.transfer_id} gen {msg.generation}, expected {rx.generation}",
+            )
+        return None
+
+    def _on_push_ended(self, rx: _Receive, msg: Failed | CancelAck, now: float) -> list[Action]:
+        """P says no WRITE of ``rx`` is or will be in flight (Failed, CancelAck): the receive
+        ends (a pull under way is not P's to end)."""
         if rx.fallback is not None:
             return [
-                *out,
                 Note(
                     NoteKind.REJECTED,
                     RejectReason.UNEXPECTED,
                     f"{type(msg).__name__} while pulling",
-                ),
+                )
             ]
-        # Failed and CancelAck both promise that no WRITE is or will be in flight.
         self.leases.ack(rx.tid, rx.generation)
         if rx.cancelling:
-            return out + self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
+            return self._end(rx, now, ReportFinished(rx.tid, Outcome.ABORTED))
         if isinstance(msg, Failed):
             rx.machine.fire(E.FAIL, now)
-            return out + self._end(rx, now, ReportFailed(rx.tid, msg.reason, msg.detail))
-        return out + self._end(rx, now, ReportFailed(rx.tid, "cancelled_by_peer"))
+            return self._end(rx, now, ReportFailed(rx.tid, msg.reason, msg.detail))
+        return self._end(rx, now, ReportFailed(rx.tid, "cancelled_by_peer"))
 
     def _on_done_query_ended(self, q: DoneQuery, origin: str) -> list[Action]:
         """A DoneQuery about a transfer D no longer receives: its DONE arrived (if the log

@@ -121,6 +121,48 @@ class _Confirm:
 
 @dataclass(eq=False)
 class _Out:
+    """One transfer as P sees it: where its push is (``machine``, the table shared with D)
+    and what that table does not hold.
+
+    The flags beside the machine, and why each is not one of its states:
+
+    - ``held``: P's scheduler finished the request and lends us its blocks until
+      ReleaseSend. The engine's side of the blocks; it comes in any state, before or
+      after the push ended.
+    - ``expected``: P's engine named the request (its blocks will come). With
+      ``required`` and ``blocks`` it decides who may end the transfer (``_unclaimed``)
+      and whether D's permit is kept renewed: trust, not the push's progress, and true
+      already in NEW and WAITING_BLOCKS.
+    - ``partial``: layer-wise, the forward that computes the blocks still runs. The
+      engine's progress, orthogonal to the push's (true from WAITING_REGISTER to
+      RETRYING). Not ``ready < parts``: a push stopped mid-forward clears it with parts
+      still missing.
+    - ``queued``: the chunk scheduler posts its chunks. The sender's own record of that:
+      the scheduler may still report a push expired after P gave it up, and only one
+      still queued is ended as expired. A push given up stays PUSHING or RETRYING in the
+      machine while its chunks drain, not queued, ``drain_then`` saying what comes next.
+    - ``drain_then`` (and ``reason``): what to do once the chunks in flight landed: ack a
+      CANCEL, fall back, fail, expire. A P-only step between a decision and its end; as
+      machine states it would make the shared table know its side, and entering them
+      would restart the state clocks the deadlines count from.
+    - ``confirm``: the open question to D about the last chunk's DONE (attempt, error,
+      when to ask again and give up): data for a P-only step within RETRYING.
+    - ``retried``: some chunk was retried or questioned: history, only the outcome word
+      (RETRIED or PUSHED); RETRYING -> PUSHING forgets it.
+    - ``outcome``: the result word once over (PUSHED, RETRIED, PULL_FALLBACK, CANCELLED,
+      FAILED, EXPIRED), finer than the machine's DONE / FAILED / CANCELLED and reported
+      in ReleaseSend; P ends a transfer by ``_close`` even where the table has no event
+      for it (``_fire`` skips those), so ``outcome`` and not ``machine.terminal`` says it
+      is over.
+    - ``released``: ReleaseSend was given (the transfer is also dropped then): guards a
+      reference still held after the release.
+
+    The rest is data: ids and trust (``owner``, ``required``, ``contenders``, ``peer``,
+    ``unknown_of``), terms (``permit``, ``lease_until``, ``pull_until``), chunk ids in
+    flight, counters and timestamps (``pushed_bytes``, ``ready_at``, ``reg_at``), the plan
+    (``blocks``, ``units``, ``parts``, ``ready``, ``prompt``).
+    """
+
     tid: str
     machine: TransferMachine
     blocks: list[int] | None = None
@@ -437,23 +479,9 @@ class Sender:
         ]
 
     def _on_register(self, reg: Register, now: float, age: float, origin: str) -> list[Action]:
-        o = self._out.get(reg.transfer_id)
-        if o is not None and o.required and origin != o.required:
-            # Before anything of the message is believed (its agent, its layout).
-            return [self._not_owner(reg, origin, "the router named another decode engine")]
-        if o is None and self._unknown.full(origin):
-            # Before anything of the message is believed: a key may have P keep only so
-            # many transfers P's own engine has not named (D's permit runs out, and D
-            # computes the prompt itself).
-            return [
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.QUOTA_REGISTRATIONS,
-                    f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
-                    f"{self._unknown.count(origin)} registrations of transfers this "
-                    "engine does not know, the most one key may have",
-                )
-            ]
+        refusal = self._unbelieved(reg, self._out.get(reg.transfer_id), origin)
+        if refusal is not None:
+            return [refusal]
         met = self._learn_peer(reg.sender, origin, now)
         if met is None:
             return [self._retired_note(reg.sender)]
@@ -474,73 +502,102 @@ class Sender:
                 ),
             ]
         if o is not None and o.reg is not None and origin != o.owner:
-            if o.required:
-                return [*out, self._not_owner(reg, origin, "another decode engine registered it")]
-            # The owner is not known yet: keep it, the prefill leg may name this origin. The
-            # latest few are kept: the decode the router picked registers once, early.
-            o.contenders.pop(origin, None)
-            o.contenders[origin] = (
-                reg,
-                Permit.from_ttl(
-                    reg.transfer_id,
-                    reg.generation,
-                    reg.permit_ttl_ms / 1000.0,
-                    now - age,
-                    self.s.stop_margin_s,
-                ),
-                now,
-            )
-            if len(o.contenders) > self.s.max_contenders:
-                first = next(iter(o.contenders))
-                dropped, _, _ = o.contenders.pop(first)
-                out.append(self._not_owner(dropped, first, "too many decode engines registered it"))
-            return out
+            return out + self._contend(o, reg, origin, now, age)
         if o is not None and o.reg is not None:
-            if reg.generation == o.reg.generation:
-                return out  # a duplicate: idempotent
-            if reg.generation < o.reg.generation or o.machine.state not in (
-                S.NEW,
-                S.WAITING_BLOCKS,
-            ):
-                return [
-                    *out,
-                    Note(
-                        NoteKind.FENCED,
-                        "stale_generation",
-                        f"REGISTER {reg.transfer_id} gen {reg.generation} after {o.reg.generation}",
-                    ),
-                ]
-        if self._tombstoned(reg.transfer_id, origin):
-            return [
-                *out,
-                SendMessage(
-                    reg.sender.control,
-                    Failed(
-                        PROTOCOL_VERSION,
-                        reg.transfer_id,
-                        reg.generation,
-                        self.slim,
-                        "prefill_aborted",
-                        "the prefill request is gone",
-                    ),
-                    origin,
-                ),
-            ]
-        if o is None and len(self._out) >= self.s.max_transfers:
-            return [
-                *out,
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.OVERLOADED,
-                    f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
-                    f"the most this engine keeps",
-                ),
-            ]
+            again = self._registered_again(o, reg)
+            if again is not None:
+                return out + again
+        unwelcome = self._unwelcome(reg, o, origin)
+        if unwelcome is not None:
+            return [*out, unwelcome]
         if o is None:
             o = self._get(reg.transfer_id, now)
             o.unknown_of = origin
             self._unknown.add(origin, o.tid)
         return out + self._bind(o, reg, origin, now, age)
+
+    def _unbelieved(self, reg: Register, o: _Out | None, origin: str) -> Note | None:
+        """Why ``reg`` is refused before anything of it is believed (its agent, its layout);
+        None: it is read on."""
+        if o is not None and o.required and origin != o.required:
+            return self._not_owner(reg, origin, "the router named another decode engine")
+        if o is None and self._unknown.full(origin):
+            # A key may have P keep only so many transfers P's own engine has not named
+            # (D's permit runs out, and D computes the prompt itself).
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.QUOTA_REGISTRATIONS,
+                f"REGISTER {reg.transfer_id} from {origin[:16]}: it already has "
+                f"{self._unknown.count(origin)} registrations of transfers this "
+                "engine does not know, the most one key may have",
+            )
+        return None
+
+    def _contend(self, o: _Out, reg: Register, origin: str, now: float, age: float) -> list[Action]:
+        """``reg`` comes from another origin than the registrant of ``o``: refused if the
+        router named the owner, else kept as a contender (the prefill leg may name it)."""
+        if o.required:
+            return [self._not_owner(reg, origin, "another decode engine registered it")]
+        # The latest few are kept: the decode the router picked registers once, early.
+        o.contenders.pop(origin, None)
+        o.contenders[origin] = (
+            reg,
+            Permit.from_ttl(
+                reg.transfer_id,
+                reg.generation,
+                reg.permit_ttl_ms / 1000.0,
+                now - age,
+                self.s.stop_margin_s,
+            ),
+            now,
+        )
+        if len(o.contenders) <= self.s.max_contenders:
+            return []
+        first = next(iter(o.contenders))
+        dropped, _, _ = o.contenders.pop(first)
+        return [self._not_owner(dropped, first, "too many decode engines registered it")]
+
+    @staticmethod
+    def _registered_again(o: _Out, reg: Register) -> list[Action] | None:
+        """The registrant of ``o`` registers it again: nothing for a duplicate, a fence for
+        an older generation or one too late to take; None: a newer generation, taken."""
+        assert o.reg is not None
+        if reg.generation == o.reg.generation:
+            return []  # a duplicate: idempotent
+        if reg.generation > o.reg.generation and o.machine.state in (S.NEW, S.WAITING_BLOCKS):
+            return None
+        return [
+            Note(
+                NoteKind.FENCED,
+                "stale_generation",
+                f"REGISTER {reg.transfer_id} gen {reg.generation} after {o.reg.generation}",
+            )
+        ]
+
+    def _unwelcome(self, reg: Register, o: _Out | None, origin: str) -> Action | None:
+        """Why P will not keep ``reg`` although it is believed: the transfer was cancelled
+        or aborted (D hears at once), or P keeps as many transfers as it may."""
+        if self._tombstoned(reg.transfer_id, origin):
+            return SendMessage(
+                reg.sender.control,
+                Failed(
+                    PROTOCOL_VERSION,
+                    reg.transfer_id,
+                    reg.generation,
+                    self.slim,
+                    "prefill_aborted",
+                    "the prefill request is gone",
+                ),
+                origin,
+            )
+        if o is None and len(self._out) >= self.s.max_transfers:
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.OVERLOADED,
+                f"REGISTER {reg.transfer_id}: {len(self._out)} transfers known, "
+                f"the most this engine keeps",
+            )
+        return None
 
     def _incompatible(
         self, reg: Register, o: _Out | None, origin: str, detail: str, out: list[Action], now: float
@@ -789,44 +846,36 @@ class Sender:
         if o is not None:
             o.inflight.discard(chunk_id)
         if ok:
-            self.breakers.record_success(chunk.link, now)
-            completed = self.sched.on_chunk_done(chunk_id, now)
-            if o is None:
-                return []
-            o.pushed_bytes += chunk.nbytes
-            if completed:
-                self._fire(o, E.DONE, now)
-                outcome = Outcome.RETRIED if o.retried else Outcome.PUSHED
-                return [Note(NoteKind.TRANSFER_DONE, outcome, o.tid), *self._close(o, outcome)]
-            return self._after_drain(o, now) + self.poll(now)
-        # A failed chunk. The peer's breaker counts failed pushes, not chunks: a chunk that
-        # a retry delivers is not evidence against the peer (``_give_up`` records them).
-        out: list[Action] = []
+            return self._chunk_landed(chunk, o, now)
+        return self._chunk_failed(chunk, o, error, now)
+
+    def _chunk_landed(self, chunk: Chunk, o: _Out | None, now: float) -> list[Action]:
+        """``chunk`` of ``o`` completed: the push is over with the last one, else the next
+        chunks may go (or a drain that waited for it ends)."""
+        self.breakers.record_success(chunk.link, now)
+        completed = self.sched.on_chunk_done(chunk.id, now)
+        if o is None:
+            return []
+        o.pushed_bytes += chunk.nbytes
+        if completed:
+            self._fire(o, E.DONE, now)
+            outcome = Outcome.RETRIED if o.retried else Outcome.PUSHED
+            return [Note(NoteKind.TRANSFER_DONE, outcome, o.tid), *self._close(o, outcome)]
+        return self._after_drain(o, now) + self.poll(now)
+
+    def _chunk_failed(
+        self, chunk: Chunk, o: _Out | None, error: ChunkError | str, now: float
+    ) -> list[Action]:
+        """``chunk`` of ``o`` failed: retried after a backoff, asked about (the last chunk),
+        or the push is given up. The peer's breaker counts failed pushes, not chunks: a
+        chunk that a retry delivers is not evidence against the peer (``_give_up`` records
+        them)."""
         if o is None or not o.queued:
-            self.sched.on_chunk_failed(chunk_id, now, give_up=True)
-            return out + (self._after_drain(o, now) if o is not None else [])
+            self.sched.on_chunk_failed(chunk.id, now, give_up=True)
+            return self._after_drain(o, now) if o is not None else []
         kind = classify(error)
         if chunk.is_last and kind.action is ErrorClass.RETRY:
-            # The last chunk carries DONE. A failed completion does not mean nothing landed
-            # (the ack can be lost after the bytes and the notification arrived): D may have
-            # reported the KV and released the blocks, so the WRITE is not posted again
-            # blindly: P asks D (DoneQuery) and re-posts only if D says DONE did not arrive.
-            # (An error that breaks the push path, e.g. the peer disconnected, falls back at
-            # once below: D ignores the FALLBACK if DONE did arrive.)
-            self.sched.on_chunk_failed(chunk_id, now, hold=True)
-            o.retried = True
-            self._fire(o, E.CHUNK_ERROR, now)
-            if not self.sched.has_transfer(o.tid):
-                return out + self.poll(now)  # past its cut-off: reported expired there
-            o.confirm = _Confirm(
-                chunk.attempt,
-                error,
-                chunk.first_posted_at,
-                chunk.nbytes,
-                now + self.s.done_query_s,
-                now + self.s.done_query_s / 4,
-            )
-            return [*out, self._done_query(o)]
+            return self._ask_if_done(o, chunk, error, now)
         if chunk.is_last:
             action, reason = kind.action, f"{kind.kind}: {kind.why}"
         else:
@@ -840,14 +889,38 @@ class Sender:
                 peer=chunk.link,
             )
             if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
-                self.sched.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
+                self.sched.on_chunk_failed(chunk.id, now, retry_at=decision.retry_at)
                 o.retried = True
                 self._fire(o, E.CHUNK_ERROR, now)
-                out.append(Note(NoteKind.RETRY, decision.classification.kind, decision.reason))
-                return out
+                return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason)]
             action, reason = decision.action, decision.reason
-        self.sched.on_chunk_failed(chunk_id, now, give_up=True)
-        return out + self._give_up(o, action, reason, now)
+        self.sched.on_chunk_failed(chunk.id, now, give_up=True)
+        return self._give_up(o, action, reason, now)
+
+    def _ask_if_done(
+        self, o: _Out, chunk: Chunk, error: ChunkError | str, now: float
+    ) -> list[Action]:
+        """The last chunk of ``o``, which carries DONE, failed with an error worth a retry.
+
+        A failed completion does not mean nothing landed (the ack can be lost after the
+        bytes and the notification arrived): D may have reported the KV and released the
+        blocks, so the WRITE is not posted again blindly: P asks D (DoneQuery) and re-posts
+        only if D says DONE did not arrive. (An error that breaks the push path, e.g. the
+        peer disconnected, falls back at once: D ignores the FALLBACK if DONE did arrive.)"""
+        self.sched.on_chunk_failed(chunk.id, now, hold=True)
+        o.retried = True
+        self._fire(o, E.CHUNK_ERROR, now)
+        if not self.sched.has_transfer(o.tid):
+            return self.poll(now)  # past its cut-off: reported expired there
+        o.confirm = _Confirm(
+            chunk.attempt,
+            error,
+            chunk.first_posted_at,
+            chunk.nbytes,
+            now + self.s.done_query_s,
+            now + self.s.done_query_s / 4,
+        )
+        return [self._done_query(o)]
 
     def _give_up(self, o: _Out, action: ErrorClass, reason: str, now: float) -> list[Action]:
         """Give up the push of ``o``: stop posting, let the rest drain, then fall back or
@@ -879,30 +952,10 @@ class Sender:
     def _on_done_state(self, msg: DoneState, now: float, origin: str) -> list[Action]:
         """D's answer to a DoneQuery: only the transfer's owner speaks, for its generation."""
         o = self._out.get(msg.transfer_id)
-        if o is None or o.reg is None:
-            return [
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.UNKNOWN_TRANSFER,
-                    f"DoneState for {msg.transfer_id}",
-                )
-            ]
-        if origin != o.owner:
-            return [
-                Note(
-                    NoteKind.REJECTED,
-                    RejectReason.NOT_OWNER,
-                    f"DoneState {msg.transfer_id} from an engine that does not own it",
-                )
-            ]
-        if msg.generation != o.reg.generation:
-            return [
-                Note(
-                    NoteKind.FENCED,
-                    "stale_generation",
-                    f"DoneState {msg.transfer_id} gen {msg.generation}, current {o.reg.generation}",
-                )
-            ]
+        refusal = self._done_state_refusal(msg, o, origin)
+        if refusal is not None:
+            return [refusal]
+        assert o is not None
         c = o.confirm
         if c is None or msg.attempt != c.attempt or not o.queued:
             return []  # a duplicate or late answer: the question is settled
@@ -924,8 +977,35 @@ class Sender:
             o.queued = False
             self._fire(o, E.FAIL, now)
             return self._close(o, Outcome.FAILED)
-        # Not arrived, and D now ignores that post's DONE: post the last chunk again, like
-        # any chunk, under the same policy and budget.
+        return self._repost_last(o, c, now)
+
+    @staticmethod
+    def _done_state_refusal(msg: DoneState, o: _Out | None, origin: str) -> Note | None:
+        """Why ``msg`` is not taken (None: it is): an unknown transfer, an origin that does not
+        own it, or an old generation."""
+        if o is None or o.reg is None:
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.UNKNOWN_TRANSFER,
+                f"DoneState for {msg.transfer_id}",
+            )
+        if origin != o.owner:
+            return Note(
+                NoteKind.REJECTED,
+                RejectReason.NOT_OWNER,
+                f"DoneState {msg.transfer_id} from an engine that does not own it",
+            )
+        if msg.generation != o.reg.generation:
+            return Note(
+                NoteKind.FENCED,
+                "stale_generation",
+                f"DoneState {msg.transfer_id} gen {msg.generation}, current {o.reg.generation}",
+            )
+        return None
+
+    def _repost_last(self, o: _Out, c: _Confirm, now: float) -> list[Action]:
+        """D says the DONE of ``o``'s last chunk did not arrive (and now ignores that post's
+        DONE): post the last chunk again, like any chunk, under the same policy and budget."""
         decision = decide(
             c.error,
             attempt=c.attempt + 1,
@@ -950,60 +1030,71 @@ class Sender:
         out: list[Action] = []
         for chunk in self.sched.next_chunks(now):
             o = self._out.get(chunk.transfer_id)
-            if o is None or o.reg is None or o.blocks is None:
+            if o is None or o.reg is None or o.blocks is None or o.units is None:
                 self.sched.on_chunk_failed(chunk.id, now, give_up=True)
                 continue
-            reg = o.reg
-            units = o.units
-            if units is None:
-                self.sched.on_chunk_failed(chunk.id, now, give_up=True)
-                continue
-            done = None
-            if chunk.is_last:
-                done = Done(
-                    PROTOCOL_VERSION,
-                    o.tid,
-                    reg.generation,
-                    len(units.dst),
-                    attempt=chunk.attempt,
-                    unit_tokens=units.unit_tokens,
-                    prompt=o.prompt,
-                )
-            # Layer-wise: the chunk's ids are part by part (``ChunkScheduler.add``).
-            nb = len(units.dst)
-            part = chunk.start // nb if o.parts > 1 and nb else 0
-            start, end = chunk.start - part * nb, chunk.end - part * nb
-            self._chunks[chunk.id] = (chunk, o.tid)
-            o.inflight.add(chunk.id)
-            if o.machine.state is S.RETRYING:
-                self._fire(o, E.RETRY, now)
-            self._fire(o, E.CHUNK_POSTED, now)
-            if o.ready_at >= 0:
-                out.append(Note(NoteKind.QUEUE_WAIT, "", o.tid, now - o.ready_at))
-                o.ready_at = -1.0
-            out.append(
-                PostWrite(
-                    o.tid,
-                    reg.generation,
-                    chunk.id,
-                    o.peer,
-                    tuple(units.src[start:end]),
-                    tuple(units.dst[start:end]),
-                    chunk.nbytes,
-                    done,
-                    tuple(units.src) if chunk.is_last else (),
-                    part,
-                    o.parts if nb else 1,
-                )
+            out += self._post(o, chunk, now)
+        out += self._capped_notes()
+        return out + self._expired_pushes(now)
+
+    def _post(self, o: _Out, chunk: Chunk, now: float) -> list[Action]:
+        """Post ``chunk`` of ``o`` (the last one carries DONE)."""
+        reg, units = o.reg, o.units
+        assert reg is not None and units is not None
+        done = None
+        if chunk.is_last:
+            done = Done(
+                PROTOCOL_VERSION,
+                o.tid,
+                reg.generation,
+                len(units.dst),
+                attempt=chunk.attempt,
+                unit_tokens=units.unit_tokens,
+                prompt=o.prompt,
             )
+        # Layer-wise: the chunk's ids are part by part (``ChunkScheduler.add``).
+        nb = len(units.dst)
+        part = chunk.start // nb if o.parts > 1 and nb else 0
+        start, end = chunk.start - part * nb, chunk.end - part * nb
+        self._chunks[chunk.id] = (chunk, o.tid)
+        o.inflight.add(chunk.id)
+        if o.machine.state is S.RETRYING:
+            self._fire(o, E.RETRY, now)
+        self._fire(o, E.CHUNK_POSTED, now)
+        out: list[Action] = []
+        if o.ready_at >= 0:
+            out.append(Note(NoteKind.QUEUE_WAIT, "", o.tid, now - o.ready_at))
+            o.ready_at = -1.0
+        write = PostWrite(
+            o.tid,
+            reg.generation,
+            chunk.id,
+            o.peer,
+            tuple(units.src[start:end]),
+            tuple(units.dst[start:end]),
+            chunk.nbytes,
+            done,
+            tuple(units.src) if chunk.is_last else (),
+            part,
+            o.parts if nb else 1,
+        )
+        return [*out, write]
+
+    def _capped_notes(self) -> list[Action]:
+        """How many more times the scheduler held chunks back for a link's caps."""
         capped = self.sched.capped()
-        if capped != self._capped:
-            for reason, now_n, before in zip(
-                ("bytes", "chunks"), capped, self._capped, strict=True
-            ):
-                if now_n > before:
-                    out.append(Note(NoteKind.LINK_CAPPED, reason, "", float(now_n - before)))
-            self._capped = capped
+        if capped == self._capped:
+            return []
+        out: list[Action] = []
+        for reason, now_n, before in zip(("bytes", "chunks"), capped, self._capped, strict=True):
+            if now_n > before:
+                out.append(Note(NoteKind.LINK_CAPPED, reason, "", float(now_n - before)))
+        self._capped = capped
+        return out
+
+    def _expired_pushes(self, now: float) -> list[Action]:
+        """Pushes whose permit ran out while queued: they end once their chunks drained."""
+        out: list[Action] = []
         for tid in self.sched.take_expired():
             o = self._out.get(tid)
             # Only a push still queued: one given up meanwhile (falling back, D reading our

@@ -78,58 +78,78 @@ async def request(
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     res = Result()
     t0 = time.perf_counter()
-    last = t0
     try:
         if not body.get("stream"):
-            r = await client.post(url, json=body, headers=headers, timeout=timeout)
-            res.status = r.status_code
-            res.latency = time.perf_counter() - t0
-            data = r.json()
-            if r.status_code != 200:
-                res.error = json.dumps(data)[:500]
-                return res
-            res.text = _piece(data, chat)
-            res.ttft = res.latency
-            res.kv_transfer_params = data.get("kv_transfer_params")
-            res.finish_reason = (data.get("choices") or [{}])[0].get("finish_reason")
-            res.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
-            return res
+            return await _whole(client, url, body, headers, timeout, chat, res, t0)
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as r:
             res.status = r.status_code
             if r.status_code != 200:
                 res.error = (await r.aread()).decode(errors="replace")[:500]
                 res.latency = time.perf_counter() - t0
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                obj = json.loads(payload)
-                if "error" in obj:
-                    res.error = json.dumps(obj["error"])[:500]
-                    break
-                piece = _piece(obj, chat)
-                if obj.get("usage"):
-                    res.prompt_tokens = obj["usage"].get("prompt_tokens")
-                if obj.get("kv_transfer_params"):
-                    res.kv_transfer_params = obj["kv_transfer_params"]
-                fr = (obj.get("choices") or [{}])[0].get("finish_reason")
-                if fr:
-                    res.finish_reason = fr
-                if piece:
-                    now = time.perf_counter()
-                    if res.ttft is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.text += piece
+            await _read_events(r, chat, res, t0)
     except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.latency = time.perf_counter() - t0
     return res
+
+
+async def _whole(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None,
+    timeout: float,
+    chat: bool,
+    res: Result,
+    t0: float,
+) -> Result:
+    """``request`` without streaming: one answer, gathered into ``res``."""
+    r = await client.post(url, json=body, headers=headers, timeout=timeout)
+    res.status = r.status_code
+    res.latency = time.perf_counter() - t0
+    data = r.json()
+    if r.status_code != 200:
+        res.error = json.dumps(data)[:500]
+        return res
+    res.text = _piece(data, chat)
+    res.ttft = res.latency
+    res.kv_transfer_params = data.get("kv_transfer_params")
+    res.finish_reason = (data.get("choices") or [{}])[0].get("finish_reason")
+    res.prompt_tokens = (data.get("usage") or {}).get("prompt_tokens")
+    return res
+
+
+async def _read_events(r: httpx.Response, chat: bool, res: Result, t0: float) -> None:
+    """Gather a streamed answer's server-sent events into ``res``: its text, first-token
+    time and gaps between tokens, usage, transfer parameters and finish reason."""
+    last = t0
+    async for line in r.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        obj = json.loads(payload)
+        if "error" in obj:
+            res.error = json.dumps(obj["error"])[:500]
+            break
+        piece = _piece(obj, chat)
+        if obj.get("usage"):
+            res.prompt_tokens = obj["usage"].get("prompt_tokens")
+        if obj.get("kv_transfer_params"):
+            res.kv_transfer_params = obj["kv_transfer_params"]
+        fr = (obj.get("choices") or [{}])[0].get("finish_reason")
+        if fr:
+            res.finish_reason = fr
+        if piece:
+            now = time.perf_counter()
+            if res.ttft is None:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+            res.text += piece
 
 
 def scrape(

@@ -171,29 +171,11 @@ class HealthMonitor:
             self.pool.set_identity(b, None, error)
             return
         ranks: dict[int, PrefillIdentity] = {}
-        for rank in range(MAX_DP_RANKS if identity.dp_rank is not None else 0):
-            got, error = await self._probe_identity(b, epoch, rank)
-            if b.epoch != epoch:
+        if identity.dp_rank is not None:
+            probed = await self._probe_ranks(b, epoch)
+            if probed is None:
                 return
-            if got is None and rank > 0 and error.startswith(OUT_OF_RANGE):
-                break  # every rank seen
-            if got is None:
-                self.pool.set_identity(b, None, error)
-                return
-            if got.dp_rank != rank:
-                self.pool.set_identity(
-                    b,
-                    None,
-                    (
-                        f"identity probe of data-parallel rank {rank} was answered by rank "
-                        f"{got.dp_rank}: this vLLM ignores the X-data-parallel-rank header, so a "
-                        "decode engine cannot know which engine core holds a request's KV; run "
-                        "one API server per DP rank (--data-parallel-rank / "
-                        "--data-parallel-external-lb) and list each as a prefill backend"
-                    ),
-                )
-                return
-            ranks[rank] = got
+            ranks = probed
         if ranks:
             if identity.dp_size not in (1, len(ranks)):
                 self.pool.set_identity(
@@ -214,6 +196,36 @@ class HealthMonitor:
             f" ({len(ranks)} data-parallel ranks)" if ranks else "",
         )
         self.pool.set_identity(b, identity, None, ranks)
+
+    async def _probe_ranks(self, b: Backend, epoch: int) -> dict[int, PrefillIdentity] | None:
+        """The identity of each data-parallel rank of ``b``, probed 0, 1, ... until vLLM
+        answers that the rank is out of range. None when a probe failed (``b``'s identity
+        then says why) or ``b`` was marked down meanwhile."""
+        ranks: dict[int, PrefillIdentity] = {}
+        for rank in range(MAX_DP_RANKS):
+            got, error = await self._probe_identity(b, epoch, rank)
+            if b.epoch != epoch:
+                return None
+            if got is None and rank > 0 and error.startswith(OUT_OF_RANGE):
+                break  # every rank seen
+            if got is None:
+                self.pool.set_identity(b, None, error)
+                return None
+            if got.dp_rank != rank:
+                self.pool.set_identity(
+                    b,
+                    None,
+                    (
+                        f"identity probe of data-parallel rank {rank} was answered by rank "
+                        f"{got.dp_rank}: this vLLM ignores the X-data-parallel-rank header, so a "
+                        "decode engine cannot know which engine core holds a request's KV; run "
+                        "one API server per DP rank (--data-parallel-rank / "
+                        "--data-parallel-external-lb) and list each as a prefill backend"
+                    ),
+                )
+                return None
+            ranks[rank] = got
+        return ranks
 
     async def _probe_identity(
         self, b: Backend, epoch: int, rank: int | None

@@ -304,19 +304,8 @@ class NixlTransport:
         layer's); None: all."""
         t0 = time.perf_counter()
         n = len(local_blocks)
-        if n != len(remote_blocks):
-            raise TransportError(
-                "invalid_param",
-                f"{n} local blocks vs {len(remote_blocks)} remote blocks",
-            )
-        plan = peer.plan
-        if plan is None:  # a peer made by hand (tests): its views as connect would see them
-            plan = peer.plan = _plan(*_sides(self.layout, peer))
-        if regions is not None and regions != (0, plan.local.regions):
-            plan = self._slice(peer, plan, regions)
-        _check_ids(local_blocks, plan.local, "local", peer)
-        _check_ids(remote_blocks, plan.remote, "remote", peer)
-        lids = np.asarray(local_blocks, dtype=np.int32)  # < limit < 2**31: checked above
+        plan = self._post_plan(peer, local_blocks, remote_blocks, regions)
+        lids = np.asarray(local_blocks, dtype=np.int32)  # < limit < 2**31: checked in _post_plan
         rids = np.asarray(remote_blocks, dtype=np.int32)
         starts = (
             run_starts(local_blocks, remote_blocks) if n <= SMALL_POST else run_starts(lids, rids)
@@ -324,30 +313,9 @@ class NixlTransport:
         per_run = plan.descriptors_per_run
         entries = n * plan.local.entries_per_id
         descriptors = starts.size * per_run if per_run else entries
-        path: Path = (
-            choose_path(entries, descriptors, plan.linear)
-            if self.path == "auto"
-            else ("coalesced" if self.path == "coalesced" and plan.linear else "prepped")
-        )
-        cuts: list[int] = []
-        if descriptors > self.max_descriptors:
-            lengths = np.diff(np.append(starts, n))
-            cuts = split_points(lengths, plan.local.entries_per_id, per_run, self.max_descriptors)
-        post = _Post(op, peer, notif if cuts else b"", plan)
-        bounds = [0, *cuts, n]
-        for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
-            post.pending.append((lids[a:b], rids[a:b], path))
-        first = bounds[1]
-        handle = self._request(
-            op,
-            peer,
-            plan,
-            lids[:first],
-            rids[:first],
-            path,
-            b"" if cuts else notif,
-            None if cuts else starts,
-        )
+        path = self._path_for(plan, entries, descriptors)
+        bounds = self._bounds(plan, starts, n, descriptors)
+        post, handle = self._first_part(op, peer, plan, lids, rids, path, notif, bounds, starts)
         t1 = time.perf_counter()
         self._submit(post, handle)
         t2 = time.perf_counter()
@@ -363,6 +331,81 @@ class NixlTransport:
             t2 - t1,
         )
         return post
+
+    def _first_part(
+        self,
+        op: Op,
+        peer: RemotePeer,
+        plan: PairPlan,
+        lids: np.ndarray,
+        rids: np.ndarray,
+        path: Path,
+        notif: bytes,
+        bounds: list[int],
+        starts: np.ndarray,
+    ) -> tuple[_Post, Any]:
+        """The post of ``lids`` to ``rids`` cut at ``bounds``, its later parts pending, and
+        the NIXL request of its first part (it carries ``notif`` only if it is the whole)."""
+        split = len(bounds) > 2
+        post = _Post(op, peer, notif if split else b"", plan)
+        for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
+            post.pending.append((lids[a:b], rids[a:b], path))
+        first = bounds[1]
+        handle = self._request(
+            op,
+            peer,
+            plan,
+            lids[:first],
+            rids[:first],
+            path,
+            b"" if split else notif,
+            None if split else starts,
+        )
+        return post, handle
+
+    def _path_for(self, plan: PairPlan, entries: int, descriptors: int) -> Path:
+        """How a post of ``entries`` prepared entries, ``descriptors`` as runs, goes: the
+        configured path, or the cheaper one (``runs.choose_path``) under "auto"; coalesced
+        only on a linear pair."""
+        if self.path == "auto":
+            return choose_path(entries, descriptors, plan.linear)
+        return "coalesced" if self.path == "coalesced" and plan.linear else "prepped"
+
+    def _post_plan(
+        self,
+        peer: RemotePeer,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        regions: tuple[int, int] | None,
+    ) -> PairPlan:
+        """The plan a post of these ids over ``regions`` of ``peer`` uses, once the ids are
+        checked (as many on both sides, each within its side's limit)."""
+        if len(local_blocks) != len(remote_blocks):
+            raise TransportError(
+                "invalid_param",
+                f"{len(local_blocks)} local blocks vs {len(remote_blocks)} remote blocks",
+            )
+        plan = peer.plan
+        if plan is None:  # a peer made by hand (tests): its views as connect would see them
+            plan = peer.plan = _plan(*_sides(self.layout, peer))
+        if regions is not None and regions != (0, plan.local.regions):
+            plan = self._slice(peer, plan, regions)
+        _check_ids(local_blocks, plan.local, "local", peer)
+        _check_ids(remote_blocks, plan.remote, "remote", peer)
+        return plan
+
+    def _bounds(self, plan: PairPlan, starts: np.ndarray, n: int, descriptors: int) -> list[int]:
+        """Where a post of ``n`` ids (runs beginning at ``starts``) is split into parts of at
+        most ``max_descriptors``: ``[0, cuts..., n]``, ``[0, n]`` when it is not split."""
+        if descriptors <= self.max_descriptors:
+            return [0, n]
+        lengths = np.diff(np.append(starts, n))
+        per_run = plan.descriptors_per_run
+        return [
+            0,
+            *split_points(lengths, plan.local.entries_per_id, per_run, self.max_descriptors),
+            n,
+        ]
 
     def _request(
         self,

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from typing import Any
 
 from kvpush_prod.chaos.harness import (
     ENGINES,
@@ -50,24 +51,13 @@ async def run(ctx: Context) -> None:
     gen = ctx.load(n, phase="before")
     gen.hold_open = True
     task = asyncio.create_task(gen.run())
-    proc = ctx.cluster.procs["prefill"]
-    stopped = False
     try:
         await gen.wait_done(max(2, n // 4))
         evidence = await ctx.wait_in_flight(ENGINES, what="SIGSTOP prefill", gen=gen)
         failed_before = ctx.observer.increase(
             "decode", TRANSFERS, role="consumer", outcome="failed"
         )
-        gen.phase = "stall"
-        proc.signal_tree(signal.SIGSTOP)
-        stopped = True
-        ctx.event(
-            f"SIGSTOP prefill for {stall:g} s", evidence=evidence, outstanding=ctx.outstanding()
-        )
-        await asyncio.sleep(stall)  # the fault's duration, not a wait for something
-        proc.signal_tree(signal.SIGCONT)
-        stopped = False
-        ctx.event("SIGCONT prefill", outstanding=ctx.outstanding())
+        await _stall(ctx, gen, stall, evidence)
         waited = await ctx.wait_router_ready()
         gen.phase = "after"
         ctx.event(
@@ -82,41 +72,62 @@ async def run(ctx: Context) -> None:
         cycled = await _cycle_pool(ctx, gen, block, pool)
         allow_after(gen, n, 0)
         await task
-        ctx.report.check(
-            "D's KV cache was cycled after the stall (freed blocks reused)",
-            pool == 0 or cycled >= pool,
-            ""
-            if pool == 0 or cycled >= pool
-            else f"requests after the stall used {cycled} blocks of D's {pool}",
-        )
-        await ctx.observer.poll()
-        failed = (
-            ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="failed")
-            - failed_before
-        )
-        recompute = ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="recompute")
-        ctx.event(
-            "receives D failed during/after the stall",
-            failed=failed,
-            recompute=recompute,
-            blocks_allocated_after=cycled,
-        )
-        expired = ctx.observer.increase("decode", "kvpush_leases_expired_total", role="consumer")
-        fenced = {e: ctx.observer.increase(e, "kvpush_leases_fenced_total") for e in ENGINES}
-        ctx.report.data["stall"] = {
-            "seconds": stall,
-            "d_failed_receives": failed,
-            "d_permits_expired": expired,
-            "fenced": fenced,
-            "blocks_allocated_after": cycled,
-            "decode_blocks": pool,
-        }
+        await _report(ctx, stall, failed_before, cycled, pool)
     finally:
-        if stopped:
-            proc.signal_tree(signal.SIGCONT)
         gen.stop()
         await task
     check_resumed(ctx, "after", "traffic resumes after the stall")
+
+
+async def _stall(
+    ctx: Context, gen: LoadGenerator, stall: float, evidence: dict[str, Any] | None
+) -> None:
+    """SIGSTOP the prefill engine for ``stall`` seconds; it is SIGCONTed whatever happens."""
+    proc = ctx.cluster.procs["prefill"]
+    gen.phase = "stall"
+    proc.signal_tree(signal.SIGSTOP)
+    try:
+        ctx.event(
+            f"SIGSTOP prefill for {stall:g} s", evidence=evidence, outstanding=ctx.outstanding()
+        )
+        await asyncio.sleep(stall)  # the fault's duration, not a wait for something
+    finally:
+        proc.signal_tree(signal.SIGCONT)
+    ctx.event("SIGCONT prefill", outstanding=ctx.outstanding())
+
+
+async def _report(ctx: Context, stall: float, failed_before: float, cycled: int, pool: int) -> None:
+    """Check that D's KV cache was cycled after the stall; record what D failed, expired
+    and fenced meanwhile."""
+    ctx.report.check(
+        "D's KV cache was cycled after the stall (freed blocks reused)",
+        pool == 0 or cycled >= pool,
+        ""
+        if pool == 0 or cycled >= pool
+        else f"requests after the stall used {cycled} blocks of D's {pool}",
+    )
+    await ctx.observer.poll()
+    failed = (
+        ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="failed")
+        - failed_before
+    )
+    recompute = ctx.observer.increase("decode", TRANSFERS, role="consumer", outcome="recompute")
+    ctx.event(
+        "receives D failed during/after the stall",
+        failed=failed,
+        recompute=recompute,
+        blocks_allocated_after=cycled,
+    )
+    expired = ctx.observer.increase("decode", "kvpush_leases_expired_total", role="consumer")
+    fenced = {e: ctx.observer.increase(e, "kvpush_leases_fenced_total") for e in ENGINES}
+    ctx.report.data["stall"] = {
+        "seconds": stall,
+        "d_failed_receives": failed,
+        "d_permits_expired": expired,
+        "fenced": fenced,
+        "blocks_allocated_after": cycled,
+        "decode_blocks": pool,
+    }
 
 
 async def _cycle_pool(ctx: Context, gen: LoadGenerator, block: int, pool: int) -> int:
