@@ -144,6 +144,10 @@ class FakeVLLM:
         self.hang = False  # never answer: wait for the client to go away
         self.hang_stream = False  # send 200 headers, then no byte until the client goes
         self.die_after_chunks: int | None = None  # raise mid-stream after this many chunks
+        # End answers unfinished after this many tokens, as vLLM does when it stops (SIGTERM)
+        # while decoding: finish_reason "abort", or streamed, a usage event and [DONE] with no
+        # finish reason.
+        self.abort_after: int | None = None
         self.chunk_delay = 0.0
         self.gate: asyncio.Event | None = None  # streamed: wait on it before the last token
         # What /metrics reports (vLLM's series the engine_load policy reads).
@@ -202,6 +206,9 @@ class FakeVLLM:
 
     def full_body(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
         n = min(int(body.get("max_tokens") or len(self.tokens)), len(self.tokens))
+        finish = "length"
+        if self.abort_after is not None and self.role == "decode":
+            n, finish = min(n, self.abort_after), "abort"
         text = "".join(self.tokens[:n])
         ktp = self.identity_params(rid) if self.role == "prefill" else None
         common = {"created": 1, "model": body.get("model", MODEL)}
@@ -215,7 +222,7 @@ class FakeVLLM:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "finish_reason": "length",
+                        "finish_reason": finish,
                     }
                 ],
                 "usage": usage,
@@ -230,7 +237,7 @@ class FakeVLLM:
                     "index": 0,
                     "text": text,
                     "logprobs": None,
-                    "finish_reason": "length",
+                    "finish_reason": finish,
                     "stop_reason": None,
                 }
             ],
@@ -241,7 +248,8 @@ class FakeVLLM:
     def sse_events(self, path: str, body: dict[str, Any], rid: str) -> list[bytes]:
         chat = path.endswith("/chat/completions")
         events = []
-        for i, tok in enumerate(self.tokens):
+        tokens = self.tokens if self.abort_after is None else self.tokens[: self.abort_after]
+        for i, tok in enumerate(tokens):
             last = i == len(self.tokens) - 1
             if chat:
                 chunk = {
@@ -275,6 +283,9 @@ class FakeVLLM:
                     ],
                 }
             events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+        if self.abort_after is not None:
+            usage = {"id": f"cmpl-{rid}", "choices": [], "usage": {"completion_tokens": 0}}
+            events.append(f"data: {json.dumps(usage)}\n\n".encode())
         events.append(b"data: [DONE]\n\n")
         return events
 

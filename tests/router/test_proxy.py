@@ -241,6 +241,79 @@ async def test_decode_5xx_before_any_byte_retries_and_4xx_passes_through(fakes, 
     assert r.sample("kvpush_router_retries_total", reason="decode_status") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_an_answer_decode_ended_unfinished_before_any_byte_is_retried(fakes, router, stream):
+    """vLLM stopping (SIGTERM) ends what it decodes with HTTP 200: finish_reason "abort",
+    or an empty stream (usage and [DONE]). Nothing reached the client: another pair answers."""
+    p = await fakes("prefill")
+    d1, d2 = await fakes("decode"), await fakes("decode")
+    d1.abort_after = 2 if not stream else 0
+    r = await router([p], [d1, d2])
+
+    for _ in range(2):  # whichever decode the policy picks first
+        resp = await r.post("/v1/completions", {**COMPLETION, "stream": stream})
+        assert resp.status_code == 200, resp.text
+        if stream:
+            events = [e for e in resp.content.split(b"\n\n") if e]
+            text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+            assert events[-1] == b"data: [DONE]"
+        else:
+            text = resp.json()["choices"][0]["text"]
+            assert resp.json()["choices"][0]["finish_reason"] == "length"
+        assert text == "w4 w5 w6 w7"
+    assert len(d2.requests) == 2
+    assert r.sample("kvpush_router_retries_total", reason="decode_unfinished") >= 1
+
+
+async def test_a_stream_decode_ends_unfinished_after_it_began_ends_with_an_error_event(
+    fakes, router
+):
+    """Tokens already relayed cannot be taken back: the client gets an error event in place
+    of [DONE], never a cut answer that looks whole."""
+    p, d = await fakes("prefill"), await fakes("decode")
+    d.abort_after = 2
+    r = await router([p], [d])
+
+    resp = await r.post("/v1/completions", {**COMPLETION, "stream": True})
+
+    assert resp.status_code == 200
+    events = [e for e in resp.content.split(b"\n\n") if e]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == ["w4", " w5"]
+    assert b"[DONE]" not in resp.content
+    err = json.loads(events[-1][6:])["error"]
+    assert d.url in err["message"] and "without a finish reason" in err["message"]
+    await wait_until(
+        lambda: (
+            r.sample(
+                "kvpush_router_requests_total", endpoint="/v1/completions", outcome="backend_error"
+            )
+            == 1
+        )
+    )
+
+
+async def test_a_stream_split_anywhere_is_read_for_its_finish_reason():
+    from kvpush_prod.router.legs import FinishWatch
+
+    whole = (
+        b'data: {"choices":[{"text":"a","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"text":"\\"finish_reason\\":\\"stop\\"","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"text":"b","finish_reason":"length"}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    for cut in range(1, len(whole)):
+        w = FinishWatch()
+        first, second = w.feed(whole[:cut]), w.feed(whole[cut:])
+        assert w.reason == "length" and w.unfinished() is None
+        assert first >= 0 or second >= 0
+    w = FinishWatch()
+    w.feed(whole.replace(b'"length"', b'"abort"'))
+    assert w.unfinished() == "the stream ended with finish_reason 'abort'"
+    w = FinishWatch()
+    w.feed(whole.replace(b'"length"', b"null"))
+    assert w.unfinished() == "the stream ended without a finish reason"
+
+
 async def test_no_other_pair_gives_502_naming_backend_and_error(fakes, router):
     p, d = await fakes("prefill"), await fakes("decode")
     p.status = 500

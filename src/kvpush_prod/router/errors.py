@@ -22,7 +22,8 @@ class NoBackendError(RouterError):
 class LegFailure(RouterError):
     """One leg (P or D) of one attempt failed in a way another (P, D) pair may not.
 
-    ``kind`` is one of connect, timeout, pool, status, disconnect, stream_error; with the role
+    ``kind`` is one of connect, timeout, pool, status, disconnect, stream_error, unfinished
+    (D answered 200 but ended the request unfinished: legs.unfinished_answer); with the role
     it makes the bounded ``reason`` label of the retries counter.
     """
 

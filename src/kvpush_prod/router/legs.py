@@ -6,6 +6,7 @@ Body builders for the P and D legs, httpx error classification and response-body
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -309,3 +310,70 @@ def error_body(
     return dumps(
         {"error": {"message": message, "type": err_type, "param": param, "code": code or status}}
     )
+
+
+# -- how D's answer ended ---------------------------------------------------------------------
+
+# vLLM ends a request it did not finish (its engine stopping: SIGTERM, a pod deleted without a
+# drain; or an internal error) with HTTP 200: finish_reason "abort" (or "error") after the
+# tokens so far, or, streaming, a usage event and [DONE] with no finish reason at all. Relayed
+# as they are, a client would take a cut or empty answer for a whole one.
+UNFINISHED_REASONS = frozenset({"abort", "error"})
+_FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"\\]{0,32})"')
+_DONE_EVENT = b"data: [DONE]"
+
+
+_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')
+
+
+def has_choice(events: bytes) -> bool:
+    """Whether ``events`` (SSE bytes) hold a choice event: a token, or a finish."""
+    return _CHOICE.search(events) is not None
+
+
+def unfinished_answer(body: bytes) -> str | None:
+    """Why a non-streaming answer is not a whole one (a finish_reason of UNFINISHED_REASONS,
+    or none), or None when every choice finished."""
+    try:
+        choices = json.loads(body).get("choices")
+    except (ValueError, AttributeError):
+        return None  # not an answer the router can read: passed on as it is
+    if not isinstance(choices, list) or not choices:
+        return None
+    for choice in choices:
+        reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+        if reason is None or reason in UNFINISHED_REASONS:
+            return f"finish_reason {reason!r}: the decode engine ended it unfinished"
+    return None
+
+
+class FinishWatch:
+    """Follows D's SSE bytes as they are relayed and tells when the stream's end is not an
+    answer's end: [DONE] (or the end of the bytes) without a finish reason, or after "abort" /
+    "error". Reads only the finish_reason members; holds the last bytes of a chunk so a
+    member split across chunks is still seen."""
+
+    _KEEP = 96
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> int:
+        """Take ``chunk``; the offset of [DONE] in it (0 when it began in the chunk before),
+        or -1."""
+        data = self._tail + chunk
+        for m in _FINISH_REASON.finditer(data):
+            self.reason = m.group(1).decode(errors="replace")
+        done = data.find(_DONE_EVENT)
+        offset = -1 if done < 0 else max(0, done - len(self._tail))
+        self._tail = data[-self._KEEP :]
+        return offset
+
+    def unfinished(self) -> str | None:
+        """Why the stream so far is not a finished answer, or None."""
+        if self.reason is None:
+            return "the stream ended without a finish reason"
+        if self.reason in UNFINISHED_REASONS:
+            return f"the stream ended with finish_reason {self.reason!r}"
+        return None

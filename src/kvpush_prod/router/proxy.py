@@ -39,6 +39,7 @@ from kvpush_prod.router.errors import (
 from kvpush_prod.router.health import HealthMonitor
 from kvpush_prod.router.legs import (
     DP_RANK_HEADER,
+    FinishWatch,
     check_status,
     decode_body,
     direct_body,
@@ -46,6 +47,7 @@ from kvpush_prod.router.legs import (
     error_body,
     failure_from_exception,
     first_chunk_failure,
+    has_choice,
     prefill_body,
     prefill_kv_params,
     pull_decode_body,
@@ -53,6 +55,7 @@ from kvpush_prod.router.legs import (
     signed,
     sse_error_event,
     strip_null_kv_params,
+    unfinished_answer,
     vllm_request_id,
 )
 from kvpush_prod.router.limits import check_one_sequence, parse_body, read_body, ticket_of
@@ -114,6 +117,7 @@ class DecodeStart:
     first: bytes
     rest: AsyncIterator[bytes] | None
     _release: Callable[[], None]
+    watch: FinishWatch = field(default_factory=FinishWatch)
     _closed: bool = False
 
     async def aclose(self) -> None:
@@ -122,6 +126,27 @@ class DecodeStart:
         self._closed = True
         await _close_quietly(self.response)
         self._release()
+
+
+async def _first_choice(started: DecodeStart) -> DecodeStart:
+    """Read D's stream on to its first choice event (vLLM's first token) before anything is
+    relayed: a stream that ends before one (a usage event and [DONE]: D stopped) is a failed
+    leg another pair can still answer."""
+    assert started.rest is not None
+    done = started.watch.feed(started.first)
+    while done < 0 and not has_choice(started.first):
+        try:
+            more = await started.rest.__anext__()
+        except StopAsyncIteration:
+            break
+        done = started.watch.feed(more)
+        started.first += more
+    if done >= 0 or not has_choice(started.first):
+        why = started.watch.unfinished()
+        if why is not None:
+            # Nothing reached the client yet: another pair can still answer it.
+            raise LegFailure(started.backend, "unfinished", why)
+    return started
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -646,7 +671,11 @@ class Dispatcher:
                     d, resp.status_code, await resp.aread(), resp.headers.get("content-type", "")
                 )
             if not stream:
-                return DecodeStart(d, resp, await resp.aread(), None, release)
+                body = await resp.aread()
+                why = unfinished_answer(body)
+                if why is not None:
+                    raise LegFailure(d, "unfinished", why)
+                return DecodeStart(d, resp, body, None, release)
             chunks = resp.aiter_raw()
             try:
                 first = await chunks.__anext__()
@@ -655,7 +684,7 @@ class Dispatcher:
             failed = first_chunk_failure(d, first)
             if failed is not None:
                 raise failed
-            return DecodeStart(d, resp, first, chunks, release)
+            return await _first_choice(DecodeStart(d, resp, first, chunks, release))
         except BaseException:
             await _close_quietly(resp)
             raise
@@ -675,7 +704,15 @@ class Dispatcher:
             assert d.rest is not None
             try:
                 async for chunk in d.rest:
+                    done_at = d.watch.feed(chunk)
+                    if done_at >= 0 and d.watch.unfinished() is not None:
+                        yield chunk[:done_at]
+                        break
                     yield chunk
+                why = d.watch.unfinished()
+                if why is not None:
+                    outcome = Outcome.BACKEND_ERROR
+                    yield self._unfinished_stream(d, why)
             except _CLIENT_FAULT as e:  # httpx's errors and the client's own faults
                 outcome = Outcome.BACKEND_ERROR
                 log.warning("decode backend %s failed mid-stream: %s", d.backend.url, e)
@@ -691,6 +728,18 @@ class Dispatcher:
         finally:
             await d.aclose()
             self._finish(req, outcome)
+
+    @staticmethod
+    def _unfinished_stream(d: DecodeStart, why: str) -> bytes:
+        """The error event that ends a stream D ended unfinished (in place of its [DONE]):
+        its first bytes were relayed already, so it cannot go to another pair."""
+        log.warning(
+            "decode backend %s ended a stream unfinished after it began (%s): the client "
+            "gets an error event; drain an engine before stopping it (kvpush drain)",
+            d.backend.url,
+            why,
+        )
+        return sse_error_event(f"decode backend {d.backend.url}: {why}; the response is incomplete")
 
 
 def _leg_headers(req: _Request, tid: str) -> dict[str, str]:
