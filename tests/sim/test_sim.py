@@ -1,6 +1,7 @@
 """The simulator: its clock and links, that it drives the real core on the settings of a
-kvpush profile (the P5en preset on the shipped efa-p5en profile), and that it keeps
-reproducing the direction of the article's result on the P5en preset."""
+kvpush profile (the P5en preset on the shipped efa-p5en profile, for a tensor-parallel
+rank's block), and that it keeps reproducing the direction of the article's result on the
+P5en preset."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ Only the protocol decisions come from the core, on the settings a kvpush profile
 (``config.core``, as in the connector; a layer-wise push as ``push.layerwise`` says, through
 the core's ``LayersReady``); compute, wires and the cost of posting NIXL requests (fixed +
 per descriptor, descriptors per run of adjacent blocks) are simple models whose parameters
-live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
+live in :class:`ClusterModel` (see presets.py and docs/simulator.md). An engine of ``tp``
+tensor-parallel ranks is simulated as one of its ranks (1/tp of the KV on 1/tp of the NIC,
+its own pump): the ranks are alike.
 """
 
 from __future__ import annotations
