@@ -52,3 +52,28 @@ def test_cli_takes_tp_and_refuses_a_bad_one(capsys):
     assert "TP 4: each rank moves 1280 KiB per block" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="tp 0: give --tp N"):
         sim_main(["--tp", "0"])
+
+
+def test_tp_alike_ranks_on_a_shared_nic_finish_as_one_rank_on_its_share():
+    # Why one rank may stand for all: the node's NIC shares its bandwidth equally among the
+    # flows in flight, so tp ranks posting the same flows at the same times finish each one
+    # when a single rank's flows would on 1/tp of the bandwidth.
+    from kvpush_prod.sim.events import Link, Loop
+
+    flows = [(0.0, 300.0), (0.5, 100.0), (1.0, 50.0), (4.0, 200.0)]  # (start s, bytes)
+
+    def ends(copies: int, bandwidth: float) -> list[float]:
+        loop, out = Loop(), {}
+        link = Link(loop, bandwidth=bandwidth, latency=0.25)
+        for i, (at, nbytes) in enumerate(flows):
+            for c in range(copies):
+                loop.at(
+                    at,
+                    lambda i=i, c=c, n=nbytes: link.send(
+                        n, lambda: out.setdefault((i, c), loop.now)
+                    ),
+                )
+        loop.run()
+        return [max(out[i, c] for c in range(copies)) for i in range(len(flows))]
+
+    assert ends(8, 800.0) == pytest.approx(ends(1, 100.0))
