@@ -53,10 +53,11 @@ def test_auto_pushes_short_prompts_after_the_forward_and_long_ones_layer_by_laye
     assert ("layer_writes" in r["counters"]) is on
 
 
-# TTFTs (s) of each request before layer-wise push and per-descriptor post costs were
-# simulated (commit f15e564), on the post cost of then: desc_s 0.15 us per block per region,
-# no fixed part, posts not serialised.
-BEFORE = dict(post_fixed_s=0.0, desc_s=0.15e-6, coalesce=0, post_serial=0)
+# TTFTs (s) of each request before layer-wise push, per-descriptor post costs and
+# tensor-parallel ranks were simulated (commit f15e564), on the post cost of then: desc_s
+# 0.15 us per block per region, no fixed part, posts not serialised; one unit per engine
+# (tp 1).
+BEFORE = dict(post_fixed_s=0.0, desc_s=0.15e-6, coalesce=0, post_serial=0, tp=1)
 W_CLOSED = Workload(requests=8, lengths=(1024, 4096), output_tokens=8, concurrency=3)
 W_POISSON = Workload(
     requests=8, lengths=(512, 2048), output_tokens=8, kind="poisson", rate=30.0, seed=5

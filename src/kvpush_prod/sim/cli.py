@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-us", type=float, help="data-path round trip, us")
     p.add_argument("--ctrl-us", type=float, help="one control message, us")
     p.add_argument("--http-us", type=float, help="one router leg each way, us")
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel ranks per engine: each moves 1/tp of every block on 1/tp of "
+        "the NIC with its own pump (one rank is simulated)",
+    )
     p.add_argument("--prefill-us-per-token", type=float)
     p.add_argument("--decode-step-ms", type=float)
     _layerwise_args(p)
@@ -251,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Gbit/s effective, RTT {2 * m.one_way_s * 1e6:.0f} us, prompts {lengths}, "
         f"{a.output_tokens} output tokens\n"
     )
+    print(ranks(m) + "\n")
     print(kvpush_settings(m) + "\n")
     print(table)
     if a.json:
@@ -269,6 +276,7 @@ def _layerwise_table(
         f"{m.desc_s * 1e6:g} us per descriptor; fragmented: {fragment:g}; "
         f"{a.output_tokens} output tokens\n"
     )
+    print(ranks(m) + "\n")
     print(kvpush_settings(m) + "\n")
     table, rows = layerwise_table(
         m,
@@ -285,6 +293,15 @@ def _layerwise_table(
         a.json.write_text(json.dumps({"model": asdict(m), "rows": rows}, indent=1))
     print(f"\nverdict: {len(rows)} cells simulated", file=sys.stderr)
     return 0
+
+
+def ranks(m: ClusterModel) -> str:
+    """One line: what each tensor-parallel rank moves, on what share of the NIC."""
+    return (
+        f"TP {m.tp}: each rank moves {m.rank_block_bytes / 1024:g} KiB per block of "
+        f"{m.block_tokens} tokens over {m.rank_bandwidth * 8 / 1e9:g} Gbit/s with its own pump "
+        f"(one rank simulated; the {m.tp} are alike)"
+    )
 
 
 def kvpush_settings(m: ClusterModel) -> str:
@@ -321,6 +338,8 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
         kw["prefill_s_per_token"] = a.prefill_us_per_token / 1e6
     if a.decode_step_ms:
         kw["decode_step_s"] = a.decode_step_ms / 1000
+    if a.tp is not None:
+        kw["tp"] = a.tp
     if a.fragment is not None:
         kw["fragment"] = a.fragment
     if a.layers is not None:
@@ -355,6 +374,12 @@ def _check(m: ClusterModel) -> None:
         raise SystemExit(
             f"kvpush sim: --fragment {m.fragment:g}: give a probability from 0 (a fresh cache) "
             "to 1 (every block apart)"
+        )
+    if m.tp < 1 or m.rank_block_bytes < 1:
+        raise SystemExit(
+            f"kvpush sim: tp {m.tp}: give --tp N with 1 <= N <= the bytes of a KV block "
+            f"({m.kv_bytes_per_token * m.block_tokens:g}); N is the tensor-parallel size "
+            "of every engine"
         )
     if m.layers < 1 or m.kv_regions % m.layers:
         raise SystemExit(

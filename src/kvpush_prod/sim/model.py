@@ -8,7 +8,9 @@ Only the protocol decisions come from the core, on the settings a kvpush profile
 (``config.core``, as in the connector; a layer-wise push as ``push.layerwise`` says, through
 the core's ``LayersReady``); compute, wires and the cost of posting NIXL requests (fixed +
 per descriptor, descriptors per run of adjacent blocks) are simple models whose parameters
-live in :class:`ClusterModel` (see presets.py and docs/simulator.md).
+live in :class:`ClusterModel` (see presets.py and docs/simulator.md). An engine of ``tp``
+tensor-parallel ranks is simulated as one of its ranks (1/tp of the KV on 1/tp of the NIC,
+its own pump): the ranks are alike.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class ClusterModel:
     n_prefill: int = 1
     n_decode: int = 1
     # wires
-    nic_bandwidth: float = 50e9  # per prefill node, egress, shared by its transfers
+    nic_bandwidth: float = 50e9  # per prefill node, egress, shared by its transfers (1/tp a rank)
     one_way_s: float = 10e-6  # data-path latency (RTT / 2)
     ctrl_s: float = 50e-6  # one control message between engines (ZMQ / NIXL notif)
     http_s: float = 300e-6  # one HTTP leg through the router, each way
@@ -71,7 +73,14 @@ class ClusterModel:
     block_tokens: int = 16
     kv_regions: int = 160  # registered KV regions per rank (layers x K/V): descriptors per block
     layers: int = 80  # model layers: a layer-wise WRITE moves kv_regions / layers regions
-    decode_kv_blocks: int = 200_000
+    decode_kv_blocks: int = 200_000  # per decode engine (a block spans every rank)
+    # Tensor parallelism: ranks per engine. Each rank is its own NIXL agent with its own pump
+    # and link and moves 1/tp of every block (its KV heads); vLLM's connectors work per rank
+    # too. Ranks are symmetric and independent (same blocks, same steps), so one rank is
+    # simulated: 1/tp of every block's bytes on 1/tp of the node's NIC bandwidth, with the
+    # core's chunks and descriptors of that rank; a transfer is done when that rank's is,
+    # which is when every rank's is (docs/simulator.md).
+    tp: int = 1
     # D's cache: the probability that the next free block D hands out is not adjacent to
     # the one before (0: a fresh cache, runs as long as the transfer; 1: every block apart)
     fragment: float = 0.0
@@ -116,11 +125,27 @@ class ClusterModel:
         """The core's settings for this cluster's blocks and D's credit budget over its KV
         cache: ``config.core``'s mapping of :meth:`config`, the connector's own."""
         cfg = self.config()
-        block_bytes = int(self.kv_bytes_per_token * self.block_tokens)
-        return core_settings(cfg, block_bytes), credit_settings(cfg, self.decode_kv_blocks)
+        return core_settings(cfg, self.rank_block_bytes), credit_settings(
+            cfg, self.decode_kv_blocks
+        )
 
     def kv_bytes(self, tokens: int) -> float:
+        """The KV of ``tokens`` over the whole model (every rank)."""
         return self.kv_bytes_per_token * tokens
+
+    def rank_kv_bytes(self, tokens: int) -> float:
+        """One tensor-parallel rank's part of the KV of ``tokens``: what it moves."""
+        return self.kv_bytes_per_token * tokens / self.tp
+
+    @property
+    def rank_block_bytes(self) -> int:
+        """One rank's part of a KV block: the block the rank's core and NIXL agent see."""
+        return int(self.kv_bytes_per_token * self.block_tokens) // self.tp
+
+    @property
+    def rank_bandwidth(self) -> float:
+        """One rank's share of its prefill node's NIC bandwidth."""
+        return self.nic_bandwidth / self.tp
 
     def blocks(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.block_tokens))
@@ -389,7 +414,7 @@ class Sim:
         self.prefill = [PrefillEngine(self, i) for i in range(m.n_prefill)]
         self.decode = [DecodeEngine(self, i) for i in range(m.n_decode)]
         self.links = [
-            Link(self.loop, m.nic_bandwidth, m.one_way_s, f"p{i}") for i in range(m.n_prefill)
+            Link(self.loop, m.rank_bandwidth, m.one_way_s, f"p{i}") for i in range(m.n_prefill)
         ]
         self.reqs: list[Req] = []
         self.finished = 0
@@ -408,7 +433,7 @@ class Sim:
     # -------------------------------------------------------------------- the core (kvpush)
     def _setup_core(self) -> None:
         m = self.m
-        block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
+        block_bytes = m.rank_block_bytes  # the simulated rank's (the ranks are alike)
         self.settings, credits = m.core()
         self.push = m.config().push
         self.senders: list[Sender] = []
@@ -584,12 +609,11 @@ class Sim:
             else sched.settings.initial_bandwidth_bytes_per_s
         )
         blocks = sum(len(r.p_blocks) for r in batch)
-        block_bytes = int(m.kv_bytes_per_token * m.block_tokens)
         push = self.push
-        if not layerwise_on(
+        if not layerwise_on(  # on the rank's blocks and link, as the rank's connector decides
             push.layerwise,
             blocks,
-            block_bytes,
+            m.rank_block_bytes,
             m.block_tokens,
             bandwidth,
             push.layerwise_min_tokens,
@@ -597,9 +621,13 @@ class Sim:
         ):
             return
         self.count("layerwise_steps")
+        start = self.loop.now
         for layer in range(1, m.layers + 1):
-            self.loop.after(
-                layer / m.layers * dur + m.kvpush_pump_s,
+            # Timed as the step's end is (start + dur, then the pump's reaction), so the last
+            # layer is heard no later than the forward's end, in the same float arithmetic.
+            computed = start + layer / m.layers * dur
+            self.loop.at(
+                computed + m.kvpush_pump_s,
                 functools.partial(self._layers_ready, p, batch, layer),
             )
 
@@ -636,7 +664,7 @@ class Sim:
         def post() -> None:
             req.xfer_start = loop.now
             self.links[req.p].send(
-                m.kv_bytes(req.length),
+                m.rank_kv_bytes(req.length),
                 lambda: loop.after(
                     m.vllm_xfer_overhead_s + m.ctrl_s, lambda: self.decode[req.d].kv_arrived(req)
                 ),
@@ -682,7 +710,7 @@ class Sim:
                 loop.after(
                     m.one_way_s,
                     lambda: self.links[req.p].send(
-                        m.kv_bytes(req.length),
+                        m.rank_kv_bytes(req.length),
                         lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
                     ),
                 )

@@ -40,8 +40,12 @@ P5EN = ClusterModel(
     max_batched_tokens=16384,
     decode_step_s=12e-3,  # 70B TP8 decode step on H200s, small batch
     decode_s_per_seq=0.06e-3,
-    kv_bytes_per_token=320 * 1024,
+    kv_bytes_per_token=320 * 1024,  # the whole model's, over the 8 ranks
     block_tokens=16,
+    # TP8: each GPU is a rank with its own NIXL agent, pump and 2 EFA NICs (1/8 of the node's
+    # bandwidth), moving its KV head's 1/8 of every block: 640 KiB per block at block 16, so
+    # a 4 MiB chunk is 6 blocks (configs/efa-p5en.yaml). One rank is simulated (model.py).
+    tp=8,
     kv_regions=160,  # 80 layers x (K, V) per rank
     layers=80,
     decode_kv_blocks=8 * 100 * 1024**3 // (320 * 1024 * 16),  # ~100 GiB of KV per node
@@ -185,7 +189,7 @@ def _fit_vllm_transfer(
             t = c.get("transfer") or {}
             h = t.get("nixl_xfer_time_seconds_decode") or t.get("nixl_xfer_time_seconds_prefill")
             if h and h.get("p50_s") is not None:
-                raw = m.kv_bytes(c["length"]) / m.nic_bandwidth
+                raw = m.rank_kv_bytes(c["length"]) / m.rank_bandwidth
                 fitted["vllm_xfer_overhead_s"] = (
                     f"{side} vllm:nixl_xfer_time p50 {h['p50_s'] * 1e3:.2f} ms at {c['length']} tok"
                 )
@@ -208,7 +212,7 @@ def _fit_kvpush(m: ClusterModel, kvpush: dict[str, Any], fitted: dict[str, Any])
                 kvpush_chunk_overhead_s=max(
                     0.0,
                     t["post_to_done_ms"]["p50"] / 1000.0
-                    - m.kv_bytes(c["length"]) / m.nic_bandwidth,
+                    - m.rank_kv_bytes(c["length"]) / m.rank_bandwidth,
                 )
             )
             fitted["kvpush_chunk_overhead_s"] = (
