@@ -1433,9 +1433,11 @@ class SenderPump(TransferPump[Sender]):
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         p = self.engine
-        links = p.sched.links()
+        # Only peers connected now: a replaced process's link (until the core forgets it)
+        # must not make a series labelled with its raw agent name.
+        links = [link for link in p.sched.links() if link in self._peer_label]
         for link in links:
-            label, bandwidth = self._peer_label.get(link, link), p.sched.bandwidth(link)
+            label, bandwidth = self._peer_label[link], p.sched.bandwidth(link)
             self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label), bandwidth)
             if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
                 slow = self.link_guard.observe(label, bandwidth, now)
@@ -1443,11 +1445,12 @@ class SenderPump(TransferPump[Sender]):
         if links:
             self.link_bandwidth = min(p.sched.bandwidth(link) for link in links)
         for peer, state in p.breaker_states(now).items():
-            self.stats.set(
-                "kvpush_breaker_state",
-                (self.role, self._peer_label.get(peer, peer)),
-                _BREAKER_VALUE[state],
-            )
+            if peer in self._peer_label:
+                self.stats.set(
+                    "kvpush_breaker_state",
+                    (self.role, self._peer_label[peer]),
+                    _BREAKER_VALUE[state],
+                )
 
 
 class ReceiverPump(TransferPump[Receiver]):

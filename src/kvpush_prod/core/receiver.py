@@ -756,7 +756,16 @@ class Receiver:
             for key in self.leases.keys():  # noqa: SIM118 - a snapshot list, not a dict view
                 if key not in self._in and self.leases.reusable(key, now):
                     self.leases.forget(key, now)
+            self._forget_gone_agents()
         return out
+
+    def _forget_gone_agents(self) -> None:
+        """Drop the READ scheduler's link and the retry budget of P processes no longer
+        known and no longer read from (each restart of a P rank is a new agent name)."""
+        keep = {p.agent for p in self._peers.values() if p.agent}
+        keep |= {rx.fallback.sender.agent_name for rx in self._in.values() if rx.fallback}
+        self.reads.forget_idle_links(keep)
+        self.budget.forget_except(keep | set(self.reads.links()))
 
     # ------------------------------------------------------------------ internals
     def _heartbeats(self, now: float) -> list[Action]:

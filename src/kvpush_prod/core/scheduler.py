@@ -600,6 +600,23 @@ class ChunkScheduler:
         lk = self._links.get(link)
         return self._initial_cap if lk is None else lk.cap
 
+    def forget_idle_links(self, keep: set[LinkId]) -> list[LinkId]:
+        """Forget the links outside ``keep`` that have nothing queued or in flight (a peer
+        process replaced or dropped: its agent name never comes back); the ids forgotten."""
+        busy = {t.link.id for t in self._transfers.values()}
+        gone = [
+            link
+            for link, lk in self._links.items()
+            if link not in keep
+            and link not in busy
+            and not lk.active
+            and not lk.heap
+            and lk.inflight_chunks == 0
+        ]
+        for link in gone:
+            del self._links[link]
+        return gone
+
     def links(self) -> list[LinkId]:
         return list(self._links)
 

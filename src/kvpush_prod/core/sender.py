@@ -1050,7 +1050,18 @@ class Sender:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
+            self._forget_gone_agents()
         return out
+
+    def _forget_gone_agents(self) -> None:
+        """Drop the per-agent state (scheduler link, breaker, retry budget) of D processes
+        no longer met and no longer written to: an agent name is one process's, so each
+        restart of a D rank would otherwise leave one of each behind for good."""
+        keep = set(self._agents) | {o.peer for o in self._out.values()}
+        self.sched.forget_idle_links(keep)
+        keep |= set(self.sched.links())
+        self.breakers.forget_except(keep)
+        self.budget.forget_except(keep)
 
     def _confirm_due(self, o: _Out, now: float) -> tuple[list[Action], bool]:
         """A DONE of ``o`` D has not confirmed: ask again when due, or give up on D (pull)
