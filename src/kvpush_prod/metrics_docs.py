@@ -156,7 +156,7 @@ tensor-parallel size: see below). What counts:
 - **Ranks.** A transfer handed to the engine's workers is ended by each tensor-parallel
   rank (each counts its outcome), so it is counted started once per rank.
 - **Groups** (the chaos nemesis checks `started = pushed + pulled + recomputed + failed`):
-{chr(10).join(f"  {g}: " + ", ".join(f"`{o}`" for o in outs) + ";" for g, outs in OUTCOME_GROUPS.items())}
+{chr(10).join(f"  - {g}: " + ", ".join(f"`{o}`" for o in outs) for g, outs in OUTCOME_GROUPS.items())}
 """
 
 TABLES_INTRO = """\

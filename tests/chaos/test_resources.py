@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from kvpush_prod.chaos.resources import (
     ResourceSampler,
     Series,
     Target,
+    cluster_targets,
     flatness,
     parse_tables,
     quiet_spans,
@@ -179,6 +181,20 @@ def test_a_tree_sums_its_processes() -> None:
     stats = tree_stats(os.getpid())
     procs = [k for k in stats if k != "tree"]
     assert stats["tree"]["fds"] == sum(stats[p]["fds"] for p in procs)
+
+
+def test_a_clusters_targets_follow_its_processes_and_skip_the_down_ones() -> None:
+    up = SimpleNamespace(pid=os.getpid(), alive=lambda: True)
+    down = SimpleNamespace(pid=1, alive=lambda: False)
+    cluster = SimpleNamespace(
+        procs={"prefill": up, "decode": down, "router": up},
+        urls={"prefill": "http://p", "decode": "http://d", "router": "http://r"},
+        engine_names=["prefill", "decode"],
+    )
+    targets = {t.name: t for t in cluster_targets(cluster)}  # type: ignore[arg-type]
+    assert set(targets) == {"prefill", "decode", "router"}
+    assert targets["prefill"].pid() == os.getpid() and targets["decode"].pid() is None
+    assert targets["router"].metrics_url == "http://r"
 
 
 def test_sampling_more_often_than_never_is_required() -> None:

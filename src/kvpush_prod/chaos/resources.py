@@ -21,9 +21,12 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from kvpush_prod.lab.cluster import Cluster
 
 MIB = 1 << 20
 HOUR = 3600.0
@@ -186,6 +189,21 @@ def scrape_text(url: str, timeout: float = 5.0) -> str:
 
 
 # ---------------------------------------------------------------------------- sampling
+
+
+def cluster_targets(cluster: Cluster) -> list[Target]:
+    """Every engine of a lab cluster and its router (followed across restarts: the pid is
+    looked up at each sample, None while the process is down)."""
+
+    def pid_of(name: str) -> Callable[[], int | None]:
+        def pid() -> int | None:
+            proc = cluster.procs.get(name)
+            return proc.pid if proc is not None and proc.alive() else None
+
+        return pid
+
+    names = [*cluster.engine_names, "router"]
+    return [Target(n, pid_of(n), cluster.urls.get(n)) for n in names if n in cluster.urls]
 
 
 class ResourceSampler:
