@@ -561,6 +561,35 @@ def test_restarted_decode_supersedes_its_old_agent_and_frees_old_transfers() -> 
     ]
 
 
+def test_restarts_of_a_decode_leave_no_per_agent_state_behind() -> None:
+    # Scheduler link, breaker and retry budget are kept per D agent, and each restart of a
+    # D rank is a new agent: once the old one is neither met nor written to, they go.
+    s = sender()
+    t = 0.0
+    for incarnation in range(2, 12):
+        d = m.PeerInfo(
+            "D",
+            incarnation,
+            0,
+            "tcp://d:1",
+            ag(f"agent-d{incarnation}", "tcp://d:1"),
+            b"meta",
+            LAYOUT,
+        )
+        tid = f"t{incarnation}"
+        s.blocks_ready(tid, [1], t)
+        (w,) = of(s.on_message(register(tid, blocks=[10], sender_info=d), t), PostWrite)
+        s.hold(tid)
+        s.on_chunk(w.chunk_id, True, "", t + 0.1)
+        t += 2.0
+        s.tick(t)
+    sizes = s.tables()
+    assert sizes["sender.peers"][0] == sizes["sender.agents"][0] == 1
+    assert sizes["push.links"][0] <= 1
+    assert sizes["sender.breakers"][0] <= 1
+    assert sizes["sender.retry_budgets"][0] <= 1
+
+
 def test_a_late_register_of_a_replaced_decode_process_changes_nothing() -> None:
     # The sender-side twin of the receiver fix (test_protocol_stateful's late messages of a
     # dead process): the dead D's REGISTER was taken for yet another restart, so P dropped

@@ -165,6 +165,22 @@ class Receiver:
     def active(self) -> int:
         return len(self._in)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of every table D's rank keeps (receives, peers, the DONE log, permits,
+        its READ scheduler's and retry budget's), each with its bound (None: none)."""
+        s = self.s
+        return {
+            "receiver.transfers": (len(self._in), None),
+            "receiver.waiting": (len(self._waiting), None),
+            "receiver.peers": (len(self._peers), s.max_peers),
+            "receiver.heard": (len(self._heard), s.max_peers),
+            "receiver.chunks": (len(self._chunks), None),
+            "receiver.done_log": (len(self._done_log), s.max_done_log),
+            "receiver.retry_budgets": (len(self.budget), None),
+            **self.leases.tables("receiver.permits"),
+            **self.reads.tables("pull"),
+        }
+
     @property
     def busy(self) -> bool:
         return bool(self._chunks) or self.reads.queued > 0
@@ -748,7 +764,16 @@ class Receiver:
             for key in self.leases.keys():  # noqa: SIM118 - a snapshot list, not a dict view
                 if key not in self._in and self.leases.reusable(key, now):
                     self.leases.forget(key, now)
+            self._forget_gone_agents()
         return out
+
+    def _forget_gone_agents(self) -> None:
+        """Drop the READ scheduler's link and the retry budget of P processes no longer
+        known and no longer read from (each restart of a P rank is a new agent name)."""
+        keep = {p.agent for p in self._peers.values() if p.agent}
+        keep |= {rx.fallback.sender.agent_name for rx in self._in.values() if rx.fallback}
+        self.reads.forget_idle_links(keep)
+        self.budget.forget_except(keep | set(self.reads.links()))
 
     # ------------------------------------------------------------------ internals
     def _heartbeats(self, now: float) -> list[Action]:

@@ -277,6 +277,17 @@ class ChunkScheduler:
         self._capped_bytes = 0
         self._capped_chunks = 0
 
+    def tables(self, prefix: str) -> dict[str, tuple[int, int | None]]:
+        """Entries of each table this scheduler keeps, named ``prefix.table``, with its bound
+        (None: none of its own; the transfers it serves bound it)."""
+        return {
+            f"{prefix}.links": (len(self._links), None),
+            f"{prefix}.transfers": (len(self._transfers), None),
+            f"{prefix}.inflight": (len(self._inflight), None),
+            f"{prefix}.delayed": (len(self._delayed), None),
+            f"{prefix}.cutoffs": (len(self._cutoffs), None),
+        }
+
     @property
     def settings(self) -> SchedulerSettings:
         return self._s
@@ -588,6 +599,23 @@ class ChunkScheduler:
         """The link's in-flight cap: max(chunk_bytes, bandwidth * target_latency_s)."""
         lk = self._links.get(link)
         return self._initial_cap if lk is None else lk.cap
+
+    def forget_idle_links(self, keep: set[LinkId]) -> list[LinkId]:
+        """Forget the links outside ``keep`` that have nothing queued or in flight (a peer
+        process replaced or dropped: its agent name never comes back); the ids forgotten."""
+        busy = {t.link.id for t in self._transfers.values()}
+        gone = [
+            link
+            for link, lk in self._links.items()
+            if link not in keep
+            and link not in busy
+            and not lk.active
+            and not lk.heap
+            and lk.inflight_chunks == 0
+        ]
+        for link in gone:
+            del self._links[link]
+        return gone
 
     def links(self) -> list[LinkId]:
         return list(self._links)

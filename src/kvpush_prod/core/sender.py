@@ -284,6 +284,24 @@ class Sender:
     def active(self) -> int:
         return len(self._out)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of every table P's rank keeps (transfers, tombstones, peers, and its
+        scheduler's, breakers' and retry budget's), each with its bound (None: none)."""
+        s = self.s
+        return {
+            "sender.transfers": (len(self._out), s.max_transfers),
+            "sender.unknown": (len(self._unknown), None),
+            "sender.chunks": (len(self._chunks), None),
+            "sender.tombstones": (len(self._tombstones), s.max_tombstones),
+            "sender.refused": (len(self._refused), s.max_tombstones),
+            "sender.peers": (len(self._peers), s.max_peers),
+            "sender.retired": (len(self._retired), s.max_peers),
+            "sender.agents": (len(self._agents), None),
+            "sender.breakers": (len(self.breakers), None),
+            "sender.retry_budgets": (len(self.budget), None),
+            **self.sched.tables("push"),
+        }
+
     @property
     def busy(self) -> bool:
         """Chunks in flight or queued, or D pulling from us: the shell should poll often."""
@@ -1123,7 +1141,18 @@ class Sender:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.s.heartbeat_s
             out += self._heartbeats(now)
+            self._forget_gone_agents()
         return out
+
+    def _forget_gone_agents(self) -> None:
+        """Drop the per-agent state (scheduler link, breaker, retry budget) of D processes
+        no longer met and no longer written to: an agent name is one process's, so each
+        restart of a D rank would otherwise leave one of each behind for good."""
+        keep = set(self._agents) | {o.peer for o in self._out.values()}
+        self.sched.forget_idle_links(keep)
+        keep |= set(self.sched.links())
+        self.breakers.forget_except(keep)
+        self.budget.forget_except(keep)
 
     def _confirm_due(self, o: _Out, now: float) -> tuple[list[Action], bool]:
         """A DONE of ``o`` D has not confirmed: ask again when due, or give up on D (pull)

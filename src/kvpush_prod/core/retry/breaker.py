@@ -184,6 +184,14 @@ class PeerBreakers:
             b = self._breakers[peer] = CircuitBreaker(self._settings)
         return b
 
+    def forget_except(self, keep: set[PeerId]) -> None:
+        """Forget the breakers of every peer outside ``keep`` (processes gone for good)."""
+        for peer in [p for p in self._breakers if p not in keep]:
+            del self._breakers[peer]
+
+    def __len__(self) -> int:
+        return len(self._breakers)
+
     def allow(self, peer: PeerId, now: float) -> bool:
         return self[peer].allow(now)
 

@@ -39,6 +39,14 @@ class RetryBudget:
         self._buckets: dict[PeerId, _Bucket] = {}
         self._denied = 0
 
+    def forget_except(self, keep: set[PeerId]) -> None:
+        """Forget the buckets of every peer outside ``keep`` (processes gone for good)."""
+        for peer in [p for p in self._buckets if p not in keep]:
+            del self._buckets[peer]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
     @property
     def denied(self) -> int:
         """Retries refused so far (for metrics)."""
