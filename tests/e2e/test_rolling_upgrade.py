@@ -166,6 +166,10 @@ async def rolling_upgrade(cluster: Cluster, order: tuple[str, ...], log: list[st
     new: set[str] = set()
     try:
         assert await until(load, "start", lambda: True)
+        for name in cluster.engine_names:  # the previous release predates these series
+            got = await asyncio.to_thread(scrape, cluster.urls[name])
+            ours = [k for k, _ in got if k.startswith("kvpush_protocol_")]
+            assert not ours, f"{name} should run the previous release, yet exports {ours}"
         for name in order:
             await upgrade_one(cluster, load, name, TOKEN, log)
             new.add(name)
