@@ -57,6 +57,8 @@ EXPECTED = {
     "kvpush_connector_blocks": ("gauge", ("role",)),
     "kvpush_transfers_active": ("gauge", ("role",)),
     "kvpush_peer_restarts": ("counter", ("role",)),
+    "kvpush_protocol_fallbacks": ("counter", ("role", "version")),
+    "kvpush_protocol_dones": ("counter", ("role", "version")),
     "kvpush_layerwise_writes": ("counter", ("role", "when")),
     "kvpush_post_descriptors": ("histogram", ("role",)),
     "kvpush_post_build_seconds": ("histogram", ("role",)),

@@ -75,6 +75,7 @@ LABELS: dict[str, str] = {
     "table": "one of an engine's tables (the list under Tables below)",
     "when": "a layer-wise WRITE's post: `during_forward` (P's forward still ran) or "
     "`after_forward`",
+    "version": "a wire protocol version this build speaks: its own or the one before (N-1)",
 }
 # The router's own labels (its series are not on vLLM's /metrics, so vLLM adds nothing).
 ROUTER_LABELS: dict[str, str] = {
@@ -87,6 +88,9 @@ ROUTER_LABELS: dict[str, str] = {
     "table": "one of the router's tables (the list under Tables below)",
 }
 ROLES = ("producer", "consumer")
+# The wire protocol versions this build speaks (``core.protocol``: N-1 and its own; a test
+# holds them equal, this layer may not import the core).
+PROTOCOL_VERSIONS = ("2", "3")
 OUTCOMES = (
     "pushed",
     "retried",
@@ -337,6 +341,23 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         ("role", "peer"),
         "Circuit breaker per peer: 0 closed (push), 1 half-open (one probe), 2 open "
         "(new transfers go straight to fallback).",
+    ),
+    _s(
+        "kvpush_protocol_fallbacks",
+        "counter",
+        ("role", "version"),
+        "Peers (each process of one) this engine talks an older protocol version to than its "
+        "own, by that version: a mixed-version fleet, as during a rolling upgrade (KV is still "
+        "pushed; each is also logged). Once every engine runs one release it stops rising.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_protocol_dones",
+        "counter",
+        ("role", "version"),
+        "Pushes by the protocol version of the pair: producer, last WRITEs posted carrying a "
+        "DONE (a re-post counts again); consumer, DONE notifications received.",
+        values={"version": PROTOCOL_VERSIONS},
     ),
     _s(
         "kvpush_breaker_trips",

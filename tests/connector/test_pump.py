@@ -39,6 +39,7 @@ class Endpoint:
     def __init__(self, wire: Wire, address: str) -> None:
         self.wire, self.address = wire, address
         self.rejected: Counter[str] = Counter()
+        self.protocol_fallbacks: Counter[str] = Counter()
         wire.inbox[address] = []
 
     def receive(self, limit: int = 256) -> Iterator[tuple[m.ControlMessage, str]]:
@@ -48,6 +49,9 @@ class Endpoint:
 
     def send(self, address: str, msg: m.ControlMessage, to: str = "") -> None:
         self.wire.inbox.setdefault(address, []).append(msg)
+
+    def protocol_of(self, address: str) -> int:
+        return m.PROTOCOL_VERSION
 
     def wake(self) -> None: ...
 

@@ -86,6 +86,7 @@ class FloodEndpoint:
     def __init__(self, pump_lock: Any) -> None:
         self.lock = pump_lock
         self.rejected: Counter[str] = Counter()
+        self.protocol_fallbacks: Counter[str] = Counter()
         self.pending = True
         self.fills = 0
         self._next = 0
@@ -104,6 +105,9 @@ class FloodEndpoint:
             yield cancels(1, self._next)[0], ""
 
     def send(self, address: str, msg: m.ControlMessage, to: str = "") -> None: ...
+
+    def protocol_of(self, address: str) -> int:
+        return m.PROTOCOL_VERSION
 
     def wake(self) -> None: ...
 

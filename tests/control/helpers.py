@@ -10,6 +10,7 @@ import zmq
 
 from kvpush_prod.control import ControlCodec, ControlEndpoint, EndpointSecurity, KeyPair
 from kvpush_prod.core import messages as m
+from kvpush_prod.core import protocol
 from kvpush_prod.lab.launch import free_port
 
 PEER = m.PeerInfo("engine-d", 7, 0, "tcp://127.0.0.1:1")
@@ -19,7 +20,9 @@ Got = list[tuple[m.ControlMessage, str]]
 
 
 def cancel(tid: str = "t1") -> m.Cancel:
-    return m.Cancel(m.PROTOCOL_VERSION, tid, 3, PEER, "aborted")
+    """A CANCEL as an endpoint sends it to a peer not heard from yet: in the oldest protocol
+    version this build speaks (``core.protocol``)."""
+    return m.Cancel(protocol.OLDEST, tid, 3, PEER, "aborted")
 
 
 def keypair(name: str) -> KeyPair:

@@ -46,7 +46,7 @@ def test_other_protocol_version_is_rejected() -> None:
     with pytest.raises(ProtocolError) as info:
         ControlCodec(4096).open([m.encode(old)])
     assert info.value.reason == "version"
-    assert "same kvpush-prod version" in str(info.value)
+    assert "protocol 99" in str(info.value) and "upgrade this engine first" in str(info.value)
 
 
 def test_outbound_message_over_the_limit_is_refused() -> None:

@@ -109,6 +109,8 @@ def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
         calls.append(request.url.path)
         if request.url.path == "/admin/drain":
             return httpx.Response(200, json={"inflight": 1})
+        if request.url.path == "/admin/backends":
+            return httpx.Response(200, json={"prefill": [{"url": "http://p:8000", "inflight": 0}]})
         v = next(values)
         return httpx.Response(
             200,
@@ -121,6 +123,27 @@ def test_drain_waits_until_the_engine_holds_nothing_and_says_so():
     assert drain("http://p:8000", ["http://router:9000"], TOKEN, 60, said.append, 0.0, client)
     assert calls[0] == "/admin/drain" and calls.count("/metrics") == 3
     assert said[-1].endswith("idle")
+
+
+def test_drain_waits_for_the_routers_legs_to_the_engine_to_close():
+    """The engine's /metrics may say idle while a router still has a leg open to it (the
+    answer on its way back): a restart then would cut that answer short."""
+    legs = iter([1, 1, 0])
+    said: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/admin/drain":
+            return httpx.Response(200, json={"inflight": 1})
+        if request.url.path == "/admin/backends":
+            d = {"url": "http://d:8000/", "inflight": next(legs)}
+            return httpx.Response(200, json={"prefill": [], "decode": [d]})
+        return httpx.Response(200, text=IDLE)
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    assert drain("http://d:8000", ["http://r:9000"], TOKEN, 60, said.append, 0.0, client)
+    assert [s for s in said if "router_legs_open=1" in s] and said[-1].endswith("idle")
+    with pytest.raises(StopIteration):
+        next(legs)
 
 
 def test_drain_gives_up_at_the_deadline():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpush_prod.core import protocol
 from kvpush_prod.core.messages import PROTOCOL_VERSION
 
 
@@ -49,6 +50,7 @@ def layout_facts(vllm_config: Any, kv_cache_config: Any) -> dict[str, str]:
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", ""),
         "kvpush": kvpush_version(),
         "protocol": PROTOCOL_VERSION,
+        protocol.FACT: protocol.spoken(),  # the versions this build speaks (negotiation)
     }
     facts.update(attention_facts(model))
     return {k: str(v)[:200] for k, v in facts.items()}

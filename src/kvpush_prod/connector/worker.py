@@ -30,7 +30,7 @@ from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
-from kvpush_prod.core import blocksize, messages, tpmap
+from kvpush_prod.core import blocksize, messages, protocol, tpmap
 from kvpush_prod.core.actions import (
     Action,
     Note,
@@ -779,6 +779,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self.views: dict[str, list[messages.Region] | None] = {}  # D: part -> slab it fills
         self.splits = Splits(0, 1, 0)  # P: parts per D rank fed (set at registration)
         self._peer_label: dict[str, str] = {}  # agent name -> "engine/rank" (bounded label)
+        self._peer_control: dict[str, str] = {}  # agent name -> its control address
         # Work the engine thread handed over (``offer``), run in order under ``lock``.
         self._offered: queue.SimpleQueue[tuple[Callable[[], None], str]] = queue.SimpleQueue()
         self._halt = threading.Event()
@@ -805,6 +806,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._last_tick = 0.0
         self._last_forward = 0.0  # D: when the engine last began a step with a forward
         self._reported_rejects: dict[str, int] = {}
+        self._reported_fallbacks: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
         self._mappings_logged: set[tuple[int, int]] = set()  # (P's TP, D's TP)
 
@@ -1018,6 +1020,7 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def connect(self, info: messages.PeerInfo) -> RemotePeer | None:
         self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
+        self._peer_control[info.agent_name] = info.control
         if info.layout is None:
             return None
         mine = self.transport.layout
@@ -1039,6 +1042,7 @@ class TransferPump(threading.Thread, Generic[E]):
     def disconnect(self, agent: str) -> None:
         self.transport.disconnect(agent)
         self._peer_label.pop(agent, None)
+        self._peer_control.pop(agent, None)
 
     def write(self, action: PostWrite, peer: RemotePeer) -> ChunkError | None:
         regions = peer.local.regions if peer.local is not None else None
@@ -1181,7 +1185,10 @@ class TransferPump(threading.Thread, Generic[E]):
         """The DONE the last WRITE carries (``units``: ids are units, that many per block)."""
         if action.done is None:
             return b""
-        done = action.done
+        # In the protocol version settled with D (``core.protocol``): an older D reads it.
+        version = self.endpoint.protocol_of(self._peer_control.get(action.peer, ""))
+        done = msgspec.structs.replace(action.done, v=version)
+        self.stats.inc("kvpush_protocol_dones", (self.role, str(version)))
         if self._verify:
             blocks = list(action.all_src or action.src_blocks)
             done = msgspec.structs.replace(done, checksum=self._checksum(blocks, regions, units))
@@ -1330,6 +1337,11 @@ class TransferPump(threading.Thread, Generic[E]):
             if n > seen:
                 self.stats.inc("kvpush_control_messages_rejected", (self.role, reason), n - seen)
                 self._reported_rejects[reason] = n
+        for version, n in self.endpoint.protocol_fallbacks.items():
+            seen = self._reported_fallbacks.get(version, 0)
+            if n > seen:
+                self.stats.inc("kvpush_protocol_fallbacks", (self.role, version), n - seen)
+                self._reported_fallbacks[version] = n
         self.report_tables(now)
 
     def report_tables(self, now: float, force: bool = False) -> None:
@@ -1515,6 +1527,9 @@ class ReceiverPump(TransferPump[Receiver]):
             ]
         if done is None:
             return []
+        if not protocol.OLDEST <= done.v <= protocol.CURRENT:
+            return [Note(NoteKind.REJECTED, RejectReason.VERSION, f"DONE of protocol {done.v}")]
+        self.stats.inc("kvpush_protocol_dones", (self.role, str(done.v)))
         done = self.links.done(done)
         self.trace("done_in", done.transfer_id)
         verified = True

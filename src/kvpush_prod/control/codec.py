@@ -1,4 +1,5 @@
-"""Sealing and opening control messages: one msgpack frame, size limit, protocol version.
+"""Sealing and opening control messages: one msgpack frame, size limit, protocol version
+(the versions this build speaks, ``core.protocol``).
 
 Never pickle: a message is a typed msgspec Struct, so a malformed frame is a decode error.
 Who sent it is not the codec's business: CurveZMQ authenticates the connection. Only REGISTER
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvpush_prod.core import messages
+from kvpush_prod.core import messages, protocol
 from kvpush_prod.core.quotas import SMALL_MESSAGE_BYTES
 from kvpush_prod.core.vocabulary import RejectReason
 from kvpush_prod.errors import ProtocolError
@@ -90,10 +91,6 @@ class ControlCodec:
             msg = messages.decode_control(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(RejectReason.MALFORMED.value, str(exc)) from None
-        if msg.v != messages.PROTOCOL_VERSION:
-            raise ProtocolError(
-                RejectReason.VERSION.value,
-                f"protocol version {msg.v}, this engine speaks {messages.PROTOCOL_VERSION}: "
-                "run the same kvpush-prod version on prefill and decode",
-            )
+        if not protocol.accepts(msg):
+            raise ProtocolError(RejectReason.VERSION.value, protocol.refusal(msg))
         return msg

@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from zmq.utils.monitor import parse_monitor_message
@@ -35,7 +36,7 @@ from kvpush_prod.control.security import (
     EndpointSecurity,
     handshake_reason,
 )
-from kvpush_prod.core import messages
+from kvpush_prod.core import messages, protocol
 from kvpush_prod.errors import ConfigError, ProtocolError
 from kvpush_prod.loglimit import LogLimiter
 from kvpush_prod.vocabulary import RejectReason
@@ -247,6 +248,10 @@ class ControlEndpoint:
         self._filled = False  # a fill ran since the last receive
         self.evictions = 0  # peer sockets closed to stay within max_peers
         self.probes = 0  # probe frames answered (``kvpush doctor --peer``)
+        # The protocol version settled on with each peer (``core.protocol``), and how many
+        # peers were first settled below this build's, by version (kvpush_protocol_fallbacks).
+        self._versions = protocol.PeerVersions(4 * max_peers)
+        self.protocol_fallbacks: Counter[str] = Counter()
         self._log = LogLimiter(logger, LOG_EVERY_S)
         self._pending = False
         self._closed = False
@@ -495,10 +500,37 @@ class ControlEndpoint:
                     ),
                 )
                 return
+        self._heard(msg)
         if backlog is None:
             backlog = self._backlog[origin] = _Backlog()
         backlog.items.append((msg, size))
         backlog.nbytes += size
+
+    def _heard(self, msg: messages.ControlMessage) -> None:
+        """Settle the protocol version with ``msg``'s sender; a peer settled below this
+        build's version is counted and said once per process of it (a mixed-version fleet)."""
+        with self._books:
+            fallback = self._versions.heard(msg)
+            if fallback is not None:
+                self.protocol_fallbacks[str(fallback.version)] += 1
+        if fallback is not None:
+            logger.warning(
+                "kvpush: peer %s at %s speaks protocol %s (an older kvpush-prod); this engine "
+                "speaks %s and talks protocol %d to it, KV still pushed, until it is upgraded "
+                "(a mixed-version fleet, as during a rolling upgrade: %s; counted in "
+                "kvpush_protocol_fallbacks_total)",
+                fallback.engine_id,
+                fallback.address,
+                fallback.theirs,
+                protocol.spoken(),
+                fallback.version,
+                protocol.UPGRADES,
+            )
+
+    def protocol_of(self, address: str) -> int:
+        """The protocol version messages to the peer at ``address`` go in."""
+        with self._books:
+            return self._versions.version_for(address)
 
     def receive(
         self, limit: int = 256
@@ -625,6 +657,9 @@ class ControlEndpoint:
                 ),
             )
             return
+        version = self.protocol_of(address)
+        if msg.v != version:
+            msg = msgspec.structs.replace(msg, v=version)
         try:
             frames = self._codec.seal(msg)
         except ProtocolError as exc:

@@ -12,7 +12,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-PROTOCOL_VERSION = 2
+# The wire protocol's version, apart from the package's (docs/protocol.md, "Versions"): 3 adds
+# the negotiation (a REGISTER names the versions its sender speaks; each side talks to each
+# peer the highest both speak, ``core.protocol``). This build also speaks 2 (kvpush-prod
+# 0.1.0), whose frames are the same Structs.
+PROTOCOL_VERSION = 3
 
 # Field bounds (decoding enforces them; a message over one is malformed and dropped).
 MAX_ID_LEN = 256  # transfer ids, engine ids, agent names

@@ -93,6 +93,9 @@ class ClusterSpec:
     # Engines run in network namespaces the caller made: name -> (namespace, the engine's
     # address there). Their control settings (host, advertise_host) go in the extras.
     netns: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Engines that run another kvpush-prod release: name -> the directory it is installed in
+    # (``lab.release.install``; ``EngineSpec.release``). ``Cluster.upgrade`` moves one.
+    releases: dict[str, str] = field(default_factory=dict)
 
 
 def tp_args(tp: int, core: str) -> tuple[list[str], str]:
@@ -271,7 +274,18 @@ class Cluster:
         if wait:
             wait_healthy(self.urls[name], self.procs[name], timeout, self._ca)
 
+    def upgrade(self, name: str, release: str | None = None) -> None:
+        """Run ``name`` on ``release`` (None: this checkout's) from its next (re)start."""
+        if release is None:
+            self.spec.releases.pop(name, None)
+        else:
+            self.spec.releases[name] = release
+        if name in self.specs:
+            self.specs[name] = dataclasses.replace(self.specs[name], release=release)
+
     def _placed(self, spec: EngineSpec) -> EngineSpec:
+        if spec.name in self.spec.releases:
+            spec = dataclasses.replace(spec, release=self.spec.releases[spec.name])
         if spec.name not in self.spec.netns:
             return spec
         netns, address = self.spec.netns[spec.name]

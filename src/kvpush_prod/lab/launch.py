@@ -94,6 +94,11 @@ class EngineSpec:
     # the engine is reached at there (it then listens on every address of the namespace).
     netns: str | None = None
     address: str = "127.0.0.1"
+    # Another kvpush-prod release to run (``lab.release``): a directory holding it installed
+    # (``pip install --target``), put alone on the engine's PYTHONPATH so that its
+    # kvpush_prod is the one imported; vLLM and NIXL come from this interpreter. None: this
+    # checkout's, as the test process imports it.
+    release: str | None = None
 
     def command(self) -> list[str]:
         inside = ["ip", "netns", "exec", self.netns] if self.netns else []
@@ -228,6 +233,8 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     if spec.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
     env.update(spec.env)
+    if spec.release is not None:
+        env["PYTHONPATH"] = spec.release
     return env
 
 

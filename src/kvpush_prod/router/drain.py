@@ -3,7 +3,9 @@ holds nothing, so it can be restarted without losing a request.
 
 The router(s) stop giving the engine new requests (admin API); then the engine's own
 /metrics are watched until no request runs or waits and the connector holds no transfer and
-no block (a prefill engine keeps blocks until the decode engines took them). Ends with a
+no block (a prefill engine keeps blocks until the decode engines took them), and the routers
+until they have no leg open to it (a request not yet in the engine's queue, or an answer
+still on its way back). Ends with a
 one-line verdict; exit 0 once drained, 1 at the deadline, 2 on bad input, 3 when the
 engine's /metrics cannot be read (then nothing says it is idle).
 """
@@ -86,6 +88,27 @@ def _admin(
     return dict(r.json())
 
 
+def router_legs(client: httpx.Client, routers: list[str], token: str, engine: str) -> int:
+    """The legs ``routers`` still have open to ``engine`` (GET /admin/backends): a request
+    the engine's /metrics do not show yet (still on its way in) or no more (its answer still
+    on its way back to the router). A router that cannot be read counts none."""
+    total = 0
+    for router in routers:
+        try:
+            r = client.get(
+                router.rstrip("/") + "/admin/backends",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            listed = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            continue
+        for side in listed.values() if isinstance(listed, dict) else ():
+            for b in side if isinstance(side, list) else ():
+                if isinstance(b, dict) and str(b.get("url", "")).rstrip("/") == engine.rstrip("/"):
+                    total += int(b.get("inflight") or 0)
+    return total
+
+
 def drain(
     engine: str,
     routers: list[str],
@@ -124,6 +147,9 @@ def drain(
         failed = 0
         waited = time.monotonic() - start
         left = {k.split(":")[-1]: int(v) for k, v in now.items() if v}
+        legs = router_legs(client, routers, token, engine)
+        if legs:
+            left["router_legs_open"] = legs
         say(f"[drain] {waited:5.1f}s " + (", ".join(f"{k}={v}" for k, v in left.items()) or "idle"))
         if not left:
             return True
