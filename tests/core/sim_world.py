@@ -152,6 +152,7 @@ SENDER = SenderSettings(
     register_grace_s=REGISTER_GRACE_S,
     tombstone_s=60.0,
     max_peers=PEER_DIR,
+    await_connect=True,  # as the connector: transfers wait for the driver's on_peer
 )
 RECEIVER = ReceiverSettings(
     block_bytes=BLOCK_BYTES,
