@@ -59,6 +59,8 @@ EXPECTED = {
     "kvpush_layerwise_writes": ("counter", ("role", "when")),
     "kvpush_post_descriptors": ("histogram", ("role",)),
     "kvpush_post_build_seconds": ("histogram", ("role",)),
+    "kvpush_peer_connect_seconds": ("histogram", ("role",)),
+    "kvpush_peer_connect_failures": ("counter", ("role", "reason")),
 }
 VLLM_BASE = ["model_name", "engine"]
 

@@ -1,11 +1,13 @@
 """The NIXL transport: one agent per worker rank, KV regions registered once, block WRITEs/READs.
 
-Not thread-safe by itself: the transfer pump is its only caller after setup.
+Called by the transfer pump, and by P's connect threads for ``connect`` (connector/connects.py):
+every call into the NIXL agent holds one lock (``SerializedAgent``), see there why.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import types
 from collections import deque
@@ -96,6 +98,41 @@ def make_agent(
     return agent
 
 
+class SerializedAgent:
+    """A ``nixl_agent`` whose every call holds one lock: the pump's posts and polls and a
+    connect thread's ``add_remote_agent`` / ``prep_xfer_dlist`` never run inside NIXL at the
+    same time.
+
+    Why: the agent is made with NIXL's default thread sync for an agent without a listener
+    thread, ``NIXL_THREAD_SYNC_NONE``, under which ``nixlAgent`` takes no lock at all
+    (``src/core/sync.h``: every lock callback is a no-op), while ``loadRemoteMD`` (what
+    ``add_remote_agent`` calls) inserts into the maps of remote agents and sections that
+    ``createXferReq``/``postXferReq`` and ``prepXferDlist`` read, and the UCX backend then
+    runs its worker single-threaded (``ucx_utils.cpp`` ``makeMtType``: multi-threaded only
+    with ``NIXL_THREAD_SYNC_RW`` or a progress thread). NIXL's bindings release the GIL in
+    those calls, so without this lock they would truly overlap. The lock is held for one
+    NIXL call at a time: a connect blocks the pump for at most its longest single call,
+    not for the whole connect (the descriptor lists are built outside it).
+    """
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+        lock = self.lock
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return attr(*args, **kwargs)
+
+        self.__dict__[name] = call  # a method of the agent never changes: wrap it once
+        return call
+
+
 @dataclass(frozen=True)
 class PostStats:
     """What one ``post`` carried and cost on the calling thread (the worker reports it as
@@ -149,7 +186,7 @@ class NixlTransport:
     ) -> None:
         if max_descriptors < 1:
             raise ConfigError(f"max_descriptors must be >= 1, got {max_descriptors}")
-        self.agent = agent
+        self.agent = agent if isinstance(agent, SerializedAgent) else SerializedAgent(agent)
         self.layout = layout
         self.producer = producer  # which side of a tensor-parallel mapping this rank is
         self.max_descriptors = max_descriptors
