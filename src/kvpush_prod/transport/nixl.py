@@ -111,8 +111,9 @@ class SerializedAgent:
     runs its worker single-threaded (``ucx_utils.cpp`` ``makeMtType``: multi-threaded only
     with ``NIXL_THREAD_SYNC_RW`` or a progress thread). NIXL's bindings release the GIL in
     those calls, so without this lock they would truly overlap. The lock is held for one
-    NIXL call at a time: a connect blocks the pump for at most its longest single call,
-    not for the whole connect (the descriptor lists are built outside it).
+    NIXL call at a time: a connect blocks the pump for at most its longest single call (on
+    its NIXL calls only), not for the whole connect; the descriptor lists, the Python part
+    of a connect's cost, are built outside it (``prep_xfer_dlist``).
     """
 
     def __init__(self, agent: Any) -> None:
@@ -131,6 +132,17 @@ class SerializedAgent:
 
         self.__dict__[name] = call  # a method of the agent never changes: wrap it once
         return call
+
+    def prep_xfer_dlist(
+        self, agent_name: str, xfer_list: Any, mem_type: str | None = None, **kwargs: Any
+    ) -> Any:
+        """NIXL's, with a list of (addr, len, dev) turned into NIXL's descriptor list first,
+        outside the lock (a standalone object: no state of the agent is read but its table
+        of memory types)."""
+        if isinstance(xfer_list, list) and xfer_list and mem_type is not None:
+            xfer_list = self._agent.get_xfer_descs(xfer_list, mem_type)
+        with self.lock:
+            return self._agent.prep_xfer_dlist(agent_name, xfer_list, mem_type, **kwargs)
 
 
 @dataclass(frozen=True)
