@@ -785,15 +785,17 @@ class TransferPump(threading.Thread, Generic[E]):
         self._reported_rejects: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
         self._mappings_logged: set[tuple[int, int]] = set()  # (P's TP, D's TP)
-        self.connects: Connects[RemotePeer] | None = None
-        if self.connect_off_pump:
-            self.connects = Connects(
-                self._connect_now,
-                endpoint.wake,
-                self.now,
-                cfg.transport.connect_timeout_s,
-                self.connect_threads,
-            )
+        self.connects = self._connects(cfg, endpoint) if self.connect_off_pump else None
+
+    def _connects(self, cfg: KvpushConfig, endpoint: ControlEndpoint) -> Connects[RemotePeer]:
+        """The connect threads, which wake the pump when a connect ends."""
+        return Connects(
+            self._connect_now,
+            endpoint.wake,
+            self.now,
+            cfg.transport.connect_timeout_s,
+            self.connect_threads,
+        )
 
     def log_mapping(self, other_tp: int, layout: messages.Layout) -> None:
         """Say once per pair of sizes how heads map across tensor-parallel ranks."""
