@@ -14,7 +14,7 @@ from kvpush_prod.connector.worker import SenderPump
 from kvpush_prod.core import messages as m
 from kvpush_prod.transport.base import RemotePeer
 
-from .test_pump import Nic, Pair, Transport, counters
+from .test_pump import Pair, Transport, counters
 
 BOUND_S = 30.0  # only a broken build waits this long
 CFG = config_from_extra(
