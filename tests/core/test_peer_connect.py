@@ -12,6 +12,7 @@ from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend
 from kvpush_prod.core.identity import agent_name as ag
 from kvpush_prod.core.sender import Sender
+from tests.core.sim_world import Chaos, World
 from tests.core.test_push_engines import LAYOUT, SS, D, P, msgs, of, register
 
 D2 = m.PeerInfo("D2", 3, 0, "tcp://d2:1", ag("agent-d2", "tcp://d2:1"), b"meta", LAYOUT)
@@ -106,3 +107,24 @@ def test_an_answer_about_an_agent_p_no_longer_knows_changes_nothing() -> None:
     s = sender()
     assert s.on_peer("agent-nobody", "", 0.0) == []
     assert not s.connecting("agent-nobody")
+
+
+def test_connects_made_off_the_pump_that_land_late_or_fail_break_no_invariant() -> None:
+    """The stateful world, with P's connects to D made elsewhere: most land up to 4 s later,
+    some fail. Transfers wait for them (D's heartbeats renewing their permits) or fall back
+    to D's pull; each world checks every invariant (nothing written outside a permit, every
+    request ends once on each side, nothing held). 16 worlds of 2 P x 2 D."""
+    seen: dict[str, int] = {}
+    for seed in range(16):
+        w = World(2, 2, Chaos(skew=True, connect_slow=0.7, connect_fail=0.3), seed)
+        w.run_until(0.5)
+        for i in range(8):
+            p, d = w.nodes[f"P{i % 2}"], w.nodes[f"D{(i // 2) % 2}"]
+            w.new_request(p, d, 1 + (seed + i) % 3, 0)
+            w.run_until(w.now + 0.05)
+        w.run_until(w.now + 40.0)
+        w.quiesce()
+        for k, n in w.stats.items():
+            seen[k] = seen.get(k, 0) + n
+    assert seen.get("connect:slow", 0) > 0 and seen.get("connect:failed", 0) > 0
+    assert seen.get("send:Fallback", 0) > 0  # a failed connect gave its transfers to D's pull
