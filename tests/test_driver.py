@@ -24,7 +24,9 @@ from kvpush_prod.core.commands import Hold
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.core.vocabulary import NoteKind, Outcome
 from kvpush_prod.driver import (
+    DEFERRED,
     MAX_MESSAGE_AGE_S,
+    Deferred,
     Driver,
     Observer,
     Stage,
@@ -63,6 +65,10 @@ class Engine:
         self.fed.append(("chunk", chunk_id, ok, error, now))
         return self._answer()
 
+    def on_peer(self, agent: str, problem: str, now: float) -> list[Action]:
+        self.fed.append(("peer", agent, problem, now))
+        return self._answer()
+
     def poll(self, now: float) -> list[Action]:
         self.fed.append(("poll", now))
         return self._answer()
@@ -99,8 +105,10 @@ class Effects:
     def send(self, peer: str, to: str, message: m.ControlMessage) -> None:
         self._call("send", peer, to, message)
 
-    def connect(self, info: m.PeerInfo) -> str | None:
+    def connect(self, info: m.PeerInfo) -> str | None | Deferred:
         self._call("connect", info.agent_name)
+        if "connect-later" in self.fail:
+            return DEFERRED
         return None if "connect-none" in self.fail else f"peer:{info.agent_name}"
 
     def disconnect(self, agent: str) -> None:
@@ -179,6 +187,52 @@ def test_a_peer_is_connected_once_and_a_replaced_one_is_dropped_first() -> None:
     assert set(d.peers) == {"agent-d2"}
 
 
+def test_the_engine_hears_each_connect_it_asked_for_as_soon_as_it_is_made() -> None:
+    d, engine, _ = driver()
+    d.run([ConnectPeer(D), ConnectPeer(D)])
+    assert engine.fed == [("peer", "agent-d", "", 5.0)] * 2  # the second: already connected
+
+
+def test_a_deferred_connect_is_asked_once_and_answered_when_the_shell_has_it() -> None:
+    d, engine, fx = driver()
+    fx.fail.add("connect-later")
+    engine.answers = [WRITE]  # what the engine held for the peer
+    d.run([ConnectPeer(D), ConnectPeer(D)])
+    assert fx.calls == [("connect", "agent-d")] and engine.fed == []
+    assert d.connecting == {"agent-d"} and not d.peers
+    d.connected("agent-d", "peer:agent-d")
+    assert engine.fed == [("peer", "agent-d", "", 5.0)]
+    assert fx.calls[-1] == ("write", 7, "peer:agent-d")  # the engine's answer carried out
+    assert d.peers == {"agent-d": "peer:agent-d"} and not d.connecting
+
+
+def test_a_deferred_connect_that_failed_is_told_and_a_late_success_still_taken() -> None:
+    d, engine, fx = driver()
+    fx.fail.add("connect-later")
+    d.run([ConnectPeer(D)])
+    d.connected("agent-d", None, "timed out after 10 s")
+    assert engine.fed == [("peer", "agent-d", "timed out after 10 s", 5.0)] and not d.peers
+    d.connected("agent-d", "peer:agent-d")  # the connect thread finished after all
+    assert engine.fed[-1] == ("peer", "agent-d", "", 5.0)
+    assert d.peers == {"agent-d": "peer:agent-d"}
+
+
+def test_a_deferred_connect_to_a_peer_dropped_meanwhile_is_undone_when_it_lands() -> None:
+    d, engine, fx = driver()
+    fx.fail.add("connect-later")
+    d.run([ConnectPeer(D), DropPeer("agent-d")])
+    d.connected("agent-d", "peer:agent-d")
+    # Dropped at once (the shell undoes a connect still running), and again when it lands.
+    assert fx.calls == [
+        ("connect", "agent-d"),
+        ("disconnect", "agent-d"),
+        ("disconnect", "agent-d"),
+    ]
+    assert engine.fed == [] and not d.peers and not d.connecting
+    d.connected("agent-d", None, "late failure")  # nothing waits: nothing to say
+    assert engine.fed == []
+
+
 def test_a_post_to_an_unconnected_agent_fails_at_once_and_the_engine_hears_it() -> None:
     d, engine, fx = driver()
     engine.answers = [Note(NoteKind.RETRY, "NOT_FOUND")]
@@ -193,7 +247,9 @@ def test_a_peer_that_cannot_be_connected_fails_its_posts() -> None:
     d, engine, fx = driver()
     fx.fail.add("connect-none")
     d.run([ConnectPeer(D), READ])
-    assert names(fx) == ["connect", "post_failed"] and engine.fed[0][:3] == ("chunk", 8, False)
+    assert names(fx) == ["connect", "post_failed"]
+    assert engine.fed[0] == ("peer", "agent-d", "could not connect", 5.0)
+    assert engine.fed[1][:3] == ("chunk", 8, False)
 
 
 def test_a_post_the_shell_could_not_make_fails_the_chunk() -> None:
@@ -201,7 +257,7 @@ def test_a_post_the_shell_could_not_make_fails_the_chunk() -> None:
     fx.post_error = ChunkError(ErrorKind.BACKEND, "busy")
     d.run([ConnectPeer(D), WRITE])
     assert names(fx) == ["connect", "write", "post_failed"]
-    assert engine.fed == [("chunk", 7, False, fx.post_error, 5.0)]
+    assert engine.fed[1:] == [("chunk", 7, False, fx.post_error, 5.0)]
 
 
 def test_one_action_that_raises_is_contained_and_the_others_still_run() -> None:

@@ -64,6 +64,8 @@ EXPECTED = {
     "kvpush_post_build_seconds": ("histogram", ("role",)),
     "kvpush_table_entries": ("gauge", ("role", "table")),
     "kvpush_table_capacity": ("gauge", ("role", "table")),
+    "kvpush_peer_connect_seconds": ("histogram", ("role",)),
+    "kvpush_peer_connect_failures": ("counter", ("role", "reason")),
 }
 VLLM_BASE = ["model_name", "engine"]
 

@@ -22,6 +22,7 @@ ENTRY_POINTS = {
     Sender: (
         "on_message",
         "on_chunk",
+        "on_peer",
         "poll",
         "tick",
         "expect_blocks",
@@ -33,6 +34,7 @@ ENTRY_POINTS = {
     Receiver: (
         "on_message",
         "on_chunk",
+        "on_peer",
         "on_done",
         "poll",
         "tick",
@@ -99,6 +101,7 @@ def test_the_connectors_pumps_feed_the_core_only_through_the_driver() -> None:
         pair.step(6)
         assert pair.d_results.take_outcomes() == {"d-t": "pushed"}
     assert calls["Sender.blocks_ready"] and calls["Receiver.on_done"] and calls["Sender.tick"]
+    assert calls["Sender.on_peer"]  # the pump's connection to D, ready
 
 
 def test_the_simulator_feeds_the_core_only_through_the_driver() -> None:

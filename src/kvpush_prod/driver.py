@@ -49,6 +49,17 @@ class Stage(Word):
     TIMER = "timer"  # polls, ticks and the pump's own pass
 
 
+class Deferred:
+    """What ``Effects.connect`` returns when it makes the connection off the caller's thread:
+    the shell hands the result to ``Driver.connected`` once it is there."""
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = Deferred()
+
+
 class ActionHandler(Protocol[R_co]):
     """One method per action type; ``visit`` calls the one an action is for."""
 
@@ -128,8 +139,13 @@ class Effects(Protocol[P]):
         """Send ``message`` to the endpoint at address ``peer`` that proves identity ``to``."""
         ...
 
-    def connect(self, info: PeerInfo) -> P | None:
-        """Make ``info``'s NIXL agent reachable; None if it cannot be (posts to it fail)."""
+    def connect(self, info: PeerInfo) -> P | None | Deferred:
+        """Make ``info``'s NIXL agent reachable; None if it cannot be (posts to it fail).
+
+        ``DEFERRED``: the connection is being made elsewhere (a connect thread); the shell
+        calls ``Driver.connected`` with its result, once, and the engine holds what waits
+        for it meanwhile (it must not block the caller: connecting to a peer can take
+        seconds)."""
         ...
 
     def disconnect(self, agent: str) -> None:
@@ -184,6 +200,7 @@ class Engine(Protocol):
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
     ) -> list[Action]: ...
+    def on_peer(self, agent: str, problem: str, now: float) -> list[Action]: ...
     def poll(self, now: float) -> list[Action]: ...
     def tick(self, now: float) -> list[Action]: ...
 
@@ -207,6 +224,10 @@ class Driver(Generic[E, P]):
         self.effects = effects
         self.observer = observer
         self.peers: dict[str, P] = {}  # agent name -> the shell's handle of it
+        # Agents whose deferred connect has not ended yet, and those whose connect failed
+        # (a late success of one is still taken): both until the engine drops the agent.
+        self.connecting: set[str] = set()
+        self.unreachable: set[str] = set()
 
     # ------------------------------------------------------------------ events in
     def feed(self, stage: Stage, what: str, event: Callable[[E, float], list[Action]]) -> None:
@@ -245,6 +266,22 @@ class Driver(Generic[E, P]):
             lambda engine, now: engine.on_chunk(chunk_id, error is None, error or "", now),
         )
 
+    def connected(self, agent: str, peer: P | None, problem: str = "") -> None:
+        """A deferred connect to ``agent`` ended: ``peer`` the shell's handle, or None and
+        ``problem`` why not. A result nobody waits for any more (the engine dropped the
+        agent meanwhile) is disconnected at once."""
+        if agent not in self.connecting and agent not in self.unreachable:
+            if peer is not None:
+                self.effects.disconnect(agent)
+            return
+        self.connecting.discard(agent)
+        if peer is None:
+            self.unreachable.add(agent)
+        else:
+            self.unreachable.discard(agent)
+            self.peers[agent] = peer
+        self._tell(agent, "" if peer is not None else problem or "could not connect")
+
     def poll(self) -> None:
         self.feed(Stage.TIMER, "poll", lambda engine, now: engine.poll(now))
 
@@ -263,14 +300,22 @@ class Driver(Generic[E, P]):
                 self.effects.contained(Stage.ACTION, type(action).__name__)
 
     def connect_peer(self, action: ConnectPeer, /) -> None:
+        """Connect (or take the connection being made); the engine hears the outcome
+        through ``on_peer``, at once or, for a deferred connect, through ``connected``."""
         if action.replaces:
             self._drop(action.replaces)
-        info = action.info
-        if info.agent_name in self.peers or info.layout is None:
+        info, agent = action.info, action.info.agent_name
+        if agent in self.connecting:
+            return  # one connect per agent at a time: its result answers this one too
+        if agent in self.peers:
+            self._tell(agent, "")
             return
-        peer = self.effects.connect(info)
-        if peer is not None:
-            self.peers[info.agent_name] = peer
+        peer = self.effects.connect(info) if info.layout is not None else None
+        if isinstance(peer, Deferred):
+            self.connecting.add(agent)
+            return
+        self.connecting.add(agent)
+        self.connected(agent, peer, "" if info.layout is not None else "no KV layout announced")
 
     def drop_peer(self, action: DropPeer, /) -> None:
         self._drop(action.agent_name)
@@ -310,7 +355,17 @@ class Driver(Generic[E, P]):
     # ------------------------------------------------------------------ internals
     def _drop(self, agent: str) -> None:
         self.peers.pop(agent, None)
+        self.connecting.discard(agent)
+        self.unreachable.discard(agent)
         self.effects.disconnect(agent)
+
+    def _tell(self, agent: str, problem: str) -> None:
+        """The engine learns that its connection to ``agent`` is ready ("") or failed."""
+        self.feed(
+            Stage.COMPLETION,
+            f"connect {agent[:64]}",
+            lambda engine, now: engine.on_peer(agent, problem, now),
+        )
 
     def _posted(self, action: PostWrite | PostRead, error: ChunkError | None) -> None:
         """A chunk that could not be posted fails at once: the engine hears it as a failed

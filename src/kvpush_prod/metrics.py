@@ -197,6 +197,8 @@ LEASE_KINDS = ("permit", "send")
 CONTROL_REJECT_REASONS = tuple(r.value for r in RejectReason)
 PARAMS_REJECT_REASONS = tuple(r.value for r in ParamsRejectReason)
 PUMP_STAGES = ("message", "command", "action", "completion", "timer")
+# Why P's connection to a decode engine failed (connector/connects.py).
+CONNECT_FAILURES = ("timeout", "error")
 # vLLM's connector hooks that contain what raises in them (connector/connector.py).
 HOOKS = (
     # scheduler side
@@ -555,6 +557,24 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "The bound of a table of kvpush_table_entries, where it has one of its own (oldest "
         "entries forgotten, or new ones refused, past it).",
         values={"table": tuple(TABLES)},
+    ),
+    _s(
+        "kvpush_peer_connect_seconds",
+        "histogram",
+        _R,
+        "Time to make P's NIXL connection to a decode engine (load its agent, prepare its "
+        "descriptors), off the transfer pump; transfers to that engine wait for it. Once per "
+        "decode engine process (again when one restarts).",
+    ),
+    _s(
+        "kvpush_peer_connect_failures",
+        "counter",
+        ("role", "reason"),
+        "Connections to a decode engine that failed (error) or did not finish within "
+        "transport.connect_timeout_s (timeout): the transfers waiting for it fell back to "
+        "pull or failed; a connect that lands late is still used by later transfers.",
+        values={"reason": CONNECT_FAILURES},
+        healthy=False,
     ),
 )
 

@@ -57,6 +57,7 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
     "transport.active_poll_ms": ("connector/worker.py", "self.cfg.transport.active_poll_ms"),
     "transport.idle_poll_ms": ("connector/worker.py", "self.cfg.transport.idle_poll_ms"),
     "transport.num_threads": ("connector/worker.py", "t.num_threads"),
+    "transport.connect_timeout_s": ("connector/worker.py", "cfg.transport.connect_timeout_s"),
     "push.chunk_timeout_s": ("connector/worker.py", "cfg.push.chunk_timeout_s"),
     "push.layerwise": ("connector/worker.py", "self.cfg.push.layerwise"),
     "push.layerwise_min_tokens": ("connector/worker.py", "p.layerwise_min_tokens"),
@@ -77,6 +78,7 @@ SHELL_READERS: dict[str, tuple[str, str]] = {
         )
     },
     "faults.op": ("transport/faults.py", "s.op"),
+    "faults.connect_delay_ms": ("transport/faults.py", "s.connect_delay_ms"),
     "faults.peers": ("transport/faults.py", "s.peers"),
     "faults.enabled": ("connector/worker.py", "faults.enabled"),
     "faults.seed": ("transport/faults.py", "settings.seed"),

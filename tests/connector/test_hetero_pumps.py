@@ -10,7 +10,7 @@ import msgspec
 
 from kvpush_prod.config.core import core_settings
 from kvpush_prod.connector.metadata import PeerRef, PushMetadata, RecvSpec, SendSpec
-from kvpush_prod.connector.worker import ReceiverPump, SenderPump, WorkerSide
+from kvpush_prod.connector.worker import ReceiverPump, WorkerSide
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.links import Splits
@@ -19,7 +19,7 @@ from kvpush_prod.core.sender import Sender
 from kvpush_prod.core.vocabulary import Notice, Side
 from kvpush_prod.transport.base import RemotePeer
 
-from .test_pump import CFG, Endpoint, Nic, Transport, Wire, _Rng
+from .test_pump import CFG, Endpoint, Nic, SteppedSenderPump, Transport, Wire, _Rng
 
 TOTAL_HEADS = 2
 
@@ -85,7 +85,7 @@ class World:
                 ws.layout = lay
                 ep: Any = Endpoint(self.wire, control)
                 if role is Side.PRODUCER:
-                    ws._tx = SenderPump(
+                    ws._tx = SteppedSenderPump(
                         CFG, Sender(me, settings.sender, _Rng()), t, ep, ws.results, ws.stats
                     )
                     ws._tx.splits = Splits(rank, tp, TOTAL_HEADS)

@@ -122,6 +122,13 @@ class Transport:
     def close(self) -> None: ...
 
 
+class SteppedSenderPump(SenderPump):
+    """P's pump stepped by hand: a connect runs when asked, its result handed over by the
+    next pass (no connect threads: every step is deterministic)."""
+
+    connect_threads = 0
+
+
 def info(name: str, control: str) -> m.PeerInfo:
     return m.PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control), b"meta", LAYOUT)
 
@@ -139,7 +146,7 @@ class Pair:
         settings = core_settings(cfg, block_bytes)
         self.p_stats, self.d_stats = StatsBuffer(), StatsBuffer()
         self.p_results, self.d_results = _Results(), _Results()
-        self.p = SenderPump(
+        self.p = SteppedSenderPump(
             cfg,
             Sender(p_info, settings.sender, _Rng()),
             self.tx,

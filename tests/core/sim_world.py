@@ -64,7 +64,16 @@ from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferState, TransferTimeouts
 from kvpush_prod.core.vocabulary import NoteKind, Outcome
-from kvpush_prod.driver import Driver, Observer, Stage, message_age, split_notes, visit
+from kvpush_prod.driver import (
+    DEFERRED,
+    Deferred,
+    Driver,
+    Observer,
+    Stage,
+    message_age,
+    split_notes,
+    visit,
+)
 
 T = TypeVar("T")
 
@@ -114,6 +123,7 @@ TICK_S = 0.1  # the pump ticks its engine every few tens of ms
 # The world's physical bounds. Safety needs a chunk posted before the holder's stop point to
 # land before the grantor's reuse point: CHUNK_MAX_S + 2 * WALL_SKEW_S < stop + skew margin.
 CHUNK_MAX_S = 1.5  # a WRITE/READ completes (or is known failed) within this of its post
+CONNECT_MAX_S = 4.0  # a P's connect made off its pump (Chaos.connect_slow) ends within this
 WALL_SKEW_S = 0.2  # |wall clock offset| of one node: message ages are off by up to twice it
 PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
@@ -152,6 +162,7 @@ SENDER = SenderSettings(
     register_grace_s=REGISTER_GRACE_S,
     tombstone_s=60.0,
     max_peers=PEER_DIR,
+    await_connect=True,  # as the connector: transfers wait for the driver's on_peer
 )
 RECEIVER = ReceiverSettings(
     block_bytes=BLOCK_BYTES,
@@ -383,6 +394,10 @@ class Chaos:
     delay_max_s: float = 0.02  # control message delay in [0.2 ms, this]
     spike: float = 0.0  # a control message is held up to SPIKE_MAX_S (a stuck queue)
     chunk_fail: float = 0.0  # a chunk fails
+    # P's connect to a D is made off the pump and ends up to CONNECT_MAX_S later (the
+    # driver's deferred connect), or fails then
+    connect_slow: float = 0.0
+    connect_fail: float = 0.0
     fatal_share: float = 0.0  # of failures: INVALID_PARAM (the rest: retryable / disconnect)
     slow: float = 0.0  # a chunk takes up to CHUNK_MAX_S
     notif_loss: float = 0.0  # a DONE notification is lost
@@ -607,8 +622,8 @@ class NodeEffects:
     def send(self, peer: str, to: str, message: m.ControlMessage) -> None:
         self.world.send(self.node, peer, to, message)
 
-    def connect(self, info: m.PeerInfo) -> str:
-        return info.agent_name
+    def connect(self, info: m.PeerInfo) -> str | Deferred:
+        return self.world.connect(self.node, info.agent_name)
 
     def disconnect(self, agent: str) -> None:
         return None
@@ -805,6 +820,27 @@ class World:
 
     def _push(self, at: float, kind: str, key: Any) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), kind, key))
+
+    def connect(self, node: Node, agent: str) -> str | Deferred:
+        """P's connect to ``agent``: at once, or (Chaos.connect_slow / connect_fail) made
+        elsewhere and handed to the driver later, connected or failed."""
+        c = self.chaos
+        r = self.r("connect", node.name, node.inc, agent, self.now)
+        fail = r.random() < c.connect_fail
+        if node.role != "P" or not (fail or r.random() < c.connect_slow):
+            return agent
+        self.count("connect:failed" if fail else "connect:slow")
+        at = self.now + r.uniform(0.001, CONNECT_MAX_S)
+        self._push(at, "connect", (node.name, node.inc, agent, fail))
+        return DEFERRED
+
+    def _connected(self, key: tuple[str, int, str, bool]) -> None:
+        node = self._node((key[0], key[1]))
+        if node is None:
+            return  # that process is gone, and its connect with it
+        agent, failed = key[2], key[3]
+        self.log(f"{node.name} {'could not connect' if failed else 'connected'} to {agent}")
+        node.driver.connected(agent, None if failed else agent, "injected connect failure")
 
     def by_address(self, address: str) -> Node | None:
         for node in self.nodes.values():
@@ -2816,6 +2852,8 @@ class World:
                 self._poll(key)
             elif kind == "resume":
                 self._resume(key)
+            elif kind == "connect":
+                self._connected(key)
             elif kind == "restart":
                 node = self.nodes[key[0]]
                 if not node.alive and node.inc == key[1]:

@@ -30,16 +30,12 @@ def sizes(request: pytest.FixtureRequest, e2e_workdir: Callable[[str], Path]) ->
     p_block, d_block = request.param
     # The cluster's block size is D's (and the reference engine's: the same attention
     # kernel as D's decode); P's own --block-size comes after it and wins.
-    # Longer leases, as the TP cases below: the first transfer of a fresh pair waits for
-    # P's first NIXL connection to D (seconds on a loaded 2-core box, see test_mla.py), and
-    # in one CI run the 5 s permit of cpu-loopback ran out before P could push.
     spec = ClusterSpec(
         workdir=e2e_workdir(f"e2e-blocks-{p_block}-{d_block}"),
         block_size=d_block,
         prefill_args=["--block-size", str(p_block)],
         prefill_kv_gib=1,
         decode_kv_gib=1,
-        extra={"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}},
     )
     with Cluster(spec) as c:
         yield c

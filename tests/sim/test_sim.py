@@ -114,7 +114,7 @@ def test_no_kvpush_setting_is_the_simulators_own():
     # configuration's): no stop margin, permit or send lease of the simulator's choosing.
     m = SMALL.with_(profile="default")
     (tx,), (rx,), _ = settings_of(m)
-    assert tx == SenderSettings(block_bytes=block_bytes(m))
+    assert tx == SenderSettings(block_bytes=block_bytes(m), await_connect=True)
     assert rx == ReceiverSettings(block_bytes=block_bytes(m))
 
 

@@ -62,6 +62,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
         register_grace_s=leases.register_grace_s,
         max_peers=cfg.control.max_peers,
         done_query_s=retry.done_query_timeout_ms / 1000.0,
+        await_connect=True,  # the connector's pump connects off its thread (ConnectPeer)
     )
     receiver = ReceiverSettings(
         block_bytes=block_bytes,

@@ -207,6 +207,16 @@ class TransportSettings(_Section):
     num_threads: int = Field(
         0, ge=0, le=64, description="NIXL backend worker threads (0: the backend's default)."
     )
+    connect_timeout_s: float = Field(
+        10.0,
+        ge=0.1,
+        le=600.0,
+        description="Longest wait for P's NIXL connection to a decode engine (loading its "
+        "agent and preparing its descriptors, done off the transfer pump; the transfers to "
+        "it wait meanwhile, their permits renewed by D's heartbeats). Past it the waiting "
+        "transfers fall back to pull (or fail, fallback.pull off); a connection that lands "
+        "later is still used by the transfers after them.",
+    )
 
 
 class PushSettings(_Section):

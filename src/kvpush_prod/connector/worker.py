@@ -25,6 +25,7 @@ import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
 from kvpush_prod.config.core import CoreSettings, core_settings
+from kvpush_prod.connector.connects import CONNECT_THREADS, ConnectResult, Connects
 from kvpush_prod.connector.layerwise import LayerStep, layer_parts, layerwise_now
 from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
@@ -66,7 +67,7 @@ from kvpush_prod.core.vocabulary import (
     RejectReason,
     Side,
 )
-from kvpush_prod.driver import Driver, Engine, Stage
+from kvpush_prod.driver import DEFERRED, Deferred, Driver, Engine, Stage
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.loglimit import LogLimiter
 from kvpush_prod.metrics import TABLES_EVERY_S, StatsBuffer, TableSizes, set_tables
@@ -748,6 +749,10 @@ class TransferPump(threading.Thread, Generic[E]):
     """
 
     side: Side
+    # Connect to peers on connect threads (``Connects``), not on the pump: P, whose every
+    # transfer to a D waits for its connection anyway. D connects (to pull) on the pump.
+    connect_off_pump = False
+    connect_threads = CONNECT_THREADS  # 0: run each in ``Connects.start`` (tests step by hand)
 
     def __init__(
         self,
@@ -795,8 +800,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._tables_at = -TABLES_EVERY_S  # when the tables were last measured
         self._labels = (self.role,)
         self._verify = cfg.verify.checksums
-        self._block_bytes = sum(r.block_len for r in transport.layout.regions)
-        self.block_bytes = self._block_bytes
+        self.block_bytes = self._block_bytes = sum(r.block_len for r in transport.layout.regions)
         # P, layer-wise push: set by the engine thread while a layer-wise forward runs (a
         # WRITE of a layer posted meanwhile is counted ``during_forward``); the slowest
         # link's measured bandwidth, published for push.layerwise auto (0: none measured)
@@ -809,6 +813,17 @@ class TransferPump(threading.Thread, Generic[E]):
         self._reported_fallbacks: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
         self._mappings_logged: set[tuple[int, int]] = set()  # (P's TP, D's TP)
+        self.connects = self._connects(cfg, endpoint) if self.connect_off_pump else None
+
+    def _connects(self, cfg: KvpushConfig, endpoint: ControlEndpoint) -> Connects[RemotePeer]:
+        """The connect threads, which wake the pump when a connect ends."""
+        return Connects(
+            self._connect_now,
+            endpoint.wake,
+            self.now,
+            cfg.transport.connect_timeout_s,
+            self.connect_threads,
+        )
 
     def log_mapping(self, other_tp: int, layout: messages.Layout) -> None:
         """Say once per pair of sizes how heads map across tensor-parallel ranks."""
@@ -896,6 +911,8 @@ class TransferPump(threading.Thread, Generic[E]):
         self._halt.set()
         self.endpoint.wake()
         self.join(timeout=5)
+        if self.connects is not None:
+            self.connects.close()
         self.endpoint.close()
         self.transport.close()
 
@@ -979,6 +996,7 @@ class TransferPump(threading.Thread, Generic[E]):
             finally:
                 inbox.close()  # what was not taken stays with the endpoint for the next pass
         self._run_offered()
+        self._connections()
         if self._handles:
             self._check_chunks()
         self._progress()
@@ -1018,7 +1036,7 @@ class TransferPump(threading.Thread, Generic[E]):
         if self.trace.on:
             self.trace("msg_out", getattr(message, "transfer_id", ""), kind=type(message).__name__)
 
-    def connect(self, info: messages.PeerInfo) -> RemotePeer | None:
+    def connect(self, info: messages.PeerInfo) -> RemotePeer | None | Deferred:
         self._peer_label[info.agent_name] = f"{info.engine_id}/r{info.rank}"
         self._peer_control[info.agent_name] = info.control
         if info.layout is None:
@@ -1026,20 +1044,68 @@ class TransferPump(threading.Thread, Generic[E]):
         mine = self.transport.layout
         if info.layout.tp_size != mine.tp_size:
             self.log_mapping(info.layout.tp_size, mine)
+        if self.connects is not None:
+            self.connects.start(info)  # ``_connections`` hands the driver its result
+            return DEFERRED
+        began = self.now()
         try:
-            return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
+            peer = self._connect_now(info)
         except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
-            self._log.log(
-                logging.ERROR,
-                "connect",
-                "kvpush: cannot connect to %s (%s): %s",
-                info.agent_name,
-                info.engine_id,
-                exc,
-            )
+            self._connected(ConnectResult(info.agent_name, None, str(exc), self.now() - began))
             return None
+        self._connected(ConnectResult(info.agent_name, peer, "", self.now() - began))
+        return peer
+
+    def _connect_now(self, info: messages.PeerInfo) -> RemotePeer:
+        """Connect to ``info``'s agent (on a connect thread, or on the pump for D)."""
+        assert info.layout is not None
+        return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
+
+    def _connections(self) -> None:
+        """Connects that ended on the connect threads, or ran past their bound: counted,
+        logged, and handed to the driver (the transfers waiting for them go on or give up)."""
+        if self.connects is None or not len(self.connects):
+            return
+        for result in self.connects.results():
+            self._connected(result)
+            if result.late and result.peer is None:
+                continue  # already reported as timed out: nothing new for the engine
+            self.driver.connected(result.agent, result.peer, result.problem)
+
+    def _connected(self, result: ConnectResult[RemotePeer]) -> None:
+        """Count and log how a connect ended (or that it is past its bound)."""
+        who = self._peer_label.get(result.agent, "?")
+        if not result.timed_out:
+            self.stats.observe("kvpush_peer_connect_seconds", self._labels, result.seconds)
+        if result.peer is not None:
+            level = logging.WARNING if result.late else logging.INFO
+            logger.log(
+                level,
+                "kvpush: connected to %s (%s) in %.2f s%s",
+                result.agent[:64],
+                who,
+                result.seconds,
+                " (after its timeout: later transfers use it)" if result.late else "",
+            )
+            return
+        if result.late:
+            return  # counted when it timed out
+        reason = "timeout" if result.timed_out else "error"
+        self.stats.inc("kvpush_peer_connect_failures", (self.role, reason))
+        self._log.log(
+            logging.ERROR,
+            "connect",
+            "kvpush: cannot connect to %s (%s): %s; the transfers waiting for it fall back",
+            result.agent[:64],
+            who,
+            result.problem,
+        )
 
     def disconnect(self, agent: str) -> None:
+        if self.connects is not None and self.connects.pending(agent):
+            # Its connect thread is still at it: the driver undoes the connection it makes
+            # when it lands (the transport must not drop a peer while adding it).
+            return
         self.transport.disconnect(agent)
         self._peer_label.pop(agent, None)
         self._peer_control.pop(agent, None)
@@ -1387,6 +1453,7 @@ class SenderPump(TransferPump[Sender]):
     """P's pump: its completions are its WRITEs'; D's READs of its blocks need progress."""
 
     side = Side.PRODUCER
+    connect_off_pump = True
 
     def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
         if isinstance(message, messages.Fallback) and self._verify:

@@ -663,6 +663,13 @@ class Receiver:
         rx.pull_per_block = blocksize.per_block(mine, u) if u else 0
         return ""
 
+    def on_peer(self, agent: str, problem: str, now: float) -> list[Action]:
+        """The shell's connection to P's agent ``agent`` ended (ready, or ``problem``).
+
+        Nothing waits on it here: D's shells connect before the READs of a fallback are
+        posted (a READ to an agent that could not be connected fails as a chunk)."""
+        return []
+
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
     ) -> list[Action]:

@@ -21,12 +21,18 @@ from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome, Side
 # The events each engine takes from the network and the clock (its engine-thread events are
 # the commands of core.commands).
 ENGINE_EVENTS: tuple[tuple[type, str], ...] = (
-    (Sender, "on_message"), (Sender, "on_chunk"), (Sender, "poll"), (Sender, "tick"),
+    (Sender, "on_message"), (Sender, "on_chunk"), (Sender, "on_peer"), (Sender, "poll"),
+    (Sender, "tick"),
     (Receiver, "on_message"), (Receiver, "on_done"), (Receiver, "on_chunk"),
-    (Receiver, "poll"), (Receiver, "tick"),
+    (Receiver, "on_peer"), (Receiver, "poll"), (Receiver, "tick"),
 )  # fmt: skip
 _SIDE_OF: dict[type, str] = {Sender: "P", Receiver: "D"}
-_SOURCE = {"on_message": "control channel", "on_chunk": "NIC", "on_done": "NIC"}
+_SOURCE = {
+    "on_message": "control channel",
+    "on_chunk": "NIC",
+    "on_done": "NIC",
+    "on_peer": "connect",
+}
 
 
 def _summary(obj: Any) -> str:

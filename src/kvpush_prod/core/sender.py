@@ -105,6 +105,10 @@ class SenderSettings:
     # A failed last chunk: how long P waits for D's answer to "did its DONE arrive?" before
     # falling back to pull (the question is re-sent a few times meanwhile).
     done_query_s: float = 1.0
+    # The shell connects to a D (ConnectPeer) off its own thread and says when the connection
+    # is ready (``on_peer``): transfers to a D wait for that. False: a ConnectPeer is taken
+    # as done at once (a shell, or a test, that feeds no ``on_peer``).
+    await_connect: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -276,6 +280,11 @@ class Sender:
         # D rank -> replaced incarnations (their late messages are dropped)
         self._retired: OrderedDict[tuple[str, int], RetiredIncarnations] = OrderedDict()
         self._agents: dict[str, tuple[str, int]] = {}  # agent name -> the D rank it belongs to
+        # Agents whose connection (ConnectPeer) the shell has not confirmed yet: transfers to
+        # them are held, not posted, until ``on_peer`` says the connection is ready; and the
+        # agents whose connection failed (why), pushes to which fall back or fail.
+        self._connecting: set[str] = set()
+        self._unreachable: dict[str, str] = {}
         self._next_heartbeat = 0.0
         self._capped = (0, 0)  # the scheduler's capped counters last reported
 
@@ -851,6 +860,31 @@ class Sender:
         self._fire(o, E.FAIL, now)
         return self._close(o, Outcome.FAILED)
 
+    def on_peer(self, agent: str, problem: str, now: float) -> list[Action]:
+        """The shell's connection to D's agent ``agent`` (a ``ConnectPeer``) is ready
+        (``problem`` "") or could not be made (``problem`` says why): the transfers held for
+        it start, or fall back (D pulls) or fail as a failed push would."""
+        if agent not in self._agents:
+            return []  # a peer forgotten (replaced, pruned) while it was being connected
+        self._connecting.discard(agent)
+        if problem:
+            self._unreachable[agent] = problem[:MAX_TEXT_LEN]
+        else:
+            self._unreachable.pop(agent, None)
+        out: list[Action] = []
+        for o in list(self._out.values()):
+            if o.peer == agent and not o.outcome and self._awaits_permit(o):
+                out += self._maybe_start(o, now)
+        return out
+
+    def connecting(self, agent: str) -> bool:
+        """P's connection to ``agent`` is being made (transfers to it are held)."""
+        return agent in self._connecting
+
+    def _forget_agent(self, agent: str) -> None:
+        self._connecting.discard(agent)
+        self._unreachable.pop(agent, None)
+
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
     ) -> list[Action]:
@@ -1316,7 +1350,11 @@ class Sender:
         self._agents[info.agent_name] = key
         self._peers.move_to_end(key)
         out: list[Action] = [ConnectPeer(info, replaces=known.agent_name if known else "")]
+        self._unreachable.pop(info.agent_name, None)
+        if self.s.await_connect:
+            self._connecting.add(info.agent_name)
         if known is not None:
+            self._forget_agent(known.agent_name)
             self._retired.setdefault(key, RetiredIncarnations()).add(known.incarnation)
             self._retired.move_to_end(key)
             out.append(
@@ -1385,6 +1423,7 @@ class Sender:
                 continue
             del self._peers[key]
             self._agents.pop(info.agent_name, None)
+            self._forget_agent(info.agent_name)
             out.append(DropPeer(info.agent_name))
         # Replaced incarnations of a rank still met are kept: forgetting them would let a
         # late message of a dead process pass for a restart.
@@ -1433,6 +1472,14 @@ class Sender:
             # engine was paused, or a pass ran out of budget before reading them). A
             # heartbeat that renews it starts the push; tick ends it once the permit is over.
             return []
+        if o.peer in self._connecting:
+            # P's connection to D is still being made (off the pump): held like a permit
+            # not usable yet; D's heartbeats renew the permit meanwhile, ``on_peer`` starts it.
+            return []
+        if o.peer in self._unreachable:
+            return self._give_up(
+                o, ErrorClass.FALLBACK, f"connect_failed: {self._unreachable[o.peer]}", now
+            )
         if (
             o.partial
             and self.s.fallback

@@ -55,6 +55,13 @@ class FaultSettings(BaseModel):
     drop_done_rate: float = Field(
         0.0, ge=0, le=1, description="Probability an inbound DONE notification is dropped."
     )
+    connect_delay_ms: float = Field(
+        0.0,
+        ge=0,
+        le=600_000,
+        description="Extra time each connect to a matching peer takes (a slow first "
+        "connection on a loaded host).",
+    )
     active_file: str | None = Field(
         None, description="Faults apply only while this file exists (lets a script clear them)."
     )
@@ -120,6 +127,14 @@ class FaultyTransport:
         return getattr(self.inner, "last_post", None) if self._posted_real else None
 
     def connect(self, agent_meta: bytes, layout: Layout, expect_name: str = "") -> RemotePeer:
+        s = self.s
+        matches = not s.peers or any(p in expect_name for p in s.peers)
+        if (
+            s.connect_delay_ms
+            and matches
+            and (s.active_file is None or Path(s.active_file).exists())
+        ):
+            time.sleep(s.connect_delay_ms / 1000.0)  # P: on a connect thread, not the pump
         return self.inner.connect(agent_meta, layout, expect_name)
 
     def disconnect(self, agent_name: str) -> None:

@@ -1,0 +1,130 @@
+"""P's connection to a decode engine is made off the pump (``await_connect``): transfers to a
+D whose connection is not ready are held (their permits renewed by D's heartbeats as usual),
+start when ``on_peer`` says it is ready, and fall back or fail when it could not be made;
+transfers to other D's go on meanwhile."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from kvpush_prod.core import messages as m
+from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend
+from kvpush_prod.core.identity import agent_name as ag
+from kvpush_prod.core.sender import Sender
+from tests.core.sim_world import Chaos, World
+from tests.core.test_push_engines import LAYOUT, SS, D, P, msgs, of, register
+
+D2 = m.PeerInfo("D2", 3, 0, "tcp://d2:1", ag("agent-d2", "tcp://d2:1"), b"meta", LAYOUT)
+
+
+def sender(fallback: bool = True) -> Sender:
+    return Sender(P, replace(SS, await_connect=True, fallback=fallback), random.Random(0))
+
+
+def heartbeat(tid: str = "t", info: m.PeerInfo = D) -> m.Heartbeat:
+    return m.Heartbeat(1, info, P.incarnation, [(tid, 1)], 5000)
+
+
+def test_a_transfer_to_a_decode_still_being_connected_is_held_then_posted_when_ready() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    out = s.on_message(register(), 0.0)
+    assert of(out, ConnectPeer) and of(out, PostWrite) == []
+    assert s.connecting(D.agent_name)
+    posted = of(s.on_peer(D.agent_name, "", 0.5), PostWrite)
+    assert [w.src_blocks for w in posted] == [(1, 2)] and not s.connecting(D.agent_name)
+
+
+def test_the_permit_of_a_held_transfer_is_renewed_by_heartbeats_and_still_bounds_it() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    s.on_message(register(ttl_ms=5000), 0.0)  # the permit ends at 5
+    for now in (2.0, 4.0, 6.0, 8.0):  # the connection takes 9 s; D renews each 2 s
+        assert of(s.on_message(heartbeat(), now), PostWrite) == []
+        assert msgs(s.tick(now + 0.5), m.Failed) == []
+    assert of(s.on_peer(D.agent_name, "", 9.0), PostWrite) != []
+    # Without renewals the held transfer ends with its permit, as one not started would.
+    s = sender()
+    s.blocks_ready("u", [1], 0.0)
+    s.hold("u")
+    s.on_message(register("u", blocks=[10], ttl_ms=5000), 0.0)
+    out = s.tick(5.1)
+    assert [f.reason for f in msgs(out, m.Failed)] == ["permit_expired"]
+    assert of(out, ReleaseSend) == [ReleaseSend("u", "expired", 0)]
+    assert of(s.on_peer(D.agent_name, "", 6.0), PostWrite) == []  # nothing left to post
+
+
+def test_a_connect_that_failed_falls_the_waiting_transfers_back_to_pull() -> None:
+    s = sender()
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    s.on_message(register(), 0.0)
+    out = s.on_peer(D.agent_name, "timed out after 10 s", 1.0)
+    (fb,) = msgs(out, m.Fallback)
+    assert "connect_failed: timed out after 10 s" in fb.reason
+    assert of(out, PostWrite) == []
+    # A transfer registered after the failure falls back at once too (no post to try).
+    s.blocks_ready("u", [4], 1.0)
+    s.hold("u")
+    out = s.on_message(register("u", blocks=[20], gen=1), 1.0)
+    assert len(msgs(out, m.Fallback)) == 1 and of(out, PostWrite) == []
+
+
+def test_a_connect_that_failed_fails_the_transfer_when_fallback_is_off() -> None:
+    s = sender(fallback=False)
+    s.blocks_ready("t", [1, 2, 3], 0.0)
+    s.hold("t")
+    s.on_message(register(), 0.0)
+    out = s.on_peer(D.agent_name, "cannot load the agent's metadata", 1.0)
+    assert [f.reason for f in msgs(out, m.Failed)]
+    assert msgs(out, m.Fallback) == [] and of(out, PostWrite) == []
+
+
+def test_a_late_connect_after_a_failure_lets_later_transfers_push() -> None:
+    s = sender()
+    s.on_message(register(), 0.0)
+    s.on_peer(D.agent_name, "timed out after 10 s", 1.0)
+    s.on_peer(D.agent_name, "", 2.0)  # the connect thread finished after all
+    s.blocks_ready("u", [4], 2.0)
+    assert of(s.on_message(register("u", blocks=[20]), 2.0), PostWrite) != []
+
+
+def test_another_decode_is_pushed_to_while_one_is_being_connected() -> None:
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.blocks_ready("u", [2], 0.0)
+    s.on_message(register("t", blocks=[10]), 0.0)  # D: connecting
+    out = s.on_message(register("u", blocks=[20], sender_info=D2), 0.0)
+    assert of(out, PostWrite) == []  # D2 is being connected too
+    (w,) = of(s.on_peer(D2.agent_name, "", 0.1), PostWrite)
+    assert w.transfer_id == "u" and w.peer == D2.agent_name
+    assert s.connecting(D.agent_name)
+
+
+def test_an_answer_about_an_agent_p_no_longer_knows_changes_nothing() -> None:
+    s = sender()
+    assert s.on_peer("agent-nobody", "", 0.0) == []
+    assert not s.connecting("agent-nobody")
+
+
+def test_connects_made_off_the_pump_that_land_late_or_fail_break_no_invariant() -> None:
+    """The stateful world, with P's connects to D made elsewhere: most land up to 4 s later,
+    some fail. Transfers wait for them (D's heartbeats renewing their permits) or fall back
+    to D's pull; each world checks every invariant (nothing written outside a permit, every
+    request ends once on each side, nothing held). 16 worlds of 2 P x 2 D."""
+    seen: dict[str, int] = {}
+    for seed in range(16):
+        w = World(2, 2, Chaos(skew=True, connect_slow=0.7, connect_fail=0.3), seed)
+        w.run_until(0.5)
+        for i in range(8):
+            p, d = w.nodes[f"P{i % 2}"], w.nodes[f"D{(i // 2) % 2}"]
+            w.new_request(p, d, 1 + (seed + i) % 3, 0)
+            w.run_until(w.now + 0.05)
+        w.run_until(w.now + 40.0)
+        w.quiesce()
+        for k, n in w.stats.items():
+            seen[k] = seen.get(k, 0) + n
+    assert seen.get("connect:slow", 0) > 0 and seen.get("connect:failed", 0) > 0
+    assert seen.get("send:Fallback", 0) > 0  # a failed connect gave its transfers to D's pull
