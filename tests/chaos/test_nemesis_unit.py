@@ -1,0 +1,192 @@
+"""The nemesis's pure parts: the seeded schedule (bounds, quiet windows, replay from a report)
+and the invariant checker on synthetic events. No engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush_prod.chaos.invariants import Invariants, engines_named, in_flight_during
+from kvpush_prod.chaos.load import Record
+from kvpush_prod.chaos.schedule import (
+    KINDS,
+    Schedule,
+    ScheduleConfig,
+    ScheduleError,
+    generate,
+)
+from kvpush_prod.chaos.workload import Mix, make_request
+
+P = ("prefill", "prefill-1")
+D = ("decode", "decode-1")
+URLS = {
+    "http://127.0.0.1:8001": "prefill",
+    "http://127.0.0.1:8002": "prefill-1",
+    "http://127.0.0.1:8003": "decode",
+    "http://127.0.0.1:8004": "decode-1",
+}
+
+
+def cfg(**over: object) -> ScheduleConfig:
+    base: dict[str, object] = {"duration_s": 1800.0, "prefills": P, "decodes": D, "kinds": KINDS}
+    return ScheduleConfig(**{**base, **over})  # type: ignore[arg-type]
+
+
+def test_the_same_seed_draws_the_same_schedule_and_another_seed_another() -> None:
+    assert generate(7, cfg()).to_dict() == generate(7, cfg()).to_dict()
+    assert generate(7, cfg()).faults != generate(8, cfg()).faults
+
+
+def test_a_schedule_replays_exactly_from_its_json_report() -> None:
+    sched = generate(3, cfg())
+    report = json.loads(json.dumps({"nemesis": {"schedule": sched.to_dict()}}))
+    again = Schedule.from_dict(report["nemesis"]["schedule"])
+    assert again == sched
+    assert again.timeline() == sched.timeline()
+
+
+def test_faults_overlap_but_never_take_a_whole_role_out_nor_run_in_quiet_windows() -> None:
+    c = cfg(max_overlap=3)
+    sched = generate(11, c)
+    kinds = {f.kind for f in sched.faults}
+    assert kinds == set(KINDS)
+    ends = {f.id: f.planned_end(c.restart_slot_s) for f in sched.faults}
+    overlapping = 0
+    for f in sched.faults:
+        live = [g for g in sched.faults if g.at <= f.at < ends[g.id]]
+        assert len(live) <= c.max_overlap
+        overlapping += len(live) > 1
+        for g in live:
+            if g is not f and f.out_of_service and g.out_of_service:
+                assert c.role(f.engine) != c.role(g.engine), (f, g)
+        for q in sched.quiet:
+            assert ends[f.id] <= q.at or f.at >= q.at + q.duration, (f, q)
+        assert ends[f.id] <= c.duration_s - c.tail_s
+    assert overlapping > 0
+    assert len(sched.quiet) == int((c.duration_s - c.tail_s - c.quiet_s) // c.quiet_every_s)
+
+
+def test_write_failures_are_drawn_on_a_prefill_engine_and_floods_come_from_another() -> None:
+    sched = generate(5, cfg())
+    for f in sched.faults:
+        if f.kind == "write_fail":
+            assert f.engine in P
+        if f.kind == "flood":
+            assert f.peer is not None and f.peer != f.engine
+
+
+def test_bad_settings_are_refused_naming_the_value() -> None:
+    with pytest.raises(ScheduleError, match="'teleport'"):
+        generate(1, cfg(kinds=("kill", "teleport")))
+    with pytest.raises(ScheduleError, match="duration 30"):
+        generate(1, cfg(duration_s=30.0))
+    with pytest.raises(ScheduleError, match="not a nemesis schedule"):
+        Schedule.from_dict({"seed": 1})
+
+
+def rec(idx: int, t0: float, t1: float, **kw: object) -> Record:
+    r = Record(idx, "nemesis", False, False, 100, 16, t0)
+    r.ended = t1
+    r.status = 200
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def checker() -> Invariants:
+    return Invariants(dict(URLS), grace_s=5.0, role_bound_s=30.0)
+
+
+def test_a_wrong_answer_is_a_violation_and_a_right_one_is_not() -> None:
+    inv = checker()
+    assert inv.request(rec(1, 0, 1, text="w5 w6"), "w5 w6") == "correct"
+    assert inv.request(rec(2, 0, 1, text="w5 w7"), "w5 w6") == "wrong"
+    assert [v.invariant for v in inv.violations] == ["every answer equals the single engine's"]
+    assert "#2" in inv.violations[0].detail
+
+
+def test_a_failure_without_any_fault_is_a_violation() -> None:
+    inv = checker()
+    failed = rec(3, 10, 12, status=502, error_kind="http", error="decode backend x: boom")
+    assert inv.request(failed, None) == "failed_unexplained"
+    assert len(inv.violations) == 1
+
+
+def test_a_failure_during_a_fault_of_an_engine_it_touched_passes() -> None:
+    inv = checker()
+    inv.fault_started(1, "kill", {"decode-1"}, 9.0)
+    err = '{"error": {"message": "decode backend http://127.0.0.1:8004: disconnect"}}'
+    failed = rec(4, 8, 11, status=502, error_kind="http", error=err)
+    assert inv.request(failed, None) == "failed_explained"
+    inv.fault_ended(1, 20.0)
+    late = rec(5, 23, 24, status=502, error_kind="http", error=err)  # within the grace
+    assert inv.request(late, None) == "failed_explained"
+    assert inv.violations == []
+    assert inv.explained_by == {1: [4, 5]}
+
+
+def test_a_failure_naming_an_engine_no_fault_touched_is_a_violation() -> None:
+    inv = checker()
+    inv.fault_started(1, "stop", {"prefill"}, 9.0)
+    err = "decode backend http://127.0.0.1:8003 failed mid-stream"
+    assert inv.request(rec(6, 8, 11, error_kind="sse", error=err), None) == "failed_unexplained"
+    inv.fault_ended(1, 12.0)
+    # A failure long after the fault's end (past the grace) is not explained by it either.
+    err_p = "prefill backend http://127.0.0.1:8001: connect"
+    assert inv.request(rec(7, 30, 31, error_kind="http", error=err_p), None) == (
+        "failed_unexplained"
+    )
+    assert len(inv.violations) == 2
+
+
+def test_cancelled_requests_are_not_failures_and_hung_ones_are_violations() -> None:
+    inv = checker()
+    assert inv.request(rec(8, 0, 1, error_kind="cancelled"), None) == "cancelled"
+    assert inv.request(rec(9, 0, 120, error_kind="timeout", error="no answer"), None) == "hung"
+    assert [v.invariant for v in inv.violations] == ["no request outlives its bound"]
+
+
+def test_transfer_accounting_mismatch_fails_and_a_balanced_one_passes() -> None:
+    inv = checker()
+    inv.accounting("prefill", 5.0, started=10, ended=7, active=3, slack=0)
+    inv.accounting("decode", 5.0, started=10, ended=7, active=1, slack=4)  # busy: within
+    assert inv.violations == []
+    inv.accounting("decode", 9.0, started=10, ended=8, active=0, slack=0)  # quiet: exact
+    assert len(inv.violations) == 1
+    assert "off by +2" in inv.violations[0].detail
+
+
+def test_anything_held_after_a_quiet_window_is_a_violation() -> None:
+    inv = checker()
+    inv.held("decode", 1.0, {"kvpush_connector_blocks": 0.0, "kvpush_leases_active": 0.0})
+    inv.held("prefill", 1.0, {"kvpush_connector_blocks": 3.0, "kvpush_leases_active": None})
+    assert [v.detail for v in inv.violations] == ["prefill: kvpush_connector_blocks=3"]
+
+
+def test_a_role_out_of_service_past_the_bound_is_reported_once() -> None:
+    inv = checker()
+    for t in range(0, 50):
+        inv.roles_in_service(float(t), {"prefill": 1, "decode": 0 if 5 <= t < 45 else 2})
+    assert len(inv.violations) == 1
+    assert inv.longest_role_out["decode"] == pytest.approx(39.0)
+
+
+def test_engines_named_and_requests_in_flight_during_a_fault() -> None:
+    assert engines_named("x http://127.0.0.1:8003 y http://h:1", URLS) == {"decode"}
+    inv = checker()
+    inv.fault_started(1, "drain", {"decode"}, 10.0)
+    inv.fault_ended(1, 20.0)
+    records = [rec(1, 0, 9), rec(2, 5, 11), rec(3, 19, 25), rec(4, 21, 22)]
+    assert in_flight_during(inv.spans[1], records) == [2, 3]
+
+
+def test_shared_prefixes_keep_the_length_and_are_shared_only_when_asked() -> None:
+    plain = Mix()
+    shared = Mix(prefix_fraction=1.0, prefixes=1, prefix_len=64)
+    a, b = make_request(1, 0, shared), make_request(2, 0, shared)
+    assert a.prompt.split()[:64] == b.prompt.split()[:64]
+    assert len(a.prompt.split()) == a.prompt_len
+    # Without prefixes a request is what it always was (other scenarios' loads unchanged).
+    assert make_request(1, 0, plain).prompt_len == a.prompt_len
+    assert make_request(1, 0, plain).prompt.split()[64:] == a.prompt.split()[64:]
