@@ -3,8 +3,12 @@ and the invariant checker on synthetic events. No engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from kvpush_prod.chaos.invariants import Invariants, engines_named, in_flight_during
@@ -190,3 +194,122 @@ def test_shared_prefixes_keep_the_length_and_are_shared_only_when_asked() -> Non
     # Without prefixes a request is what it always was (other scenarios' loads unchanged).
     assert make_request(1, 0, plain).prompt_len == a.prompt_len
     assert make_request(1, 0, plain).prompt.split()[64:] == a.prompt.split()[64:]
+
+
+# -- the driver, on a fake cluster: a router answered in memory, faults that only set a flag
+
+
+class _FakeObserver:
+    """Readings of a balanced, idle cluster: started = ended + active on every engine."""
+
+    def __init__(self, engines: list[str]) -> None:
+        role = (("role", "producer"),)
+        s = {
+            ("kvpush_transfers_started_total", role): 5.0,
+            ("kvpush_transfers_total", (*role, ("outcome", "pushed"))): 5.0,
+            ("kvpush_transfers_active", role): 0.0,
+            ("kvpush_connector_blocks", role): 0.0,
+            ("kvpush_leases_active", role): 0.0,
+        }
+        self.last: dict[str, Any] = dict.fromkeys(engines, s)
+
+    async def poll(self) -> dict[str, Any]:
+        return dict(self.last)
+
+
+def _fake_ctx(tmp_path: Path, broken: set[str]) -> Any:
+    from types import SimpleNamespace
+
+    from kvpush_prod.chaos.harness import Context, Options, admin_token_file
+    from kvpush_prod.chaos.verdict import Report
+
+    engines = ["prefill", "prefill-1", "decode", "decode-1"]
+    cluster = SimpleNamespace(
+        prefill_names=engines[:2],
+        decode_names=engines[2:],
+        engine_names=engines,
+        urls={
+            **{v: k for k, v in URLS.items()},
+            "router": "http://router.test",
+            "reference": "http://reference.test",
+        },
+        spec=SimpleNamespace(workdir=tmp_path, netns={}),
+        procs={},
+    )
+    admin_token_file(tmp_path).write_text("t\n")
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.05)
+        if "decode-1" in broken:
+            return httpx.Response(
+                502, json={"error": {"message": "decode backend http://127.0.0.1:8004: disconnect"}}
+            )
+        # Completions read "text", chat "message" or "delta": the same answer in each.
+        choice = {"text": "w5 w6", "message": {"content": "w5 w6"}, "delta": {"content": "w5 w6"}}
+        if json.loads(request.content).get("stream"):
+            body = f"data: {json.dumps({'choices': [choice]})}\n\ndata: [DONE]\n\n"
+            return httpx.Response(200, text=body)
+        return httpx.Response(200, json={"choices": [choice]})
+
+    class Ctx(Context):
+        def load(self, limit: int, **kw: Any) -> Any:
+            gen = super().load(limit, **kw)
+            gen._transport = httpx.MockTransport(answer)
+            return gen
+
+    opts = Options(concurrency=4, timeout=5.0, progress_every=10**6)
+    obs = _FakeObserver(engines)
+    return Ctx("nemesis", cluster, opts, None, Report("nemesis", {}), obs, lambda m: None)
+
+
+def test_the_driver_applies_each_fault_judges_requests_while_running_and_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpush_prod.chaos import nemesis
+    from kvpush_prod.chaos.faults import Faults
+    from kvpush_prod.chaos.schedule import Fault, Quiet
+
+    broken: set[str] = set()
+    applied: list[int] = []
+
+    async def fake_apply(self: Faults, f: Fault, begun: asyncio.Event) -> dict[str, Any]:
+        applied.append(f.id)
+        if f.kind == "kill":
+            broken.add(f.engine)
+        begun.set()
+        await asyncio.sleep(f.hold_s)
+        broken.discard(f.engine)
+        return {"fake": True}
+
+    async def reference(*_: Any) -> str:
+        return "w5 w6"
+
+    async def no_poke(*_: Any) -> None:
+        return None
+
+    monkeypatch.setattr(Faults, "apply", fake_apply)
+    monkeypatch.setattr(nemesis, "reference_answer", reference)
+    monkeypatch.setattr(nemesis, "_poke", no_poke)
+    c = ScheduleConfig(duration_s=3.0, prefills=P, decodes=D, warmup_s=0.1, tail_s=0.1)
+    faults = [
+        Fault(1, 0.3, "kill", "decode-1", 0.6),
+        Fault(2, 0.4, "stop", "decode", 0.3),  # same role: waits for the kill to end
+        Fault(3, 0.5, "flood", "prefill", 0.2, peer="decode"),
+        Fault(4, 2.0, "drain", "prefill-1", 0.3),
+    ]
+    sched = Schedule(1, c, faults, [Quiet(1.5, 0.3)])
+    ctx = _fake_ctx(tmp_path, broken)
+    settings = nemesis.Settings(check_every_s=0.1, accounting_every_s=0.2, settle_s=1.0)
+    asyncio.run(nemesis.Nemesis(ctx, sched, settings).run())
+    data = ctx.report.data["nemesis"]
+    assert applied == [1, 2, 3, 4]
+    by_id = {f["id"]: f for f in data["faults"]}
+    assert by_id[2]["start"] >= by_id[1]["end"]  # one engine of a role out at a time
+    assert data["invariants"]["violations"] == []
+    counts = data["invariants"]["counts"]
+    assert counts["failed_explained"] > 0 and counts["correct"] > 0
+    assert by_id[1]["failed_requests"] and set(by_id[1]["failed_requests"]) <= set(
+        by_id[1]["requests_in_flight"]
+    )
+    assert [q["settled"] for q in data["quiet_windows"]] == [True, True]
+    assert ctx.report.passed, [c.as_dict() for c in ctx.report.checks if not c.ok]

@@ -214,12 +214,12 @@ class Nemesis:
         async with httpx.AsyncClient(trust_env=False) as client:
             while True:
                 await asyncio.sleep(self.s.check_every_s)
-                with contextlib.suppress(Exception):
-                    await self._judge_new()
+                await self._judge_new()
+                with contextlib.suppress(httpx.HTTPError, ValueError):
                     await self._roles(client, token)
-                    if self.now() - last_accounting >= self.s.accounting_every_s:
-                        last_accounting = self.now()
-                        self._accounting(exact=False)
+                if self.now() - last_accounting >= self.s.accounting_every_s:
+                    last_accounting = self.now()
+                    self._accounting(exact=False)
 
     async def _judge_new(self) -> None:
         assert self.gen is not None
