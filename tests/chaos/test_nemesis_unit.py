@@ -313,3 +313,32 @@ def test_the_driver_applies_each_fault_judges_requests_while_running_and_passes(
     )
     assert [q["settled"] for q in data["quiet_windows"]] == [True, True]
     assert ctx.report.passed, [c.as_dict() for c in ctx.report.checks if not c.ok]
+
+
+def test_the_flood_sends_authenticated_registers_that_decode(tmp_path: Path) -> None:
+    """The flood's messages pass CurveZMQ with an engine's key and decode as REGISTERs."""
+    import zmq
+
+    from kvpush_prod.chaos.flood import flood
+    from kvpush_prod.control.keys import generate, load_keypair
+    from kvpush_prod.core import messages as m
+
+    generate("decode", tmp_path)
+    _, secret = generate("prefill", tmp_path)
+    server = load_keypair(tmp_path / "decode.key_secret")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.curve_server = True
+    sock.curve_secretkey, sock.curve_publickey = server.secret, server.public
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sent = flood(f"tcp://127.0.0.1:{port}", server.public, str(secret), 0.5, 200)
+        got = []
+        while sock.poll(2000):
+            got.append(m.decode_control(sock.recv_multipart()[-1]))
+            if len(got) == sent:
+                break
+    finally:
+        ctx.destroy(linger=0)
+    assert sent > 0 and len(got) == sent
+    assert all(isinstance(x, m.Register) and x.transfer_id.startswith("ghost-") for x in got)
