@@ -125,7 +125,8 @@ class Nemesis:
         helpers = [
             asyncio.create_task(self._checker()),
             asyncio.create_task(self._progress()),
-            *(asyncio.create_task(self._reference_worker()) for _ in range(2)),
+            # As many as the final check uses: the reference engine batches them.
+            *(asyncio.create_task(self._reference_worker()) for _ in range(4)),
         ]
         try:
             await self._drive()

@@ -33,6 +33,20 @@ DURATIONS: dict[str, tuple[float, float]] = {
 }
 
 
+# How often each kind is drawn, relative to the others: the faults that take an engine out
+# are the ones that matter most, a flood costs the box a core.
+WEIGHTS: dict[str, float] = {
+    "kill": 3.0,
+    "restart": 1.0,
+    "stop": 2.0,
+    "drain": 2.0,
+    "partition": 2.0,
+    "write_fail": 2.0,
+    "flood": 1.0,
+    "throttle": 1.0,
+}
+
+
 class ScheduleError(ValueError):
     """A schedule or its settings cannot be used."""
 
@@ -178,7 +192,7 @@ def _fits(cfg: ScheduleConfig, plan: list[Fault], quiet: list[Quiet], f: Fault) 
 
 
 def _draw(rng: random.Random, cfg: ScheduleConfig, fid: int, at: float) -> Fault:
-    kind = rng.choice(cfg.kinds)
+    kind = rng.choices(cfg.kinds, [WEIGHTS[k] for k in cfg.kinds])[0]
     engines = [*cfg.prefills, *cfg.decodes]
     # WRITE failures are injected in P's transport: drawn on a P.
     engine = rng.choice(cfg.prefills if kind == "write_fail" else engines)
