@@ -27,6 +27,7 @@ from kvpush_prod.metrics_docs import all_series, router_series
 # The contract with the connector: these names, kinds and labels, exactly.
 EXPECTED = {
     "kvpush_transfers": ("counter", ("role", "outcome")),
+    "kvpush_transfers_started": ("counter", ("role",)),
     "kvpush_transfer_bytes": ("counter", ("role",)),
     "kvpush_transfer_seconds": ("histogram", ("role",)),
     "kvpush_queue_wait_seconds": ("histogram", ("role",)),
@@ -59,6 +60,8 @@ EXPECTED = {
     "kvpush_layerwise_writes": ("counter", ("role", "when")),
     "kvpush_post_descriptors": ("histogram", ("role",)),
     "kvpush_post_build_seconds": ("histogram", ("role",)),
+    "kvpush_table_entries": ("gauge", ("role", "table")),
+    "kvpush_table_capacity": ("gauge", ("role", "table")),
 }
 VLLM_BASE = ["model_name", "engine"]
 

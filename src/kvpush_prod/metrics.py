@@ -72,6 +72,7 @@ LABELS: dict[str, str] = {
     "kind": "which lease: `permit` (D lets P write) or `send` (P holds blocks for D)",
     "result": "how a chunk ended",
     "decision": "what D's admission control decided for a transfer",
+    "table": "one of an engine's tables (the list under Tables below)",
     "when": "a layer-wise WRITE's post: `during_forward` (P's forward still ran) or "
     "`after_forward`",
 }
@@ -83,6 +84,7 @@ ROUTER_LABELS: dict[str, str] = {
     "outcome": "how a client request ended",
     "reason": "the failure that made the router retry on another pair, or the limit that "
     "refused a client's request",
+    "table": "one of the router's tables (the list under Tables below)",
 }
 ROLES = ("producer", "consumer")
 OUTCOMES = (
@@ -96,6 +98,94 @@ OUTCOMES = (
     "cancelled",
     "prefix_hit",
 )
+# The identity an operator (and the chaos nemesis) checks per engine and role: every
+# transfer started ends once, in exactly one of OUTCOMES (docs/metrics.md, "Accounting").
+OUTCOME_GROUPS: dict[str, tuple[str, ...]] = {
+    "pushed": ("pushed", "retried"),
+    "pulled": ("pull_fallback",),
+    "recomputed": ("recompute", "prefix_hit"),
+    "failed": ("failed", "expired", "aborted", "cancelled"),
+}
+# Every table an engine keeps whose entries are keyed by a request, transfer, peer or key:
+# its name (the ``table`` label of kvpush_table_entries / kvpush_table_capacity), what one
+# entry is. P: role producer; D: role consumer; some tables exist on one side only.
+TABLES: dict[str, str] = {
+    # scheduler side (vLLM's EngineCore), both
+    "trust.nonces": "a signed request's nonce, until its signature expires (replay memory)",
+    "trust.nonce_expiry": "the same nonces in expiry order",
+    "trust.resolved": "a host name resolved for the control.allowed_peers check",
+    # scheduler side, P
+    "scheduler.requests": "P: a request to push, until it finishes",
+    "scheduler.owners": "P: a request's decode engine key, until it finishes",
+    "scheduler.sent": "P: a request whose push was handed to the workers, until it finishes",
+    "scheduler.held": "P: a finished request whose blocks are held for its push",
+    "scheduler.live": "P: a transfer id pushed by a live request",
+    "scheduler.transfer_ids": "P: a request's transfer id, until its push ends",
+    "scheduler.refused": "P: a request whose params were refused, until it finishes",
+    # scheduler side, D
+    "admission.inbound": "D: a request's inbound transfer, from its first ask to its end",
+    "admission.over": "D: a request whose transfer is over, until the request finishes",
+    "admission.transfer_ids": "D: a transfer id received by a live request",
+    "credits.held": "D: a transfer holding receive credit",
+    "credits.waiting": "D: a transfer waiting for credit",
+    "credits.peers": "D: a prefill engine with credit counters",
+    "scheduler.received": "D: what arrived for a request, until its reply is made",
+    "scheduler.outcomes": "D: a worker's outcome of a request, until the scheduler reads it",
+    # worker side (one per rank; with tensor parallelism the last rank reported)
+    "pump.requests": "a transfer handed to this rank, until it ends",
+    "pump.began": "a transfer's start time, until it ends",
+    "pump.chunks": "a chunk posted to NIXL, until it completes",
+    "pump.peer_labels": "a connected peer agent's metric label",
+    "pump.recv_blocks": "D: a receive's blocks, until it ends",
+    "pump.views": "D: the part of each block a receive fills",
+    "pump.joins": "D: a part of a receive fed by several P ranks",
+    "links.wire": "D: a sub-transfer's id on the wire",
+    "links.by_rank": "D: a sub-transfer by (wire id, P rank)",
+    "links.by_generation": "D: a sub-transfer by (wire id, generation)",
+    "splits.parts": "P: a part of a transfer that feeds several D ranks",
+    "splits.known": "P: what the engine said of a transfer, for parts made later",
+    "splits.ended": "P: a transfer released (its late REGISTERs make no new parts)",
+    "driver.peers": "a connected peer agent",
+    "nixl.peers": "a remote NIXL agent loaded",
+    "nixl.slices": "a layer-wise slice of a remote agent's descriptors",
+    "linkguard.links": "P: a link watched by the slow-link guard",
+    "control.peers": "an open socket pair to a peer's control address",
+    "control.spares": "a socket pair made ahead for a new peer",
+    "control.monitors": "a socket monitor (disconnect watch)",
+    "control.backlog_keys": "a key with messages read and not yet handled",
+    "control.address_keys": "a peer key with control addresses",
+    "control.address_buckets": "a peer key's new-address rate bucket",
+    "control.stale": "a replaced socket waiting to be closed",
+    "sender.transfers": "P: an outbound transfer",
+    "sender.unknown": "P: a transfer a REGISTER named before P's engine did",
+    "sender.chunks": "P: a chunk in flight",
+    "sender.tombstones": "P: a cancelled or aborted transfer, until its time to live",
+    "sender.refused": "P: a transfer whose REGISTER was refused before its owner was known",
+    "sender.peers": "P: a D rank met (the peer directory)",
+    "sender.retired": "P: a D rank's replaced incarnations",
+    "sender.agents": "P: a D rank's NIXL agent name",
+    "sender.breakers": "P: a circuit breaker, per D agent",
+    "sender.retry_budgets": "P: a retry budget, per D agent",
+    "push.links": "P: a link (D agent) of the WRITE scheduler",
+    "push.transfers": "P: a transfer queued in the WRITE scheduler",
+    "push.inflight": "P: a WRITE in flight",
+    "push.delayed": "P: a WRITE waiting to be retried",
+    "push.cutoffs": "P: a transfer deadline in the scheduler's heap (lazy)",
+    "receiver.transfers": "D: an inbound transfer",
+    "receiver.waiting": "D: a transfer waiting for credit",
+    "receiver.peers": "D: a P rank heard from",
+    "receiver.heard": "D: when an origin was last heard",
+    "receiver.chunks": "D: a READ in flight (pull fallback)",
+    "receiver.done_log": "D: a receive that ended with its DONE (late DONEs are dropped)",
+    "receiver.retry_budgets": "D: a retry budget, per P agent",
+    "receiver.permits": "D: a write permit granted to P",
+    "receiver.permits_expiry": "D: a permit's expiry in the lease heap (lazy)",
+    "pull.links": "D: a link (P agent) of the READ scheduler",
+    "pull.transfers": "D: a transfer queued in the READ scheduler",
+    "pull.inflight": "D: a READ in flight",
+    "pull.delayed": "D: a READ waiting to be retried",
+    "pull.cutoffs": "D: a transfer deadline in the READ scheduler's heap (lazy)",
+}
 CHUNK_RESULTS = ("ok", "error", "post_failed")
 DECISIONS = ("admit", "later", "refuse")
 LEASE_KINDS = ("permit", "send")
@@ -182,6 +272,16 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "expired (a lease or deadline ran out), aborted (the request ended first), cancelled "
         "(D cancelled after registering), prefix_hit (D's prefix cache held the whole prompt).",
         values={"outcome": OUTCOMES},
+    ),
+    _s(
+        "kvpush_transfers_started",
+        "counter",
+        _R,
+        "Transfers begun (P: a request with valid do_remote_decode params; D: a request with "
+        "valid do_remote_prefill params, before its admission). Each ends once in "
+        "kvpush_transfers_total; one handed to the engine's workers ends once per "
+        "tensor-parallel rank and is counted started once per rank. Once quiet, started = "
+        "sum of kvpush_transfers_total over outcomes + kvpush_transfers_active.",
     ),
     _s(
         "kvpush_transfer_bytes",
@@ -419,6 +519,22 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "completes).",
         _POST_BUCKETS,
     ),
+    _s(
+        "kvpush_table_entries",
+        "gauge",
+        ("role", "table"),
+        "Entries of each table the engine keeps per request, transfer, peer or key (the "
+        "Tables section). Flat across quiet windows; one that grows with time is a leak.",
+        values={"table": tuple(TABLES)},
+    ),
+    _s(
+        "kvpush_table_capacity",
+        "gauge",
+        ("role", "table"),
+        "The bound of a table of kvpush_table_entries, where it has one of its own (oldest "
+        "entries forgotten, or new ones refused, past it).",
+        values={"table": tuple(TABLES)},
+    ),
 )
 
 SERIES_BY_NAME = {s.name: s for s in CONNECTOR_SERIES}
@@ -436,6 +552,19 @@ def sample_names(series: Series) -> tuple[str, ...]:
     if series.kind == "histogram":
         return tuple(series.name + s for s in ("_bucket", "_sum", "_count"))
     return (series.name,)
+
+
+TableSizes = dict[str, tuple[int, int | None]]
+# Tables are measured at most this often (len() of each, under no lock the engine waits for).
+TABLES_EVERY_S = 1.0
+
+
+def set_tables(stats: StatsBuffer, role: str, tables: TableSizes) -> None:
+    """Set kvpush_table_entries (and kvpush_table_capacity where bounded) for each table."""
+    for name, (entries, capacity) in tables.items():
+        stats.set("kvpush_table_entries", (role, name), float(entries))
+        if capacity is not None:
+            stats.set("kvpush_table_capacity", (role, name), float(capacity))
 
 
 class StatsBuffer:

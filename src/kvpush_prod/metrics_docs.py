@@ -13,14 +13,16 @@ from prometheus_client import CollectorRegistry
 from kvpush_prod.metrics import (
     CONNECTOR_SERIES,
     LABELS,
+    OUTCOME_GROUPS,
     ROUTER_LABELS,
     SCRAPE_LABELS,
     SECONDS_BUCKETS,
+    TABLES,
     VLLM_LABELS,
     Series,
     exported_name,
 )
-from kvpush_prod.router.metrics import Outcome, RouterMetrics
+from kvpush_prod.router.metrics import ROUTER_TABLES, Outcome, RouterMetrics
 from kvpush_prod.router.types import Role
 
 
@@ -38,6 +40,8 @@ def router_series() -> tuple[Series, ...]:
             values["outcome"] = tuple(o.value for o in Outcome)
         if "role" in labels:
             values["role"] = tuple(r.value for r in Role)
+        if "table" in labels:
+            values["table"] = tuple(ROUTER_TABLES)
         buckets = tuple(b for b in getattr(metric, "_upper_bounds", ()) if b != float("inf"))
         # Retries happen only when a backend failed; every other series has samples as
         # soon as the router has served a request (or probed its backends).
@@ -124,10 +128,51 @@ means zero). Alert rules in
 """
 
 
+ACCOUNTING = f"""\
+## Accounting: every transfer ends once
+
+Per engine and role, once the engine is quiet (nothing in flight):
+
+```
+kvpush_transfers_started_total == sum over outcome of kvpush_transfers_total
+                                  + kvpush_transfers_active
+```
+
+While transfers run, the two sides differ by at most the transfers in flight (times the
+tensor-parallel size: see below). What counts:
+
+- **Started.** P: a request whose kv_transfer_params ask for a push (`do_remote_decode`)
+  and pass every check, when it arrives. D: a request whose params ask for a pull
+  (`do_remote_prefill`) and pass every check, at its first admission ask, before any
+  credit. A request whose params are refused (`kvpush_kv_params_rejected_total`: bad
+  signature, replayed, a transfer id another live request holds, ...) never starts; a
+  direct request (no params, or a probe) has no transfer.
+- **Ended.** Each started transfer ends once in one `outcome` of `kvpush_transfers_total`.
+  On D, a prefix hit (`prefix_hit`) or a transfer past the credit budget (`recompute`)
+  ends at admission, a request aborted before its blocks were allocated ends `aborted`;
+  a receive ends when the workers report it (with vLLM's `kv_load_failure_policy:
+  recompute` a failed receive is counted `recompute`, else `failed`). On P, a request that
+  ends before its prompt is computed ends `aborted`; a push ends when its send lease does.
+- **Ranks.** A transfer handed to the engine's workers is ended by each tensor-parallel
+  rank (each counts its outcome), so it is counted started once per rank.
+- **Groups** (the chaos nemesis checks `started = pushed + pulled + recomputed + failed`):
+{chr(10).join(f"  {g}: " + ", ".join(f"`{o}`" for o in outs) + ";" for g, outs in OUTCOME_GROUPS.items())}
+"""
+
+TABLES_INTRO = """\
+`kvpush_table_entries{role,table}` is the number of entries of each table an engine keeps
+per request, transfer, peer or key; `kvpush_table_capacity` its bound where it has one of
+its own. Scheduler-side tables are measured at each engine step, worker-side ones (per
+rank; with tensor parallelism the rank that reported last) at least once a second and at
+each step with nothing in flight. On a long run each should be flat across quiet windows;
+one that grows with time (not with load) is a leak.
+"""
+
+
 def _series_row(s: Series) -> str:
     labels = ", ".join(f"`{label}`" for label in s.labels) or "-"
     meaning = s.doc
-    closed = [(label, vals) for label, vals in s.values if label != "role"]
+    closed = [(label, vals) for label, vals in s.values if label not in ("role", "table")]
     if closed:
         meaning += (
             " "
@@ -176,6 +221,11 @@ def render_metrics_doc() -> str:
             "|---|---|---|---|---|",
         ]
         out += [_series_row(s) for s in series if s.source == source]
+    out += ["", ACCOUNTING, "## Tables", "", TABLES_INTRO, "| table | one entry is |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in TABLES.items()]
+    out += ["", "The router's (`kvpush_router_table_entries{table}`):", ""]
+    out += ["| table | one entry is |", "|---|---|"]
+    out += [f"| `{name}` | {_cell(meaning)} |" for name, meaning in ROUTER_TABLES.items()]
     out += ["", "## Example queries", ""]
     for title, query in EXAMPLE_QUERIES:
         out += [f"{title}:", "", "```promql", query, "```", ""]

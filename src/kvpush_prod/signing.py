@@ -272,6 +272,13 @@ class NonceMemory:
     def __len__(self) -> int:
         return len(self._by_nonce)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Live nonces (bounded by ``capacity``) and their expiry order."""
+        return {
+            "trust.nonces": (len(self._by_nonce), self.capacity),
+            "trust.nonce_expiry": (len(self._expiry), self.capacity),
+        }
+
     def take(self, signed: Signed, request_id: str, now: float) -> None:
         """Accept ``signed``'s nonce for ``request_id`` (again for the same request: vLLM asks
         about one request more than once); SignatureError(``replayed``) when another request

@@ -19,7 +19,8 @@ from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
-from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.core.vocabulary import Outcome
+from kvpush_prod.metrics import TABLES, StatsBuffer
 from kvpush_prod.transport.base import ChunkFailed, Completion, Op, RemotePeer
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
@@ -313,3 +314,44 @@ def test_a_transport_without_a_cost_record_reports_no_descriptors() -> None:
     names = {name for name, _, _ in pair.p_stats.drain()["h"]}
     assert "kvpush_chunk_post_seconds" in names
     assert not names & {"kvpush_post_descriptors", "kvpush_post_build_seconds"}
+
+
+@pytest.mark.parametrize(("recompute", "counted"), [(False, "failed"), (True, "recompute")])
+def test_a_failed_receive_is_counted_once_as_vllms_failure_policy_serves_it(
+    recompute: bool, counted: str
+) -> None:
+    # No pull fallback: a push that cannot be posted fails the receive. Under vLLM's
+    # recompute policy D computes the prompt itself, and the transfer ends as that.
+    pair = Pair(config_from_extra({**CFG.model_dump(), "fallback": {"pull": False}}))
+    if recompute:
+        pair.d.failed_outcome = Outcome.RECOMPUTE
+    pair.tx.post_error = ChunkFailed(ChunkError(ErrorKind.REMOTE_DISCONNECT, "injected"))
+    pair.push()
+    pair.step(10)
+    assert pair.d_results.take()[2] == {"d-t"}  # vLLM hears the receive failed
+    ended = {k: v for k, v in counters(pair.d_stats).items() if k[0] == "kvpush_transfers"}
+    assert ended == {("kvpush_transfers", "consumer", counted): 1}
+
+
+def test_the_pumps_report_the_size_of_every_table_they_keep() -> None:
+    pair = Pair()
+    pair.push()
+    pair.step()
+    for pump, stats in ((pair.p, pair.p_stats), (pair.d, pair.d_stats)):
+        with pump.lock:
+            pump.report_tables(pump.now(), force=True)
+        sizes = {
+            labels[1]: v
+            for (name, labels), v in stats.gauge_values().items()
+            if name == "kvpush_table_entries"
+        }
+        assert set(sizes) <= set(TABLES)
+        assert {"pump.requests", "pump.chunks", "driver.peers"} <= set(sizes)
+        assert sizes["pump.requests"] == sizes["pump.chunks"] == 0  # the push is over
+        assert sizes["driver.peers"] == (1 if pump is pair.p else 0)  # D never read from P
+    d_sizes = {k[1][1] for k in pair.d_stats.gauge_values() if k[0] == "kvpush_table_entries"}
+    p_sizes = {k[1][1] for k in pair.p_stats.gauge_values() if k[0] == "kvpush_table_entries"}
+    assert {"receiver.transfers", "receiver.done_log", "receiver.permits", "links.wire"} <= d_sizes
+    assert {"sender.transfers", "sender.tombstones", "push.links", "splits.ended"} <= p_sizes
+    caps = {k[1][1] for k in pair.p_stats.gauge_values() if k[0] == "kvpush_table_capacity"}
+    assert {"sender.transfers", "sender.tombstones", "sender.peers"} <= caps

@@ -104,6 +104,7 @@ def test_an_admitted_transfer_loads_its_missing_tokens_and_registers_what_was_al
     )
     assert (spec.block_ids, spec.first_block, spec.num_tokens) == ([41, 42, 43, 44, 45, 46], 1, 100)
     assert counters(d) == {
+        ("kvpush_transfers_started", "consumer"): 1,
         ("kvpush_admissions", "consumer", "admit"): 1,
         ("kvpush_credits_granted_blocks", "consumer"): 6,
     }
@@ -137,6 +138,7 @@ def test_a_transfer_larger_than_the_budget_is_computed_locally_and_p_told() -> N
         PeerRef("t1", "10.0.0.1", 15500, p_tp=1)
     ]
     assert counters(d) == {
+        ("kvpush_transfers_started", "consumer"): 1,
         ("kvpush_admissions", "consumer", "refuse"): 1,
         ("kvpush_transfers", "consumer", "recompute"): 1,
     }
@@ -149,7 +151,10 @@ def test_a_prompt_in_the_prefix_cache_frees_p_at_once() -> None:
     req = request("r", 64, {**PREFILL, "transfer_id": "t1"})
     assert d.get_num_new_matched_tokens(req, 64) == (0, False)
     assert len(d.build_connector_meta(None).not_needed) == 1  # type: ignore[arg-type]
-    assert counters(d) == {("kvpush_transfers", "consumer", "prefix_hit"): 1}
+    assert counters(d) == {
+        ("kvpush_transfers_started", "consumer"): 1,
+        ("kvpush_transfers", "consumer", "prefix_hit"): 1,
+    }
 
 
 def test_refused_params_compute_locally_and_are_counted_once() -> None:
@@ -194,10 +199,12 @@ def test_a_receive_aborted_in_flight_waits_for_its_fence() -> None:
             {("kvpush_transfer_bytes", "consumer"): 3000},
         ),
         (
+            # Counted by the worker that failed it (recompute under vLLM's recompute
+            # policy): the scheduler counts nothing more (the transfer ends once).
             True,
             True,
             {"transfer_id": "t1", "outcome": "failed", "blocks": 0, "bytes": 0},
-            {("kvpush_transfers", "consumer", "recompute"): 1},
+            {},
         ),
     ],
 )
@@ -273,7 +280,10 @@ def test_p_tells_d_at_once_about_a_request_that_ended_before_its_prompt() -> Non
     delay, params = p.request_finished(req, [])
     assert not delay and params is not None and params["transfer_id"] == "t1"
     assert p.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).abort_send == ["t1"]
-    assert counters(p) == {("kvpush_transfers", "producer", "aborted"): 1}
+    assert counters(p) == {
+        ("kvpush_transfers_started", "producer"): 1,
+        ("kvpush_transfers", "producer", "aborted"): 1,
+    }
 
 
 def test_p_ignores_what_is_not_its_to_push() -> None:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpush_prod.lab.client import completion_body, metric_sum, request
 from kvpush_prod.lab.cluster import Cluster
 from kvpush_prod.lab.tinymodel import prompt_of_length
-from kvpush_prod.metrics import CONNECTOR_SERIES, OUTCOMES, exported_name
+from kvpush_prod.metrics import CONNECTOR_SERIES, OUTCOMES, TABLES, exported_name
 from kvpush_prod.metrics_docs import router_series
 
 pytestmark = pytest.mark.e2e
@@ -34,6 +34,12 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 HEALTHY = {
     ("kvpush_transfers", "producer"),
     ("kvpush_transfers", "consumer"),
+    ("kvpush_transfers_started", "producer"),
+    ("kvpush_transfers_started", "consumer"),
+    ("kvpush_table_entries", "producer"),
+    ("kvpush_table_entries", "consumer"),
+    ("kvpush_table_capacity", "producer"),
+    ("kvpush_table_capacity", "consumer"),
     ("kvpush_transfer_bytes", "producer"),
     ("kvpush_transfer_bytes", "consumer"),
     ("kvpush_transfer_seconds", "producer"),
@@ -307,6 +313,31 @@ def check_healthy_values(run: Run) -> None:
             run.check(d * run.bytes_per_block == run.expected_bytes, f"{d} blocks granted")
 
 
+def check_every_transfer_ended_once(run: Run) -> None:
+    """Per engine: started = ended (every outcome) + active, and the transfer-keyed tables
+    are empty at rest (docs/metrics.md, "Accounting" and "Tables")."""
+    for role, engine in ENGINE.items():
+        started = run.delta(engine, "kvpush_transfers_started_total", role=role)
+        ended = run.delta(engine, "kvpush_transfers_total", role=role)
+        active = run.value(engine, "kvpush_transfers_active", role=role)
+        run.check(started == run.n, f"{role}: {started} transfers started for {run.n} sent")
+        run.check(
+            started == ended + active, f"{role}: {started} started, {ended} ended, {active} active"
+        )
+        tables = {
+            dict(labels)["table"]: v
+            for (name, labels), v in run.now[engine][1].items()
+            if name == "kvpush_table_entries" and dict(labels).get("role") == role
+        }
+        run.check(set(tables) <= set(TABLES), f"{role}: unknown tables {set(tables) - set(TABLES)}")
+        mine = ("sender.transfers", "push.links") if role == "producer" else ("receiver.done_log",)
+        for table in ("trust.nonces", "pump.requests", "control.peers", *mine):
+            run.check(table in tables, f"{role}: no kvpush_table_entries{{table={table!r}}}")
+        for table in ("pump.requests", "pump.chunks", "scheduler.held", "admission.inbound"):
+            left = tables.get(table, 0)
+            run.check(left == 0, f"{role}: {table} holds {left} entries at rest")
+
+
 def check_fault_series_flat(run: Run) -> None:
     """Fault series did not grow (absent means zero)."""
     for series in sorted(EMITTED_ON_FAULTS):
@@ -338,6 +369,13 @@ def check_router(run: Run) -> None:
             f"router backend_up{{role={role}}} != 1",
         )
     run.check(metric_sum(router, "kvpush_router_inflight") == 0, "router legs in flight when idle")
+    for table in ("requests.admitted", "legs.background"):
+        left = metric_sum(router, "kvpush_router_table_entries", table=table)
+        run.check(left == 0, f"router table {table} holds {left} entries when idle")
+    run.check(
+        metric_sum(router, "kvpush_router_table_entries", table="health.tasks") == 2,
+        "router: not one health poller per backend",
+    )
 
 
 def check_dashboard_series_exist(run: Run) -> None:
@@ -355,6 +393,7 @@ CHECKS: tuple[Callable[[Run], None], ...] = (
     check_registered_with_samples,
     check_transfers_add_up,
     check_healthy_values,
+    check_every_transfer_ended_once,
     check_fault_series_flat,
     check_router,
     check_dashboard_series_exist,

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from starlette.responses import JSONResponse, Response
 
+from kvpush_prod.router.metrics import ROUTER_TABLES
 from tests.router.fakes import MODEL, FakeVLLM, Seen, wait_until
 
 COMPLETION = {"model": MODEL, "prompt": "w10 w11 w12", "max_tokens": 4, "temperature": 0}
@@ -494,6 +495,23 @@ async def test_metrics_endpoint_exposes_router_series(fakes, router):
     assert line("kvpush_router_inflight", f'backend="{d.url}",role="decode"').endswith(" 0.0")
     assert "# TYPE kvpush_router_retries_total counter" in text
     assert "x-request-id" not in text.lower()
+
+
+async def test_metrics_report_the_routers_tables_back_at_rest_after_requests(fakes, router):
+    p, d = await fakes("prefill"), await fakes("decode")
+    r = await router([p], [d])
+    for _ in range(3):
+        await r.post("/v1/completions", COMPLETION)
+    text = (await r.client.get(r.url + "/metrics")).text
+    entries = {
+        ln.split('"')[1]: float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith("kvpush_router_table_entries{")
+    }
+    assert set(entries) == set(ROUTER_TABLES)
+    assert entries["requests.admitted"] == entries["legs.background"] == 0
+    assert entries["health.tasks"] == 2  # one poller per backend
+    assert 'kvpush_router_table_capacity{table="requests.admitted"}' in text
 
 
 async def test_models_are_proxied_from_a_decode_backend(fakes, router):

@@ -171,6 +171,7 @@ class PushConnector(KVConnectorBase_V1):
                 otlp_endpoint=getattr(
                     vllm_config.observability_config, "otlp_traces_endpoint", None
                 ),
+                recompute_on_failure=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
             )
             self._kv_buffer_device = ktc.kv_buffer_device
 

@@ -43,6 +43,9 @@ class LinkGuard:
         self._log = log
         self._links: dict[str, _State] = {}
 
+    def __len__(self) -> int:
+        return len(self._links)
+
     @classmethod
     def from_config(cls, cfg: KvpushConfig) -> LinkGuard | None:
         """The guard ``cfg.links`` asks for (None when no bandwidth is expected)."""

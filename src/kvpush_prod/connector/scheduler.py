@@ -32,7 +32,7 @@ from kvpush_prod.core.vocabulary import (
     Side,
 )
 from kvpush_prod.errors import KVTransferParamsError
-from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.metrics import StatsBuffer, TableSizes, set_tables
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -214,7 +214,24 @@ class SchedulerSide:
     def get_stats(self) -> dict[str, Any]:
         """This step's observations plus the gauges as they stand after the step."""
         self._set_gauges()
+        # A few len()s: measured at every drain, so an idle engine's last step has them at rest.
+        set_tables(self.stats, self.role, {**self.trust.tables(), **self.tables()})
         return self.stats.drain()
+
+    def started(self, n: int = 1) -> None:
+        """Count ``n`` transfers begun (kvpush_transfers_started_total)."""
+        self.stats.inc("kvpush_transfers_started", (self.role,), n)
+
+    def handed_to_workers(self) -> None:
+        """A transfer goes to the workers: each of the engine's ranks ends it once (and
+        counts its outcome), so it counts as started once per rank (once here already)."""
+        if self.tp_size > 1:
+            self.started(self.tp_size - 1)
+
+    def tables(self) -> TableSizes:
+        """Entries of the tables this side keeps per request or transfer (no bound of
+        their own: vLLM's requests bound them)."""
+        return {}
 
     def _set_gauges(self) -> None:
         raise NotImplementedError
@@ -269,6 +286,7 @@ class ConsumerSide(SchedulerSide):
                 self._refuse_duplicate(rid, remote.transfer_id)
                 return 0, False
             rx = tracked
+            self.started()
         answer = self.admissions.ask(
             rid,
             request.num_prompt_tokens,
@@ -376,6 +394,7 @@ class ConsumerSide(SchedulerSide):
         # Last, and together: allocated means its REGISTER is in this step's metadata.
         self.admissions.allocated(rid, len(d_blocks))
         self._meta.recv.append(spec)
+        self.handed_to_workers()
 
     def after_failed_ask(self, request: Request) -> None:
         # Nothing was allocated for it: it computes its prompt, P may free, credit returns.
@@ -457,8 +476,6 @@ class ConsumerSide(SchedulerSide):
             return
         if ok:
             self.stats.inc("kvpush_transfer_bytes", (self.role,), rx.nblocks * self.block_bytes)
-        elif self.recompute_on_failure:
-            self.stats.inc("kvpush_transfers", (self.role, Outcome.RECOMPUTE.value))
         self._received[rid] = {
             "transfer_id": rx.transfer_id,
             "outcome": (outcome or Outcome.PUSHED.value) if ok else Outcome.FAILED.value,
@@ -468,6 +485,13 @@ class ConsumerSide(SchedulerSide):
 
     def has_pending_push_work(self) -> bool:
         return bool(self.admissions.aborting) or super().has_pending_push_work()
+
+    def tables(self) -> TableSizes:
+        return {
+            **self.admissions.tables(),
+            "scheduler.received": (len(self._received), None),
+            "scheduler.outcomes": (len(self._outcomes), None),
+        }
 
     def _set_gauges(self) -> None:
         allocated = [rx for rx in self.admissions.entries() if rx.allocated]
@@ -544,6 +568,7 @@ class ProducerSide(SchedulerSide):
         self._requests[rid] = request
         self._owners[rid] = owner
         self._meta.expect_send.append((tid, owner))
+        self.started()
 
     def _refuse(self, rid: str, params: dict[str, Any], exc: KVTransferParamsError) -> None:
         """``rid``'s params were refused: it is not pushed. A decode engine that registers
@@ -601,6 +626,7 @@ class ProducerSide(SchedulerSide):
         # must be held until the push is over (request_finished answers True).
         self._sent[rid] = (tid, len(blocks))
         self._meta.send.append(spec)
+        self.handed_to_workers()
 
     def after_failed_finish(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -623,6 +649,7 @@ class ProducerSide(SchedulerSide):
         self._forget(rid)
         if unsent is not None:
             self._meta.abort_send.append(unsent)
+            self.stats.inc("kvpush_transfers", (self.role, Outcome.ABORTED.value))
         return False, None
 
     def request_finished(
@@ -686,6 +713,17 @@ class ProducerSide(SchedulerSide):
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held) or super().has_pending_push_work()
+
+    def tables(self) -> TableSizes:
+        return {
+            "scheduler.requests": (len(self._requests), None),
+            "scheduler.owners": (len(self._owners), None),
+            "scheduler.sent": (len(self._sent), None),
+            "scheduler.held": (len(self._held), None),
+            "scheduler.live": (len(self._live), None),
+            "scheduler.transfer_ids": (len(self._tid_of), None),
+            "scheduler.refused": (len(self._refused), None),
+        }
 
     def _set_gauges(self) -> None:
         self.stats.set("kvpush_connector_blocks", (self.role,), sum(self._held.values()))

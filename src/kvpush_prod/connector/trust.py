@@ -77,6 +77,10 @@ class Trust:
             tuple(ipaddress.ip_network(n, strict=False) for n in c.allowed_peers),
         )
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the replay memory and of the host names resolved."""
+        return {**self.nonces.tables(), "trust.resolved": (len(self._resolved), _RESOLVED_KEEP)}
+
     @property
     def keyed(self) -> bool:
         return bool(self.public_key)

@@ -54,7 +54,7 @@ from kvpush_prod.core.commands import (
     RegisterBlocks,
 )
 from kvpush_prod.core.identity import agent_name
-from kvpush_prod.core.links import Joins, Link, Links, Splits, d_links
+from kvpush_prod.core.links import MAX_REMEMBERED, Joins, Link, Links, Splits, d_links
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import BreakerState, ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
@@ -69,7 +69,7 @@ from kvpush_prod.core.vocabulary import (
 from kvpush_prod.driver import Driver, Engine, Stage
 from kvpush_prod.errors import ConfigError
 from kvpush_prod.loglimit import LogLimiter
-from kvpush_prod.metrics import StatsBuffer
+from kvpush_prod.metrics import TABLES_EVERY_S, StatsBuffer, TableSizes, set_tables
 from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
@@ -187,8 +187,12 @@ class WorkerSide:
         facts: dict[str, str] | None = None,
         otlp_endpoint: str | None = None,
         heads: Heads | None = None,
+        recompute_on_failure: bool = False,
     ) -> None:
         self.cfg = cfg
+        # D: vLLM's kv_load_failure_policy is recompute (a failed receive is recomputed, and
+        # counted so)
+        self.recompute_on_failure = recompute_on_failure
         self.role = role
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -274,6 +278,8 @@ class WorkerSide:
                 self.stats,
                 self.trace,
             )
+            if self.recompute_on_failure:
+                pump.failed_outcome = Outcome.RECOMPUTE
         pump.start()
         logger.info(
             "kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
@@ -398,6 +404,7 @@ class WorkerSide:
                     for i in [spec.transfer_id, *pump.joins.parts(spec.transfer_id)]
                 ):
                     self._fail_here(spec.request_id)
+                    self._count_failed(pump)
         for tid in meta.abort_recv:
             for part in pump.joins.parts(tid):
                 command(AbortReceive(part))
@@ -467,6 +474,7 @@ class WorkerSide:
             "kvpush_kv_params_rejected", (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER)
         )
         self._fail_here(spec.request_id)
+        self._count_failed(pump)
         return True
 
     def _links(self, pump: ReceiverPump, tid: str, p_tp: int) -> list[Link]:
@@ -541,8 +549,12 @@ class WorkerSide:
             "kvpush_control_messages_rejected", (self.role.value, RejectReason.INCOMPATIBLE)
         )
         self._fail_here(rid)
-        self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
+        self._count_failed(pump)
         self.trace("refused", tid, p_tp=p_tp)
+
+    def _count_failed(self, pump: ReceiverPump) -> None:
+        """A receive this rank ends here without the core: counted as the core's would be."""
+        self.stats.inc("kvpush_transfers", (self.role.value, pump.failed_outcome.value))
 
     def _address(self, host: str, port: int, p_rank: int | None = None) -> str:
         return f"tcp://{host}:{port + (self.tp_rank if p_rank is None else p_rank)}"
@@ -651,6 +663,7 @@ class WorkerSide:
                 handed.add(spec.transfer_id)
                 with self.results.lock:
                     self.results.sending.add(spec.request_id)
+                self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
                 continue
             pump.request_of[spec.transfer_id] = spec.request_id
             known = pump.splits.note(spec.transfer_id)
@@ -701,6 +714,7 @@ class WorkerSide:
             # Read at drain time, so the step that reports the last completion also
             # reports nothing in flight (a stale value would stick while the engine idles).
             self.stats.set("kvpush_inflight_bytes", (self.role.value,), pump.inflight_bytes)
+            pump.tables_at_drain()
         return self.stats.drain()
 
     def shutdown(self) -> None:
@@ -765,6 +779,9 @@ class TransferPump(threading.Thread, Generic[E]):
         self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
         self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
         self.began: dict[str, float] = {}  # transfer id -> start (P: first post, D: REGISTER)
+        # How a receive that failed is counted (D: recompute under vLLM's recompute policy)
+        self.failed_outcome = Outcome.FAILED
+        self._tables_at = -TABLES_EVERY_S  # when the tables were last measured
         self._labels = (self.role,)
         self._verify = cfg.verify.checksums
         self._block_bytes = sum(r.block_len for r in transport.layout.regions)
@@ -1289,7 +1306,8 @@ class TransferPump(threading.Thread, Generic[E]):
         self._count_end(tid, outcome, 0)
 
     def _count_end(self, tid: str, outcome: Outcome, nbytes: int) -> None:
-        self.stats.inc("kvpush_transfers", (self.role, outcome.value))
+        counted = self.failed_outcome if outcome is Outcome.FAILED else outcome
+        self.stats.inc("kvpush_transfers", (self.role, counted.value))
         began = self.began.pop(tid, None)  # P's pushes were timed at transfer_done already
         if outcome.delivered and began is not None:
             self.stats.observe("kvpush_transfer_seconds", self._labels, time.monotonic() - began)
@@ -1302,6 +1320,45 @@ class TransferPump(threading.Thread, Generic[E]):
             if n > seen:
                 self.stats.inc("kvpush_control_messages_rejected", (self.role, reason), n - seen)
                 self._reported_rejects[reason] = n
+        self.report_tables(now)
+
+    def report_tables(self, now: float, force: bool = False) -> None:
+        """Under the lock: kvpush_table_entries of every table, at most once a
+        ``TABLES_EVERY_S`` unless ``force``."""
+        if force or now - self._tables_at >= TABLES_EVERY_S:
+            self._tables_at = now
+            set_tables(self.stats, self.role, self.tables())
+
+    def tables_at_drain(self) -> None:
+        """Engine thread, at a stats drain: the tables measured now if the lock is free
+        (never waited for) and nothing is in flight, so that the last step before the engine
+        idles carries their values at rest; the pump measures them otherwise."""
+        if self._busy() or not self.lock.acquire(blocking=False):
+            return
+        try:
+            self.report_tables(self.now(), force=True)
+        except Exception:  # noqa: BLE001 - never break the engine's step
+            self.contained(Stage.TIMER, "the tables' sizes")
+        finally:
+            self.lock.release()
+
+    def tables(self) -> TableSizes:
+        """Entries of every table of this rank: the pump's own, the core's, the control
+        endpoint's and the transport's (under the pump's lock: the pump thread reads them)."""
+        out: TableSizes = {
+            "pump.requests": (len(self.request_of), None),
+            "pump.began": (len(self.began), None),
+            "pump.chunks": (len(self._handles), None),
+            "pump.peer_labels": (len(self._peer_label), None),
+            "driver.peers": (len(self.driver.peers), None),
+        }
+        if self.link_guard is not None:
+            out["linkguard.links"] = (len(self.link_guard), None)
+        for part in (self.engine, self.endpoint, self.transport):
+            sizes = getattr(part, "tables", None)  # a test's fake may keep none
+            if callable(sizes):
+                out.update(sizes())
+        return out
 
 
 class SenderPump(TransferPump[Sender]):
@@ -1370,6 +1427,9 @@ class SenderPump(TransferPump[Sender]):
         if self.engine.pulling:
             self.transport.notifications()  # progress for D's READs (none are ours)
 
+    def tables(self) -> TableSizes:
+        return {**super().tables(), **self.splits.tables()}
+
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         p = self.engine
@@ -1400,6 +1460,15 @@ class ReceiverPump(TransferPump[Receiver]):
 
     def _inbound(self, msg: messages.ControlMessage) -> messages.ControlMessage:
         return self.links.inbound(msg)
+
+    def tables(self) -> TableSizes:
+        return {
+            **super().tables(),
+            "pump.recv_blocks": (len(self.recv_blocks), None),
+            "pump.views": (len(self.views), None),
+            "pump.joins": (len(self.joins), MAX_REMEMBERED),
+            **self.links.tables(),
+        }
 
     def _watching(self) -> bool:
         return self.engine.active > 0  # DONE notifications to watch

@@ -156,6 +156,14 @@ class _AddressBook:
         self._tokens[key] = (tokens - 1.0, now)
         return True, replaced
 
+    def keys(self) -> int:
+        """Keys with addresses (one per peer key, never forgotten)."""
+        return len(self._by_key)
+
+    def buckets(self) -> int:
+        """Keys with a new-address rate bucket (one per peer key, never forgotten)."""
+        return len(self._tokens)
+
     def addresses(self, key: str) -> list[str]:
         return list(self._by_key.get(key, ()))
 
@@ -559,6 +567,19 @@ class ControlEndpoint:
         ):
             return user_id
         return ""
+
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the endpoint's tables: peer sockets (``max_peers``), spare sockets,
+        socket monitors, keys with messages waiting, keys with addresses, stale sockets."""
+        return {
+            "control.peers": (len(self._peers), self._max_peers),
+            "control.spares": (len(self._spares), MAX_SPARE_PEERS),
+            "control.monitors": (len(self._monitors), None),
+            "control.backlog_keys": (len(self._backlog), None),
+            "control.address_keys": (self._addresses.keys(), None),
+            "control.address_buckets": (self._addresses.buckets(), None),
+            "control.stale": (len(self._stale), None),
+        }
 
     # ------------------------------------------------------------------ sending
     @property

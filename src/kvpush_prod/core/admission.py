@@ -137,6 +137,16 @@ class Admissions(Generic[T]):
     def __len__(self) -> int:
         return len(self._rx)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the inbound transfers, the requests whose transfer is over, the
+        transfer ids held, and the credit ledger's tables."""
+        return {
+            "admission.inbound": (len(self._rx), None),
+            "admission.over": (len(self._over), None),
+            "admission.transfer_ids": (len(self._by_tid), None),
+            **self.ledger.tables(),
+        }
+
     def get(self, key: str) -> Inbound[T] | None:
         return self._rx.get(key)
 

@@ -143,6 +143,14 @@ class CreditLedger:
         self._duplicate_releases = 0
         self._stale_dropped = 0
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the ledger's tables: transfers holding credit, waiting, and peers."""
+        return {
+            "credits.held": (len(self._held), None),
+            "credits.waiting": (len(self._waiting), None),
+            "credits.peers": (len(self._peers), None),
+        }
+
     @property
     def settings(self) -> CreditSettings:
         return self._settings

@@ -122,6 +122,14 @@ class LeaseTable(Generic[K]):
         self._rejected_stale = 0
         self._rejected_other = 0
 
+    def tables(self, prefix: str) -> dict[str, tuple[int, int | None]]:
+        """Entries of the leases and of their expiry heap (lazy: replaced entries leave as
+        they come up), named ``prefix.table``; no bound of their own."""
+        return {
+            f"{prefix}": (len(self._entries), None),
+            f"{prefix}_expiry": (len(self._expiry), None),
+        }
+
     @property
     def settings(self) -> LeaseSettings:
         return self._settings

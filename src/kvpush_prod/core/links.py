@@ -70,6 +70,9 @@ class Joins:
             self._of.popitem(last=False)
         return join
 
+    def __len__(self) -> int:
+        return len(self._of)
+
     def of(self, part: str) -> Join | None:
         return self._of.get(part)
 
@@ -141,6 +144,14 @@ class Links:
         self._wire: OrderedDict[str, str] = OrderedDict()  # core id -> wire id
         self._by_rank: OrderedDict[tuple[str, int], str] = OrderedDict()  # (wire, P rank)
         self._by_gen: OrderedDict[tuple[str, int], str] = OrderedDict()  # (wire, generation)
+
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the id maps, each bounded by ``MAX_REMEMBERED``."""
+        return {
+            "links.wire": (len(self._wire), MAX_REMEMBERED),
+            "links.by_rank": (len(self._by_rank), MAX_REMEMBERED),
+            "links.by_generation": (len(self._by_gen), MAX_REMEMBERED),
+        }
 
     def add(self, link: Link) -> None:
         if link.core_id == link.wire_id:
@@ -228,6 +239,15 @@ class Splits:
     joins: Joins = field(default_factory=Joins)
     known: OrderedDict[str, _Known] = field(default_factory=OrderedDict)
     ended: OrderedDict[str, None] = field(default_factory=OrderedDict)  # bases released
+
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the parts, the engine's facts and the bases released (each bounded
+        by ``MAX_REMEMBERED``)."""
+        return {
+            "splits.parts": (len(self.joins), MAX_REMEMBERED),
+            "splits.known": (len(self.known), MAX_REMEMBERED),
+            "splits.ended": (len(self.ended), MAX_REMEMBERED),
+        }
 
     def note(self, tid: str) -> _Known:
         """The engine's facts of ``tid`` (to update before fanning a command out)."""

@@ -165,6 +165,22 @@ class Receiver:
     def active(self) -> int:
         return len(self._in)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of every table D's rank keeps (receives, peers, the DONE log, permits,
+        its READ scheduler's and retry budget's), each with its bound (None: none)."""
+        s = self.s
+        return {
+            "receiver.transfers": (len(self._in), None),
+            "receiver.waiting": (len(self._waiting), None),
+            "receiver.peers": (len(self._peers), s.max_peers),
+            "receiver.heard": (len(self._heard), s.max_peers),
+            "receiver.chunks": (len(self._chunks), None),
+            "receiver.done_log": (len(self._done_log), s.max_done_log),
+            "receiver.retry_budgets": (len(self.budget), None),
+            **self.leases.tables("receiver.permits"),
+            **self.reads.tables("pull"),
+        }
+
     @property
     def busy(self) -> bool:
         return bool(self._chunks) or self.reads.queued > 0

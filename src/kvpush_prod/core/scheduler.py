@@ -277,6 +277,17 @@ class ChunkScheduler:
         self._capped_bytes = 0
         self._capped_chunks = 0
 
+    def tables(self, prefix: str) -> dict[str, tuple[int, int | None]]:
+        """Entries of each table this scheduler keeps, named ``prefix.table``, with its bound
+        (None: none of its own; the transfers it serves bound it)."""
+        return {
+            f"{prefix}.links": (len(self._links), None),
+            f"{prefix}.transfers": (len(self._transfers), None),
+            f"{prefix}.inflight": (len(self._inflight), None),
+            f"{prefix}.delayed": (len(self._delayed), None),
+            f"{prefix}.cutoffs": (len(self._cutoffs), None),
+        }
+
     @property
     def settings(self) -> SchedulerSettings:
         return self._s

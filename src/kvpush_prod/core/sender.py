@@ -242,6 +242,24 @@ class Sender:
     def active(self) -> int:
         return len(self._out)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of every table P's rank keeps (transfers, tombstones, peers, and its
+        scheduler's, breakers' and retry budget's), each with its bound (None: none)."""
+        s = self.s
+        return {
+            "sender.transfers": (len(self._out), s.max_transfers),
+            "sender.unknown": (len(self._unknown), None),
+            "sender.chunks": (len(self._chunks), None),
+            "sender.tombstones": (len(self._tombstones), s.max_tombstones),
+            "sender.refused": (len(self._refused), s.max_tombstones),
+            "sender.peers": (len(self._peers), s.max_peers),
+            "sender.retired": (len(self._retired), s.max_peers),
+            "sender.agents": (len(self._agents), None),
+            "sender.breakers": (len(self.breakers), None),
+            "sender.retry_budgets": (len(self.budget), None),
+            **self.sched.tables("push"),
+        }
+
     @property
     def busy(self) -> bool:
         """Chunks in flight or queued, or D pulling from us: the shell should poll often."""

@@ -140,6 +140,19 @@ def _lifespan(
         dispatcher = Dispatcher(settings, pool, health, legs_client, metrics)
         app.state.health = health
         app.state.dispatcher = dispatcher
+        metrics.add_tables(
+            "app",
+            lambda: {
+                "requests.admitted": (
+                    app.state.admission.inflight,
+                    settings.max_concurrent_requests,
+                ),
+                **dispatcher.tables(),
+                **health.tables(),
+                "client.legs_connections": (pooled(legs_client), settings.max_connections),
+                "client.health_connections": (pooled(health_client), 2 * len(pool.all) + 2),
+            },
+        )
         await health.start()
         try:
             yield
@@ -172,6 +185,12 @@ async def _list_models(pool: BackendPool, client: httpx.AsyncClient, timeout: fl
         "server_error",
         "no_backend",
     )
+
+
+def pooled(client: httpx.AsyncClient) -> int:
+    """Connections in ``client``'s pool now (0 where its transport keeps no pool)."""
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    return len(getattr(pool, "connections", ()))
 
 
 def _client(

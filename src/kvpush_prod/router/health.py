@@ -86,6 +86,14 @@ class HealthMonitor:
             settings.probe_timeout_s, connect=settings.connect_timeout_s
         )
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the monitor's tables (kvpush_router_table_entries)."""
+        n = len(self.pool.all)
+        return {
+            "health.tasks": (len(self._tasks), n),
+            "health.key_failures": (len(self._key_failures), n),
+        }
+
     async def start(self) -> None:
         """Check every backend once (so the router can serve at once), then keep polling."""
         await asyncio.gather(*(self.check(b) for b in self.pool.all))

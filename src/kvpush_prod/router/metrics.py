@@ -5,6 +5,7 @@ Labels stay bounded: endpoint (two paths), outcome, reason, role and backend URL
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -33,6 +34,18 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 
+
+# A source of table sizes: table name -> (entries, bound or None).
+TableSource = Callable[[], dict[str, tuple[int, int | None]]]
+# The ``table`` label's values: what the router keeps per client, backend or request.
+ROUTER_TABLES: dict[str, str] = {
+    "requests.admitted": "a client request admitted (bounded by max_concurrent_requests)",
+    "legs.background": "a prefill leg left running after the decode leg answered",
+    "health.tasks": "a backend's health poller",
+    "health.key_failures": "a prefill backend whose identity check fails",
+    "client.legs_connections": "a pooled HTTP connection to a backend (legs)",
+    "client.health_connections": "a pooled HTTP connection to a backend (health checks)",
+}
 
 # The ``endpoint`` label's values (router/legs.py: COMPLETIONS_PATH, CHAT_PATH).
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -119,6 +132,37 @@ class RouterMetrics:
         for endpoint in ENDPOINTS:
             self.direct.labels(endpoint)
         self._backend_series(r)
+        self._table_series(r)
+
+    def _table_series(self, r: CollectorRegistry) -> None:
+        """The table gauges, measured at each scrape from the sources added."""
+        self.table_entries = Gauge(
+            "kvpush_router_table_entries",
+            "Entries of each table the router keeps per client request, backend or "
+            "connection (docs/metrics.md, Tables); flat across quiet windows, a table that "
+            "grows with time is a leak. Measured at each scrape.",
+            ["table"],
+            registry=r,
+        )
+        self.table_capacity = Gauge(
+            "kvpush_router_table_capacity",
+            "The bound of a table of kvpush_router_table_entries, where it has one.",
+            ["table"],
+            registry=r,
+        )
+        self._table_sources: dict[str, TableSource] = {}
+
+    def add_tables(self, name: str, source: TableSource) -> None:
+        """Measure ``source``'s tables at every scrape (replacing an earlier one of
+        ``name``)."""
+        self._table_sources[name] = source
+
+    def measure_tables(self) -> None:
+        for source in list(self._table_sources.values()):
+            for name, (entries, capacity) in source().items():
+                self.table_entries.labels(name).set(entries)
+                if capacity is not None:
+                    self.table_capacity.labels(name).set(capacity)
 
     def _backend_series(self, r: CollectorRegistry) -> None:
         """The per-backend gauges."""
@@ -158,5 +202,6 @@ class RouterMetrics:
         self.inflight.labels(role, backend).set(n)
 
     def exposition(self) -> bytes:
-        """The registry in Prometheus text format."""
+        """The registry in Prometheus text format (the tables measured first)."""
+        self.measure_tables()
         return generate_latest(self.registry)

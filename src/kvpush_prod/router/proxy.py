@@ -201,6 +201,10 @@ class Dispatcher:
                 settings.direct_below_tokens,
             )
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the dispatcher's tables (kvpush_router_table_entries)."""
+        return {"legs.background": (len(self._background), None)}
+
     async def aclose(self) -> None:
         for t in list(self._background):
             t.cancel()

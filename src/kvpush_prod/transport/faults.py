@@ -125,6 +125,11 @@ class FaultyTransport:
     def disconnect(self, agent_name: str) -> None:
         self.inner.disconnect(agent_name)
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """The wrapped transport's tables (none kept here)."""
+        sizes = getattr(self.inner, "tables", None)
+        return sizes() if callable(sizes) else {}
+
     def close(self) -> None:
         self.inner.close()
 

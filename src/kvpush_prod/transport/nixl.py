@@ -168,6 +168,13 @@ class NixlTransport:
         # (agent, first region, end) -> (the peer's plan, its slice): layer-wise posts
         self._slices: dict[tuple[str, int, int], tuple[PairPlan, PairPlan]] = {}
 
+    def tables(self) -> dict[str, tuple[int, int | None]]:
+        """Entries of the remote agents connected and of the layer-wise slices made."""
+        return {
+            "nixl.peers": (len(self._peers), None),
+            "nixl.slices": (len(self._slices), None),
+        }
+
     @property
     def name(self) -> str:
         return str(self.agent.name)

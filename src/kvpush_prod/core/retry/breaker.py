@@ -184,6 +184,9 @@ class PeerBreakers:
             b = self._breakers[peer] = CircuitBreaker(self._settings)
         return b
 
+    def __len__(self) -> int:
+        return len(self._breakers)
+
     def allow(self, peer: PeerId, now: float) -> bool:
         return self[peer].allow(now)
 

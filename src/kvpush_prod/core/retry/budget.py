@@ -39,6 +39,9 @@ class RetryBudget:
         self._buckets: dict[PeerId, _Bucket] = {}
         self._denied = 0
 
+    def __len__(self) -> int:
+        return len(self._buckets)
+
     @property
     def denied(self) -> int:
         """Retries refused so far (for metrics)."""
