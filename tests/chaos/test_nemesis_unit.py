@@ -299,7 +299,9 @@ def test_the_driver_applies_each_fault_judges_requests_while_running_and_passes(
     ]
     sched = Schedule(1, c, faults, [Quiet(1.5, 0.3)])
     ctx = _fake_ctx(tmp_path, broken)
-    settings = nemesis.Settings(check_every_s=0.1, accounting_every_s=0.2, settle_s=1.0)
+    settings = nemesis.Settings(
+        check_every_s=0.1, accounting_every_s=0.2, settle_s=1.0, rest_gap_s=0.05
+    )
     asyncio.run(nemesis.Nemesis(ctx, sched, settings).run())
     data = ctx.report.data["nemesis"]
     assert applied == [1, 2, 3, 4]
@@ -312,7 +314,10 @@ def test_the_driver_applies_each_fault_judges_requests_while_running_and_passes(
         by_id[1]["requests_in_flight"]
     )
     assert [q["settled"] for q in data["quiet_windows"]] == [True, True]
-    assert ctx.report.passed, [c.as_dict() for c in ctx.report.checks if not c.ok]
+    # Every check but resource flatness, which has no process to sample here.
+    failed = [c.as_dict() for c in ctx.report.checks if not c.ok and "resource" not in c.name]
+    assert failed == []
+    assert data["resources"]["samples"] >= 4  # two at rest in each quiet window
 
 
 def test_the_flood_sends_authenticated_registers_that_decode(tmp_path: Path) -> None:

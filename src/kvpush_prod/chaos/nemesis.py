@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,10 @@ from kvpush_prod.chaos.harness import (
 from kvpush_prod.chaos.invariants import Invariants, in_flight_during
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import ACTIVE, BLOCKS, RUNNING, TRANSFERS, WAITING, Samples
+from kvpush_prod.chaos.resources import ResourceSampler, Target, report_lines
 from kvpush_prod.chaos.schedule import Fault, Quiet, Schedule
 from kvpush_prod.lab.client import metric_sum
+from kvpush_prod.lab.cluster import Cluster
 
 STARTED = "kvpush_transfers_started_total"
 LEASES = "kvpush_leases_active"
@@ -45,6 +48,9 @@ class Settings:
     flood_rate: int = 2000
     cancel_fraction: float = 0.08
     prefix_fraction: float = 0.3
+    sample_every_s: float = 5.0  # resources of every engine and the router
+    resource_warmup_s: float = 60.0  # growth before this is the engines warming up
+    rest_gap_s: float = 2.5  # at least this between the two samples at rest in a window
 
 
 @dataclass
@@ -82,6 +88,20 @@ def accounting_of(s: Samples) -> tuple[float, float, float, float] | None:
     )
 
 
+def resource_targets(cluster: Cluster) -> list[Target]:
+    """Every engine's process tree and the router's, with the /metrics of their tables."""
+
+    def pid_of(name: str) -> Callable[[], int | None]:
+        def pid() -> int | None:
+            p = cluster.procs.get(name)
+            return p.pid if p is not None and p.alive() else None
+
+        return pid
+
+    names = [*cluster.engine_names, "router"]
+    return [Target(n, pid_of(n), cluster.urls.get(n)) for n in names]
+
+
 def held_of(s: Samples) -> dict[str, float | None]:
     """What an engine holds: connector blocks, live leases, transfers in progress."""
     return {
@@ -113,6 +133,10 @@ class Nemesis:
         self._shift = 0.0  # how far the run is behind its plan
         self._no_started: set[str] = set()
         self.accounting_exact = 0
+        self.sampler = ResourceSampler(
+            resource_targets(c), settings.sample_every_s, clock=self._load_clock
+        )
+        self.load_samples: list[tuple[float, float]] = []  # (time, requests in flight)
 
     # -- the run
     async def run(self) -> None:
@@ -122,6 +146,8 @@ class Nemesis:
         self.gen = gen = self.ctx.load(10**9, mix=mix, phase="nemesis")
         self._t0 = time.monotonic()
         loading = asyncio.create_task(gen.run())
+        sampling_done = asyncio.Event()
+        sampling = asyncio.create_task(self.sampler.run(sampling_done))
         helpers = [
             asyncio.create_task(self._checker()),
             asyncio.create_task(self._progress()),
@@ -141,6 +167,8 @@ class Nemesis:
                 t.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
         await self._quiet_window(Quiet(self.schedule.config.duration_s, 0.0), final=True)
+        sampling_done.set()
+        await sampling
         self._report()
 
     def now(self) -> float:
@@ -215,12 +243,17 @@ class Nemesis:
         async with httpx.AsyncClient(trust_env=False) as client:
             while True:
                 await asyncio.sleep(self.s.check_every_s)
+                self._note_load()
                 await self._judge_new()
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     await self._roles(client, token)
                 if self.now() - last_accounting >= self.s.accounting_every_s:
                     last_accounting = self.now()
                     self._accounting(exact=False)
+
+    def _note_load(self) -> None:
+        assert self.gen is not None
+        self.load_samples.append((self._load_clock(), float(self.gen.outstanding)))
 
     async def _judge_new(self) -> None:
         assert self.gen is not None
@@ -305,12 +338,13 @@ class Nemesis:
 
     # -- quiet windows
     async def _quiet_window(self, q: Quiet, final: bool = False) -> None:
-        """Pause the load, let the cluster settle, check nothing is held and the accounting
-        is exact, resume."""
+        """Pause the load for the window: let the cluster settle, check nothing is held and
+        the accounting is exact, sample the resources at rest, then resume."""
         assert self.gen is not None
         start = self._load_clock()
         self.gen.pause()
         await self.gen.wait_idle(timeout=self.ctx.opts.timeout + 10)
+        self._note_load()
         t0 = time.monotonic()
         settled, readings = await self._settle()
         await self.ctx.observer.poll()
@@ -326,11 +360,13 @@ class Nemesis:
             waited_s=round(res.waited_s, 1),
             violations=len(self.inv.violations),
         )
+        # Resources at rest: two samples, the load still paused (what flatness compares).
+        for _ in range(2):
+            await asyncio.sleep(max(self.s.rest_gap_s, (q.duration - (time.monotonic() - t0)) / 2))
+            await asyncio.to_thread(self.sampler.sample_once)
+            self._note_load()
         if not final:
             self.gen.resume()
-            rest = q.duration - (time.monotonic() - t0)
-            if rest > 0:
-                await asyncio.sleep(rest)  # the rest of the window: load, no fault
 
     async def _settle(self) -> tuple[bool, dict[str, dict[str, float | None]]]:
         """Wait (at most ``settle_s``) until every live engine holds nothing; poke the
@@ -370,7 +406,32 @@ class Nemesis:
             "accounting_not_exported": sorted(self._no_started),
             "requests": len(records),
         }
+        self._resources()
         self._checks()
+
+    def _resources(self) -> None:
+        """Flatness of every sampled series: the report's rows, the failing ones printed."""
+        rows = self.sampler.report(self.load_samples, warmup_s=self.s.resource_warmup_s)
+        grows = [r for r in rows if not r.passed]
+        self.ctx.report.data["nemesis"]["resources"] = {
+            "samples": self.sampler.samples,
+            "series": len(rows),
+            "rows": [r.as_dict() for r in rows],
+        }
+        self.ctx.event("resource flatness", series=len(rows), grows=len(grows))
+        for line in report_lines(grows or rows[:0]):
+            self.ctx.log(line)
+        self.ctx.report.check(
+            "nemesis: every resource series is flat (no growth with time)",
+            bool(rows) and not grows,
+            "; ".join(
+                f"{r.name} {r.first:g} -> {r.last:g}, {r.slope_per_hour:+.3g}/h "
+                f"(bound {r.bound_per_hour:g}/h)"
+                for r in grows[:5]
+            )
+            if grows
+            else ("" if rows else "no resource was sampled"),
+        )
 
     def _checks(self) -> None:
         report, inv = self.ctx.report, self.inv
