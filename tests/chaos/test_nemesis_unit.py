@@ -347,3 +347,13 @@ def test_the_flood_sends_authenticated_registers_that_decode(tmp_path: Path) -> 
         ctx.destroy(linger=0)
     assert sent > 0 and len(got) == sent
     assert all(isinstance(x, m.Register) and x.transfer_id.startswith("ghost-") for x in got)
+
+
+def test_a_fresh_engine_without_the_started_counter_balances_until_it_ends_a_transfer() -> None:
+    from kvpush_prod.chaos.nemesis import accounting_of
+
+    role = (("role", "consumer"),)
+    fresh = {("kvpush_transfers_active", role): 0.0}
+    assert accounting_of(fresh) == (0.0, 0.0, 0.0, 0.0)
+    ended = {("kvpush_transfers_total", (*role, ("outcome", "pushed"))): 2.0}
+    assert accounting_of(ended) is None  # transfers ended and nothing says they started

@@ -77,15 +77,12 @@ def _sum(s: Samples, name: str, **labels: str) -> float:
 
 def accounting_of(s: Samples) -> tuple[float, float, float, float] | None:
     """(started, ended over all outcomes, active, requests running + waiting) from one
-    scrape; None when the engine does not export the started counter."""
-    if not any(n == STARTED for n, _ in s):
+    scrape; None when the engine does not export the started counter although transfers
+    ended or run there (a fresh process shows a labelled counter only once it counted)."""
+    ended, active = _sum(s, TRANSFERS), _sum(s, ACTIVE)
+    if not any(n == STARTED for n, _ in s) and (ended or active):
         return None
-    return (
-        _sum(s, STARTED),
-        _sum(s, TRANSFERS),
-        _sum(s, ACTIVE),
-        _sum(s, RUNNING) + _sum(s, WAITING),
-    )
+    return (_sum(s, STARTED), ended, active, _sum(s, RUNNING) + _sum(s, WAITING))
 
 
 def resource_targets(cluster: Cluster) -> list[Target]:
