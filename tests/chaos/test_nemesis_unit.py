@@ -357,3 +357,22 @@ def test_a_fresh_engine_without_the_started_counter_balances_until_it_ends_a_tra
     assert accounting_of(fresh) == (0.0, 0.0, 0.0, 0.0)
     ended = {("kvpush_transfers_total", (*role, ("outcome", "pushed"))): 2.0}
     assert accounting_of(ended) is None  # transfers ended and nothing says they started
+
+
+def test_replay_takes_the_schedule_and_the_load_seed_from_the_report(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvpush_prod.chaos.harness import Options
+    from kvpush_prod.chaos.scenarios.nemesis import schedule_for
+
+    sched = generate(9, cfg(duration_s=600.0, kinds=("kill", "stop")))
+    report = tmp_path / "nemesis.json"
+    report.write_text(
+        json.dumps({"options": {"seed": 9}, "nemesis": {"schedule": sched.to_dict()}})
+    )
+    ctx = SimpleNamespace(opts=Options(seed=0, extra={"replay": report}), cluster=None)
+    assert schedule_for(ctx) == sched  # type: ignore[arg-type]
+    assert ctx.opts.seed == 9
+    report.write_text("{}")
+    with pytest.raises(ScheduleError, match="--replay"):
+        schedule_for(ctx)  # type: ignore[arg-type]
