@@ -376,3 +376,25 @@ def test_replay_takes_the_schedule_and_the_load_seed_from_the_report(tmp_path: P
     report.write_text("{}")
     with pytest.raises(ScheduleError, match="--replay"):
         schedule_for(ctx)  # type: ignore[arg-type]
+
+
+def test_a_restarted_engine_is_judged_from_its_restart_on(tmp_path: Path) -> None:
+    from kvpush_prod.chaos import nemesis
+    from kvpush_prod.chaos.faults import Applied
+    from kvpush_prod.chaos.resources import Series
+    from kvpush_prod.chaos.schedule import Fault
+
+    sched = Schedule(1, cfg(duration_s=600.0), [], [])
+    nem = nemesis.Nemesis(_fake_ctx(tmp_path, set()), sched, nemesis.Settings())
+    kill = Applied(Fault(1, 100.0, "kill", "decode-1", 0.0), {"decode-1"}, start=100.0, end=170.0)
+    nem.applied = [kill]
+    old_then_new = [(t, 900.0 if t < 100 else 200.0 + t) for t in range(0, 400, 10)]
+    nem.sampler.series = {
+        "decode-1/main/rss_bytes": Series("decode-1/main/rss_bytes", "rss_bytes", old_then_new),
+        "decode/main/rss_bytes": Series("decode/main/rss_bytes", "rss_bytes", old_then_new),
+        "decode-1/table/x": Series("decode-1/table/x", "table_entries", [(0.0, 1.0), (9.0, 1.0)]),
+    }
+    assert nem._trim_restarted() == {"decode-1": 170.0}
+    assert nem.sampler.series["decode-1/main/rss_bytes"].points[0] == (170, 370.0)
+    assert nem.sampler.series["decode/main/rss_bytes"].points == old_then_new  # not restarted
+    assert "decode-1/table/x" not in nem.sampler.series  # nothing after the restart

@@ -49,7 +49,9 @@ class Settings:
     cancel_fraction: float = 0.08
     prefix_fraction: float = 0.3
     sample_every_s: float = 5.0  # resources of every engine and the router
-    resource_warmup_s: float = 60.0  # growth before this is the engines warming up
+    # Growth before this (from the start, or from an engine's restart) is warming up: vLLM's
+    # CPU workers were seen to add ~100-160 MiB over their first minutes of mixed prompts.
+    resource_warmup_s: float = 120.0
     rest_gap_s: float = 2.5  # at least this between the two samples at rest in a window
 
 
@@ -406,13 +408,32 @@ class Nemesis:
         self._resources()
         self._checks()
 
+    def _trim_restarted(self) -> dict[str, float]:
+        """A restarted engine is a new process tree: its series are judged from its last
+        restart on (what the old process held is not growth of the new one). The time each
+        engine's series start from."""
+        back: dict[str, float] = {}
+        for a in self.applied:
+            if a.fault.kind in ("kill", "restart") and a.end is not None:
+                back[a.fault.engine] = max(back.get(a.fault.engine, 0.0), a.end)
+        for name, series in list(self.sampler.series.items()):
+            since = back.get(name.split("/", 1)[0])
+            if since is None:
+                continue
+            series.points = [p for p in series.points if p[0] >= since]
+            if len(series.points) < 2:
+                del self.sampler.series[name]
+        return {e: round(t, 1) for e, t in back.items()}
+
     def _resources(self) -> None:
         """Flatness of every sampled series: the report's rows, the failing ones printed."""
+        restarted = self._trim_restarted()
         rows = self.sampler.report(self.load_samples, warmup_s=self.s.resource_warmup_s)
         grows = [r for r in rows if not r.passed]
         self.ctx.report.data["nemesis"]["resources"] = {
             "samples": self.sampler.samples,
             "series": len(rows),
+            "restarted_from": restarted,
             "rows": [r.as_dict() for r in rows],
         }
         self.ctx.event("resource flatness", series=len(rows), grows=len(grows))
