@@ -237,6 +237,19 @@ def test_many_renewals_keep_the_expiry_heap_small_and_expiry_exact() -> None:
     assert t.expire(7.0) == ["a"]
 
 
+def test_forgetting_the_last_lease_empties_the_expiry_heap() -> None:
+    t = table(skew=0.0)
+    for k in ("a", "b"):
+        g = t.grant(k, 0.0, 5.0).generation
+        assert t.renew(k, g, 1.0).ok
+        assert t.ack(k, g).ok
+    t.forget("a", 2.0)
+    assert t.tables("p")["p_expiry"][0] > 0  # "b" still has a lease
+    t.forget("b", 2.0)
+    assert t.tables("p") == {"p": (0, None), "p_expiry": (0, None)}
+    assert t.expire(100.0) == []
+
+
 def test_retired_incarnations_keep_the_latest_and_forget_the_oldest() -> None:
     from kvpush_prod.core.incarnations import RetiredIncarnations
 

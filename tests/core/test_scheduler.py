@@ -66,6 +66,16 @@ def test_a_transfer_smaller_than_a_chunk_is_one_last_chunk() -> None:
     assert s.transfers == 0 and s.queued == 0
 
 
+def test_the_last_transfer_ending_leaves_no_cutoff_behind() -> None:
+    s = sched()
+    for tid in ("a", "b"):
+        s.add(tid, "L", block_bytes=100, num_blocks=5, permit_deadline=FAR, now=0.0)
+    drain(s)
+    assert s.transfers == 0
+    assert s.tables("push")["push.cutoffs"] == (0, None)
+    assert s.next_wakeup() is None
+
+
 def test_a_block_larger_than_a_chunk_travels_alone() -> None:
     s = sched(chunk_bytes=1000)
     s.add("t", "L", block_bytes=4000, num_blocks=3, permit_deadline=FAR, now=0.0)

@@ -212,6 +212,9 @@ class Context:
         self.generators: list[LoadGenerator] = []
         self.engines: tuple[str, ...] = tuple(cluster.engine_names)
         self.kills: list[Kill] = []
+        # Reference answers a scenario already fetched (RequestSpec.reference_key -> text):
+        # the final check reuses them instead of asking the reference engine again.
+        self.reference_cache: dict[tuple[str, int, bool], str] = {}
 
     # -- output
     def now(self) -> float:
@@ -591,45 +594,57 @@ def scan_logs(cluster: Cluster, since: dict[str, int], limit: int = 25) -> dict[
 
 
 async def _references(
-    cluster: Cluster, specs: dict[int, RequestSpec], records: list[Record]
+    cluster: Cluster,
+    specs: dict[int, RequestSpec],
+    records: list[Record],
+    known: dict[tuple[str, int, bool], str] | None = None,
 ) -> dict[int, str | None]:
-    """The reference engine's greedy answer for every successful request."""
+    """The reference engine's greedy answer for every successful request (those in
+    ``known`` are not asked again)."""
     want: dict[tuple[str, int, bool], list[int]] = {}
-    for rec in records:
-        if rec.ok:
-            want.setdefault(specs[rec.idx].reference_key(), []).append(rec.idx)
     out: dict[int, str | None] = {}
+    for rec in records:
+        if not rec.ok:
+            continue
+        key = specs[rec.idx].reference_key()
+        if known is not None and key in known:
+            out[rec.idx] = known[key]
+        else:
+            want.setdefault(key, []).append(rec.idx)
     sem = asyncio.Semaphore(4)
     url = cluster.urls["reference"]
 
     async def one(client: httpx.AsyncClient, idxs: list[int]) -> None:
-        spec = specs[idxs[0]]
-        body = spec.body()
-        body["stream"] = False
-        body.pop("stream_options", None)
-        path = "/v1/chat/completions" if spec.chat else "/v1/completions"
-        text: str | None = None
         async with sem:
-            for _ in range(3):
-                try:
-                    r = await client.post(url + path, json=body, timeout=120)
-                    if r.status_code == 200:
-                        c = r.json()["choices"][0]
-                        text = (
-                            (c.get("message") or {}).get("content") or ""
-                            if spec.chat
-                            else c.get("text") or ""
-                        )
-                        break
-                except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                    pass
-                await asyncio.sleep(1)
+            text = await reference_answer(client, url, specs[idxs[0]])
         for i in idxs:
             out[i] = text
 
     async with httpx.AsyncClient(trust_env=False) as client:
         await asyncio.gather(*(one(client, idxs) for idxs in want.values()))
     return out
+
+
+async def reference_answer(client: httpx.AsyncClient, url: str, spec: RequestSpec) -> str | None:
+    """The single engine at ``url``'s greedy answer to ``spec`` (None: no answer in 3 tries)."""
+    body = spec.body()
+    body["stream"] = False
+    body.pop("stream_options", None)
+    path = "/v1/chat/completions" if spec.chat else "/v1/completions"
+    for _ in range(3):
+        try:
+            r = await client.post(url + path, json=body, timeout=120)
+            if r.status_code == 200:
+                c = r.json()["choices"][0]
+                return str(
+                    (c.get("message") or {}).get("content") or ""
+                    if spec.chat
+                    else c.get("text") or ""
+                )
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            pass
+        await asyncio.sleep(1)
+    return None
 
 
 async def _healthy(url: str) -> bool:
@@ -695,7 +710,7 @@ async def run_on_cluster(
 
     # Correctness against the single engine.
     ctx.event("computing reference answers", ok=sum(1 for r in records if r.ok))
-    refs = await _references(cluster, ctx.specs, records)
+    refs = await _references(cluster, ctx.specs, records, ctx.reference_cache)
     t = tally(records, refs)
     streamed = attribute_streaming(t, _receives(cluster, observer))
     report.table = _table(t, streamed, leaked)

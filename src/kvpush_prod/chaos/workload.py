@@ -1,7 +1,9 @@
 """What the chaos load sends: a seeded, endless stream of distinct requests.
 
 Mixed prompt lengths, output lengths, streaming or not, completions or chat; no two prompts
-share even their first block, so no answer comes from a prefix-cache hit by accident.
+share even their first block, so no answer comes from a prefix-cache hit by accident, unless
+the mix asks for shared prefixes (``prefix_fraction``: prompts opening with one of a few
+common prefixes, as system prompts do).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Mix:
     cancel_max_s: float = 1.5  # they are abandoned at a uniform time in [0, this]
     # ... or, streaming ones with this probability, after a uniform number of tokens
     cancel_tokens_fraction: float = 0.5
+    prefix_fraction: float = 0.0  # requests whose prompt opens with a shared prefix
+    prefixes: int = 4  # ... one of this many (per seed)
+    prefix_len: int = 256  # ... of this many tokens (at most the prompt's length - 16)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ def make_request(idx: int, seed: int, mix: Mix) -> RequestSpec:
             cancel_tokens = rng.randint(1, max(1, max_tokens - 2))
         else:
             cancel = rng.uniform(0.0, mix.cancel_max_s)
+    if mix.prefix_fraction and rng.random() < mix.prefix_fraction:
+        prompt = _with_prefix(prompt, n, seed, rng.randrange(mix.prefixes), mix.prefix_len)
     return RequestSpec(
         idx=idx,
         prompt=prompt,
@@ -83,6 +90,15 @@ def make_request(idx: int, seed: int, mix: Mix) -> RequestSpec:
         cancel_after=cancel,
         cancel_after_tokens=cancel_tokens,
     )
+
+
+def _with_prefix(prompt: str, n: int, seed: int, k: int, prefix_len: int) -> str:
+    """``prompt`` (``n`` tokens) with its first tokens replaced by shared prefix ``k``."""
+    take = max(0, min(prefix_len, n - 16))
+    if take == 0:
+        return prompt
+    prefix = _words(random.Random(f"kvpush-chaos-prefix/{seed}/{k}"), prefix_len)
+    return " ".join(prefix.split()[:take] + prompt.split()[take:])
 
 
 def workload(seed: int, mix: Mix) -> Iterator[RequestSpec]:

@@ -258,6 +258,10 @@ class LeaseTable(Generic[K]):
                 f"(now {now:.3f}); wait for its ack or for expiry plus the skew margin",
             )
         del self._entries[key]
+        if not self._entries:
+            # No lease left: every heap entry is stale. Dropped now, so an idle engine holds
+            # none (expire() pops them only when called, and an idle pump does not call it).
+            self._expiry.clear()
 
     def reusable_at(self, key: K) -> float | None:
         """The earliest time ``key`` becomes reusable without an ack (None: no lease)."""

@@ -675,6 +675,10 @@ class ChunkScheduler:
         del self._transfers[t.tid]
         self._queued_chunks -= t.queued_chunks
         self._queued_bytes -= t.queued_bytes
+        if not self._transfers:
+            # Every cut-off left is a stale one (lazy heap): dropped, so an idle engine holds
+            # none (they left only as their time came and the pump looked).
+            self._cutoffs.clear()
 
     def _expire_due(self, now: float) -> None:
         heap = self._cutoffs

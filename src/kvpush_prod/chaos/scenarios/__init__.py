@@ -15,4 +15,7 @@ SCENARIOS = (
     "restart_under_load",
     "drain",
     "nxm_kill",
+    "nemesis",
 )
+# Scenarios that run for a set time (minutes to hours): ``kvpush chaos all`` leaves them out.
+SOAKS = ("nemesis",)

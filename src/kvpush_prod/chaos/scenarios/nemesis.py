@@ -1,0 +1,145 @@
+"""The nemesis: steady mixed traffic through the router over 2 P x 2 D for a set duration while
+a seeded random schedule applies overlapping faults (kill -9 and restart, SIGSTOP/SIGCONT,
+graceful restart, drain/undrain, injected WRITE failures, a keyed flood; partitions and
+throttled links when the engines run in network namespaces), with quiet windows. Invariants
+are checked while it runs; the report's schedule replays with ``--replay REPORT.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvpush_prod.chaos.harness import Context, Needs, Options, main
+from kvpush_prod.chaos.nemesis import Nemesis, Settings
+from kvpush_prod.chaos.schedule import (
+    DEFAULT_KINDS,
+    NETNS_KINDS,
+    Schedule,
+    ScheduleConfig,
+    ScheduleError,
+    generate,
+)
+
+NAME = "nemesis"
+DESCRIPTION = (
+    "2 P x 2 D under steady mixed load for a set time while a seeded schedule of "
+    "overlapping faults runs; invariants checked continuously; replayable"
+)
+DEFAULTS = {"concurrency": 4, "timeout": 120.0, "progress_every": 50}
+WRITE_FAIL_RATE = 0.5  # of P's WRITEs while the switch file exists
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="run the schedule (and load seed) of this nemesis report again",
+    )
+    ap.add_argument(
+        "--kinds",
+        default=",".join(DEFAULT_KINDS),
+        help=f"fault kinds to draw (default {','.join(DEFAULT_KINDS)}; "
+        f"{','.join(NETNS_KINDS)} need engines in network namespaces)",
+    )
+    ap.add_argument("--max-overlap", type=int, default=2, help="faults active at once, at most")
+    ap.add_argument("--quiet-every", type=float, default=120.0, help="a quiet window this often")
+    ap.add_argument("--quiet-s", type=float, default=20.0, help="each quiet window's length")
+    ap.add_argument(
+        "--restart-slot", type=float, default=60.0, help="planned seconds a killed engine is out"
+    )
+    ap.add_argument("--grace", type=float, default=10.0, help="a fault explains failures so long")
+    ap.add_argument("--role-bound", type=float, default=30.0, help="max seconds a role is out")
+    ap.add_argument("--flood-rate", type=int, default=2000, help="flood messages a second")
+    ap.add_argument("--prefills", type=int, default=2)
+    ap.add_argument("--decodes", type=int, default=2)
+
+
+def needs(opts: Options) -> Needs:
+    prefills, decodes = int(opts.extra.get("prefills", 2)), int(opts.extra.get("decodes", 2))
+    if prefills < 2 or decodes < 2:
+        raise ValueError(
+            f"the nemesis needs at least 2 prefill and 2 decode engines (got --prefills "
+            f"{prefills} --decodes {decodes}): it takes one engine of a role out at a time"
+        )
+    return Needs(
+        policy=opts.policy or "recompute",
+        decode_blocks=opts.decode_blocks,
+        prefill_faults=(
+            ("complete_fail_rate", WRITE_FAIL_RATE),
+            ("active_file", "{workdir}"),
+            ("seed", opts.seed),
+        ),
+        admin=True,
+        prefills=prefills,
+        decodes=decodes,
+        router_policy="engine_load",
+    )
+
+
+def schedule_for(ctx: Context) -> Schedule:
+    """The replayed schedule (``--replay``) or a fresh one drawn from ``--seed``."""
+    x = ctx.opts.extra
+    replay = x.get("replay")
+    if replay:
+        try:
+            report = json.loads(Path(replay).read_text())
+            sched = Schedule.from_dict(report["nemesis"]["schedule"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ScheduleError(
+                f"--replay {replay}: cannot read a nemesis schedule from it ({exc}); give the "
+                "JSON report a nemesis run wrote with --report"
+            ) from None
+        ctx.opts.seed = int(report.get("options", {}).get("seed", sched.seed))  # the same load
+        return sched
+    kinds = tuple(k.strip() for k in str(x.get("kinds", ",".join(DEFAULT_KINDS))).split(","))
+    netns = [k for k in kinds if k in NETNS_KINDS]
+    if netns and not all(e in ctx.cluster.spec.netns for e in ctx.cluster.engine_names):
+        raise ScheduleError(
+            f"fault kinds {netns} need every engine in its own network namespace "
+            "(ClusterSpec.netns); drop them from --kinds on this cluster"
+        )
+    cfg = ScheduleConfig(
+        duration_s=float(x.get("duration", 600.0)),
+        prefills=tuple(ctx.cluster.prefill_names),
+        decodes=tuple(ctx.cluster.decode_names),
+        kinds=kinds,
+        max_overlap=int(x.get("max_overlap", 2)),
+        quiet_every_s=float(x.get("quiet_every", 120.0)),
+        quiet_s=float(x.get("quiet_s", 20.0)),
+        restart_slot_s=float(x.get("restart_slot", 60.0)),
+    )
+    return generate(ctx.opts.seed, cfg)
+
+
+async def run(ctx: Context) -> None:
+    sched = schedule_for(ctx)
+    x = ctx.opts.extra
+    settings = Settings(
+        grace_s=float(x.get("grace", 10.0)),
+        role_bound_s=float(x.get("role_bound", 30.0)),
+        flood_rate=int(x.get("flood_rate", 2000)),
+    )
+    ctx.event(
+        f"nemesis: {len(sched.faults)} faults and {len(sched.quiet)} quiet windows in "
+        f"{sched.config.duration_s:g} s",
+        seed=sched.seed,
+        kinds=",".join(sched.config.kinds),
+    )
+    nem = Nemesis(ctx, sched, settings)
+    await nem.run()
+    for f in ctx.report.data["nemesis"]["faults"]:
+        ctx.log(
+            f"fault {f['id']:3d} {f['kind']:10s} {f['engine']:10s} "
+            f"{f['start'] or 0:7.1f}-{f['end'] or 0:7.1f} s: "
+            f"{len(f.get('requests_in_flight', []))} requests in flight, "
+            f"failed {f.get('failed_requests', [])[:12]}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.modules[__name__]))

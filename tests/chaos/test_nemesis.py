@@ -1,0 +1,61 @@
+"""The nemesis soak on a 2 P x 2 D cluster (router policy engine_load, admin API, P's WRITE
+failures behind a switch file): overlapping faults from a seeded schedule under steady mixed
+load, invariants checked while it runs; the verdict must be PASS.
+
+Its length is ``KVPUSH_NEMESIS_S`` seconds of load: 600 by default (CI), 3600 in the full run
+(KVPUSH_E2E_EXTRA=1); the cluster's start and the final checks add ~3 min. The cluster has
+five engines (with the shared reference), so none of the chaos suite's pairs is reused: it is
+started for this test and closed after it. The report goes to KVPUSH_CHAOS_REPORTS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush_prod.chaos.cli import scenario
+from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
+
+FULL = os.environ.get("KVPUSH_E2E_EXTRA") == "1"
+SECONDS = float(os.environ.get("KVPUSH_NEMESIS_S") or (3600 if FULL else 600))
+SEED = int(os.environ.get("KVPUSH_NEMESIS_SEED", "25"))
+# Every kind but the graceful restart (SIGTERM of an engine with requests in flight): vLLM
+# ends the requests it was decoding with HTTP 200, finish_reason "abort" (or, streaming, an
+# empty answer and [DONE]), which the router passes on as a success, so the run fails on a
+# known product problem (docs/chaos.md, "The nemesis"). `kvpush chaos nemesis` draws it by
+# default; KVPUSH_NEMESIS_KINDS overrides this list.
+KINDS = os.environ.get("KVPUSH_NEMESIS_KINDS", "kill,stop,drain,write_fail,flood")
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(int(SECONDS) + 1200)]
+
+
+def test_nemesis_overlapping_faults_break_no_invariant(
+    cluster_pool: Any, reports_dir: Path
+) -> None:
+    module = scenario("nemesis")
+    opts = Options(
+        seed=SEED,
+        concurrency=4,
+        timeout=120.0,
+        quiesce_timeout=90.0,
+        progress_every=50,
+        policy="recompute",
+        extra={
+            "duration": SECONDS,
+            "quiet_every": 120.0 if SECONDS >= 300 else 70.0,
+            "kinds": KINDS,
+        },
+    )
+    needs = module.needs(opts)
+    try:
+        cluster = cluster_pool.get("nemesis", needs)
+        report = asyncio.run(run_on_cluster(module, cluster, opts, log=print, needs=needs))
+    finally:
+        cluster_pool.close()  # five engines: free their memory for what runs next
+    print_report(report)
+    write_report(report, reports_dir / "nemesis.json")
+    assert report.passed, report.verdict_line()
