@@ -3,4 +3,4 @@
 Load it through vLLM's ``kv_transfer_config`` with ``kv_connector_module_path: kvpush_prod.connector``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
