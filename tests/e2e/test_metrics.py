@@ -65,6 +65,9 @@ HEALTHY = {
     ("kvpush_transfers_active", "producer"),
     ("kvpush_transfers_active", "consumer"),
     ("kvpush_breaker_state", "producer"),
+    ("kvpush_protocol_dones", "producer"),
+    ("kvpush_protocol_dones", "consumer"),
+    ("kvpush_peer_connect_seconds", "producer"),
 }
 # Series with samples only on faults (or bad input): on a healthy run they must not grow.
 EMITTED_ON_FAULTS = {
@@ -86,6 +89,9 @@ EMITTED_ON_FAULTS = {
     "kvpush_link_slow",
     # Only with push.layerwise on or auto (off in this run's profile).
     "kvpush_layerwise_writes",
+    # Only with a peer of the previous release (protocol N-1).
+    "kvpush_protocol_fallbacks",
+    "kvpush_peer_connect_failures",
 }
 # Gauges back to zero once the engines are idle, and gauges that must be positive.
 ZERO_WHEN_IDLE = {
