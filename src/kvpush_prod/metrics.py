@@ -601,11 +601,14 @@ TABLES_EVERY_S = 1.0
 
 
 def set_tables(stats: StatsBuffer, role: str, tables: TableSizes) -> None:
-    """Set kvpush_table_entries (and kvpush_table_capacity where bounded) for each table."""
+    """Set kvpush_table_entries (and kvpush_table_capacity where bounded) for each table, under
+    one take of the buffer's lock (the scheduler does it at every step's drain)."""
+    gauges: dict[tuple[str, tuple[str, ...]], float] = {}
     for name, (entries, capacity) in tables.items():
-        stats.set("kvpush_table_entries", (role, name), float(entries))
+        gauges["kvpush_table_entries", (role, name)] = float(entries)
         if capacity is not None:
-            stats.set("kvpush_table_capacity", (role, name), float(capacity))
+            gauges["kvpush_table_capacity", (role, name)] = float(capacity)
+    stats.set_many(gauges)
 
 
 class StatsBuffer:
@@ -630,6 +633,11 @@ class StatsBuffer:
     def set(self, name: str, labels: tuple[str, ...], value: float) -> None:
         with self._lock:
             self._gauges[(name, labels)] = value
+
+    def set_many(self, gauges: dict[tuple[str, tuple[str, ...]], float]) -> None:
+        """Several gauges set at once: one take of the lock."""
+        with self._lock:
+            self._gauges.update(gauges)
 
     def observe(self, name: str, labels: tuple[str, ...], value: float) -> None:
         with self._lock:
