@@ -39,10 +39,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "u" * 64
 MAX_TOKENS = 8
-LENGTHS = (40, 300, 700, 150, 1000, 520)  # prompt tokens, cycled by the load
+# Prompt tokens, cycled by the load. The router pairs P and D by round robin, one step of
+# each per request, so with 2 P and 2 D a request stream meets only two of the four pairs
+# (P0-D0 and P1-D1, or P0-D1 and P1-D0, whichever the last drain left): after D1's upgrade
+# the second pairing has no pair of mixed versions at all. A prompt under the router's
+# direct_below_tokens goes to D alone and moves only D's rotation, so once a cycle the
+# pairing turns and every pair comes up.
+SHORT = 4
+DIRECT_BELOW = 16
+LENGTHS = (40, 300, SHORT, 700, 150, 1000, 520)
 CONCURRENCY = 2
-# Requests sent after a step, at most, before its mixed pairs must have pushed (the router
-# pairs P and D by load and round robin: a given pair may take a few requests to come up).
+# Requests sent after a step, at most, before its mixed pairs must have pushed (a pair comes
+# up within two cycles of LENGTHS).
 MAX_AFTER_STEP = 48
 ORDERS = {
     "mixed": ("prefill", "decode-1", "decode", "prefill-1"),
@@ -95,7 +103,7 @@ class Load:
                 problem = f"failed: {got.status} {got.error}"
             elif got.text != self.reference[n]:
                 problem = f"answer differs: {got.text!r} != {self.reference[n]!r}"
-            elif not stream:
+            elif not stream and n != SHORT:  # SHORT goes to D alone: no transfer
                 outcome = (got.kv_transfer_params or {}).get("kvpush", {}).get("outcome")
                 problem = "" if outcome == "pushed" else f"not pushed: {outcome}"
             self.records.append((phase, n, problem))
@@ -207,6 +215,7 @@ def run_case(order_name: str, site: str, workdir: Path, shared: SharedReference)
         extra={"leases": {"permit_ttl_s": 30.0, "peer_timeout_s": 20.0}},
         router_args=["--admin-token-file", str(workdir / "admin.token")],
         releases=dict.fromkeys(engines, site),
+        direct_below_tokens=DIRECT_BELOW,
     )
     t0 = time.monotonic()
     log: list[str] = []
@@ -217,6 +226,7 @@ def run_case(order_name: str, site: str, workdir: Path, shared: SharedReference)
             n: metric_sum(scrape(cluster.urls[n]), "kvpush_protocol_fallbacks_total")
             for n in engines
         }
+        direct = metric_sum(scrape(cluster.urls["router"]), "kvpush_router_direct_total")
     bad = [r for r in load.records if r[2]]
     phases = {p: load.done(p) for p in dict.fromkeys(p for p, _, _ in load.records)}
     print(
@@ -224,6 +234,8 @@ def run_case(order_name: str, site: str, workdir: Path, shared: SharedReference)
         f"{time.monotonic() - t0:.0f} s; fallbacks {fallbacks}; " + "; ".join(log[-8:])
     )
     assert not bad, bad[:10]
+    shorts = sum(1 for _, n, _ in load.records if n == SHORT)
+    assert direct >= shorts > 0, f"{shorts} short prompts, {direct} sent to D alone"
     assert all(v == 0 for v in held.values()), f"held at the end: {held}"
     # Each engine that met a peer of the previous release counted (and logged) it.
     assert sum(fallbacks.values()) >= 1, fallbacks
