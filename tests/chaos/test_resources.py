@@ -93,6 +93,52 @@ def test_rss_growing_with_time_fails_and_within_its_bound_passes() -> None:
     assert flatness(slow, load).passed
 
 
+def test_rss_growing_like_its_control_passes_and_beyond_it_fails() -> None:
+    load = bursts(600)
+    vllm = lambda t: 1600 * MIB + 300 * MIB * (1 - 0.995 ** (t / 5))  # noqa: E731 - saturating
+    control = series("rss_bytes", 600, vllm)
+    alike = series("rss_bytes", 600, lambda t: vllm(t) + 90 * MIB)
+    leaking = series("rss_bytes", 600, lambda t: vllm(t) + t / 600 * 100 * MIB)
+    assert not flatness(series("rss_bytes", 600, vllm), load).passed  # alone, vLLM's growth
+    alike.control = leaking.control = control
+    row = flatness(alike, load)
+    assert row.passed, row
+    assert row.control_per_hour is not None and row.control_per_hour > BOUNDS["rss_bytes"].per_hour
+    assert "control" in row.method
+    row = flatness(leaking, load)
+    assert not row.passed and row.slope_per_hour == pytest.approx(600 * MIB, rel=0.1)
+
+
+def test_a_shrinking_control_excuses_nothing() -> None:
+    load = bursts(600)
+    leak = series("rss_bytes", 600, lambda t: 900 * MIB + t / 600 * 100 * MIB)
+    leak.control = series("rss_bytes", 600, lambda t: 900 * MIB - t * MIB)
+    row = flatness(leak, load)
+    assert not row.passed and row.control_per_hour == 0.0
+
+
+def test_the_control_is_sampled_never_judged_and_judges_only_engines_rss() -> None:
+    now = iter(range(100))
+    grows = iter(range(0, 10**9, 10**8))
+    pid = os.getpid()
+    sampler = ResourceSampler(
+        [
+            Target("prefill", lambda: pid, "http://p", control="reference"),
+            Target("reference", lambda: pid, None, judged=False),
+        ],
+        clock=lambda: float(next(now)),
+        scrape=lambda url: 'kvpush_table_entries{role="producer",table="push.links"} 1.0\n',
+    )
+    for _ in range(3):
+        sampler.sample_once()
+    sampler.series["reference/main/rss_bytes"].points = [(t, float(next(grows))) for t in (0, 1, 2)]
+    rows = {r.name: r for r in sampler.report([(0.0, 0.0)], warmup_s=0, settle_s=0)}
+    assert not any(n.startswith("reference/") for n in rows)
+    assert rows["prefill/main/rss_bytes"].control_per_hour == pytest.approx(1e8 * 3600)
+    assert rows["prefill/main/fds"].control_per_hour is None
+    assert rows["prefill/table/producer/push.links"].control_per_hour is None
+
+
 def test_a_table_with_a_capacity_may_fill_up_to_it_and_one_without_may_not() -> None:
     load = bursts(600)
     grows = lambda t: float(int(t))  # noqa: E731 - one entry a second, every transfer kept
@@ -190,11 +236,39 @@ def test_a_clusters_targets_follow_its_processes_and_skip_the_down_ones() -> Non
         procs={"prefill": up, "decode": down, "router": up},
         urls={"prefill": "http://p", "decode": "http://d", "router": "http://r"},
         engine_names=["prefill", "decode"],
+        prefill_names=["prefill"],
     )
     targets = {t.name: t for t in cluster_targets(cluster)}  # type: ignore[arg-type]
     assert set(targets) == {"prefill", "decode", "router"}
     assert targets["prefill"].pid() == os.getpid() and targets["decode"].pid() is None
     assert targets["router"].metrics_url == "http://r"
+    assert targets["prefill"].control is None
+
+
+def test_a_clusters_reference_engine_is_the_control_found_by_its_port() -> None:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        up = SimpleNamespace(pid=os.getpid(), alive=lambda: True)
+        cluster = SimpleNamespace(
+            procs={"prefill": up, "decode": up, "router": up},  # a shared reference
+            urls={
+                "prefill": "http://p",
+                "decode": "http://d",
+                "router": "http://r",
+                "reference": f"http://127.0.0.1:{port}",
+            },
+            engine_names=["prefill", "decode"],
+            prefill_names=["prefill"],
+        )
+        targets = {t.name: t for t in cluster_targets(cluster)}  # type: ignore[arg-type]
+        assert targets["prefill"].control == "reference"
+        assert targets["decode"].control is None and targets["router"].control is None
+        assert not targets["reference"].judged and targets["reference"].metrics_url is None
+        assert targets["reference"].pid() == os.getpid()
 
 
 def test_sampling_more_often_than_never_is_required() -> None:

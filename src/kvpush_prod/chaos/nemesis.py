@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +25,9 @@ from kvpush_prod.chaos.harness import (
 from kvpush_prod.chaos.invariants import Invariants, in_flight_during
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import ACTIVE, BLOCKS, RUNNING, TRANSFERS, WAITING, Samples
-from kvpush_prod.chaos.resources import ResourceSampler, Target, report_lines
+from kvpush_prod.chaos.resources import ResourceSampler, cluster_targets, report_lines
 from kvpush_prod.chaos.schedule import Fault, Quiet, Schedule
 from kvpush_prod.lab.client import metric_sum
-from kvpush_prod.lab.cluster import Cluster
 
 STARTED = "kvpush_transfers_started_total"
 LEASES = "kvpush_leases_active"
@@ -87,20 +85,6 @@ def accounting_of(s: Samples) -> tuple[float, float, float, float] | None:
     return (_sum(s, STARTED), ended, active, _sum(s, RUNNING) + _sum(s, WAITING))
 
 
-def resource_targets(cluster: Cluster) -> list[Target]:
-    """Every engine's process tree and the router's, with the /metrics of their tables."""
-
-    def pid_of(name: str) -> Callable[[], int | None]:
-        def pid() -> int | None:
-            p = cluster.procs.get(name)
-            return p.pid if p is not None and p.alive() else None
-
-        return pid
-
-    names = [*cluster.engine_names, "router"]
-    return [Target(n, pid_of(n), cluster.urls.get(n)) for n in names]
-
-
 def held_of(s: Samples) -> dict[str, float | None]:
     """What an engine holds: connector blocks, live leases, transfers in progress."""
     return {
@@ -133,7 +117,7 @@ class Nemesis:
         self._no_started: set[str] = set()
         self.accounting_exact = 0
         self.sampler = ResourceSampler(
-            resource_targets(c), settings.sample_every_s, clock=self._load_clock
+            cluster_targets(c), settings.sample_every_s, clock=self._load_clock
         )
         self.load_samples: list[tuple[float, float]] = []  # (time, requests in flight)
 
@@ -360,6 +344,9 @@ class Nemesis:
             violations=len(self.inv.violations),
         )
         # Resources at rest: two samples, the load still paused (what flatness compares).
+        # A poke first: an engine publishes its gauges (the tables' sizes) at its steps, so
+        # one that idled since its last transfer shows values from before it ended.
+        await _poke(self.ctx.cluster)
         for _ in range(2):
             await asyncio.sleep(max(self.s.rest_gap_s, (q.duration - (time.monotonic() - t0)) / 2))
             await asyncio.to_thread(self.sampler.sample_once)

@@ -9,6 +9,13 @@ when that slope is above its bound per hour *and* the growth it implies over the
 above the series' slack (one fd opened by a late connection is not a leak; one per minute
 is). A table with a capacity of its own (``kvpush_table_capacity``) cannot grow past it: it
 passes while within it, and its row says so.
+
+vLLM's own processes grow with the work itself for minutes (measured here: a plain engine's
+worker, no connector, +350 MiB over its first 2.9 M prompt tokens and still ~40 MiB a minute
+after 4 minutes; a prefill engine's worker alike; a decode engine's flat). An prefill engine's RSS is
+therefore judged against a *control*: a plain engine fed the same prompts (the chaos runs'
+reference engine, ``Target.control``), whose slope is subtracted from the engine's: what the
+connector adds is what remains. A decode engine's is judged alone.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -72,6 +80,10 @@ class Target:
     name: str
     pid: Callable[[], int | None]
     metrics_url: str | None = None
+    # The target whose process RSS this one's is judged against (a plain engine fed the same
+    # prompts), or None; ``judged`` False: sampled as a control, never judged itself.
+    control: str | None = None
+    judged: bool = True
 
 
 @dataclass
@@ -82,6 +94,9 @@ class Series:
     kind: str
     points: list[tuple[float, float]] = field(default_factory=list)
     capacity: float | None = None
+    # The same quantity of the control: its slope (what the work itself explains) is
+    # subtracted from this one's.
+    control: Series | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,7 @@ class Row:
     passed: bool
     method: str
     note: str = ""
+    control_per_hour: float | None = None  # the control's slope, already subtracted
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -191,9 +207,39 @@ def scrape_text(url: str, timeout: float = 5.0) -> str:
 # ---------------------------------------------------------------------------- sampling
 
 
+def listening_pid(url: str) -> int | None:
+    """The pid of the local process that listens on ``url``'s port (None if none does)."""
+    port = urlsplit(url).port
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            return conn.pid
+    return None
+
+
+def control_target(cluster: Cluster) -> Target | None:
+    """The cluster's reference engine (its own or a shared one) as a control: a plain vLLM
+    engine fed the same prompts (the chaos runs ask it for every answer they check)."""
+    url = cluster.urls.get("reference")
+    if url is None:
+        return None
+    found: list[int | None] = []
+
+    def pid() -> int | None:
+        proc = cluster.procs.get("reference")
+        if proc is not None:
+            return proc.pid if proc.alive() else None
+        if not found or found[0] is None or not psutil.pid_exists(found[0]):
+            found[:] = [listening_pid(url)]
+        return found[0]
+
+    return Target("reference", pid, None, judged=False)
+
+
 def cluster_targets(cluster: Cluster) -> list[Target]:
     """Every engine of a lab cluster and its router (followed across restarts: the pid is
-    looked up at each sample, None while the process is down)."""
+    looked up at each sample, None while the process is down), and its reference engine as
+    the control the prefill engines' RSS is judged against (a decode engine's vLLM computes
+    no prompt of a pushed request: its RSS is judged alone)."""
 
     def pid_of(name: str) -> Callable[[], int | None]:
         def pid() -> int | None:
@@ -202,8 +248,19 @@ def cluster_targets(cluster: Cluster) -> list[Target]:
 
         return pid
 
-    names = [*cluster.engine_names, "router"]
-    return [Target(n, pid_of(n), cluster.urls.get(n)) for n in names if n in cluster.urls]
+    control = control_target(cluster)
+    against = control.name if control is not None else None
+    prefills = set(cluster.prefill_names)
+    engines = [
+        Target(n, pid_of(n), cluster.urls.get(n), control=against if n in prefills else None)
+        for n in cluster.engine_names
+    ]
+    routers = (
+        [Target("router", pid_of("router"), cluster.urls["router"])]
+        if "router" in cluster.urls
+        else []
+    )
+    return [*engines, *routers, *([control] if control else [])]
 
 
 class ResourceSampler:
@@ -277,12 +334,17 @@ class ResourceSampler:
     def report(
         self, load: Sequence[tuple[float, float]], warmup_s: float = 60.0, settle_s: float = 2.0
     ) -> list[Row]:
-        """``flatness`` of every series sampled, failures first."""
-        rows = [
-            flatness(s, load, warmup_s=warmup_s, settle_s=settle_s)
-            for s in self.series.values()
-            if len(s.points) >= 2
-        ]
+        """``flatness`` of every series sampled of a judged target, failures first; a
+        process's RSS against its target's control's, where it has one."""
+        targets = {t.name: t for t in self.targets}
+        rows = []
+        for s in self.series.values():
+            target = targets.get(s.name.split("/", 1)[0])
+            if len(s.points) < 2 or (target is not None and not target.judged):
+                continue
+            if target is not None and target.control and s.kind == "rss_bytes":
+                s.control = self.series.get(f"{target.control}/{s.name.split('/', 1)[1]}")
+            rows.append(flatness(s, load, warmup_s=warmup_s, settle_s=settle_s))
         return sorted(rows, key=lambda r: (r.passed, r.name))
 
 
@@ -352,11 +414,16 @@ def flatness(
     ``MIN_WINDOWS`` quiet windows, every sample after the warm-up is used (and said)."""
     bound = (bounds or BOUNDS)[series.kind]
     start = series.points[0][0] + warmup_s
-    after = [p for p in series.points if p[0] >= start] or list(series.points)
-    points, method = quiet_windows(after, load, settle_s), "quiet windows"
-    if len(points) < MIN_WINDOWS:
-        points, method = after, "all samples (too few quiet windows)"
+    points, method = _judged_points(series, start, load, settle_s)
     slope = theil_sen(points)
+    control: float | None = None
+    if series.control is not None and len(series.control.points) >= 2:
+        # The control over the same span (a growing control explains growth; a shrinking
+        # one explains none).
+        cpoints, _ = _judged_points(series.control, max(start, points[0][0]), load, settle_s)
+        control = max(0.0, theil_sen(cpoints))
+        slope -= control
+        method += ", less the control's slope"
     span = points[-1][0] - points[0][0] if len(points) > 1 else 0.0
     growth = slope * span
     passed = not (slope * HOUR > bound.per_hour and growth > bound.slack)
@@ -376,7 +443,20 @@ def flatness(
         passed,
         f"{method}: {len(points)}",
         note,
+        None if control is None else control * HOUR,
     )
+
+
+def _judged_points(
+    series: Series, start: float, load: Sequence[tuple[float, float]], settle_s: float
+) -> tuple[list[tuple[float, float]], str]:
+    """The points a series is judged on: one per quiet window from ``start`` on, or every
+    sample from then when there are fewer than ``MIN_WINDOWS`` windows."""
+    after = [p for p in series.points if p[0] >= start] or list(series.points)
+    points = quiet_windows(after, load, settle_s)
+    if len(points) < MIN_WINDOWS:
+        return after, "all samples (too few quiet windows)"
+    return points, "quiet windows"
 
 
 def _fmt(kind: str, value: float) -> str:
@@ -388,13 +468,15 @@ def _fmt(kind: str, value: float) -> str:
 def report_lines(rows: Iterable[Row]) -> list[str]:
     """The flatness table of a chaos report (markdown), one row per series."""
     out = [
-        "| series | first | last | slope/hour | bound/hour | growth | slack | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| series | first | last | control/hour | slope/hour | bound/hour | growth | slack "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         verdict = ("flat" if r.passed else "GROWS") + (f" ({r.note})" if r.note else "")
+        control = "" if r.control_per_hour is None else _fmt(r.kind, r.control_per_hour)
         out.append(
-            f"| `{r.name}` | {_fmt(r.kind, r.first)} | {_fmt(r.kind, r.last)} | "
+            f"| `{r.name}` | {_fmt(r.kind, r.first)} | {_fmt(r.kind, r.last)} | {control} | "
             f"{_fmt(r.kind, r.slope_per_hour)} | {_fmt(r.kind, r.bound_per_hour)} | "
             f"{_fmt(r.kind, r.growth)} | {_fmt(r.kind, r.slack)} | {verdict} |"
         )
