@@ -1,7 +1,12 @@
 """Two prefill and two decode engines behind the router (policy engine_load): answers equal
 a single engine's and every engine takes traffic; one D drained under load and restarted
 loses no request. (kill -9 of one D and then one P under steady load is the chaos scenario
-``nxm_kill``, in CI as tests/chaos/test_nxm_kill.py.)"""
+``nxm_kill``, tests/chaos/test_nxm_kill.py.)
+
+In the full run (KVPUSH_E2E_EXTRA=1): CI's nemesis (tests/chaos/test_nemesis.py) drains,
+stops, kills and restarts engines of a 2 P x 2 D cluster under load and checks every answer,
+and its rolling upgrade (tests/e2e/test_rolling_upgrade.py) checks that every P-D pair of
+one pushes; this cluster would cost CI ~2 min more."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from kvpush_prod.lab.tinymodel import prompt_of_length
 
 from .conftest import release_shared_clusters
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 MAX_TOKENS = 16
 _seeds = itertools.count(20_000)
