@@ -13,20 +13,54 @@ from collections.abc import Sequence
 from kvpush_prod.core.messages import Region
 from kvpush_prod.transport.layout import unit_pieces
 
+# A read-only memoryview of raw memory, without copying it (``ctypes.string_at`` copies every
+# byte into a new bytes object first: measured ~1.5x the crc's own time). zlib.crc32 reads a
+# view of more than 5 KiB with the GIL released.
+_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_view.restype = ctypes.py_object
+_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_READ = 0x100
+
 
 def kv_crc32(regions: Sequence[Region], blocks: Sequence[int], units: int = 0) -> int:
     """crc32 of ``blocks`` over ``regions``, region by region, block by block.
 
     ``units`` > 0: the ids are units, that many per block (P and D block sizes differ),
     read piece by piece in the order region, unit, token group: the same bytes in the
-    same order on both sides whatever their block sizes."""
+    same order on both sides whatever their block sizes. The value does not depend on how
+    the bytes are read: adjacent blocks of a region are read as one run."""
     crc = 0
+    runs = None if units else id_runs(blocks)
     for region in regions:
-        for b in blocks:
-            if units:
-                for addr, size in unit_pieces(region, b, units):
-                    crc = zlib.crc32(ctypes.string_at(addr, size), crc)
-                continue
-            addr = region.base + b * region.block_stride
-            crc = zlib.crc32(ctypes.string_at(addr, region.block_len), crc)
+        span = (region.num_blocks - 1) * region.block_stride + region.block_len
+        mem: memoryview = _view(region.base, span, _PYBUF_READ)
+        if runs is None:
+            for u in blocks:
+                for addr, size in unit_pieces(region, u, units):
+                    off = addr - region.base
+                    crc = zlib.crc32(mem[off : off + size], crc)
+        elif region.block_stride == region.block_len:
+            for first, count in runs:
+                off = first * region.block_stride
+                crc = zlib.crc32(mem[off : off + count * region.block_len], crc)
+        else:  # a slab of each block (a tensor-parallel view): block by block
+            for b in blocks:
+                off = b * region.block_stride
+                crc = zlib.crc32(mem[off : off + region.block_len], crc)
     return crc
+
+
+def id_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``ids`` as (first, count) runs of consecutive ascending ids, in their order."""
+    out: list[tuple[int, int]] = []
+    first, count = -1, 0
+    for b in ids:
+        if count and b == first + count:
+            count += 1
+            continue
+        if count:
+            out.append((first, count))
+        first, count = b, 1
+    if count:
+        out.append((first, count))
+    return out
