@@ -10,6 +10,7 @@ import zlib
 import pytest
 
 from kvpush_prod.core.messages import Region
+from kvpush_prod.transport import checksum
 from kvpush_prod.transport.checksum import id_runs, kv_crc32
 from kvpush_prod.transport.layout import unit_pieces
 
@@ -52,7 +53,13 @@ ORDERS = {
 
 @pytest.mark.parametrize("order", sorted(ORDERS))
 @pytest.mark.parametrize("stride", [SLOT, 2 * SLOT])  # a slab of each block: stride > length
-def test_the_crc_is_that_of_every_slot_read_in_order(order: str, stride: int) -> None:
+@pytest.mark.parametrize("gather_below", [0, 1 << 30])  # runs read in place, or gathered
+@pytest.mark.parametrize("gather_bytes", [1, 5 * SLOT, 1 << 18])  # a slot or more at a time
+def test_the_crc_is_that_of_every_slot_read_in_order(
+    order: str, stride: int, gather_below: int, gather_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checksum, "GATHER_BELOW", gather_below)
+    monkeypatch.setattr(checksum, "GATHER_BYTES", gather_bytes)
     buf, regions = memory(3, stride)
     blocks = ORDERS[order]
     assert kv_crc32(regions, blocks) == one_by_one(regions, blocks)
