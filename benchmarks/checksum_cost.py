@@ -15,8 +15,8 @@ this thread's CPU time (best of ``--repeats``), so a loaded box does not inflate
 Ends with one verdict line: the median cost per MB and its ratio to memcpy, and whether the
 cost grows with bytes (PASS) or with blocks: a least-squares fit of time = a x slots + b x MB
 over every cell must leave the slots under ``--slot-share`` of the cost at the smallest slot.
-The KV was just written when it is read (as after a forward on P or a WRITE on D): a transfer
-that fits in the last-level cache is read from it, a larger one from memory.
+The KV was just written when it is read (as after a forward on P or a WRITE on D): a small
+transfer may be read partly from cache, a large one from memory.
 """
 
 from __future__ import annotations
