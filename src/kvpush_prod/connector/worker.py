@@ -16,7 +16,6 @@ import random
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -74,8 +73,9 @@ from kvpush_prod.metrics import TABLES_EVERY_S, StatsBuffer, TableSizes, set_tab
 from kvpush_prod.otel import transfer_spans
 from kvpush_prod.trace import Tracer
 from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
+from kvpush_prod.transport.checksum import kv_crc32
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
-from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches, unit_pieces
+from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches
 from kvpush_prod.transport.nixl import NixlTransport, make_agent
 
 if TYPE_CHECKING:
@@ -1349,21 +1349,11 @@ class TransferPump(threading.Thread, Generic[E]):
     def _checksum(
         self, blocks: list[int], regions: list[messages.Region] | None = None, units: int = 0
     ) -> int:
-        """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout).
-
-        ``units`` > 0: the ids are units, that many per block (P and D block sizes differ),
-        read piece by piece in the order region, unit, token group: the same bytes in the
-        same order on both sides whatever their block sizes."""
-        crc = 0
-        for region in regions if regions is not None else self.transport.layout.regions:
-            for b in blocks:
-                if units:
-                    for addr, size in unit_pieces(region, b, units):
-                        crc = zlib.crc32(ctypes.string_at(addr, size), crc)
-                    continue
-                addr = region.base + b * region.block_stride
-                crc = zlib.crc32(ctypes.string_at(addr, region.block_len), crc)
-        return crc
+        """crc32 of ``blocks`` over ``regions`` (default: whole blocks of our layout), in
+        units when ``units`` > 0 (``transport.checksum.kv_crc32``)."""
+        return kv_crc32(
+            regions if regions is not None else self.transport.layout.regions, blocks, units
+        )
 
     # -- vLLM's side of the results
     def _report(self, tid: str, ok: bool, outcome: Outcome) -> None:
