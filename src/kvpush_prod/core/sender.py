@@ -156,9 +156,10 @@ class _Out:
       (RETRIED or PUSHED); RETRYING -> PUSHING forgets it.
     - ``outcome``: the result word once over (PUSHED, RETRIED, PULL_FALLBACK, CANCELLED,
       FAILED, EXPIRED), finer than the machine's DONE / FAILED / CANCELLED and reported
-      in ReleaseSend; P ends a transfer by ``_close`` even where the table has no event
-      for it (``_fire`` skips those), so ``outcome`` and not ``machine.terminal`` says it
-      is over.
+      in ReleaseSend. Every ``_close`` follows the machine's end and agrees with it (DONE:
+      pushed, retried, pull_fallback; FAILED: failed, expired; CANCELLED: cancelled); the
+      machine ends first only while a CANCEL's or a restarted D's chunks drain
+      (``drain_then`` ACK or DROPPED). ``outcome`` says P is done with the transfer.
     - ``released``: ReleaseSend was given (the transfer is also dropped then): guards a
       reference still held after the release.
 
