@@ -101,6 +101,8 @@ class RejectReason(Word):
     NOT_OWNER = "not_owner"  # an authenticated engine spoke for a transfer not its own
     OVERLOADED = "overloaded"  # P knows the most transfers it keeps
     BAD_PERMIT = "bad_permit"  # a REGISTER granting no time
+    OUT_OF_ORDER = "out_of_order"  # a message the transfer's state does not take (a PullDone
+    # for blocks P never offered to be read)
     # KV that arrived and was refused before any of it was used (the prompt is recomputed):
     # computed for another prompt (core.digest), or bytes that differ from P's.
     PROMPT_MISMATCH = "prompt_mismatch"

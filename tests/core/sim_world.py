@@ -63,7 +63,7 @@ from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, ChunkError, 
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferState, TransferTimeouts
-from kvpush_prod.core.vocabulary import NoteKind, Outcome
+from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome
 from kvpush_prod.driver import (
     DEFERRED,
     Deferred,
@@ -605,6 +605,50 @@ def node_address(node: str) -> str:
     return f"tcp://{node.lower()}:{7000 if node.startswith('P') else 7100}"
 
 
+# The machine's end each of P's outcome words means.
+_P_END = {
+    Outcome.PUSHED: TransferState.DONE,
+    Outcome.RETRIED: TransferState.DONE,
+    Outcome.PULL_FALLBACK: TransferState.DONE,
+    Outcome.CANCELLED: TransferState.CANCELLED,
+    Outcome.FAILED: TransferState.FAILED,
+    Outcome.EXPIRED: TransferState.FAILED,
+}
+_REGISTERED = frozenset(
+    {
+        TransferState.WAITING_BLOCKS,
+        TransferState.REGISTERED,
+        TransferState.PUSHING,
+        TransferState.RETRYING,
+        TransferState.FALLBACK,
+    }
+)
+
+
+def sender_disagreements(eng: Sender) -> list[str]:
+    """Where a ``Sender``'s transfers' machines disagree with what P holds of them: the
+    outcome word and the machine's end, a registration or blocks and the state that says
+    whether they came. Empty when every transfer is consistent."""
+    out: list[str] = []
+    for o in eng._out.values():
+        st, what = o.machine.state, f"{o.tid} ({o.machine}, outcome {o.outcome!r})"
+        if o.outcome:
+            if _P_END.get(o.outcome) is not st:
+                out.append(f"{what}: the outcome and the machine's end disagree")
+            continue
+        if o.machine.terminal:
+            # Ended by a CANCEL or D's restart while chunks drain: the end comes with them.
+            if not (o.inflight and o.drain_then in (AfterDrain.ACK, AfterDrain.DROPPED)):
+                out.append(f"{what}: ended in the machine, not in the outcome")
+            continue
+        if (st in _REGISTERED) != (o.reg is not None):
+            out.append(f"{what}: registration {'kept' if o.reg else 'none'}")
+        ready = st not in (TransferState.NEW, TransferState.WAITING_BLOCKS)
+        if ready != (o.blocks is not None):
+            out.append(f"{what}: blocks {'kept' if o.blocks is not None else 'none'}")
+    return out
+
+
 # ------------------------------------------------------------------------------ the shells
 class NodeEffects:
     """The driver's hands on one node: its clocks, the world's network and NICs, and the
@@ -841,6 +885,7 @@ class World:
         agent, failed = key[2], key[3]
         self.log(f"{node.name} {'could not connect' if failed else 'connected'} to {agent}")
         node.driver.connected(agent, None if failed else agent, "injected connect failure")
+        self.check_sender(node)
 
     def by_address(self, address: str) -> Node | None:
         for node in self.nodes.values():
@@ -945,6 +990,14 @@ class World:
         except BaseException:
             self.broken = True  # the world is half-updated: no quiescence check after this
             raise
+        self.check_sender(node)
+
+    def check_sender(self, node: Node) -> None:
+        """After every event P takes: its machines and what it holds agree."""
+        if node.alive and isinstance(node.engine, Sender):
+            wrong = sender_disagreements(node.engine)
+            if wrong:
+                raise self.fail(f"{node.name}: " + "; ".join(wrong))
 
     def execute(self, node: Node, actions: list[Action]) -> None:
         """Carry out ``actions`` through the node's driver (as the pump does)."""
@@ -2941,6 +2994,7 @@ class World:
         """The per-step invariants (the event-time ones raise where they happen)."""
         self.check_bounds()
         for node in self.nodes.values():
+            self.check_sender(node)
             if not node.alive or node.role != "D":
                 continue
             assert node.admissions is not None and node.pool is not None

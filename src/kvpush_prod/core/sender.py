@@ -64,6 +64,7 @@ from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
 from kvpush_prod.core.transfer import TransferMachine, TransferState, TransferTimeouts
 from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome, RejectReason
+from kvpush_prod.errors import ProtocolError
 
 S = TransferState
 
@@ -155,9 +156,10 @@ class _Out:
       (RETRIED or PUSHED); RETRYING -> PUSHING forgets it.
     - ``outcome``: the result word once over (PUSHED, RETRIED, PULL_FALLBACK, CANCELLED,
       FAILED, EXPIRED), finer than the machine's DONE / FAILED / CANCELLED and reported
-      in ReleaseSend; P ends a transfer by ``_close`` even where the table has no event
-      for it (``_fire`` skips those), so ``outcome`` and not ``machine.terminal`` says it
-      is over.
+      in ReleaseSend. Every ``_close`` follows the machine's end and agrees with it (DONE:
+      pushed, retried, pull_fallback; FAILED: failed, expired; CANCELLED: cancelled); the
+      machine ends first only while a CANCEL's or a restarted D's chunks drain
+      (``drain_then`` ACK or DROPPED). ``outcome`` says P is done with the transfer.
     - ``released``: ReleaseSend was given (the transfer is also dropped then): guards a
       reference still held after the release.
 
@@ -364,6 +366,14 @@ class Sender:
         parts: int = 1,
         ready: int = 1,
     ) -> list[Action]:
+        if not o.machine.can_fire(E.BLOCKS_READY):
+            # The engine handed this transfer's blocks over twice (its push is under way):
+            # refused before anything changes; the driver counts and logs it.
+            raise ProtocolError(
+                "event not allowed",
+                f"blocks of transfer {o.tid!r} handed over again in state "
+                f"{o.machine.state.value}: the engine gives each prompt's blocks once",
+            )
         o.blocks, o.expected, o.prompt = list(blocks), True, prompt
         o.lease_until = now + self.s.send_lease_s
         self._uncount(o)
@@ -654,7 +664,7 @@ class Sender:
             # prompt's blocks for the whole send lease. Never for a transfer whose
             # owner is unknown: any authenticated engine could end it that way.
             self._tombstone(reg.transfer_id, now, origin)
-            self._fire(o, E.CANCEL, now)
+            self._fire(o, E.FAIL, now)
             out += self._close(o, Outcome.FAILED)
         else:
             # Not known yet, or its owner not: remembered, and believed only for the
@@ -713,6 +723,7 @@ class Sender:
                 return []  # already pushing (cannot happen: blocks come after expect_blocks)
             out.append(self._not_owner(o.reg, o.owner, "the router named another decode engine"))
             o.reg, o.owner, o.peer, o.permit = None, "", "", None
+            self._unregister(o, now)
         contender = o.contenders.pop(owner, None)
         for origin, (reg, _, _) in o.contenders.items():
             out.append(self._not_owner(reg, origin, "the router named another decode engine"))
@@ -721,6 +732,16 @@ class Sender:
             reg, permit, _ = contender
             out += self._bind(o, reg, owner, now, 0.0, permit)
         return out
+
+    def _unregister(self, o: _Out, now: float) -> None:
+        """The registration of ``o`` (WAITING_BLOCKS) was withdrawn: its machine starts again
+        from NEW, as if none had come (a registration that comes later, or the blocks, move
+        it on as usual); the whole-transfer bound still counts from its first event."""
+        if o.machine.state is not S.WAITING_BLOCKS:
+            return  # NEW: the registration had not moved it
+        fresh = TransferMachine(o.tid, now, self.s.timeouts)
+        fresh.created_at = o.machine.created_at
+        o.machine = fresh
 
     def _unclaimed(self, o: _Out) -> bool:
         """P's engine has not named ``o`` yet (no request, no owner): its registrant is one
@@ -830,7 +851,10 @@ class Sender:
             self.sched.cancel(o.tid)
             o.queued = False
         if o.inflight:
-            o.drain_then = AfterDrain.ACK  # the ack promises nothing is in flight any more
+            if o.drain_then is not AfterDrain.DROPPED:
+                o.drain_then = AfterDrain.ACK  # the ack promises nothing is in flight any more
+            # (DROPPED: failed when D's process restarted; that process is gone, nothing to
+            # answer, and the transfer stays failed.)
             return []
         return [ack, *self._close(o, Outcome.CANCELLED)]
 
@@ -850,6 +874,21 @@ class Sender:
                     NoteKind.REJECTED,
                     RejectReason.NOT_OWNER,
                     f"PullDone {msg.transfer_id} from an engine that does not own it",
+                )
+            ]
+        if o.machine.terminal:
+            # Over already (a late answer, or one crossing a CANCEL while the push drains):
+            # it ends as decided then.
+            return []
+        if msg.ok and o.machine.state is not S.FALLBACK:
+            # P never offered this generation's blocks for reading (no FALLBACK was sent):
+            # D cannot have pulled them. Nothing changes; the push goes on.
+            return [
+                Note(
+                    NoteKind.REJECTED,
+                    RejectReason.OUT_OF_ORDER,
+                    f"PullDone {msg.transfer_id} gen {msg.generation} in state "
+                    f"{o.machine.state.value}: no FALLBACK was sent for it",
                 )
             ]
         if msg.ok:
@@ -990,7 +1029,11 @@ class Sender:
         self.sched.cancel(o.tid)
         o.queued = False
         o.confirm = None
-        self._fire(o, E.CHUNK_ERROR, now)
+        if o.machine.state is not S.REGISTERED:
+            # A chunk failed (PUSHING or RETRYING). A push given up before any chunk went
+            # out (its D could not be connected) goes from REGISTERED straight to FALLBACK
+            # or FAILED: no chunk failed.
+            self._fire(o, E.CHUNK_ERROR, now)
         fallback = action is not ErrorClass.FATAL and self.s.fallback
         o.drain_then = AfterDrain.FALLBACK if fallback else AfterDrain.FAILED
         o.reason = reason
@@ -1210,7 +1253,7 @@ class Sender:
     def _deadlines(self, o: _Out, now: float) -> list[Action]:
         """The leases and bounds of ``o`` that ran out by ``now``."""
         st = o.machine.state
-        if o.reg is None and st in (S.WAITING_REGISTER, S.REGISTERED) and now >= o.lease_until:
+        if st is S.WAITING_REGISTER and now >= o.lease_until:
             # D never registered nor asked us to wait: the send lease is over.
             self._fire(o, E.EXPIRE, now)
             return [Note(NoteKind.LEASE_EXPIRED, "send", o.tid), *self._close(o, Outcome.EXPIRED)]
@@ -1284,10 +1327,15 @@ class Sender:
             self._unknown.discard(o.unknown_of, o.tid)
             o.unknown_of = ""
 
-    def _fire(self, o: _Out, event: E, now: float) -> bool:
-        if not o.machine.can_fire(event):
-            return False
-        return o.machine.fire(event, now)
+    @staticmethod
+    def _fire(o: _Out, event: E, now: float) -> None:
+        """Move ``o``'s machine by ``event``. After the end it changes nothing (counted: late
+        completions and crossing messages are normal). A live state the table has no entry
+        for raises ``ProtocolError`` naming both: every input a peer or the engine can send
+        out of turn is refused before it gets here (a note, or the engine's misuse raised
+        before anything changed), so reaching it is a bug of this class; the driver
+        contains it (``kvpush_pump_errors_total``) and a test fails on it."""
+        o.machine.fire(event, now)
 
     def _learn_peer(
         self, info: PeerInfo, origin: str, now: float
@@ -1566,13 +1614,15 @@ class Sender:
                 SendMessage(o.reg.sender.control, ack, o.owner),
                 *self._close(o, Outcome.CANCELLED),
             ]
+        if o.outcome or then is AfterDrain.DROPPED:
+            # Ended meanwhile (D gave the transfer up while the push drained): nothing is
+            # owed to D any more; free, as it ended.
+            return self._close(o, Outcome.FAILED)
         if then is AfterDrain.FALLBACK:
             out: list[Action] = [
                 Note(NoteKind.FALLBACK, o.reason.split(":")[0] or "push_failed", o.reason)
             ]
             return out + self._fallback(o, now, o.reason)
-        if then is AfterDrain.DROPPED:
-            return self._close(o, Outcome.FAILED)
         assert o.reg is not None
         failed = then is AfterDrain.FAILED
         self._fire(o, E.FAIL if failed else E.EXPIRE, now)
