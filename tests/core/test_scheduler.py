@@ -717,7 +717,8 @@ def test_layerwise_chunks_move_the_cap_estimate_but_not_the_whole_push_estimate(
     assert s.whole_bandwidth("L") == 1e6  # the initial guess until a whole push landed
     _layerwise_step(s, "lw", 0.0, 0.001)  # 250 B per ms: 2.5e5 B/s
     assert s.bandwidth("L") == pytest.approx(2.5e5)  # the cap follows every chunk, as before
-    assert s.whole_bandwidth("L") == 1e6
+    assert s.cap_bytes("L") == pytest.approx(2500)  # 2.5e5 B/s x 10 ms
+    assert s.whole_bandwidth("L") == 1e6  # layer-wise chunks never lower it
     s.add("w", "L", 100, 10, FAR, 1.0)
     [c] = s.next_chunks(1.0)
     s.on_chunk_done(c.id, 1.0001)  # a whole push's 1000 B in 0.1 ms: 1e7 B/s
@@ -748,3 +749,15 @@ def test_the_slowest_whole_push_link_is_the_auto_decisions_bandwidth() -> None:
     assert s.slowest_whole_bandwidth() == pytest.approx(1e6)  # B: 1000 B in 1 ms
     assert s.slowest_whole_bandwidth(["A"]) == pytest.approx(1e7)
     assert s.slowest_whole_bandwidth(["A", "unknown"]) == 1e6  # an unknown link: the guess
+
+
+def test_before_a_whole_push_faster_layerwise_chunks_raise_the_guess_never_lower_it() -> None:
+    s = sched(alpha=1.0, bandwidth=1e5)
+    _layerwise_step(s, "lw", 0.0, 0.001)  # 2.5e5 B/s: a lower bound of a whole push's
+    assert s.whole_bandwidth("L") == pytest.approx(2.5e5)
+    s.add("w", "L", 100, 10, FAR, 1.0)
+    [c] = s.next_chunks(1.0)
+    s.on_chunk_done(c.id, 1.01)  # a whole push measured: 1e5 B/s, and only that counts now
+    assert s.whole_bandwidth("L") == pytest.approx(1e5)
+    _layerwise_step(s, "lw2", 2.0, 0.0001)  # 2.5e6 B/s
+    assert s.whole_bandwidth("L") == pytest.approx(1e5)

@@ -237,8 +237,8 @@ class _Link:
         self.bandwidth = bandwidth
         # The same estimate over whole pushes' chunks only (a layer-wise push's small
         # chunks, one part of a block each, pay a post's fixed cost per few bytes).
-        self.whole_bytes = 0.0  # 0 until the first such sample
-        self.whole_time = 0.0
+        self.whole_bytes = 0.0
+        self.whole_time = 0.0  # 0 until the first such sample
         self.whole_bandwidth = bandwidth
         self.cap = cap
         self.last_done_at = -math.inf
@@ -601,12 +601,17 @@ class ChunkScheduler:
 
     def whole_bandwidth(self, link: LinkId) -> float:
         """The link's estimated bandwidth in bytes/s over whole (not layer-wise) pushes'
-        chunks only, the initial guess until one landed. A layer-wise push posts a part of
-        each block per chunk, whose fixed post cost measures the link slower than a whole
-        push would find it; ``push.layerwise: auto`` decides by this estimate, so that
-        layer-wise pushes cannot keep it on (``slowest_whole_bandwidth``)."""
+        chunks only. A layer-wise push posts a part of each block per chunk, whose fixed
+        post cost measures the link 2-3x slower than a whole push finds it;
+        ``push.layerwise: auto`` decides by this estimate (``slowest_whole_bandwidth``), so
+        layer-wise pushes cannot keep it on. Until a whole push's chunk landed: the initial
+        guess, or ``bandwidth`` if higher (what layer-wise chunks measured is a lower bound
+        of what a whole push would), so those chunks can raise it, never lower it."""
         lk = self._links.get(link)
-        return self._s.initial_bandwidth_bytes_per_s if lk is None else lk.whole_bandwidth
+        initial = self._s.initial_bandwidth_bytes_per_s
+        if lk is None:
+            return initial
+        return lk.whole_bandwidth if lk.whole_time > 0 else max(initial, lk.bandwidth)
 
     def slowest_whole_bandwidth(self, links: list[LinkId] | None = None) -> float:
         """The least ``whole_bandwidth`` of ``links`` (None: every link known), the
