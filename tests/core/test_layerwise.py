@@ -5,10 +5,13 @@ and fencing, retries, fallback and aborts hold per chunk as for a whole-block pu
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpush_prod.config.core import layerwise_on
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import PostWrite, ReleaseSend
 from kvpush_prod.core.commands import BlocksReady, LayersReady
@@ -179,3 +182,54 @@ def test_a_cancel_during_a_layerwise_push_is_acked_even_if_the_forward_then_fail
     assert msgs(s.forward_failed("t", [1, 2, 3], 0.02), m.Failed) == []
     out = s.on_chunk(w0.chunk_id, True, "", 0.03)
     assert len(msgs(out, m.CancelAck)) == 1 and msgs(out, m.Failed) == []
+
+
+# -- push.layerwise auto's bandwidth --------------------------------------------------------
+
+# Each chunk takes 0.1 ms on the link whatever its size (a post's fixed cost dominates): a
+# whole push of 3 blocks is 2 chunks (200 + 100 B), a layer-wise one in 4 parts 4 chunks
+# of 75 B, which measure the link 2-3x slower. Auto: 3 blocks of 16 tokens (at least 32)
+# whose 300 B take at least 0.25 ms.
+POST_S = 0.0001
+
+
+def push_step(s: Sender, tid: str, layerwise: bool, now: float) -> float:
+    """Push one step's 3 blocks to D, whole or in 4 layers, its chunks landing one after
+    another ``POST_S`` apart; returns when the last landed."""
+    s.on_message(register(tid), now, origin=KD)
+    writes = of(s.layers_ready(tid, [1, 2, 3], 4, 4, now, owner=KD), PostWrite) if layerwise else []
+    writes += of(s.blocks_ready(tid, [1, 2, 3], now, owner=KD), PostWrite)
+    sizes = []
+    while writes:
+        now += POST_S
+        sizes.append(writes[0].nbytes)
+        writes = writes[1:] + of(s.on_chunk(writes[0].chunk_id, True, "", now), PostWrite)
+    assert sizes == ([75] * 4 if layerwise else [200, 100])
+    return now
+
+
+def run_steps(decide_by: Callable[[Sender], float], steps: int) -> list[bool]:
+    """A link measured by one whole push, then one layer-wise step (a longer prompt's, say),
+    then ``steps`` steps of 3 blocks, each pushed as auto decides at ``decide_by``."""
+    s, now, decisions = sender(), 0.0, []
+    now = push_step(s, "w", False, now)
+    now = push_step(s, "lw", True, now + 1.0)
+    for i in range(steps):
+        on = layerwise_on("auto", 3, 100, 16, decide_by(s), 32, 0.25)
+        decisions.append(on)
+        now = push_step(s, f"s{i}", on, now + 1.0)
+    return decisions
+
+
+def test_auto_decides_by_whole_pushes_so_layerwise_chunks_cannot_lock_it_on() -> None:
+    link = D.agent_name
+    s = sender()
+    push_step(s, "w", False, 0.0)
+    whole = s.sched.whole_bandwidth(link)  # EWMA of 200 and 100 B, each in 0.1 ms
+    assert whole == pytest.approx(175 / POST_S)
+    # At what whole pushes measured, the step's 300 B take 0.17 ms: under the 0.25 ms.
+    assert not layerwise_on("auto", 3, 100, 16, whole, 32, 0.25)
+    # Before: every chunk's estimate, which the layer-wise step pulled down, kept auto on.
+    assert run_steps(lambda s: s.sched.bandwidth(link), 4) == [True] * 4
+    # Now: whole pushes' estimate alone, so auto pushes the step whole.
+    assert run_steps(lambda s: s.sched.slowest_whole_bandwidth([link]), 4) == [False] * 4

@@ -696,3 +696,68 @@ def test_many_renewals_keep_the_cut_off_heap_small_and_cut_off_exact() -> None:
     assert s.expire(9.5) == ["u"]
     assert s.expire(29.49) == []
     assert s.expire(29.5) == ["t"]
+
+
+# ----------------------------------------------------------------------------- whole-push bandwidth
+
+
+def _layerwise_step(s: ChunkScheduler, tid: str, now: float, dt: float) -> float:
+    """A layer-wise push of 10 blocks of 100 B in 4 parts (one 250 B chunk a part, 1000 B
+    in all), each chunk landing ``dt`` after its post: its chunks' fixed post cost makes
+    the link look slow. Returns the time it ended."""
+    s.add(tid, "L", 25, 10, FAR, now, parts=4)
+    for c in drain(s, now, dt):
+        assert c.nbytes == 250
+        now += dt
+    return now
+
+
+def test_layerwise_chunks_move_the_cap_estimate_but_not_the_whole_push_estimate() -> None:
+    s = sched(alpha=0.5, bandwidth=1e6)
+    assert s.whole_bandwidth("L") == 1e6  # the initial guess until a whole push landed
+    _layerwise_step(s, "lw", 0.0, 0.001)  # 250 B per ms: 2.5e5 B/s
+    assert s.bandwidth("L") == pytest.approx(2.5e5)  # the cap follows every chunk, as before
+    assert s.cap_bytes("L") == pytest.approx(2500)  # 2.5e5 B/s x 10 ms
+    assert s.whole_bandwidth("L") == 1e6  # layer-wise chunks never lower it
+    s.add("w", "L", 100, 10, FAR, 1.0)
+    [c] = s.next_chunks(1.0)
+    s.on_chunk_done(c.id, 1.0001)  # a whole push's 1000 B in 0.1 ms: 1e7 B/s
+    assert s.whole_bandwidth("L") == pytest.approx(1e7)
+    # Later layer-wise chunks leave it where whole pushes put it.
+    _layerwise_step(s, "lw2", 2.0, 0.001)
+    assert s.whole_bandwidth("L") == pytest.approx(1e7)
+    assert s.bandwidth("L") < 1e6
+
+
+def test_the_whole_push_estimate_is_the_same_ewma_as_the_cap_estimate() -> None:
+    s = sched(alpha=0.5)
+    for i, (start, end) in enumerate(((0.0, 0.001), (1.0, 1.003))):
+        s.add(f"t{i}", "L", 100, 10, FAR, start)
+        [c] = s.next_chunks(start)
+        s.on_chunk_done(c.id, end)
+        assert s.whole_bandwidth("L") == s.bandwidth("L")
+    assert s.whole_bandwidth("L") == pytest.approx(1000 / 0.002)
+
+
+def test_the_slowest_whole_push_link_is_the_auto_decisions_bandwidth() -> None:
+    s = sched(alpha=1.0, bandwidth=1e6)
+    assert s.slowest_whole_bandwidth() == 1e6  # no link yet: the initial guess
+    for link, dt in (("A", 0.0001), ("B", 0.001)):
+        s.add(link, link, 100, 10, FAR, 0.0)
+        [c] = s.next_chunks(0.0)
+        s.on_chunk_done(c.id, dt)
+    assert s.slowest_whole_bandwidth() == pytest.approx(1e6)  # B: 1000 B in 1 ms
+    assert s.slowest_whole_bandwidth(["A"]) == pytest.approx(1e7)
+    assert s.slowest_whole_bandwidth(["A", "unknown"]) == 1e6  # an unknown link: the guess
+
+
+def test_before_a_whole_push_faster_layerwise_chunks_raise_the_guess_never_lower_it() -> None:
+    s = sched(alpha=1.0, bandwidth=1e5)
+    _layerwise_step(s, "lw", 0.0, 0.001)  # 2.5e5 B/s: a lower bound of a whole push's
+    assert s.whole_bandwidth("L") == pytest.approx(2.5e5)
+    s.add("w", "L", 100, 10, FAR, 1.0)
+    [c] = s.next_chunks(1.0)
+    s.on_chunk_done(c.id, 1.01)  # a whole push measured: 1e5 B/s, and only that counts now
+    assert s.whole_bandwidth("L") == pytest.approx(1e5)
+    _layerwise_step(s, "lw2", 2.0, 0.0001)  # 2.5e6 B/s
+    assert s.whole_bandwidth("L") == pytest.approx(1e5)

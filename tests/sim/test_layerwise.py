@@ -148,3 +148,23 @@ def test_cli_layerwise_table_and_bad_values(capsys):
         sim_main(["--set", "layers=7"])
     with pytest.raises(SystemExit):
         sim_main(["--layerwise", "sometimes"])
+
+
+def test_auto_decides_by_whole_pushes_so_layerwise_chunks_do_not_keep_it_on():
+    """1k prompts among short ones on one P, 3 ms threshold: a whole push moves a rank's 1k
+    KV in under 3 ms, but a layer's chunk measures the link 2-3x slower. Deciding on every
+    chunk's estimate kept every 1k step layer-wise (12 of 12); on whole pushes' alone, auto
+    turns back off once the short prompts' whole pushes measured the link."""
+    m = SMALL.with_(
+        n_prefill=1,
+        overrides=("push.layerwise=auto", "push.layerwise_min_transfer_ms=3"),
+    )
+    sim = Sim(m, "kvpush", Workload(requests=24, lengths=(1024, 256), concurrency=4))
+    reqs = sim.run()
+    assert len(reqs) == 24 and all(r.done >= 0 for r in reqs)
+    steps = sim.counters["layerwise_steps"]
+    assert 0 < steps < 12  # the first 1k step, on the initial estimate, is layer-wise
+    # Whole pushes measured the link faster than every chunk together did.
+    sched = sim.senders[0].sched
+    [link] = sched.links()
+    assert sched.whole_bandwidth(link) > sched.bandwidth(link)

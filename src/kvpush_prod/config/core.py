@@ -99,9 +99,10 @@ def layerwise_on(
     """Whether a step whose prompts to push hold ``blocks`` blocks is pushed layer by layer
     (``push.layerwise``): always (on), never (off), or (auto) when they hold at least
     ``min_tokens`` tokens (blocks x block size) and their KV takes at least
-    ``min_transfer_ms`` at ``bandwidth`` bytes/s (the slowest of P's links as measured;
-    short transfers gain little overlap and pay a post per layer). The connector and the
-    simulator both decide here."""
+    ``min_transfer_ms`` at ``bandwidth`` bytes/s (the slowest of P's links as whole pushes
+    measured it, ``ChunkScheduler.slowest_whole_bandwidth``: a layer-wise push's small
+    chunks measure a link slower and would keep auto on; short transfers gain little overlap
+    and pay a post per layer). The connector and the simulator both decide here."""
     if mode != "auto":
         return mode == "on"
     if blocks * block_tokens < min_tokens:

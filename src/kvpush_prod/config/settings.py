@@ -243,7 +243,8 @@ class PushSettings(_Section):
         "it (vLLM's save_kv_layer), while later layers are still computed; DONE goes after "
         "the forward ended and every layer landed. on: every push; auto: a step whose "
         "prompts to push hold at least layerwise_min_tokens tokens and whose KV takes at "
-        "least layerwise_min_transfer_ms at the link's measured bandwidth; off: after the "
+        "least layerwise_min_transfer_ms at the link's bandwidth as whole pushes measured it; "
+        "off: after the "
         "forward, as one piece. CPU KV caches only (a GPU engine pushes after the forward).",
     )
 
@@ -265,7 +266,9 @@ class PushSettings(_Section):
         ge=0,
         le=60_000,
         description="push.layerwise auto: least expected transfer time (the step's KV bytes "
-        "at the measured bandwidth of P's links) for layer-wise push.",
+        "at the bandwidth of P's slowest link as whole pushes measured it, layer-wise pushes' "
+        "small chunks left out; before one landed, the initial estimate or what layer-wise "
+        "chunks measured, whichever is higher) for layer-wise push.",
     )
 
 

@@ -85,8 +85,9 @@ def layerwise_now(
 ) -> bool:
     """Whether this step's prompts are pushed layer by layer (``push.layerwise``): always
     (on), never (off), or (auto) when they hold at least ``min_tokens`` tokens (blocks x
-    block size) and their KV takes at least ``min_transfer_ms`` at ``bandwidth`` bytes/s
-    (``config.core.layerwise_on``, which the simulator decides by too)."""
+    block size) and their KV takes at least ``min_transfer_ms`` at ``bandwidth`` bytes/s,
+    the slowest link as whole pushes measured it (``config.core.layerwise_on``, which the
+    simulator decides by too)."""
     blocks = sum(len(s.block_ids) for s in sends)
     return layerwise_on(
         mode, blocks, block_bytes, block_tokens, bandwidth, min_tokens, min_transfer_ms

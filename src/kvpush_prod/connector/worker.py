@@ -803,7 +803,8 @@ class TransferPump(threading.Thread, Generic[E]):
         self.block_bytes = self._block_bytes = sum(r.block_len for r in transport.layout.regions)
         # P, layer-wise push: set by the engine thread while a layer-wise forward runs (a
         # WRITE of a layer posted meanwhile is counted ``during_forward``); the slowest
-        # link's measured bandwidth, published for push.layerwise auto (0: none measured)
+        # link's bandwidth as whole pushes measured it (the initial guess before one), for
+        # push.layerwise auto (0: no link yet; layer-wise chunks would measure it low)
         self.forward_running = False
         self.link_bandwidth = 0.0
         self._chunk_timeout = cfg.push.chunk_timeout_s
@@ -1522,7 +1523,7 @@ class SenderPump(TransferPump[Sender]):
                 slow = self.link_guard.observe(label, bandwidth, now)
                 self.stats.set("kvpush_link_slow", (self.role, label), float(slow))
         if links:
-            self.link_bandwidth = min(p.sched.bandwidth(link) for link in links)
+            self.link_bandwidth = p.sched.slowest_whole_bandwidth(links)
         for peer, state in p.breaker_states(now).items():
             if peer in self._peer_label:
                 self.stats.set(

@@ -128,7 +128,7 @@ class _Transfer:
     __slots__ = (
         "tid", "link", "block_bytes", "num_blocks", "cutoff", "added_at", "chunk_blocks",
         "last_start", "cursor", "retry", "delayed", "inflight", "last", "last_attempt",
-        "last_first_at", "total", "ready_end", "sealed",
+        "last_first_at", "total", "ready_end", "sealed", "whole",
         "queued_bytes", "queued_chunks", "heap_seq", "cutoff_seq", "alive",
     )  # fmt: skip
 
@@ -144,6 +144,8 @@ class _Transfer:
         self.cutoff = cutoff  # permit deadline minus the stop margin
         self.added_at = added_at
         self.chunk_blocks = chunk_blocks
+        # A whole push (one part): its chunks alone feed the link's ``whole_bandwidth``.
+        self.whole = parts == 1
         # Indices part by part: index i is block i % num_blocks of part i // num_blocks; a
         # chunk never spans two parts, and only parts below ``ready`` may be posted.
         per_part = max(1, -(-num_blocks // chunk_blocks))
@@ -221,7 +223,8 @@ def _check_sizes(
 class _Link:
     __slots__ = (
         "id", "heap", "inflight_bytes", "inflight_chunks", "ewma_bytes", "ewma_time",
-        "bandwidth", "cap", "last_done_at", "active",
+        "bandwidth", "cap", "last_done_at", "active", "whole_bytes", "whole_time",
+        "whole_bandwidth",
     )  # fmt: skip
 
     def __init__(self, link_id: LinkId, bandwidth: float, cap: float) -> None:
@@ -232,6 +235,11 @@ class _Link:
         self.ewma_bytes = 0.0  # 0 until the first sample
         self.ewma_time = 0.0
         self.bandwidth = bandwidth
+        # The same estimate over whole pushes' chunks only (a layer-wise push's small
+        # chunks, one part of a block each, pay a post's fixed cost per few bytes).
+        self.whole_bytes = 0.0
+        self.whole_time = 0.0  # 0 until the first such sample
+        self.whole_bandwidth = bandwidth
         self.cap = cap
         self.last_done_at = -math.inf
         self.active = False  # in the round-robin queue
@@ -438,7 +446,7 @@ class ChunkScheduler:
         chunk, t, lk = self._landed(chunk_id)
         self._done += 1
         if chunk.nbytes:
-            self._sample(lk, chunk, now)
+            self._sample(lk, chunk, now, t.whole)
         completed = False
         if t.alive:
             t.inflight.discard(chunk_id)
@@ -586,9 +594,33 @@ class ChunkScheduler:
         return len(t.retry) + t.delayed + int(last_ready_again)
 
     def bandwidth(self, link: LinkId) -> float:
-        """The link's estimated bandwidth in bytes/s (the initial guess before any sample)."""
+        """The link's estimated bandwidth in bytes/s (the initial guess before any sample):
+        every chunk's; it sets the link's in-flight cap."""
         lk = self._links.get(link)
         return self._s.initial_bandwidth_bytes_per_s if lk is None else lk.bandwidth
+
+    def whole_bandwidth(self, link: LinkId) -> float:
+        """The link's estimated bandwidth in bytes/s over whole (not layer-wise) pushes'
+        chunks only. A layer-wise push posts a part of each block per chunk, whose fixed
+        post cost measures the link 2-3x slower than a whole push finds it;
+        ``push.layerwise: auto`` decides by this estimate (``slowest_whole_bandwidth``), so
+        layer-wise pushes cannot keep it on. Until a whole push's chunk landed: the initial
+        guess, or ``bandwidth`` if higher (what layer-wise chunks measured is a lower bound
+        of what a whole push would), so those chunks can raise it, never lower it."""
+        lk = self._links.get(link)
+        initial = self._s.initial_bandwidth_bytes_per_s
+        if lk is None:
+            return initial
+        return lk.whole_bandwidth if lk.whole_time > 0 else max(initial, lk.bandwidth)
+
+    def slowest_whole_bandwidth(self, links: list[LinkId] | None = None) -> float:
+        """The least ``whole_bandwidth`` of ``links`` (None: every link known), the
+        initial guess when there are none: what ``push.layerwise: auto`` decides by, in
+        the connector and in the simulator."""
+        ids = self.links() if links is None else links
+        if not ids:
+            return self._s.initial_bandwidth_bytes_per_s
+        return min(self.whole_bandwidth(link) for link in ids)
 
     def inflight_chunks_on(self, link: LinkId) -> int:
         """Chunks posted on ``link`` and not completed (at most ``max_inflight_chunks``)."""
@@ -794,22 +826,31 @@ class ChunkScheduler:
             return chunk
         return None
 
-    def _sample(self, lk: _Link, chunk: Chunk, now: float) -> None:
-        """Fold one completion into the link's bandwidth estimate.
+    def _sample(self, lk: _Link, chunk: Chunk, now: float, whole: bool) -> None:
+        """Fold one completion into the link's bandwidth estimate, and into its whole-push
+        estimate when ``whole`` (the chunk is a whole push's).
 
         The chunk's service time runs from when it was posted or from the link's previous
         completion, whichever is later, so chunks that shared the link are not each charged
-        the whole time. The estimate is EWMA(bytes) / EWMA(service time).
+        the whole time (nor the time they queued behind each other in the backend). The
+        estimate is EWMA(bytes) / EWMA(service time).
         """
         service = max(now - max(chunk.posted_at, lk.last_done_at), self._s.min_sample_s)
         if now > lk.last_done_at:
             lk.last_done_at = now
-        a = self._s.ewma_alpha
-        if lk.ewma_time == 0.0:
-            lk.ewma_bytes = float(chunk.nbytes)
-            lk.ewma_time = service
-        else:
-            lk.ewma_bytes += a * (chunk.nbytes - lk.ewma_bytes)
-            lk.ewma_time += a * (service - lk.ewma_time)
+        a, nbytes = self._s.ewma_alpha, float(chunk.nbytes)
+        lk.ewma_bytes, lk.ewma_time = _fold(lk.ewma_bytes, lk.ewma_time, nbytes, service, a)
         lk.bandwidth = lk.ewma_bytes / lk.ewma_time
         lk.cap = max(float(self._s.chunk_bytes), lk.bandwidth * self._s.target_latency_s)
+        if whole:
+            lk.whole_bytes, lk.whole_time = _fold(lk.whole_bytes, lk.whole_time, nbytes, service, a)
+            lk.whole_bandwidth = lk.whole_bytes / lk.whole_time
+
+
+def _fold(
+    ewma_bytes: float, ewma_time: float, nbytes: float, service: float, alpha: float
+) -> tuple[float, float]:
+    """EWMA(bytes) and EWMA(service time) with one more sample (the first sets them)."""
+    if ewma_time == 0.0:
+        return nbytes, service
+    return ewma_bytes + alpha * (nbytes - ewma_bytes), ewma_time + alpha * (service - ewma_time)

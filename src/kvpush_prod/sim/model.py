@@ -601,13 +601,8 @@ class Sim:
         m = self.m
         if self.mode != "kvpush" or not batch or m.layers < 2:
             return
-        sched = self.senders[p].sched
-        links = sched.links()
-        bandwidth = (
-            min(sched.bandwidth(link) for link in links)
-            if links
-            else sched.settings.initial_bandwidth_bytes_per_s
-        )
+        # The slowest link as whole pushes measured it, as the connector decides by.
+        bandwidth = self.senders[p].sched.slowest_whole_bandwidth()
         blocks = sum(len(r.p_blocks) for r in batch)
         push = self.push
         if not layerwise_on(  # on the rank's blocks and link, as the rank's connector decides
