@@ -802,9 +802,8 @@ class TransferPump(threading.Thread, Generic[E]):
         self._verify = cfg.verify.checksums
         self.block_bytes = self._block_bytes = sum(r.block_len for r in transport.layout.regions)
         # P, layer-wise push: set by the engine thread while a layer-wise forward runs (a
-        # WRITE of a layer posted meanwhile is counted ``during_forward``); the slowest
-        # link's bandwidth as whole pushes measured it (the initial guess before one), for
-        # push.layerwise auto (0: no link yet; layer-wise chunks would measure it low)
+        # WRITE counted ``during_forward``); the slowest link's bandwidth as whole pushes
+        # measured it, for push.layerwise auto (0: no link yet)
         self.forward_running = False
         self.link_bandwidth = 0.0
         self._chunk_timeout = cfg.push.chunk_timeout_s
