@@ -16,7 +16,10 @@ import pytest
 from kvpush_prod.chaos.resources import (
     BOUNDS,
     MIB,
+    MIN_JUDGED_S,
+    SLOW_WARMUP,
     TABLE_KIND,
+    VLLM_WARMUP_S,
     ResourceSampler,
     Series,
     Target,
@@ -137,6 +140,51 @@ def test_the_control_is_sampled_never_judged_and_judges_only_engines_rss() -> No
     assert rows["prefill/main/rss_bytes"].control_per_hour == pytest.approx(1e8 * 3600)
     assert rows["prefill/main/fds"].control_per_hour is None
     assert rows["prefill/table/producer/push.links"].control_per_hour is None
+
+
+def slow_sampler(duration_s: float, rss: Callable[[float], float]) -> ResourceSampler:
+    """A sampler of a prefill engine's worker (slow warm-up) and fds, with given RSS."""
+    sampler = ResourceSampler([Target("prefill", lambda: None, None, slow_warmup=SLOW_WARMUP)])
+    for kind, value in (("rss_bytes", rss), ("fds", lambda t: 100.0)):
+        got = series(kind, duration_s, value)
+        got.name = f"prefill/VLLM::Worker/{kind}"
+        sampler.series[got.name] = got
+    return sampler
+
+
+def test_a_prefill_workers_rss_is_reported_not_judged_before_vllms_warm_up() -> None:
+    warming = lambda t: 1600 * MIB + t * MIB  # noqa: E731 - 3.5 GiB an hour
+    rows = {r.name: r for r in slow_sampler(600, warming).report(bursts(600))}
+    row = rows["prefill/VLLM::Worker/rss_bytes"]
+    assert row.passed and row.note.startswith("not judged: vLLM's warm-up")
+    assert row.slope_per_hour == pytest.approx(3600 * MIB, rel=0.01)  # still reported
+    assert rows["prefill/VLLM::Worker/fds"].note == ""  # other kinds judged as ever
+
+
+def test_a_series_with_a_minimum_span_is_judged_only_once_it_has_it() -> None:
+    load = bursts(600)
+    grows = lambda t: 100.0 + t // 20  # noqa: E731 - three fds a minute
+    sampler = ResourceSampler([Target("prefill", lambda: None, None)])
+    for name, duration in (("late", 200.0), ("long", 600.0)):
+        got = series("fds", duration, grows)
+        got.name, got.min_span_s = f"prefill/{name}/fds", MIN_JUDGED_S
+        sampler.series[got.name] = got
+    rows = {r.name: r for r in sampler.report(load)}
+    late = rows["prefill/late/fds"]
+    assert late.passed and late.note.startswith("not judged: the process started late")
+    assert not rows["prefill/long/fds"].passed
+
+
+def test_a_prefill_workers_rss_is_judged_after_vllms_warm_up() -> None:
+    run = VLLM_WARMUP_S + MIN_JUDGED_S + 600
+    load = bursts(run)
+    # Fast warm-up growth, then flat: passes; a leak after the warm-up: fails.
+    flat = lambda t: 1600 * MIB + min(t, VLLM_WARMUP_S) * MIB  # noqa: E731
+    leak = lambda t: flat(t) + max(0.0, t - VLLM_WARMUP_S) * MIB / 10  # noqa: E731
+    row = slow_sampler(run, flat).report(load)[-1]
+    assert row.name.endswith("rss_bytes") and row.passed and row.note == "", row
+    bad = [r for r in slow_sampler(run, leak).report(load) if not r.passed]
+    assert [r.name for r in bad] == ["prefill/VLLM::Worker/rss_bytes"]
 
 
 def test_a_table_with_a_capacity_may_fill_up_to_it_and_one_without_may_not() -> None:
@@ -266,7 +314,9 @@ def test_a_clusters_reference_engine_is_the_control_found_by_its_port() -> None:
         )
         targets = {t.name: t for t in cluster_targets(cluster)}  # type: ignore[arg-type]
         assert targets["prefill"].control == "reference"
+        assert targets["prefill"].slow_warmup == SLOW_WARMUP
         assert targets["decode"].control is None and targets["router"].control is None
+        assert targets["decode"].slow_warmup == ()
         assert not targets["reference"].judged and targets["reference"].metrics_url is None
         assert targets["reference"].pid() == os.getpid()
 

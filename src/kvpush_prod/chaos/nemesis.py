@@ -25,7 +25,12 @@ from kvpush_prod.chaos.harness import (
 from kvpush_prod.chaos.invariants import Invariants, in_flight_during
 from kvpush_prod.chaos.load import LoadGenerator, Record
 from kvpush_prod.chaos.observe import ACTIVE, BLOCKS, RUNNING, TRANSFERS, WAITING, Samples
-from kvpush_prod.chaos.resources import ResourceSampler, cluster_targets, report_lines
+from kvpush_prod.chaos.resources import (
+    MIN_JUDGED_S,
+    ResourceSampler,
+    cluster_targets,
+    report_lines,
+)
 from kvpush_prod.chaos.schedule import Fault, Quiet, Schedule
 from kvpush_prod.lab.client import metric_sum
 
@@ -397,8 +402,9 @@ class Nemesis:
 
     def _trim_restarted(self) -> dict[str, float]:
         """A restarted engine is a new process tree: its series are judged from its last
-        restart on (what the old process held is not growth of the new one). The time each
-        engine's series start from."""
+        restart on (what the old process held is not growth of the new one), and only with
+        ``MIN_JUDGED_S`` of samples after the warm-up. The time each engine's series start
+        from."""
         back: dict[str, float] = {}
         for a in self.applied:
             if a.fault.kind in ("kill", "restart") and a.end is not None:
@@ -408,6 +414,7 @@ class Nemesis:
             if since is None:
                 continue
             series.points = [p for p in series.points if p[0] >= since]
+            series.min_span_s = MIN_JUDGED_S
             if len(series.points) < 2:
                 del self.sampler.series[name]
         return {e: round(t, 1) for e, t in back.items()}

@@ -15,7 +15,10 @@ worker, no connector, +350 MiB over its first 2.9 M prompt tokens and still ~40 
 after 4 minutes; a prefill engine's worker alike; a decode engine's flat). An prefill engine's RSS is
 therefore judged against a *control*: a plain engine fed the same prompts (the chaos runs'
 reference engine, ``Target.control``), whose slope is subtracted from the engine's: what the
-connector adds is what remains. A decode engine's is judged alone.
+connector adds is what remains. A decode engine's is judged alone. A prefill worker started
+during the run warms up faster than the control, started before it, so its RSS is judged
+only after ``VLLM_WARMUP_S`` of its samples (``Target.slow_warmup``); shorter runs report it,
+not judged, and say so.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ TABLE_SERIES = {
     "kvpush_router_table_entries": "kvpush_router_table_capacity",
 }
 MAX_POINTS = 400  # Theil-Sen is O(n^2): longer series are thinned evenly to this many points
+# A prefill engine's vLLM worker RSS is judged from this long after its process started, and
+# only with at least MIN_JUDGED_S of samples after that (measured: still growing ~40 MiB a
+# minute after 4 minutes of new prompt shapes, with or without the connector; a process
+# restarted by a fault starts again).
+VLLM_WARMUP_S = 1200.0
+SLOW_WARMUP = ("VLLM::Worker", "tree")
+MIN_JUDGED_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,10 @@ class Target:
     # prompts), or None; ``judged`` False: sampled as a control, never judged itself.
     control: str | None = None
     judged: bool = True
+    # Processes (label prefixes: "VLLM::Worker", "tree") whose RSS is judged only after
+    # ``VLLM_WARMUP_S`` of their life: a prefill engine's vLLM worker, whose own caches grow
+    # with new prompt shapes for longer than a CI run (module docstring).
+    slow_warmup: tuple[str, ...] = ()
 
 
 @dataclass
@@ -97,6 +111,9 @@ class Series:
     # The same quantity of the control: its slope (what the work itself explains) is
     # subtracted from this one's.
     control: Series | None = None
+    # Judged only with this much of samples after the warm-up (a process restarted late in
+    # a run: a minute of new connections is no trend); 0: always.
+    min_span_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -251,10 +268,13 @@ def cluster_targets(cluster: Cluster) -> list[Target]:
     control = control_target(cluster)
     against = control.name if control is not None else None
     prefills = set(cluster.prefill_names)
-    engines = [
-        Target(n, pid_of(n), cluster.urls.get(n), control=against if n in prefills else None)
-        for n in cluster.engine_names
-    ]
+
+    def engine(name: str) -> Target:
+        if name not in prefills:
+            return Target(name, pid_of(name), cluster.urls.get(name))
+        return Target(name, pid_of(name), cluster.urls.get(name), against, True, SLOW_WARMUP)
+
+    engines = [engine(n) for n in cluster.engine_names]
     routers = (
         [Target("router", pid_of("router"), cluster.urls["router"])]
         if "router" in cluster.urls
@@ -342,9 +362,16 @@ class ResourceSampler:
             target = targets.get(s.name.split("/", 1)[0])
             if len(s.points) < 2 or (target is not None and not target.judged):
                 continue
+            proc = s.name.split("/")[1]
             if target is not None and target.control and s.kind == "rss_bytes":
                 s.control = self.series.get(f"{target.control}/{s.name.split('/', 1)[1]}")
-            rows.append(flatness(s, load, warmup_s=warmup_s, settle_s=settle_s))
+            wait, need, why = warmup_s, s.min_span_s, "the process started late in the run"
+            if target is not None and s.kind == "rss_bytes" and proc.startswith(target.slow_warmup):
+                wait, need, why = max(warmup_s, VLLM_WARMUP_S), MIN_JUDGED_S, "vLLM's warm-up"
+            if need and s.points[-1][0] - s.points[0][0] < wait + need:
+                rows.append(not_judged(s, wait, need, why))
+                continue
+            rows.append(flatness(s, load, warmup_s=wait, settle_s=settle_s))
         return sorted(rows, key=lambda r: (r.passed, r.name))
 
 
@@ -444,6 +471,28 @@ def flatness(
         f"{method}: {len(points)}",
         note,
         None if control is None else control * HOUR,
+    )
+
+
+def not_judged(series: Series, wait_s: float, need_s: float, why: str) -> Row:
+    """The row of a series without ``need_s`` of samples after ``wait_s`` of its process
+    within the run: reported (its slope over every sample), not judged, and said so."""
+    span = series.points[-1][0] - series.points[0][0]
+    slope = theil_sen(series.points)
+    bound = BOUNDS[series.kind]
+    return Row(
+        series.name,
+        series.kind,
+        series.points[0][1],
+        series.points[-1][1],
+        slope * HOUR,
+        bound.per_hour,
+        slope * span,
+        bound.slack,
+        True,
+        f"all samples: {len(series.points)}",
+        f"not judged: {why}, judged after {wait_s / 60:.0f} min of the process "
+        f"and {need_s / 60:.0f} min of samples; {span / 60:.1f} min sampled",
     )
 
 
