@@ -12,7 +12,7 @@ passes while within it, and its row says so.
 
 vLLM's own processes grow with the work itself for minutes (measured here: a plain engine's
 worker, no connector, +350 MiB over its first 2.9 M prompt tokens and still ~40 MiB a minute
-after 4 minutes; a prefill engine's worker alike; a decode engine's flat). An prefill engine's RSS is
+after 4 minutes; a prefill engine's worker alike; a decode engine's flat). A prefill engine's RSS is
 therefore judged against a *control*: a plain engine fed the same prompts (the chaos runs'
 reference engine, ``Target.control``), whose slope is subtracted from the engine's: what the
 connector adds is what remains. A decode engine's is judged alone. A prefill worker started
