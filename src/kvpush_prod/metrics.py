@@ -426,7 +426,8 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "kvpush_link_bandwidth_bytes_per_second",
         "gauge",
         ("role", "peer"),
-        "Measured bandwidth of the link to the peer (EWMA of chunk completions).",
+        "Measured bandwidth of the link to the peer (EWMA of chunk completions; whole pushes' "
+        "once one landed, so layer-wise chunks do not make it look slower).",
     ),
     _s(
         "kvpush_link_slow",

@@ -729,6 +729,22 @@ def test_layerwise_chunks_move_the_cap_estimate_but_not_the_whole_push_estimate(
     assert s.bandwidth("L") < 1e6
 
 
+def test_operators_see_whole_pushes_once_one_landed_and_every_chunk_before() -> None:
+    """The gauge and the slow-link guard read ``measured_bandwidth``: with layer-wise
+    pushes on the link, whole pushes' estimate once there is one (layer-wise chunks would
+    make a healthy link look slow), every chunk's before (a lower bound, never the guess)."""
+    s = sched(alpha=0.5, bandwidth=1e6)
+    assert s.measured_bandwidth("L") == 1e6  # no link yet: the initial guess
+    _layerwise_step(s, "lw", 0.0, 0.001)
+    assert s.measured_bandwidth("L") == pytest.approx(2.5e5)  # only layer-wise so far
+    s.add("w", "L", 100, 10, FAR, 1.0)
+    [c] = s.next_chunks(1.0)
+    s.on_chunk_done(c.id, 1.0001)
+    _layerwise_step(s, "lw2", 2.0, 0.001)
+    assert s.measured_bandwidth("L") == pytest.approx(1e7)
+    assert s.bandwidth("L") < 1e6  # the cap still follows every chunk
+
+
 def test_the_whole_push_estimate_is_the_same_ewma_as_the_cap_estimate() -> None:
     s = sched(alpha=0.5)
     for i, (start, end) in enumerate(((0.0, 0.001), (1.0, 1.003))):

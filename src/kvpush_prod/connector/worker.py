@@ -1516,7 +1516,7 @@ class SenderPump(TransferPump[Sender]):
         # must not make a series labelled with its raw agent name.
         links = [link for link in p.sched.links() if link in self._peer_label]
         for link in links:
-            label, bandwidth = self._peer_label[link], p.sched.bandwidth(link)
+            label, bandwidth = self._peer_label[link], p.sched.measured_bandwidth(link)
             self.stats.set("kvpush_link_bandwidth_bytes_per_second", (self.role, label), bandwidth)
             if self.link_guard is not None:  # links.expected_gbps: the slow-link guard
                 slow = self.link_guard.observe(label, bandwidth, now)

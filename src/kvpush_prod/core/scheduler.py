@@ -613,6 +613,18 @@ class ChunkScheduler:
             return initial
         return lk.whole_bandwidth if lk.whole_time > 0 else max(initial, lk.bandwidth)
 
+    def measured_bandwidth(self, link: LinkId) -> float:
+        """What the link is measured to carry, in bytes/s, for operators (the
+        ``kvpush_link_bandwidth_bytes_per_second`` gauge and the slow-link guard): whole
+        pushes' estimate once one landed, every chunk's before (a link that only ever
+        carries layer-wise pushes reads as their chunks measure it, a lower bound). Read
+        from every chunk, ``push.layerwise: auto`` would make a healthy link look 2-3x
+        slower whenever it turned layer-wise on."""
+        lk = self._links.get(link)
+        if lk is None:
+            return self._s.initial_bandwidth_bytes_per_s
+        return lk.whole_bandwidth if lk.whole_time > 0 else lk.bandwidth
+
     def slowest_whole_bandwidth(self, links: list[LinkId] | None = None) -> float:
         """The least ``whole_bandwidth`` of ``links`` (None: every link known), the
         initial guess when there are none: what ``push.layerwise: auto`` decides by, in
