@@ -112,7 +112,11 @@ Names follow `kvpush_<noun>_<unit>`; labels are few and bounded (never a request
 them to the API server, and `MetricsSink` writes them. vLLM adds its labels
 ({_codes(VLLM_LABELS)}) to every connector series, and Prometheus adds
 {_codes(SCRAPE_LABELS)} to every series. The router's series are on the router's
-`/metrics`.
+`/metrics`. vLLM carries the connector's observations with the outputs of an engine step,
+so an idle engine (no request for a while) publishes nothing new: its gauges (held
+blocks, table sizes, `kvpush_link_slow`, link bandwidth) keep the values of its last
+step until a request makes it step again. Read a gauge together with the engine's
+`vllm:num_requests_running` (0 and unchanged: the value is as old as the last request).
 
 **How they are named on a scrape.** Counters gain `_total` (`kvpush_transfers` is scraped
 as `kvpush_transfers_total`); histograms are scraped as `_bucket`, `_sum` and `_count`.
