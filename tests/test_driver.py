@@ -90,6 +90,7 @@ class Effects:
         self.fail: set[str] = set()
         self.post_error: ChunkError | None = None
         self.contained_: list[tuple[Stage, str]] = []
+        self.t = 5.0  # the shell's clock
 
     def _call(self, name: str, *args: Any) -> None:
         self.calls.append((name, *args))
@@ -97,7 +98,7 @@ class Effects:
             raise RuntimeError(f"{name} broke")
 
     def now(self) -> float:
-        return 5.0
+        return self.t
 
     def wall(self) -> float:
         return 1000.0
@@ -250,6 +251,38 @@ def test_a_peer_that_cannot_be_connected_fails_its_posts() -> None:
     assert names(fx) == ["connect", "post_failed"]
     assert engine.fed[0] == ("peer", "agent-d", "could not connect", 5.0)
     assert engine.fed[1][:3] == ("chunk", 8, False)
+
+
+def test_an_agent_that_failed_to_connect_is_tried_again_only_after_a_growing_backoff() -> None:
+    d, engine, fx = driver()
+    fx.fail.add("connect-none")
+    d.run([ConnectPeer(D)])
+    fx.t = 5.5  # within the first backoff (1 s): told at once, not tried
+    d.run([ConnectPeer(D)])
+    assert names(fx) == ["connect"]
+    assert engine.fed[-1][2].startswith("unreachable: its last connect failed; next try in 0.5")
+    fx.t = 6.0  # the backoff is over: tried, fails again, the backoff doubles
+    d.run([ConnectPeer(D)])
+    assert names(fx) == ["connect", "connect"] and d.retry_at["agent-d"] == (8.0, 2.0)
+    for t in range(8, 200):
+        fx.t = float(t)
+        d.run([ConnectPeer(D)])
+    assert d.retry_at["agent-d"][1] == 30.0  # bounded
+    assert names(fx).count("connect") < 12  # not once a second for 192 s
+    fx.fail.discard("connect-none")
+    fx.t = 1000.0
+    d.run([ConnectPeer(D)])
+    assert engine.fed[-1] == ("peer", "agent-d", "", 1000.0)
+    assert "agent-d" not in d.retry_at and d.peers == {"agent-d": "peer:agent-d"}
+
+
+def test_dropping_an_agent_forgets_its_backoff() -> None:
+    d, _, fx = driver()
+    fx.fail.add("connect-none")
+    d.run([ConnectPeer(D), DropPeer("agent-d")])
+    assert not d.retry_at and not d.unreachable
+    d.run([ConnectPeer(D)])  # a new try at once
+    assert names(fx) == ["connect", "disconnect", "connect"]
 
 
 def test_a_post_the_shell_could_not_make_fails_the_chunk() -> None:

@@ -214,6 +214,12 @@ def message_age(msg: ControlMessage, wall: float) -> float:
     return min(max(0.0, wall - sent_at), MAX_MESSAGE_AGE_S) if sent_at else 0.0
 
 
+# After a failed connect, the same agent is tried again only after this backoff, doubled
+# at each failure up to the bound (seconds).
+CONNECT_BACKOFF_S = 1.0
+CONNECT_BACKOFF_MAX_S = 30.0
+
+
 class Driver(Generic[E, P]):
     """Runs one engine over one shell's ``Effects``; holds the peers connected for it."""
 
@@ -228,6 +234,11 @@ class Driver(Generic[E, P]):
         # (a late success of one is still taken): both until the engine drops the agent.
         self.connecting: set[str] = set()
         self.unreachable: set[str] = set()
+        # Unreachable agents: (when the next connect may be tried, the backoff that set it).
+        # A connect that fails is not tried again at once for every transfer that needs the
+        # agent: each try costs seconds and, in UCX, a socket it may never close (a soak
+        # measured one fd per refused connect); the transfers meanwhile hear it failed.
+        self.retry_at: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ events in
     def feed(self, stage: Stage, what: str, event: Callable[[E, float], list[Action]]) -> None:
@@ -277,8 +288,12 @@ class Driver(Generic[E, P]):
         self.connecting.discard(agent)
         if peer is None:
             self.unreachable.add(agent)
+            backoff = self.retry_at.get(agent, (0.0, 0.0))[1]
+            backoff = min(CONNECT_BACKOFF_MAX_S, max(CONNECT_BACKOFF_S, 2 * backoff))
+            self.retry_at[agent] = (self.effects.now() + backoff, backoff)
         else:
             self.unreachable.discard(agent)
+            self.retry_at.pop(agent, None)
             self.peers[agent] = peer
         self._tell(agent, "" if peer is not None else problem or "could not connect")
 
@@ -310,6 +325,11 @@ class Driver(Generic[E, P]):
         if agent in self.peers:
             self._tell(agent, "")
             return
+        if agent in self.retry_at:
+            wait = self.retry_at[agent][0] - self.effects.now()
+            if wait > 0:
+                self._tell(agent, f"unreachable: its last connect failed; next try in {wait:.1f} s")
+                return
         peer = self.effects.connect(info) if info.layout is not None else None
         if isinstance(peer, Deferred):
             self.connecting.add(agent)
@@ -357,6 +377,7 @@ class Driver(Generic[E, P]):
         self.peers.pop(agent, None)
         self.connecting.discard(agent)
         self.unreachable.discard(agent)
+        self.retry_at.pop(agent, None)
         self.effects.disconnect(agent)
 
     def _tell(self, agent: str, problem: str) -> None:
