@@ -37,8 +37,9 @@ def region_groups(region_bytes: Sequence[float], ids: int, chunk_bytes: int) -> 
     return tuple(bounds)
 
 
-def group_bytes(region_bytes: Sequence[int], bounds: Sequence[int]) -> tuple[int, ...]:
-    """One id's bytes in each group of ``bounds`` (at least 1: the scheduler's unit)."""
+def group_bytes(region_bytes: Sequence[float], bounds: Sequence[int]) -> tuple[int, ...]:
+    """One id's bytes in each group of ``bounds``, rounded (at least 1: the scheduler's
+    unit)."""
     return tuple(
-        max(1, sum(region_bytes[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        max(1, round(sum(region_bytes[a:b]))) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     )

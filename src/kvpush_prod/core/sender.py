@@ -1625,7 +1625,7 @@ class Sender:
         bounds = chunking.region_groups(per_id, ids, self.s.scheduler.chunk_bytes)
         if len(bounds) <= 2:
             return (), ()
-        return bounds, chunking.group_bytes([round(b) for b in per_id], bounds)
+        return bounds, chunking.group_bytes(per_id, bounds)
 
     def _unit_bytes(self, units: blocksize.Units) -> int:
         """Bytes of one id of ``units`` on this rank (a block, or a unit of one)."""
