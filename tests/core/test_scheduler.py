@@ -705,7 +705,7 @@ def _layerwise_step(s: ChunkScheduler, tid: str, now: float, dt: float) -> float
     """A layer-wise push of 10 blocks of 100 B in 4 parts (one 250 B chunk a part, 1000 B
     in all), each chunk landing ``dt`` after its post: its chunks' fixed post cost makes
     the link look slow. Returns the time it ended."""
-    s.add(tid, "L", 25, 10, FAR, now, parts=4)
+    s.add(tid, "L", 25, 10, FAR, now, parts=4, whole=False)
     for c in drain(s, now, dt):
         assert c.nbytes == 250
         now += dt

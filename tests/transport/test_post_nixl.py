@@ -451,3 +451,99 @@ def test_layer_by_layer_posts_of_units_and_head_slabs_land_as_one_whole_post(
             tp, tp.post("WRITE", peer, plan.src, plan.dst, regions=(layer * per, (layer + 1) * per))
         )
     assert torch.equal(d.buf, want)
+
+
+def core_push(
+    tp: NixlTransport,
+    peer: Any,
+    p: Cache,
+    d: Cache,
+    src: list[int],
+    dst: list[int],
+    tokens: int,
+    chunk: int,
+    by_regions: bool = True,
+) -> list[int]:
+    """P's core pushes ``src`` into D's ``dst`` (``tokens`` tokens) in chunks of ``chunk``
+    bytes, each of its WRITEs posted through ``tp``; the descriptors of each post."""
+    from dataclasses import replace as dc_replace
+
+    from kvpush_prod.core import messages as m
+    from kvpush_prod.core.actions import PostWrite
+    from kvpush_prod.core.identity import agent_name as ag
+    from kvpush_prod.core.scheduler import SchedulerSettings
+    from kvpush_prod.core.sender import Sender, SenderSettings
+
+    me = m.PeerInfo("P", 1, 0, "tcp://p:1", ag("agent-p", "tcp://p:1"), b"m", p.layout)
+    them = m.PeerInfo("D", 2, 0, "tcp://d:1", ag("agent-d", "tcp://d:1"), b"m", d.layout)
+    settings = SenderSettings(
+        block_bytes=sum(r.block_len for r in p.layout.regions),
+        scheduler=SchedulerSettings(chunk_bytes=chunk, stop_margin_s=0.0),
+        stop_margin_s=0.0,
+    )
+    s = Sender(me, dc_replace(settings, chunk_by_regions=by_regions), random.Random(0))
+    reg = m.Register(m.PROTOCOL_VERSION, "t", them, dst, 0, tokens, 1, 60_000)
+    s.on_message(reg, 0.0, origin=them.control)
+    writes = [
+        a for a in s.blocks_ready("t", src, 0.0, owner=them.control) if isinstance(a, PostWrite)
+    ]
+    descriptors: list[int] = []
+    while writes:
+        w = writes.pop(0)
+        assert w.done is None or not writes  # DONE after every other chunk
+        handle = tp.post("WRITE", peer, list(w.src_blocks), list(w.dst_blocks), b"", w.regions)
+        stats = tp.last_post
+        assert stats is not None
+        descriptors.append(stats.descriptors)
+        wait_done(tp, handle)
+        writes += [a for a in s.on_chunk(w.chunk_id, True, "", 0.0) if isinstance(a, PostWrite)]
+    return descriptors
+
+
+@pytest.mark.parametrize(
+    ("kind", "p_block", "d_block", "p_tp", "d_tp"),
+    [
+        ("contiguous", 16, 16, 1, 1),
+        ("fragmented", 16, 16, 1, 1),
+        ("contiguous", 16, 32, 1, 1),
+        ("mixed", 16, 16, 2, 1),
+    ],
+)
+def test_a_whole_push_cut_by_layers_posts_one_descriptor_per_region_and_run(
+    pair: Any, kind: str, p_block: int, d_block: int, p_tp: int, d_tp: int
+) -> None:
+    """``push.chunk_by: layers``: P's core cuts a push of many blocks into region groups;
+    on a fresh cache the transfer posts one descriptor per region in all (not one per
+    region per chunk), fragmented one per region per block, and D holds what one post of
+    every region would have left (block sizes or tensor-parallel sizes differing too)."""
+    rng, total = random.Random(hash((kind, p_block, d_block, p_tp)) & 0xFFFF), 4
+    p_nb, d_nb = NUM_BLOCKS * 16 // p_block, NUM_BLOCKS * 16 // d_block
+    shape = nhd if p_tp == d_tp else cpu  # head slabs: the CPU layout, K and V in a block
+    p = cache(shape(total // p_tp, p_block), p_block, p_nb, total // p_tp, total, p_tp, 0, 31)
+    d = cache(shape(total // d_tp, d_block), d_block, d_nb, total // d_tp, total, d_tp, 0, 32)
+    tokens = (p_nb - 4) * p_block
+    p_blocks = ids_of(kind, blocksize.cdiv(tokens, p_block), p_nb, rng)
+    d_blocks = ids_of(kind, blocksize.cdiv(tokens, d_block), d_nb, rng)
+    plan = blocksize.push_units(p.layout, d.layout, p_blocks, d_blocks, 0, tokens)
+    assert isinstance(plan, blocksize.Units)
+    tp, td = pair(p, d)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    want = expected(p, d, old_pairs(tp, peer, plan.src, plan.dst), write=True)
+    regions = len(p.layout.regions)  # 3 layers: K and V apart (NHD), or together (CPU)
+    per_region = sum(r.block_len for r in p.layout.regions) // regions * len(p_blocks)
+    # A layer's worth a chunk: 3 chunks by layers, where by blocks made 3 of every region.
+    chunk = per_region * (regions // LAYERS)
+    got = core_push(tp, peer, p, d, p_blocks, d_blocks, tokens, chunk)
+    assert torch.equal(d.buf, want)
+    assert len(got) == 3
+    if kind == "contiguous" and p_tp == d_tp:
+        assert sum(got) == regions  # one run of blocks: one descriptor per region
+        by_blocks = core_push(tp, peer, p, d, p_blocks, d_blocks, tokens, chunk, False)
+        assert sum(by_blocks) == len(by_blocks) * regions and len(by_blocks) >= 3
+    if kind == "fragmented" and p_block == d_block:
+        runs = sum(
+            1
+            for i in range(len(p_blocks))
+            if i == 0 or (p_blocks[i] != p_blocks[i - 1] + 1 or d_blocks[i] != d_blocks[i - 1] + 1)
+        )
+        assert sum(got) == runs * regions

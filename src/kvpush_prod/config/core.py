@@ -63,6 +63,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
         max_peers=cfg.control.max_peers,
         done_query_s=retry.done_query_timeout_ms / 1000.0,
         await_connect=True,  # the connector's pump connects off its thread (ConnectPeer)
+        chunk_by_regions=cfg.push.chunk_by == "layers",
     )
     receiver = ReceiverSettings(
         block_bytes=block_bytes,

@@ -234,6 +234,15 @@ class PushSettings(_Section):
     max_inflight_chunks: int = Field(
         64, ge=1, le=100_000, description="Most chunks posted and not completed, per link."
     )
+    chunk_by: Literal["layers", "blocks"] = Field(
+        "layers",
+        description="How a push larger than chunk_bytes is cut into chunks. layers: groups "
+        "of consecutive layers (KV regions) over all of the transfer's blocks, about "
+        "chunk_bytes each, so a transfer posts about one descriptor per region and run of "
+        "adjacent blocks; blocks: ranges of blocks over every region, each chunk its own "
+        "descriptor per region (0.2's cut: chunks x regions descriptors on a "
+        "fresh cache). Layer-wise pushes post per layer either way.",
+    )
     chunk_timeout_s: float = Field(
         10.0, gt=0, le=3600, description="A chunk still in flight after this has failed (TIMEOUT)."
     )

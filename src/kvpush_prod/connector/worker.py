@@ -1112,10 +1112,11 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def write(self, action: PostWrite, peer: RemotePeer) -> ChunkError | None:
         regions = peer.local.regions if peer.local is not None else None
-        part: tuple[int, int] | None = None
-        if action.parts > 1:
+        part = action.regions
+        if part is None and action.parts > 1:
             per = len(self.transport.layout.regions) // action.parts
             part = (action.part * per, (action.part + 1) * per)
+        if action.layerwise:
             self.stats.inc(
                 "kvpush_layerwise_writes",
                 (self.role, "during_forward" if self.forward_running else "after_forward"),
@@ -1129,7 +1130,6 @@ class TransferPump(threading.Thread, Generic[E]):
             action.dst_blocks,
             self._done_notif(action, regions, peer.local_k if peer.unit_tokens else 0),
             part,
-            action.parts,
         )
 
     def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
@@ -1270,7 +1270,6 @@ class TransferPump(threading.Thread, Generic[E]):
         remote: tuple[int, ...],
         notif: bytes,
         regions: tuple[int, int] | None = None,
-        parts: int = 1,
     ) -> ChunkError | None:
         t0 = time.monotonic()
         self.began.setdefault(tid, t0)
@@ -1283,9 +1282,11 @@ class TransferPump(threading.Thread, Generic[E]):
         except Exception as exc:  # noqa: BLE001 - any failure to post fails the chunk
             return chunk_error(exc)
         # Ids are units when block sizes differ: each is 1/local_k of one of our blocks;
-        # a layer-wise WRITE moves one of ``parts`` shares of each.
-        nbytes = len(local) * self._block_bytes // (peer.local_k if peer.unit_tokens else 1)
-        nbytes //= parts
+        # a WRITE of some regions (layer-wise, or a whole push cut by regions) moves theirs.
+        block = self._block_bytes
+        if regions is not None:
+            block = sum(r.block_len for r in self.transport.layout.regions[slice(*regions)])
+        nbytes = len(local) * block // (peer.local_k if peer.unit_tokens else 1)
         post_s = time.monotonic() - t0
         # What the post carried and what building it cost (None: a transport that keeps no
         # such record, or an injected fault that posted nothing real).

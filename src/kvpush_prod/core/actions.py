@@ -39,10 +39,14 @@ class PostWrite:
     nbytes: int
     done: Done | None = None
     all_src: tuple[int, ...] = ()
-    # Layer-wise push: the WRITE moves part ``part`` of ``parts`` of each block (the
-    # ``part``-th of ``parts`` equal slices of the layout's regions: one layer's); 1: all.
+    # The WRITE moves part ``part`` of ``parts`` of each block (1: all of it): regions
+    # ``[first, end)`` of the layout (a whole push cut by regions, ``core.chunking``), or,
+    # ``regions`` None, the ``part``-th of ``parts`` equal slices of the layout's regions
+    # (a layer-wise push: one layer's). ``layerwise``: a layer-wise push's WRITE.
     part: int = 0
     parts: int = 1
+    regions: tuple[int, int] | None = None
+    layerwise: bool = False
 
 
 @dataclass(frozen=True, slots=True)

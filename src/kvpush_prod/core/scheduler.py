@@ -126,37 +126,38 @@ _LAST_PENDING, _LAST_INFLIGHT, _LAST_DELAYED, _LAST_DONE, _LAST_HELD = range(5)
 
 class _Transfer:
     __slots__ = (
-        "tid", "link", "block_bytes", "num_blocks", "cutoff", "added_at", "chunk_blocks",
+        "tid", "link", "num_blocks", "cutoff", "added_at", "part_bytes", "part_chunks",
         "last_start", "cursor", "retry", "delayed", "inflight", "last", "last_attempt",
         "last_first_at", "total", "ready_end", "sealed", "whole",
         "queued_bytes", "queued_chunks", "heap_seq", "cutoff_seq", "alive",
     )  # fmt: skip
 
     def __init__(
-        self, tid: TransferId, link: _Link, block_bytes: int, num_blocks: int,
-        cutoff: float, added_at: float, chunk_blocks: int, parts: int = 1,
-        ready: int | None = None,
+        self, tid: TransferId, link: _Link, part_bytes: tuple[int, ...], num_blocks: int,
+        cutoff: float, added_at: float, chunk_bytes: int, ready: int | None = None,
+        whole: bool = True,
     ) -> None:  # fmt: skip
         self.tid = tid
         self.link = link
-        self.block_bytes = block_bytes  # of one block of one part
+        parts = len(part_bytes)
+        self.part_bytes = part_bytes  # one block of each part
         self.num_blocks = num_blocks  # per part
         self.cutoff = cutoff  # permit deadline minus the stop margin
         self.added_at = added_at
-        self.chunk_blocks = chunk_blocks
-        # A whole push (one part): its chunks alone feed the link's ``whole_bandwidth``.
-        self.whole = parts == 1
+        # Blocks per chunk in each part: a chunk's worth of that part's bytes (at least 1).
+        self.part_chunks = tuple(max(1, chunk_bytes // b) for b in part_bytes)
+        # Its chunks alone feed the link's ``whole_bandwidth`` (not a layer-wise push's).
+        self.whole = whole
         # Indices part by part: index i is block i % num_blocks of part i // num_blocks; a
         # chunk never spans two parts, and only parts below ``ready`` may be posted.
-        per_part = max(1, -(-num_blocks // chunk_blocks))
-        total = parts * per_part
+        per_part = [max(1, -(-num_blocks // c)) for c in self.part_chunks]
         self.total = parts * num_blocks
         # ``ready`` None: every part is ready and the last chunk may go once the others
         # landed; else only the first ``ready`` parts, and the last chunk waits for
         # ``extend(..., final=True)`` (the forward's end) even when every part is ready.
         self.sealed = ready is None
         self.ready_end = self.total if ready is None else min(ready, parts) * num_blocks
-        self.last_start = (parts - 1) * num_blocks + (per_part - 1) * chunk_blocks
+        self.last_start = (parts - 1) * num_blocks + (per_part[-1] - 1) * self.part_chunks[-1]
         self.cursor = 0  # next never-posted index below last_start
         # failed chunks ready to go again: (start, end, attempt, first_posted_at)
         self.retry: list[tuple[int, int, int, float]] = []
@@ -165,8 +166,8 @@ class _Transfer:
         self.last = _LAST_PENDING
         self.last_attempt = 0
         self.last_first_at = 0.0
-        self.queued_bytes = self.total * block_bytes
-        self.queued_chunks = total
+        self.queued_bytes = num_blocks * sum(part_bytes)
+        self.queued_chunks = sum(per_part)
         self.heap_seq = 0  # seq of its one current entry in the link heap, 0: not queued
         self.cutoff_seq = 0
         self.alive = True
@@ -185,11 +186,18 @@ class _Transfer:
             return self.last_start, self.total, True, self.last_attempt, self.last_first_at
         return None
 
+    def nbytes(self, start: int, end: int) -> int:
+        """Bytes of the chunk ``[start, end)`` (within one part)."""
+        if end <= start:
+            return 0
+        return (end - start) * self.part_bytes[start // self.num_blocks]
+
     def _end_of(self, start: int) -> int:
         """Where the chunk starting at ``start`` ends: a chunk's worth, its part's end or
         the last chunk's start, whichever comes first."""
-        part_end = (start // self.num_blocks + 1) * self.num_blocks
-        return min(start + self.chunk_blocks, part_end, self.last_start)
+        part = start // self.num_blocks
+        part_end = (part + 1) * self.num_blocks
+        return min(start + self.part_chunks[part], part_end, self.last_start)
 
     def take(self, is_last: bool) -> None:
         """Mark what ``peek`` returned as posted."""
@@ -202,12 +210,19 @@ class _Transfer:
 
 
 def _check_sizes(
-    tid: TransferId, block_bytes: int, num_blocks: int, parts: int, ready: int | None
+    tid: TransferId,
+    block_bytes: int,
+    num_blocks: int,
+    parts: int,
+    ready: int | None,
+    part_bytes: tuple[int, ...],
 ) -> None:
     """``ChunkScheduler.add``'s sizes, or a ``ProtocolError`` naming the bad one."""
-    if block_bytes < 1:
+    if block_bytes < 1 or any(b < 1 for b in part_bytes):
         raise ProtocolError(
-            "bad block size", f"transfer {tid!r}: block_bytes must be >= 1, got {block_bytes}"
+            "bad block size",
+            f"transfer {tid!r}: block_bytes and part_bytes must be >= 1, "
+            f"got {block_bytes} and {part_bytes}",
         )
     if num_blocks < 0:
         raise ProtocolError(
@@ -217,6 +232,12 @@ def _check_sizes(
         raise ProtocolError(
             "bad parts",
             f"transfer {tid!r}: parts must be >= 1 and ready >= 0, got {parts} and {ready}",
+        )
+    if part_bytes and len(part_bytes) != parts:
+        raise ProtocolError(
+            "bad parts",
+            f"transfer {tid!r}: part_bytes names {len(part_bytes)} parts, parts is {parts}; "
+            "give one size per part",
         )
 
 
@@ -312,6 +333,9 @@ class ChunkScheduler:
         now: float,
         parts: int = 1,
         ready: int | None = None,
+        *,
+        part_bytes: tuple[int, ...] = (),
+        whole: bool = True,
     ) -> None:
         """Queue a transfer of ``num_blocks`` blocks of ``block_bytes`` each over ``link``.
 
@@ -319,20 +343,25 @@ class ChunkScheduler:
         within the stop margin is not queued but reported by ``take_expired``. A transfer
         of 0 blocks is one empty last chunk: the shell sends its DONE as a bare notification.
 
-        ``parts`` > 1 (layer-wise push): each block is ``parts`` pieces of ``block_bytes``
-        (``block_bytes`` is then one part's), posted part by part: a chunk's ``start`` and
-        ``end`` index ``parts * num_blocks`` ids, part ``i // num_blocks``, block
-        ``i % num_blocks``, and never span two parts. Only the first ``ready`` parts (all
-        when None) may be posted until ``extend`` says more are; the last chunk (DONE) then
-        waits for ``extend(..., final=True)``.
+        ``parts`` > 1: each block is ``parts`` pieces of ``block_bytes`` (``block_bytes`` is
+        then one part's; ``part_bytes``: each part's, when they differ), posted part by part:
+        a chunk's ``start`` and ``end`` index ``parts * num_blocks`` ids, part
+        ``i // num_blocks``, block ``i % num_blocks``, and never span two parts; a part is
+        cut into chunks of at most ``chunk_bytes`` (or one block). Only the first ``ready``
+        parts (all when None) may be posted until ``extend`` says more are; the last chunk
+        (DONE) then waits for ``extend(..., final=True)``.
+
+        ``whole``: a whole push's chunks (not a layer-wise push's), which alone feed the
+        link's ``whole_bandwidth``.
         """
         if transfer_id in self._transfers:
             raise ProtocolError(
                 "duplicate transfer", f"transfer {transfer_id!r} is already queued; cancel it first"
             )
-        _check_sizes(transfer_id, block_bytes, num_blocks, parts, ready)
+        _check_sizes(transfer_id, block_bytes, num_blocks, parts, ready, part_bytes)
+        sizes = part_bytes or (block_bytes,) * parts
         if num_blocks == 0:
-            parts = 1  # one empty last chunk: nothing to post part by part
+            sizes = (block_bytes,)  # one empty last chunk: nothing to post part by part
         s = self._s
         lk = self._links.get(link)
         if lk is None:
@@ -342,17 +371,7 @@ class ChunkScheduler:
             self._expired_out.append(transfer_id)
             self._transfers_expired += 1
             return
-        t = _Transfer(
-            transfer_id,
-            lk,
-            block_bytes,
-            num_blocks,
-            cutoff,
-            now,
-            max(1, s.chunk_bytes // block_bytes),
-            parts,
-            ready,
-        )
+        t = _Transfer(transfer_id, lk, sizes, num_blocks, cutoff, now, s.chunk_bytes, ready, whole)
         self._transfers[transfer_id] = t
         self._queued_chunks += t.queued_chunks
         self._queued_bytes += t.queued_bytes
@@ -809,7 +828,7 @@ class ChunkScheduler:
                 t.heap_seq = 0
                 continue
             start, end, is_last, attempt, first_at = nxt
-            nbytes = (end - start) * t.block_bytes
+            nbytes = t.nbytes(start, end)
             if lk.inflight_chunks >= self._s.max_inflight_chunks:
                 self._capped_chunks += 1
                 return None  # full; a completion on this link wakes it again

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvpush_prod.core import blocksize, compat
+from kvpush_prod.core import blocksize, chunking, compat
 from kvpush_prod.core.actions import (
     Action,
     ConnectPeer,
@@ -110,6 +110,10 @@ class SenderSettings:
     # is ready (``on_peer``): transfers to a D wait for that. False: a ConnectPeer is taken
     # as done at once (a shell, or a test, that feeds no ``on_peer``).
     await_connect: bool = False
+    # A whole push larger than one chunk is cut into chunks of consecutive regions over
+    # every block (``core.chunking``; ``push.chunk_by: layers``); False: block ranges over
+    # every region (``blocks``).
+    chunk_by_regions: bool = True
 
 
 @dataclass(eq=False, slots=True)
@@ -209,6 +213,9 @@ class _Out:
     parts: int = 1
     ready: int = 1
     partial: bool = False
+    # A whole push larger than one chunk: the region bounds of its parts (``core.chunking``:
+    # each part one chunk of consecutive regions over every block); (): not cut by regions.
+    groups: tuple[int, ...] = ()
 
 
 class _Origins:
@@ -1147,10 +1154,12 @@ class Sender:
                 unit_tokens=units.unit_tokens,
                 prompt=o.prompt,
             )
-        # Layer-wise: the chunk's ids are part by part (``ChunkScheduler.add``).
+        # Layer-wise or region groups: the chunk's ids are part by part (``ChunkScheduler.add``).
         nb = len(units.dst)
-        part = chunk.start // nb if o.parts > 1 and nb else 0
+        parts = len(o.groups) - 1 if o.groups else o.parts
+        part = chunk.start // nb if parts > 1 and nb else 0
         start, end = chunk.start - part * nb, chunk.end - part * nb
+        regions = (o.groups[part], o.groups[part + 1]) if o.groups else None
         self._chunks[chunk.id] = (chunk, o.tid)
         o.inflight.add(chunk.id)
         if o.machine.state is S.RETRYING:
@@ -1171,7 +1180,9 @@ class Sender:
             done,
             tuple(units.src) if chunk.is_last else (),
             part,
-            o.parts if nb else 1,
+            parts if nb else 1,
+            regions,
+            o.parts > 1,
         )
         return [*out, write]
 
@@ -1541,15 +1552,19 @@ class Sender:
                 *self._fallback(o, now, "breaker_open"),
             ]
         assert o.units is not None
+        unit_bytes, ids = self._unit_bytes(o.units), len(o.units.dst)
+        o.groups, sizes = self._groups(o.units, ids) if o.parts == 1 else ((), ())
         self.sched.add(
             o.tid,
             o.peer,
-            max(1, self._unit_bytes(o.units) // o.parts),
-            len(o.units.dst),
+            max(1, unit_bytes // o.parts),
+            ids,
             o.permit.expires_at,
             now,
-            o.parts,
+            len(sizes) or o.parts,
             o.ready if o.partial else None,
+            part_bytes=sizes,
+            whole=o.parts == 1,
         )
         o.queued, o.ready_at = True, now
         return self.poll(now)
@@ -1595,6 +1610,22 @@ class Sender:
             return f"block ids {bad[:5]} outside the decode KV cache of {limit} {what}"
         o.units = plan
         return ""
+
+    def _groups(self, units: blocksize.Units, ids: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A whole push of ``ids`` ids cut by regions (``SenderSettings.chunk_by_regions``):
+        the region bounds of its parts and one id's bytes in each part; ((), ()) when it is
+        one chunk (or one region). Sized from this rank's regions, scaled to its block."""
+        lens = [r.block_len for r in self.me.layout.regions] if self.me.layout else []
+        total = sum(lens)
+        if not self.s.chunk_by_regions or total < 1:
+            return (), ()
+        unit_bytes = self._unit_bytes(units)
+        # Each region's bytes per id, in the scheduler's terms (this rank's block).
+        per_id = [unit_bytes * n / total for n in lens]
+        bounds = chunking.region_groups(per_id, ids, self.s.scheduler.chunk_bytes)
+        if len(bounds) <= 2:
+            return (), ()
+        return bounds, chunking.group_bytes(per_id, bounds)
 
     def _unit_bytes(self, units: blocksize.Units) -> int:
         """Bytes of one id of ``units`` on this rank (a block, or a unit of one)."""

@@ -508,7 +508,7 @@ class Sim:
             link.send(a.nbytes, landed)
 
         self.count("chunks")
-        if a.parts > 1:
+        if a.layerwise:
             self.count("layer_writes")
             if req.p_done < 0:
                 self.count("layer_writes_during_forward")
