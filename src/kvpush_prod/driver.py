@@ -196,7 +196,12 @@ class Engine(Protocol):
 
     def on_message(
         self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
-    ) -> list[Action]: ...
+    ) -> list[Action]:
+        """A control message from ``origin`` (the authenticated sender; "" when the channel
+        has no keys: then the control address the message claims stands in for it), ``age``
+        seconds after it was sent."""
+        ...
+
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
     ) -> list[Action]: ...

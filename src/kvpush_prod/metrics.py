@@ -41,23 +41,7 @@ SECONDS_BUCKETS = (
 )
 # Posting a chunk is a local call (tens of microseconds when healthy); a slow post means the
 # transport's queues are full or the progress thread is starved.
-_POST_BUCKETS = (
-    0.00001,
-    0.000025,
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+_POST_BUCKETS = (0.00001, 0.000025, 0.00005, *(b for b in SECONDS_BUCKETS if b <= 0.25), 1.0)
 # Descriptors per post: a run of blocks per region on a fresh cache (tens to hundreds), a
 # block per region on a fragmented one (thousands at 8k tokens), split over 8,192.
 _DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)

@@ -11,6 +11,19 @@ from __future__ import annotations
 
 import enum
 
+__all__ = [
+    "SIGNATURE_REASONS",
+    "AfterDrain",
+    "KeyProblem",
+    "NoteKind",
+    "Notice",
+    "Outcome",
+    "ParamsRejectReason",
+    "RejectReason",
+    "Side",
+    "Word",
+]
+
 
 class Word(str, enum.Enum):
     """A str-valued enum whose ``str()`` and ``format()`` are its value (as ``StrEnum``)."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvpush_prod.config import config_from_extra
-from kvpush_prod.connector.layerwise import LayerStep, layer_parts, layerwise_now
+from kvpush_prod.config.core import layerwise_on
+from kvpush_prod.connector.layerwise import LayerStep, layer_parts
 from kvpush_prod.connector.metadata import SendSpec
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.commands import Hold, RegisterBlocks
@@ -141,8 +142,7 @@ def test_layers_are_told_in_order_from_the_first() -> None:
 def test_auto_chooses_by_prompt_tokens_and_measured_bandwidth(
     mode: str, blocks: int, bandwidth: float, want: bool
 ) -> None:
-    sends = [SendSpec("r", "t", list(range(blocks)))]
-    assert layerwise_now(mode, sends, 4096, 16, bandwidth, 1024, 2.0) is want
+    assert layerwise_on(mode, blocks, 4096, 16, bandwidth, 1024, 2.0) is want
 
 
 def test_layer_parts_maps_each_layer_to_its_regions_or_refuses() -> None:

@@ -18,13 +18,19 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush_prod.lab.launch import EngineSpec, Proc, free_port, start_engine, wait_healthy
+from kvpush_prod.lab.launch import (
+    EngineSpec,
+    Proc,
+    free_port,
+    router_command,
+    start_engine,
+    wait_healthy,
+)
 
 SPINFIX_DIR = Path(__file__).resolve().parent / "spinfix"
 SPINFIX_ENV = "KVPUSH_BENCH_PTHR_DELAY_US"
@@ -347,13 +353,7 @@ class RunningSide:
             cfg.write_text(json.dumps({"prefill": [entry]}))  # JSON is YAML
             prefill = ["--config", str(cfg)]
         cmd = [
-            sys.executable,
-            "-m",
-            "kvpush_prod.router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+            *router_command(port),
             *prefill,
             "--decode",
             self.engine_urls["decode"],

@@ -55,12 +55,13 @@ class Options:
     quiesce_timeout: float = 100.0
     workdir: Path | None = None
     progress_every: int = 20
-    min_prompt: int = 100
-    max_prompt: int = 1900
-    min_tokens: int = 16
-    max_tokens: int = 32
-    stream_fraction: float = 0.5
-    chat_fraction: float = 0.1
+    # The load's mix (``mix``), by default the Mix's own.
+    min_prompt: int = Mix.min_prompt
+    max_prompt: int = Mix.max_prompt
+    min_tokens: int = Mix.min_tokens
+    max_tokens: int = Mix.max_tokens
+    stream_fraction: float = Mix.stream_fraction
+    chat_fraction: float = Mix.chat_fraction
     poke: bool = True  # after a failed quiescence, send each engine one request and re-read
     trace: bool = False  # engines write kvpush event traces (KVPUSH_TRACE_DIR) to workdir/traces
     extra: dict[str, Any] = field(default_factory=dict)  # the scenario's own options

@@ -74,6 +74,23 @@ def _error_message(raw: bytes | str) -> str:
     return text.strip()[:600]
 
 
+@dataclass(frozen=True)
+class _Exchange:
+    """One request on its way: where it goes, what it sends, how long the client waits
+    (httpx's own timeouts, above the overall bound the caller enforces) and its record."""
+
+    client: httpx.AsyncClient
+    url: str
+    spec: RequestSpec
+    record: Record
+    http_timeout: httpx.Timeout
+    t0: float  # when the load began (time.monotonic)
+
+    def since_start(self) -> float:
+        """Seconds since the request started."""
+        return time.monotonic() - self.t0 - self.record.started
+
+
 async def send_one(
     client: httpx.AsyncClient,
     base_url: str,
@@ -83,7 +100,13 @@ async def send_one(
     t0: float,
 ) -> None:
     """Send ``spec``; fill ``record``. Never raises (except cancellation of the caller)."""
-    await _send(client, base_url, spec, record, timeout, t0)
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.chat else "/v1/completions")
+    x = _Exchange(client, url, spec, record, httpx.Timeout(timeout + 30, connect=10.0), t0)
+    try:
+        await (_send_streamed(x) if spec.stream else _send_whole(x))
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        record.error_kind = "transport"
+        record.error = f"{type(exc).__name__}: {exc}"[:600]
     if not record.error_kind and record.finish_reason == "abort":
         # vLLM ends a request it aborted (e.g. on shutdown) with HTTP 200 and this reason:
         # the client gets a success with a cut answer and no error.
@@ -94,39 +117,12 @@ async def send_one(
         )
 
 
-async def _send(
-    client: httpx.AsyncClient,
-    base_url: str,
-    spec: RequestSpec,
-    record: Record,
-    timeout: float,
-    t0: float,
-) -> None:
-    url = base_url.rstrip("/") + ("/v1/chat/completions" if spec.chat else "/v1/completions")
-    # httpx's own timeouts sit above the overall bound, which the caller enforces.
-    http_timeout = httpx.Timeout(timeout + 30, connect=10.0)
-    try:
-        if spec.stream:
-            await _send_streamed(client, url, spec, record, http_timeout, t0)
-        else:
-            await _send_whole(client, url, spec, record, http_timeout, t0)
-    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
-        record.error_kind = "transport"
-        record.error = f"{type(exc).__name__}: {exc}"[:600]
-
-
-async def _send_whole(
-    client: httpx.AsyncClient,
-    url: str,
-    spec: RequestSpec,
-    record: Record,
-    http_timeout: httpx.Timeout,
-    t0: float,
-) -> None:
-    r = await client.post(url, json=spec.body(), timeout=http_timeout)
+async def _send_whole(x: _Exchange) -> None:
+    spec, record = x.spec, x.record
+    r = await x.client.post(x.url, json=spec.body(), timeout=x.http_timeout)
     record.status = r.status_code
     record.request_id = r.headers.get("x-request-id", "")
-    record.first_byte = time.monotonic() - t0 - record.started
+    record.first_byte = x.since_start()
     if r.status_code != 200:
         record.error_kind, record.error = "http", _error_message(r.content)
         return
@@ -147,16 +143,10 @@ async def _send_whole(
     record.kvpush = (data.get("kv_transfer_params") or {}).get("kvpush")
 
 
-async def _send_streamed(
-    client: httpx.AsyncClient,
-    url: str,
-    spec: RequestSpec,
-    record: Record,
-    http_timeout: httpx.Timeout,
-    t0: float,
-) -> None:
+async def _send_streamed(x: _Exchange) -> None:
+    spec, record = x.spec, x.record
     pieces = 0
-    async with client.stream("POST", url, json=spec.body(), timeout=http_timeout) as r:
+    async with x.client.stream("POST", x.url, json=spec.body(), timeout=x.http_timeout) as r:
         record.status = r.status_code
         record.request_id = r.headers.get("x-request-id", "")
         if r.status_code != 200:
@@ -164,7 +154,7 @@ async def _send_streamed(
             return
         async for line in r.aiter_lines():
             if record.first_byte is None:
-                record.first_byte = time.monotonic() - t0 - record.started
+                record.first_byte = x.since_start()
             if not line.startswith("data:"):
                 continue
             payload = line[5:].strip()

@@ -1,5 +1,5 @@
-"""Layer-wise push on P (``push.layerwise``): which layers the running forward has computed,
-and whether this step's prompts are pushed layer by layer; the engine thread's side only.
+"""Layer-wise push on P (``push.layerwise``): which layers the running forward has computed;
+the engine thread's side only (whether a step is pushed layer by layer: ``config.core``).
 
 vLLM calls ``save_kv_layer`` after each attention layer's forward (its KV written into the
 cache: on the CPU backend synchronously, before the call). The engine thread records the
@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpush_prod.config.core import layerwise_on
 from kvpush_prod.connector.metadata import SendSpec
 from kvpush_prod.core import messages
 
@@ -72,23 +71,3 @@ class LayerStep:
             return 0
         self.ready = ready
         return ready
-
-
-def layerwise_now(
-    mode: str,
-    sends: list[SendSpec],
-    block_bytes: int,
-    block_tokens: int,
-    bandwidth: float,
-    min_tokens: int,
-    min_transfer_ms: float,
-) -> bool:
-    """Whether this step's prompts are pushed layer by layer (``push.layerwise``): always
-    (on), never (off), or (auto) when they hold at least ``min_tokens`` tokens (blocks x
-    block size) and their KV takes at least ``min_transfer_ms`` at ``bandwidth`` bytes/s,
-    the slowest link as whole pushes measured it (``config.core.layerwise_on``, which the
-    simulator decides by too)."""
-    blocks = sum(len(s.block_ids) for s in sends)
-    return layerwise_on(
-        mode, blocks, block_bytes, block_tokens, bandwidth, min_tokens, min_transfer_ms
-    )

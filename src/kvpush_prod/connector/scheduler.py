@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush_prod.config import KvpushConfig
@@ -61,6 +62,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What either side's scheduler half is told of its engine."""
+
+    cfg: KvpushConfig
+    engine_id: str
+    block_size: int
+    block_bytes: int  # one block, all layers, one rank
+    tp_size: int
+    dp_index: int
+    trust: Trust | None = None
+
+
 def scheduler_side(
     cfg: KvpushConfig,
     role: Side,
@@ -76,21 +90,12 @@ def scheduler_side(
 ) -> SchedulerSide:
     """The scheduler-side half for ``role`` (``dp_index`` of ``dp_size`` data-parallel
     engine cores behind one API server)."""
+    engine = EngineFacts(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
     side: SchedulerSide
     if role is Side.CONSUMER:
-        side = ConsumerSide(
-            cfg,
-            engine_id,
-            block_size,
-            block_bytes,
-            tp_size,
-            dp_index,
-            num_blocks,
-            recompute_on_failure,
-            trust,
-        )
+        side = ConsumerSide(engine, num_blocks, recompute_on_failure)
     else:
-        side = ProducerSide(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+        side = ProducerSide(engine)
     side.dp_size = dp_size
     # vLLM runs the data-parallel ranks of a dense model as independent engines and tells
     # them only their index (data_parallel_size is 1 in the engine core); it marks them by
@@ -109,28 +114,19 @@ class SchedulerSide:
 
     side: Side
 
-    def __init__(
-        self,
-        cfg: KvpushConfig,
-        engine_id: str,
-        block_size: int,
-        block_bytes: int,
-        tp_size: int,
-        dp_index: int,
-        trust: Trust | None = None,
-    ) -> None:
-        self.cfg = cfg
+    def __init__(self, engine: EngineFacts) -> None:
+        cfg = self.cfg = engine.cfg
         self.role = self.side.value
-        self.engine_id = engine_id
-        self.block_size = block_size
-        self.block_bytes = block_bytes  # one block, all layers, one rank
-        self.tp_size = tp_size
+        self.engine_id = engine.engine_id
+        self.block_size = engine.block_size
+        self.block_bytes = engine.block_bytes
+        self.tp_size = engine.tp_size
         self.control_host = cfg.control.advertise_host or cfg.control.host
-        self.control_port = cfg.control.port + dp_index * tp_size
-        self.dp_index = dp_index
+        self.control_port = cfg.control.port + engine.dp_index * engine.tp_size
+        self.dp_index = engine.dp_index
         self.dp_size = 1  # set by scheduler_side (1 also when vLLM did not say)
         self.dp_rank: int | None = None  # set by scheduler_side for a data-parallel rank
-        self.trust = trust if trust is not None else Trust()
+        self.trust = engine.trust if engine.trust is not None else Trust()
         self.stats = StatsBuffer()
         self._kv_cache_manager: Any = None
         self._meta = PushMetadata()
@@ -244,21 +240,12 @@ class ConsumerSide(SchedulerSide):
     side = Side.CONSUMER
 
     def __init__(
-        self,
-        cfg: KvpushConfig,
-        engine_id: str,
-        block_size: int,
-        block_bytes: int,
-        tp_size: int,
-        dp_index: int,
-        num_blocks: int,
-        recompute_on_failure: bool = False,
-        trust: Trust | None = None,
+        self, engine: EngineFacts, num_blocks: int, recompute_on_failure: bool = False
     ) -> None:
-        super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+        super().__init__(engine)
         self.recompute_on_failure = recompute_on_failure
-        self.credits = CreditLedger(credit_settings(cfg, num_blocks))
-        self.admissions: Admissions[RemotePrefill] = Admissions(self.credits, block_size)
+        self.credits = CreditLedger(credit_settings(engine.cfg, num_blocks))
+        self.admissions: Admissions[RemotePrefill] = Admissions(self.credits, engine.block_size)
         self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
         self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker
 
@@ -516,17 +503,8 @@ class ProducerSide(SchedulerSide):
 
     side = Side.PRODUCER
 
-    def __init__(
-        self,
-        cfg: KvpushConfig,
-        engine_id: str,
-        block_size: int,
-        block_bytes: int,
-        tp_size: int,
-        dp_index: int,
-        trust: Trust | None = None,
-    ) -> None:
-        super().__init__(cfg, engine_id, block_size, block_bytes, tp_size, dp_index, trust)
+    def __init__(self, engine: EngineFacts) -> None:
+        super().__init__(engine)
         self._requests: dict[str, Request] = {}  # P requests with do_remote_decode
         self._owners: dict[str, str] = {}  # P request id -> the decode key the router named
         self._sent: dict[str, tuple[str, int]] = {}  # request id -> (transfer id, nblocks)

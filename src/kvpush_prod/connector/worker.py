@@ -23,23 +23,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
-from kvpush_prod.config.core import CoreSettings, core_settings
+from kvpush_prod.config.core import CoreSettings, core_settings, layerwise_on
 from kvpush_prod.connector.connects import CONNECT_THREADS, ConnectResult, Connects
-from kvpush_prod.connector.layerwise import LayerStep, layer_parts, layerwise_now
+from kvpush_prod.connector.layerwise import LayerStep, layer_parts
 from kvpush_prod.connector.linkguard import LinkGuard
 from kvpush_prod.connector.metadata import PushMetadata, RecvSpec, SendSpec
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.control.security import EndpointSecurity
-from kvpush_prod.core import blocksize, messages, protocol, tpmap
-from kvpush_prod.core.actions import (
-    Action,
-    Note,
-    PostRead,
-    PostWrite,
-    ReleaseSend,
-    ReportFailed,
-    ReportFinished,
-)
+from kvpush_prod.core import actions, blocksize, messages, protocol, tpmap
 from kvpush_prod.core.admission import notice_command
 from kvpush_prod.core.commands import (
     AbortReceive,
@@ -582,9 +573,9 @@ class WorkerSide:
             bandwidth = (
                 pump.link_bandwidth or pump.engine.sched.settings.initial_bandwidth_bytes_per_s
             )
-            on = layerwise_now(
+            on = layerwise_on(
                 p.layerwise,
-                self._pending_sends,
+                sum(len(s.block_ids) for s in self._pending_sends),
                 pump.block_bytes,
                 self.heads.block_size or 16,
                 bandwidth,
@@ -1110,7 +1101,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._peer_label.pop(agent, None)
         self._peer_control.pop(agent, None)
 
-    def write(self, action: PostWrite, peer: RemotePeer) -> ChunkError | None:
+    def write(self, action: actions.PostWrite, peer: RemotePeer) -> ChunkError | None:
         regions = peer.local.regions if peer.local is not None else None
         part = action.regions
         if part is None and action.parts > 1:
@@ -1132,7 +1123,7 @@ class TransferPump(threading.Thread, Generic[E]):
             part,
         )
 
-    def read(self, action: PostRead, peer: RemotePeer) -> ChunkError | None:
+    def read(self, action: actions.PostRead, peer: RemotePeer) -> ChunkError | None:
         return self._post(
             action.chunk_id,
             action.transfer_id,
@@ -1143,14 +1134,14 @@ class TransferPump(threading.Thread, Generic[E]):
             b"",
         )
 
-    def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
+    def post_failed(self, action: actions.PostWrite | actions.PostRead, error: ChunkError) -> None:
         self.began.setdefault(action.transfer_id, time.monotonic())
         logger.warning(
             "kvpush: %s for %s failed to post: %s", type(action).__name__, action.transfer_id, error
         )
         self.stats.inc("kvpush_chunks", (self.role, "post_failed"))
 
-    def release_send(self, action: ReleaseSend) -> None:
+    def release_send(self, action: actions.ReleaseSend) -> None:
         tid = action.transfer_id
         self.trace("release", tid, outcome=action.outcome.value)
         join = self.splits.end(tid, action.outcome.delivered, action.outcome, action.nbytes)
@@ -1169,7 +1160,7 @@ class TransferPump(threading.Thread, Generic[E]):
             join.nbytes,
         )
 
-    def report_finished(self, action: ReportFinished) -> None:
+    def report_finished(self, action: actions.ReportFinished) -> None:
         ok = True
         if action.checksum >= 0 and action.blocks:
             # Pulled: the ids read (units when block sizes differ), in P's order.
@@ -1186,13 +1177,13 @@ class TransferPump(threading.Thread, Generic[E]):
                 )
         self._report(action.transfer_id, ok=ok, outcome=action.outcome if ok else Outcome.FAILED)
 
-    def report_failed(self, action: ReportFailed) -> None:
+    def report_failed(self, action: actions.ReportFailed) -> None:
         self._report(action.transfer_id, ok=False, outcome=Outcome.FAILED)
         logger.warning(
             "kvpush: receive of %s failed: %s %s", action.transfer_id, action.reason, action.detail
         )
 
-    def note(self, note: Note) -> None:
+    def note(self, note: actions.Note) -> None:
         kind = note.kind
         if kind is NoteKind.REJECTED:
             # Peers choose how many of these happen: counted each, logged rate-limited.
@@ -1246,7 +1237,10 @@ class TransferPump(threading.Thread, Generic[E]):
 
     # -- the data plane
     def _done_notif(
-        self, action: PostWrite, regions: list[messages.Region] | None = None, units: int = 0
+        self,
+        action: actions.PostWrite,
+        regions: list[messages.Region] | None = None,
+        units: int = 0,
     ) -> bytes:
         """The DONE the last WRITE carries (``units``: ids are units, that many per block)."""
         if action.done is None:
@@ -1575,18 +1569,22 @@ class ReceiverPump(TransferPump[Receiver]):
             lambda rx, now: self._done_in(rx, now, agent, raw),
         )
 
-    def _done_in(self, rx: Receiver, now: float, agent: str, raw: bytes) -> list[Action]:
+    def _done_in(self, rx: Receiver, now: float, agent: str, raw: bytes) -> list[actions.Action]:
         """The DONE a notification carries (checked against the blocks with verify on)."""
         try:
             done = messages.decode_done(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return [
-                Note(NoteKind.REJECTED, RejectReason.MALFORMED, f"bad DONE notification: {exc}")
+                actions.Note(
+                    NoteKind.REJECTED, RejectReason.MALFORMED, f"bad DONE notification: {exc}"
+                )
             ]
         if done is None:
             return []
         if not protocol.OLDEST <= done.v <= protocol.CURRENT:
-            return [Note(NoteKind.REJECTED, RejectReason.VERSION, f"DONE of protocol {done.v}")]
+            return [
+                actions.Note(NoteKind.REJECTED, RejectReason.VERSION, f"DONE of protocol {done.v}")
+            ]
         self.stats.inc("kvpush_protocol_dones", (self.role, str(done.v)))
         done = self.links.done(done)
         self.trace("done_in", done.transfer_id)

@@ -21,25 +21,22 @@ from typing import Any
 
 import msgspec
 
+from kvpush_prod.core import messages as m
 from kvpush_prod.core import tpmap
-from kvpush_prod.core.messages import (
-    Cancel,
-    CancelAck,
-    ControlMessage,
-    Done,
-    DoneQuery,
-    DoneState,
-    Failed,
-    Fallback,
-    Heartbeat,
-    PullDone,
-    Register,
-)
 from kvpush_prod.core.vocabulary import Outcome
 
 MAX_REMEMBERED = 65_536  # links and splits remembered (oldest forgotten first)
 
-_WITH_ID = (Register, Cancel, CancelAck, Failed, Fallback, PullDone, DoneQuery, DoneState)
+_WITH_ID = (
+    m.Register,
+    m.Cancel,
+    m.CancelAck,
+    m.Failed,
+    m.Fallback,
+    m.PullDone,
+    m.DoneQuery,
+    m.DoneState,
+)
 
 
 @dataclass(eq=False)
@@ -166,10 +163,10 @@ class Links:
         while len(d) > MAX_REMEMBERED:
             d.popitem(last=False)
 
-    def outbound(self, msg: ControlMessage) -> ControlMessage:
+    def outbound(self, msg: m.ControlMessage) -> m.ControlMessage:
         """``msg`` as the P rank it goes to knows the transfer (a Register's generation is
         remembered: the P rank's answers carry it)."""
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, m.Heartbeat):
             if not self._wire or not any(t in self._wire for t, _ in msg.live):
                 return msg
             return msgspec.structs.replace(
@@ -179,16 +176,16 @@ class Links:
             wire = self._wire.get(msg.transfer_id)
             if wire is None:
                 return msg
-            if isinstance(msg, Register):
+            if isinstance(msg, m.Register):
                 self._put(self._by_gen, (wire, msg.generation), msg.transfer_id)
             return msgspec.structs.replace(msg, transfer_id=wire)
         return msg
 
-    def inbound(self, msg: ControlMessage) -> ControlMessage:
+    def inbound(self, msg: m.ControlMessage) -> m.ControlMessage:
         """``msg`` from a P rank, with the transfer named by the core's id."""
         if not self._wire:
             return msg
-        if isinstance(msg, Heartbeat):
+        if isinstance(msg, m.Heartbeat):
             live = [(self._core(t, g, msg.sender.rank), g) for t, g in msg.live]
             return msgspec.structs.replace(msg, live=live)
         if isinstance(msg, _WITH_ID):
@@ -198,7 +195,7 @@ class Links:
             )
         return msg
 
-    def done(self, done: Done) -> Done:
+    def done(self, done: m.Done) -> m.Done:
         """A DONE notification with the transfer named by the core's id (by generation:
         a notification does not say which P rank sent it)."""
         core = self._by_gen.get((done.transfer_id, done.generation))
@@ -261,7 +258,7 @@ class Splits:
     def parts(self, tid: str) -> list[str]:
         return self.joins.parts(tid)
 
-    def on_register(self, reg: Register) -> tuple[str, list[str], _Known | None]:
+    def on_register(self, reg: m.Register) -> tuple[str, list[str], _Known | None]:
         """A REGISTER from a D rank: (base, the parts made now, what to replay to them);
         no parts when nothing splits (same sizes, already split, base ended, or the
         mapping is refused: the core then refuses the REGISTER with the reason)."""

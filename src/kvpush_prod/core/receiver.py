@@ -53,7 +53,7 @@ from kvpush_prod.core.retry import (
     RetryBudget,
     RetryPolicy,
     RetrySettings,
-    decide,
+    decide_next,
 )
 from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
@@ -373,8 +373,9 @@ class Receiver:
     def on_message(
         self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
     ) -> list[Action]:
-        """A control message from ``origin`` (the authenticated sender; "" when the channel
-        has no keys: then the control address the message claims stands in for it)."""
+        """A control message from P: ``Heartbeat``, ``Failed``, ``CancelAck``, ``Fallback`` or
+        ``DoneQuery`` (any other is rejected). ``origin``: the authenticated sender ("" when
+        the channel has no keys: then the control address the message claims stands in)."""
         origin = origin or msg.sender.control
         if isinstance(msg, Heartbeat):
             return self._on_heartbeat(msg, now, origin)
@@ -693,15 +694,7 @@ class Receiver:
         if rx is None or rx.read_failed or rx.cancelling:
             self.reads.on_chunk_failed(chunk_id, now, give_up=True)
             return self._finish_pull(rx, now) if rx is not None else []
-        decision = decide(
-            error,
-            attempt=chunk.attempt + 1,
-            first_attempt_at=chunk.first_posted_at,
-            now=now,
-            policy=self.policy,
-            budget=self.budget,
-            peer=chunk.link,
-        )
+        decision = decide_next(error, chunk, now, self.policy, self.budget, chunk.link)
         if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
             self.reads.on_chunk_failed(chunk_id, now, retry_at=decision.retry_at)
             return [Note(NoteKind.RETRY, decision.classification.kind, decision.reason)]

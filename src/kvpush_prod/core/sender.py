@@ -58,7 +58,7 @@ from kvpush_prod.core.retry import (
     RetryPolicy,
     RetrySettings,
     classify,
-    decide,
+    decide_next,
 )
 from kvpush_prod.core.scheduler import Chunk, ChunkScheduler, SchedulerSettings
 from kvpush_prod.core.transfer import TransferEvent as E
@@ -501,8 +501,9 @@ class Sender:
     def on_message(
         self, msg: ControlMessage, now: float, age: float = 0.0, origin: str = ""
     ) -> list[Action]:
-        """A control message from ``origin`` (the authenticated sender; "" when the channel
-        has no keys: then the control address the message claims stands in for it)."""
+        """A control message from D: ``Register``, ``Heartbeat``, ``Cancel``, ``PullDone`` or
+        ``DoneState`` (any other is rejected). ``origin``: the authenticated sender ("" when
+        the channel has no keys: then the control address the message claims stands in)."""
         origin = origin or msg.sender.control
         if isinstance(msg, Register):
             return self._on_register(msg, now, age, origin)
@@ -622,18 +623,7 @@ class Sender:
         """Why P will not keep ``reg`` although it is believed: the transfer was cancelled
         or aborted (D hears at once), or P keeps as many transfers as it may."""
         if self._tombstoned(reg.transfer_id, origin):
-            return SendMessage(
-                reg.sender.control,
-                Failed(
-                    PROTOCOL_VERSION,
-                    reg.transfer_id,
-                    reg.generation,
-                    self.slim,
-                    "prefill_aborted",
-                    "the prefill request is gone",
-                ),
-                origin,
-            )
+            return self._fail(reg, origin, "prefill_aborted", "the prefill request is gone")
         if o is None and len(self._out) >= self.s.max_transfers:
             return Note(
                 NoteKind.REJECTED,
@@ -650,18 +640,7 @@ class Sender:
         out its permit; the transfer ends only where ``origin`` owns it."""
         out = [
             *out,
-            SendMessage(
-                reg.sender.control,
-                Failed(
-                    PROTOCOL_VERSION,
-                    reg.transfer_id,
-                    reg.generation,
-                    self.slim,
-                    "incompatible",
-                    detail,
-                ),
-                origin,
-            ),
+            self._fail(reg, origin, "incompatible", detail),
         ]
         if o is not None and o.owner == origin and self._drop_registrant(o, now):
             pass
@@ -977,15 +956,7 @@ class Sender:
         if chunk.is_last:
             action, reason = kind.action, f"{kind.kind}: {kind.why}"
         else:
-            decision = decide(
-                error,
-                attempt=chunk.attempt + 1,
-                first_attempt_at=chunk.first_posted_at,
-                now=now,
-                policy=self.policy,
-                budget=self.budget,
-                peer=chunk.link,
-            )
+            decision = decide_next(error, chunk, now, self.policy, self.budget, chunk.link)
             if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
                 self.sched.on_chunk_failed(chunk.id, now, retry_at=decision.retry_at)
                 o.retried = True
@@ -1108,15 +1079,7 @@ class Sender:
     def _repost_last(self, o: _Out, c: _Confirm, now: float) -> list[Action]:
         """D says the DONE of ``o``'s last chunk did not arrive (and now ignores that post's
         DONE): post the last chunk again, like any chunk, under the same policy and budget."""
-        decision = decide(
-            c.error,
-            attempt=c.attempt + 1,
-            first_attempt_at=c.first_posted_at,
-            now=now,
-            policy=self.policy,
-            budget=self.budget,
-            peer=o.peer,
-        )
+        decision = decide_next(c.error, c, now, self.policy, self.budget, o.peer)
         if decision.action is ErrorClass.RETRY and decision.retry_at is not None:
             if not self.sched.repost_last(o.tid, now, decision.retry_at):
                 return self.poll(now)
@@ -1704,14 +1667,15 @@ class Sender:
         return [ReleaseSend(o.tid, o.outcome, nbytes)]
 
     def _failed(self, o: _Out, reason: str, detail: str) -> SendMessage:
-        reg = o.reg
-        assert reg is not None
+        assert o.reg is not None
+        return self._fail(o.reg, o.owner, reason, detail[:1000])
+
+    def _fail(self, reg: Register, origin: str, reason: str, detail: str) -> SendMessage:
+        """FAILED to the D of ``reg`` (``origin``): the transfer it registered ends."""
         return SendMessage(
             reg.sender.control,
-            Failed(
-                PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, reason, detail[:1000]
-            ),
-            o.owner,
+            Failed(PROTOCOL_VERSION, reg.transfer_id, reg.generation, self.slim, reason, detail),
+            origin,
         )
 
     def _heartbeats(self, now: float) -> list[Action]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from kvpush_prod.lab.launch import (
     free_port_block,
     make_tls,
     push_kv_config,
+    router_command,
     start_engine,
     wait_healthy,
 )
@@ -296,15 +296,7 @@ class Cluster:
         return self.tls.ca if self.tls is not None else None
 
     def start_router(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvpush_prod.router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.router_port),
-        ]
+        cmd = router_command(self.router_port)
         for name in self.prefill_names:
             cmd += ["--prefill", self.urls[name]]
         for name in self.decode_names:

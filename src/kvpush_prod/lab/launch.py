@@ -48,6 +48,12 @@ def _port_range() -> tuple[int, int]:
     return (hi + 1, 65500) if hi < 64000 else (10000, 60000)
 
 
+def router_command(port: int) -> list[str]:
+    """The command that starts a kvpush router on 127.0.0.1:``port``; its backends and
+    options follow."""
+    return [sys.executable, "-m", "kvpush_prod.router", "--host", "127.0.0.1", "--port", str(port)]
+
+
 def free_port() -> int:
     """A port free now, outside the ephemeral range."""
     return free_port_block(1)
@@ -328,6 +334,10 @@ class TlsFiles:
     key: Path  # its --ssl-keyfile (unencrypted)
 
 
+# ``openssl req`` arguments for a new request with a new unencrypted P-256 key.
+_NEW_P256_KEY = ("-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     exe = shutil.which("openssl")
     if exe is None:
@@ -351,12 +361,7 @@ def make_ca(directory: Path, name: str = "kvpush-lab") -> tuple[Path, Path]:
     _openssl(
         "req",
         "-x509",
-        "-new",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
+        *_NEW_P256_KEY,
         "-keyout",
         key.name,
         "-out",
@@ -395,12 +400,7 @@ def issue_cert(
     cert, key, csr = (directory / f"{name}{s}" for s in (".pem", ".key", ".csr"))
     _openssl(
         "req",
-        "-new",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
+        *_NEW_P256_KEY,
         "-keyout",
         key.name,
         "-out",

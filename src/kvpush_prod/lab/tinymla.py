@@ -18,7 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush_prod.lab.tinymodel import seeded_weights, write_config_and_tokenizer
+from kvpush_prod.lab.tinymodel import (
+    add_mlp,
+    save_weights,
+    seeded_weights,
+    shared_config,
+    write_config_and_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -94,18 +100,9 @@ def write_tiny_mla_model(path: str | Path, spec: TinyMlaSpec | None = None) -> P
         "norm_topk_prob": False,
         "scoring_func": "softmax",
         "routed_scaling_factor": 1.0,
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_positions,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
         "rope_scaling": None,
         "attention_bias": False,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": spec.dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
+        **shared_config(spec.vocab_size, spec.max_positions, spec.dtype),
     }
     write_config_and_tokenizer(out, config, spec.vocab_size, spec.max_positions)
     _write_weights(out / "model.safetensors", spec)
@@ -117,7 +114,6 @@ def _write_weights(path: Path, spec: TinyMlaSpec) -> None:
     if path.exists():
         return
     import torch
-    from safetensors.torch import save_file
 
     h, inter, heads = spec.hidden_size, spec.intermediate_size, spec.num_heads
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
@@ -143,10 +139,5 @@ def _write_weights(path: Path, spec: TinyMlaSpec) -> None:
         tensors[attn + "o_proj.weight"] = rnd(
             h, heads * spec.v_head_dim, fan_in=heads * spec.v_head_dim
         )
-        tensors[pre + "mlp.gate_proj.weight"] = rnd(inter, h, fan_in=h)
-        tensors[pre + "mlp.up_proj.weight"] = rnd(inter, h, fan_in=h)
-        tensors[pre + "mlp.down_proj.weight"] = rnd(h, inter, fan_in=inter)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec.dtype, torch.float32)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(path)
+        add_mlp(tensors, pre, rnd, h, inter)
+    save_weights(path, tensors, spec.dtype)

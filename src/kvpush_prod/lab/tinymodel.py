@@ -59,20 +59,28 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None) -> Pat
         "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_positions,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": spec.dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 3,
+        **shared_config(spec.vocab_size, spec.max_positions, spec.dtype),
     }
     write_config_and_tokenizer(out, config, spec.vocab_size, spec.max_positions)
     _write_weights(out / "model.safetensors", spec)
     return out
+
+
+def shared_config(vocab_size: int, max_positions: int, dtype: str) -> dict[str, object]:
+    """The config.json entries the lab's tiny models share (vocabulary, positions, norms,
+    activation, dtype and the special token ids of the lab tokenizer)."""
+    return {
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+    }
 
 
 def write_config_and_tokenizer(
@@ -163,7 +171,6 @@ def _write_weights(path: Path, spec: TinyModelSpec) -> None:
     if path.exists():
         return
     import torch
-    from safetensors.torch import save_file
 
     h, inter = spec.hidden_size, spec.intermediate_size
     q_out = spec.num_heads * spec.head_dim
@@ -177,10 +184,30 @@ def _write_weights(path: Path, spec: TinyModelSpec) -> None:
         tensors[pre + "self_attn.k_proj.weight"] = rnd(kv_out, h, fan_in=h)
         tensors[pre + "self_attn.v_proj.weight"] = rnd(kv_out, h, fan_in=h)
         tensors[pre + "self_attn.o_proj.weight"] = rnd(h, q_out, fan_in=q_out)
-        tensors[pre + "mlp.gate_proj.weight"] = rnd(inter, h, fan_in=h)
-        tensors[pre + "mlp.up_proj.weight"] = rnd(inter, h, fan_in=h)
-        tensors[pre + "mlp.down_proj.weight"] = rnd(h, inter, fan_in=inter)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(spec.dtype, torch.float32)
+        add_mlp(tensors, pre, rnd, h, inter)
+    save_weights(path, tensors, spec.dtype)
+
+
+def add_mlp(
+    tensors: dict[str, torch.Tensor],
+    pre: str,
+    rnd: Callable[..., torch.Tensor],
+    h: int,
+    inter: int,
+) -> None:
+    """Layer ``pre``'s dense MLP (gate, up, down), drawn next from ``rnd``."""
+    tensors[pre + "mlp.gate_proj.weight"] = rnd(inter, h, fan_in=h)
+    tensors[pre + "mlp.up_proj.weight"] = rnd(inter, h, fan_in=h)
+    tensors[pre + "mlp.down_proj.weight"] = rnd(h, inter, fan_in=inter)
+
+
+def save_weights(path: Path, tensors: dict[str, torch.Tensor], dtype_name: str) -> None:
+    """``tensors`` in ``dtype_name`` (float32 unless bfloat16 or float16) as a safetensors
+    file at ``path``, written whole or not at all."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, torch.float32)
     tmp = path.with_suffix(".tmp")
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp))
     tmp.replace(path)

@@ -27,14 +27,7 @@ import yaml
 
 from kvpush_prod.config import KvpushConfig, load_config
 from kvpush_prod.config.core import CoreSettings, core_settings, credit_settings, layerwise_on
-from kvpush_prod.core.actions import (
-    Note,
-    PostRead,
-    PostWrite,
-    ReleaseSend,
-    ReportFailed,
-    ReportFinished,
-)
+from kvpush_prod.core import actions
 from kvpush_prod.core.admission import Admissions, Verdict
 from kvpush_prod.core.commands import BlocksReady, Hold, LayersReady, RegisterBlocks
 from kvpush_prod.core.credits import CreditLedger, CreditSettings
@@ -479,7 +472,7 @@ class Sim:
             rx.tick()
         self.loop.after(0.05, self._tick_core)
 
-    def post_write(self, a: PostWrite) -> None:
+    def post_write(self, a: actions.PostWrite) -> None:
         """A WRITE on P's NIC: it lands after its posting cost and its bytes on the link;
         then P hears the completion and D, a pump reaction later, the DONE it carries."""
         m, loop = self.m, self.loop
@@ -789,26 +782,26 @@ class _SimEffects:
     def disconnect(self, agent: str) -> None:
         return None
 
-    def write(self, action: PostWrite, peer: str) -> ChunkError | None:
+    def write(self, action: actions.PostWrite, peer: str) -> ChunkError | None:
         self.sim.post_write(action)
         return None
 
-    def read(self, action: PostRead, peer: str) -> ChunkError | None:
+    def read(self, action: actions.PostRead, peer: str) -> ChunkError | None:
         return None  # pulls are not modelled (no chunk fails in the simulator)
 
-    def post_failed(self, action: PostWrite | PostRead, error: ChunkError) -> None:
+    def post_failed(self, action: actions.PostWrite | actions.PostRead, error: ChunkError) -> None:
         self.sim.count("post_failed")
 
-    def release_send(self, action: ReleaseSend) -> None:
+    def release_send(self, action: actions.ReleaseSend) -> None:
         return None  # P's blocks are not modelled
 
-    def report_finished(self, action: ReportFinished) -> None:
+    def report_finished(self, action: actions.ReportFinished) -> None:
         self.sim.received(action.transfer_id, failed=False)
 
-    def report_failed(self, action: ReportFailed) -> None:
+    def report_failed(self, action: actions.ReportFailed) -> None:
         self.sim.received(action.transfer_id, failed=True)
 
-    def note(self, note: Note) -> None:
+    def note(self, note: actions.Note) -> None:
         self.sim.count(note.kind.value)
 
     def contained(self, stage: Stage, what: str) -> None:

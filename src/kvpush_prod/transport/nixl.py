@@ -410,9 +410,7 @@ class NixlTransport:
             post.pending.append((lids[a:b], rids[a:b], path))
         first = bounds[1]
         handle = self._request(
-            op,
-            peer,
-            plan,
+            post,
             lids[:first],
             rids[:first],
             path,
@@ -467,17 +465,16 @@ class NixlTransport:
 
     def _request(
         self,
-        op: Op,
-        peer: RemotePeer,
-        plan: PairPlan,
+        post: _Post,
         lids: np.ndarray,
         rids: np.ndarray,
         path: Path,
         notif: bytes,
         starts: np.ndarray | None = None,
     ) -> Any:
-        """One NIXL request moving ``lids`` to ``rids`` (in ``op``'s direction) over the
-        regions of ``plan``; ``starts``: their ``run_starts`` if known."""
+        """One NIXL request of ``post`` moving ``lids`` to ``rids`` (in its op's direction)
+        over the regions of its plan; ``starts``: their ``run_starts`` if known."""
+        op, peer, plan = post.op, post.peer, post.plan
         if path == "coalesced":
             starts_l, starts_r, lengths = id_runs(lids, rids, starts)
             local = run_descriptors(plan.local, starts_l, lengths)
@@ -516,9 +513,7 @@ class NixlTransport:
         try:
             if post.pending:
                 lids, rids, path = post.pending.popleft()
-                self._submit(
-                    post, self._request(post.op, post.peer, post.plan, lids, rids, path, b"")
-                )
+                self._submit(post, self._request(post, lids, rids, path, b""))
             while post.done < len(post.handles):
                 state = str(self.agent.check_xfer_state(post.handles[post.done]))
                 if state == "PROC":

@@ -23,7 +23,7 @@ from kvpush_prod.core.retry.classification import (
     classification_rows,
     classify,
 )
-from kvpush_prod.core.retry.decision import RetryDecision, decide
+from kvpush_prod.core.retry.decision import RetryDecision, decide, decide_next
 from kvpush_prod.core.retry.policy import RandomLike, RetryPolicy, RetrySettings, wait_full_jitter
 
 __all__ = [
@@ -50,5 +50,6 @@ __all__ = [
     "classification_rows",
     "classify",
     "decide",
+    "decide_next",
     "wait_full_jitter",
 ]

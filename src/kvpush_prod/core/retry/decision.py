@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvpush_prod.core.retry.budget import PeerId, RetryBudget
 from kvpush_prod.core.retry.classification import (
@@ -64,3 +65,32 @@ def decide(
             "retry_budget",
         )
     return RetryDecision(ErrorClass.RETRY, at, c, f"{c.kind}: retry {attempt} at {at:.3f}")
+
+
+class FailedPost(Protocol):
+    """A post that failed: its attempt (0: the first) and when that first attempt went out."""
+
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def first_posted_at(self) -> float: ...
+
+
+def decide_next(
+    error: ChunkError | str | BaseException,
+    failed: FailedPost,
+    now: float,
+    policy: RetryPolicy,
+    budget: RetryBudget,
+    peer: PeerId,
+) -> RetryDecision:
+    """``decide`` whether ``failed`` is posted again (its next attempt, timed from its first)."""
+    return decide(
+        error,
+        attempt=failed.attempt + 1,
+        first_attempt_at=failed.first_posted_at,
+        now=now,
+        policy=policy,
+        budget=budget,
+        peer=peer,
+    )
