@@ -32,7 +32,7 @@ while True:
 """
 CONNECT = """
 import socket, sys
-with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2) as c:
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])) as c:
     assert c.recv(2) == b"ok"
 """
 
@@ -41,8 +41,10 @@ def _in(ns: str | None, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd] if ns else list(cmd)
 
 
-def _reaches(ns: str | None, ip: str, port: int) -> bool:
-    cmd = _in(ns, sys.executable, "-c", CONNECT, ip, str(port))
+def _reaches(ns: str | None, ip: str, port: int, timeout: float = 10.0) -> bool:
+    """Whether a TCP connection from ``ns`` (None: here) to ``ip`` succeeds within ``timeout``
+    (a cut link drops the packets: the attempt waits it out)."""
+    cmd = _in(ns, sys.executable, "-c", CONNECT, ip, str(port), str(timeout))
     return subprocess.run(cmd, capture_output=True, timeout=30, check=False).returncode == 0
 
 
@@ -91,8 +93,8 @@ def test_a_partition_cuts_one_namespace_off_until_healed(
     links, port = three
     a, b, c = links["a"], links["b"], links["c"]
     netns.partition(b.netns)
-    assert not _reaches(a.netns, b.ns_ip, port)
-    assert not _reaches(None, b.ns_ip, port)
+    assert not _reaches(a.netns, b.ns_ip, port, timeout=1.0)
+    assert not _reaches(None, b.ns_ip, port, timeout=1.0)
     assert _reaches(a.netns, c.ns_ip, port)  # the others still talk
     netns.heal(b.netns)  # the link and the route to the lab, which the link took with it
     assert _reaches(a.netns, b.ns_ip, port) and _reaches(b.netns, c.ns_ip, port)
@@ -163,3 +165,22 @@ def test_bad_input_is_refused_with_the_value() -> None:
         pass
     with pytest.raises(netns.NetnsError, match="not a namespace of lab.netns"):
         netns.host_dev("other")
+
+
+def test_a_cluster_spec_is_placed_one_engine_per_namespace(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+
+    assert isinstance(tmp_path, Path)
+    spec = ClusterSpec(workdir=tmp_path, prefills=2, decodes=2)
+    with netns.cluster_namespaces(spec) as links:
+        cluster = Cluster(spec)
+        assert sorted(links) == sorted(cluster.engine_names)
+        for name in cluster.engine_names:
+            engine = cluster._placed(cluster._engine_spec(name))
+            control = engine.kv_transfer_config["kv_connector_extra_config"]["control"]  # type: ignore[index]
+            assert (engine.netns, engine.address) == (links[name].netns, links[name].ns_ip)
+            assert control["host"] == "0.0.0.0" and control["advertise_host"] == engine.address
+            assert engine.env["UCX_TLS"] == "tcp,self" and engine.env["UCX_NET_DEVICES"] == "kveth0"
+        assert cluster._placed(cluster._engine_spec("reference")).netns is None
