@@ -31,10 +31,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
-from kvpush_prod.lab.cluster import ClusterSpec, role_names
+if TYPE_CHECKING:  # lab.cluster imports torch: not for a lab without engines
+    from kvpush_prod.lab.cluster import ClusterSpec
 
 NS_DEV = "kveth0"  # the namespace end's name in every namespace
 # KV over the network: cross-memory attach (UCX's default on one host) would bypass it.
@@ -219,6 +221,8 @@ def cluster_namespaces(spec: ClusterSpec, subnet: int = 232) -> Iterator[dict[st
     """Every prefill and decode engine of ``spec`` in its own namespace (``spec.netns``) with
     its KV over UCX's TCP transport on its link; the router and a reference engine stay
     here. Leave the context after the cluster stopped."""
+    from kvpush_prod.lab.cluster import role_names
+
     names = [*role_names("prefill", spec.prefills), *role_names("decode", spec.decodes)]
     with namespaces(names, subnet) as links:
         spec.netns = {name: (link.netns, link.ns_ip) for name, link in links.items()}
