@@ -254,9 +254,13 @@ def partition(netns: str) -> list[str]:
 
 
 def heal(netns: str) -> list[str]:
-    """Its end of the link up again, and the route to the lab (a link going down drops it)."""
+    """Its end of the link up again, the route to the lab (a link going down drops it), and
+    this host's neighbour entry for it forgotten: an address resolution that failed while
+    the link was down would answer the next packets "host unreachable" for a while."""
     up = ["ip", "-n", netns, "link", "set", NS_DEV, "up"]
     _run(*up)
+    flush = ["ip", "neigh", "flush", "dev", host_dev(netns)]
+    _run(*flush)
     out = _run("ip", "-n", netns, "-o", "-4", "addr", "show", "dev", NS_DEV)
     m = re.search(r"inet (\S+)", out)
     if m is None:
@@ -266,7 +270,7 @@ def heal(netns: str) -> list[str]:
     lab = ipaddress.IPv4Network(f"{iface.ip}/24", strict=False)
     route = ["ip", "-n", netns, "route", "replace", str(lab), "via", str(gateway)]
     _run(*route)
-    return [" ".join(up), " ".join(route)]
+    return [" ".join(up), " ".join(flush), " ".join(route)]
 
 
 def throttle(netns: str, rate: str) -> list[str]:
