@@ -6,6 +6,7 @@ scenario is replaced before the next one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch
+from kvpush_prod.chaos.harness import Needs, cluster_spec, fault_switch, placed
 from kvpush_prod.lab.cluster import Cluster, SharedReference
 
 
@@ -35,6 +36,7 @@ class ClusterPool:
         self.reference = reference
         self.current: tuple[str, Cluster] | None = None
         self.starts: list[tuple[str, float]] = []
+        self.network = contextlib.ExitStack()  # the current cluster's namespaces, if any
 
     def get(self, group: str, needs: Needs) -> Cluster:
         if self.current is not None:
@@ -45,18 +47,21 @@ class ClusterPool:
             self.close()
         workdir = self.root / f"{group}-{len(self.starts)}"
         workdir.mkdir(parents=True, exist_ok=True)
-        # One reference engine for the session, not one per cluster.
-        cluster = Cluster(self.reference.attach(cluster_spec(needs, workdir)))
+        # One reference engine for the session, not one per cluster; engines in network
+        # namespaces (needs.netns) have theirs removed after the cluster stops.
+        spec = placed(needs, self.reference.attach(cluster_spec(needs, workdir)), self.network)
+        cluster = Cluster(spec)
         t0 = time.monotonic()
+        self.current = (group, cluster)
         cluster.start()
         self.starts.append((group, time.monotonic() - t0))
-        self.current = (group, cluster)
         return cluster
 
     def close(self) -> None:
         if self.current is not None:
             self.current[1].stop()
             self.current = None
+        self.network.close()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,11 @@ only after 20 minutes of the process (vLLM's own worker grows with new prompt sh
 longer than the CI run: docs/chaos.md, "Resource flatness"). The cluster has
 five engines (with the shared reference), so none of the chaos suite's pairs is reused: it is
 started for this test and closed after it. The report goes to KVPUSH_CHAOS_REPORTS.
+
+The network variant (full run only) puts each of the four engines in its own network
+namespace (lab/netns.py: root and iproute2, skipped without them), KV over UCX's TCP between
+them, and adds partitions and throttled links to the kinds: 600 s of seed 7 by default
+(KVPUSH_NEMESIS_NETNS_S and KVPUSH_NEMESIS_NETNS_SEED set others).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 
 from kvpush_prod.chaos.cli import scenario
 from kvpush_prod.chaos.harness import Options, print_report, run_on_cluster, write_report
+from kvpush_prod.lab import netns
 
 SECONDS = float(
     os.environ.get("KVPUSH_NEMESIS_S")
@@ -34,32 +40,58 @@ SEED = int(os.environ.get("KVPUSH_NEMESIS_SEED", "25"))
 # KVPUSH_NEMESIS_KINDS overrides this list.
 KINDS = os.environ.get("KVPUSH_NEMESIS_KINDS", "kill,stop,drain,write_fail,flood,restart")
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(int(SECONDS) + 1200)]
+NETNS_SECONDS = float(os.environ.get("KVPUSH_NEMESIS_NETNS_S") or 600)
+# Seed 7 at 600 s draws every kind: 5 partitions, 4 throttles, 5 kills, 2 graceful restarts.
+NETNS_SEED = int(os.environ.get("KVPUSH_NEMESIS_NETNS_SEED", "7"))
+NETNS_KINDS = os.environ.get(
+    "KVPUSH_NEMESIS_NETNS_KINDS", "kill,stop,drain,write_fail,flood,restart,partition,throttle"
+)
+
+pytestmark = [pytest.mark.chaos]
 
 
-def test_nemesis_overlapping_faults_break_no_invariant(
-    cluster_pool: Any, reports_dir: Path
+def _run(
+    cluster_pool: Any, reports_dir: Path, seed: int, seconds: float, kinds: str, netns: bool = False
 ) -> None:
     module = scenario("nemesis")
     opts = Options(
-        seed=SEED,
+        seed=seed,
         concurrency=4,
         timeout=120.0,
         quiesce_timeout=90.0,
         progress_every=50,
         policy="recompute",
         extra={
-            "duration": SECONDS,
-            "quiet_every": 120.0 if SECONDS >= 300 else 70.0,
-            "kinds": KINDS,
+            "duration": seconds,
+            "quiet_every": 120.0 if seconds >= 300 else 70.0,
+            "kinds": kinds,
+            "netns": netns,
         },
     )
     needs = module.needs(opts)
+    group = "nemesis-netns" if netns else "nemesis"
     try:
-        cluster = cluster_pool.get("nemesis", needs)
+        cluster = cluster_pool.get(group, needs)
         report = asyncio.run(run_on_cluster(module, cluster, opts, log=print, needs=needs))
     finally:
         cluster_pool.close()  # five engines: free their memory for what runs next
     print_report(report)
-    write_report(report, reports_dir / "nemesis.json")
+    write_report(report, reports_dir / f"{group}.json")
     assert report.passed, report.verdict_line()
+
+
+@pytest.mark.timeout(int(SECONDS) + 1200)
+def test_nemesis_overlapping_faults_break_no_invariant(
+    cluster_pool: Any, reports_dir: Path
+) -> None:
+    _run(cluster_pool, reports_dir, SEED, SECONDS, KINDS)
+
+
+@pytest.mark.full
+@pytest.mark.timeout(int(NETNS_SECONDS) + 1200)
+@pytest.mark.skipif(netns.why_not() is not None, reason=f"network namespaces: {netns.why_not()}")
+def test_nemesis_with_partitions_and_throttled_links_breaks_no_invariant(
+    cluster_pool: Any, reports_dir: Path
+) -> None:
+    """Every engine in its own network namespace; links cut and throttled among the rest."""
+    _run(cluster_pool, reports_dir, NETNS_SEED, NETNS_SECONDS, NETNS_KINDS, netns=True)

@@ -21,6 +21,7 @@ from kvpush_prod.chaos.schedule import (
     generate,
 )
 from kvpush_prod.chaos.workload import Mix, make_request
+from kvpush_prod.lab import netns as lab_netns
 
 P = ("prefill", "prefill-1")
 D = ("decode", "decode-1")
@@ -398,3 +399,64 @@ def test_a_restarted_engine_is_judged_from_its_restart_on(tmp_path: Path) -> Non
     assert nem.sampler.series["decode-1/main/rss_bytes"].points[0] == (170, 370.0)
     assert nem.sampler.series["decode/main/rss_bytes"].points == old_then_new  # not restarted
     assert "decode-1/table/x" not in nem.sampler.series  # nothing after the restart
+
+
+def test_network_kinds_are_drawn_with_netns_and_only_asked_for_otherwise() -> None:
+    from kvpush_prod.chaos.scenarios.nemesis import kinds_of
+    from kvpush_prod.chaos.schedule import DEFAULT_KINDS, NETNS_KINDS
+
+    assert kinds_of({}) == DEFAULT_KINDS and not set(NETNS_KINDS) & set(DEFAULT_KINDS)
+    assert kinds_of({"netns": True}) == KINDS
+    assert kinds_of({"netns": True, "kinds": "kill, partition"}) == ("kill", "partition")
+
+
+def _link_state(ns: str) -> tuple[str, str, str]:
+    import subprocess
+
+    from kvpush_prod.lab.netns import NS_DEV
+
+    def out(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+    link = out("ip", "-n", ns, "-o", "link", "show", NS_DEV)
+    return (
+        "DOWN" if "state DOWN" in link else "UP",
+        out("ip", "-n", ns, "route", "show"),
+        out("tc", "-n", ns, "qdisc", "show", "dev", NS_DEV),
+    )
+
+
+@pytest.mark.skipif(lab_netns.why_not() is not None, reason=str(lab_netns.why_not()))
+def test_partition_and_throttle_change_the_link_while_they_hold_and_undo_it(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    from kvpush_prod.chaos.faults import Faults
+    from kvpush_prod.chaos.schedule import Fault
+
+    with lab_netns.namespaces(["decode"]) as links:
+        ns = links["decode"].netns
+        spec = SimpleNamespace(workdir=tmp_path, netns={"decode": (ns, links["decode"].ns_ip)})
+        faults = Faults(SimpleNamespace(cluster=SimpleNamespace(spec=spec, procs={})))  # type: ignore[arg-type]
+        seen: list[tuple[str, str, str]] = []
+
+        async def apply(kind: str) -> dict[str, Any]:
+            begun = asyncio.Event()
+            task = asyncio.create_task(faults.apply(Fault(1, 0.0, kind, "decode", 0.5), begun))
+            await begun.wait()
+            seen.append(_link_state(ns))
+            return await task
+
+        healthy = _link_state(ns)
+        assert healthy[0] == "UP" and links["decode"].lab in healthy[1]
+        notes = asyncio.run(apply("partition"))
+        assert seen[-1][0] == "DOWN" and _link_state(ns) == healthy  # the lab route is back
+        assert any("down" in c for c in notes["commands"])
+        asyncio.run(apply("throttle"))
+        assert "tbf" in seen[-1][2] and "10Mbit" in seen[-1][2]
+        assert "tbf" not in _link_state(ns)[2]
+        lab_netns.partition(ns)
+        lab_netns.throttle(ns, "1mbit")
+        faults.release_all()  # what a run cut short leaves behind is undone
+        assert _link_state(ns)[:2] == healthy[:2] and "tbf" not in _link_state(ns)[2]

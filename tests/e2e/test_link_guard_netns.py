@@ -14,8 +14,7 @@ import pytest
 
 from kvpush_prod.lab.client import completion_body, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
-
-from .netns import Link, throttled_link, why_not
+from kvpush_prod.lab.netns import Link, throttled_link, why_not
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(why_not() is not None, reason=str(why_not()))]
 

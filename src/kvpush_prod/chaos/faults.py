@@ -1,7 +1,8 @@
 """How the nemesis applies each kind of fault to a running cluster and takes it back: kill -9
 and restart, graceful restart, SIGSTOP/SIGCONT, drain/undrain through the router's admin API,
 injected WRITE failures (P's switch file), a keyed flood, and, with engines in network
-namespaces, a partition (link down) or a throttled link (``tc tbf``).
+namespaces (``lab.netns``), a partition (the namespace's end of its link down) or a throttled
+link (``tc tbf`` on both ends).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ import httpx
 
 from kvpush_prod.chaos.harness import Context, admin_token_file, fault_switch
 from kvpush_prod.chaos.schedule import Fault
+from kvpush_prod.lab.netns import heal, partition, throttle, unthrottle
 
 THROTTLE_RATE = "10mbit"
 
@@ -172,52 +175,48 @@ class Faults:
                 await proc.wait()
         return {"flood": out.decode(errors="replace").strip()[-300:], "rc": proc.returncode}
 
-    def _netns_link(self, engine: str) -> tuple[str, str]:
-        """The engine's namespace and its link device there (the one that is not lo)."""
-        netns = self.ctx.cluster.spec.netns.get(engine)
-        if netns is None:
+    def _netns(self, engine: str) -> str:
+        """The namespace ``engine`` runs in (``lab.netns``)."""
+        placed = self.ctx.cluster.spec.netns.get(engine)
+        if placed is None:
             raise RuntimeError(
                 f"{engine} does not run in a network namespace: partition and throttle "
-                "need a cluster with ClusterSpec.netns"
+                "need a cluster with ClusterSpec.netns (kvpush chaos nemesis --netns)"
             )
-        out = subprocess.run(
-            ["ip", "-n", netns[0], "-o", "link", "show"],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        devs = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-        return netns[0], next(d for d in devs if d != "lo")
+        return placed[0]
 
     async def _netns_hold(
-        self, f: Fault, begun: asyncio.Event, on: list[str], off: list[str]
+        self,
+        f: Fault,
+        begun: asyncio.Event,
+        on: Callable[[], list[str]],
+        off: Callable[[], list[str]],
     ) -> dict[str, Any]:
-        await asyncio.to_thread(subprocess.run, on, check=True, capture_output=True, timeout=30)
+        done = await asyncio.to_thread(on)
         begun.set()
         try:
-            await asyncio.sleep(f.hold_s)
+            await asyncio.sleep(f.hold_s)  # the fault's length, not a wait for something
         finally:
-            await asyncio.to_thread(
-                subprocess.run, off, check=False, capture_output=True, timeout=30
-            )
-        return {"commands": [" ".join(on), " ".join(off)]}
+            done += await asyncio.to_thread(off)
+        return {"commands": done}
 
     async def _partition(self, f: Fault, begun: asyncio.Event) -> dict[str, Any]:
-        ns, dev = self._netns_link(f.engine)
-        ip = ["ip", "-n", ns, "link", "set", dev]
-        return await self._netns_hold(f, begun, [*ip, "down"], [*ip, "up"])
+        ns = self._netns(f.engine)
+        return await self._netns_hold(f, begun, lambda: partition(ns), lambda: heal(ns))
 
     async def _throttle(self, f: Fault, begun: asyncio.Event) -> dict[str, Any]:
-        ns, dev = self._netns_link(f.engine)
-        tc = ["tc", "-n", ns, "qdisc"]
-        on = [*tc, "replace", "dev", dev, "root", "tbf", "rate", THROTTLE_RATE]
-        on += ["burst", "32kb", "latency", "50ms"]
-        return await self._netns_hold(f, begun, on, [*tc, "del", "dev", dev, "root"])
+        ns = self._netns(f.engine)
+        on = lambda: throttle(ns, THROTTLE_RATE)  # noqa: E731
+        return await self._netns_hold(f, begun, on, lambda: unthrottle(ns))
 
     def release_all(self) -> None:
-        """Undo what a fault cut short left behind (a stopped engine, the switch file)."""
+        """Undo what a fault cut short left behind (a stopped engine, the switch file, a
+        link down or throttled)."""
         fault_switch(self.ctx.cluster.spec.workdir).unlink(missing_ok=True)
         for proc in self.ctx.cluster.procs.values():
             with contextlib.suppress(Exception):
                 proc.signal_tree(signal.SIGCONT)
+        for ns, _ in self.ctx.cluster.spec.netns.values():
+            with contextlib.suppress(Exception):
+                unthrottle(ns)
+                heal(ns)

@@ -36,6 +36,7 @@ from kvpush_prod.chaos.verdict import (
 )
 from kvpush_prod.chaos.workload import Mix, RequestSpec, workload
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.netns import cluster_namespaces
 
 ENGINES = ("prefill", "decode")  # the first engine of each role (the single-pair names)
 FAULTS_ENV = "KVPUSH_FAULTS"
@@ -101,6 +102,9 @@ class Needs:
     prefills: int = 1
     decodes: int = 1
     router_policy: str | None = None
+    # Every prefill and decode engine in its own network namespace (``lab.netns``; root),
+    # KV over TCP between them: the nemesis's partition and throttle faults need it.
+    netns: bool = False
 
     def faults_json(self, workdir: Path) -> str | None:
         if not self.prefill_faults:
@@ -146,6 +150,14 @@ def cluster_spec(needs: Needs, workdir: Path, trace: bool = False) -> ClusterSpe
         spec.router_args += ["--admin-token-file", str(token)]
     if needs.no_backend_wait_s:
         spec.router_args += ["--no-backend-wait", str(needs.no_backend_wait_s)]
+    return spec
+
+
+def placed(needs: Needs, spec: ClusterSpec, stack: contextlib.ExitStack) -> ClusterSpec:
+    """``spec``, its engines moved into network namespaces that ``stack`` removes, when
+    ``needs.netns``; close ``stack`` after the cluster has stopped."""
+    if needs.netns:
+        stack.enter_context(cluster_namespaces(spec))
     return spec
 
 
@@ -987,24 +999,26 @@ def main(module: ModuleType, argv: list[str] | None = None) -> int:
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix=f"kvpush-chaos-{module.NAME}-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[{module.NAME}] {module.DESCRIPTION}", flush=True)
+    where = " (each engine in its own network namespace)" if needs.netns else ""
     print(
-        f"[{module.NAME}] starting {needs.prefills} prefill, {needs.decodes} decode, "
+        f"[{module.NAME}] starting {needs.prefills} prefill, {needs.decodes} decode{where}, "
         f"reference and router (policy {needs.policy}); logs in {workdir / 'logs'}",
         flush=True,
     )
     t0 = time.monotonic()
-    cluster = Cluster(cluster_spec(needs, workdir, opts.trace))
     report = Report(module.NAME, opts.as_dict())
-    try:
-        cluster.start()
-        print(f"[{module.NAME}] cluster ready in {time.monotonic() - t0:.0f} s", flush=True)
-        report = asyncio.run(
-            run_on_cluster(module, cluster, opts, log=lambda m: print(m, flush=True))
-        )
-    except Exception as exc:  # noqa: BLE001 - the verdict line must always come
-        report.check("cluster started and scenario ran", False, f"{type(exc).__name__}: {exc}")
-    finally:
-        cluster.stop()
+    with contextlib.ExitStack() as network:  # the namespaces go after the cluster
+        cluster = Cluster(placed(needs, cluster_spec(needs, workdir, opts.trace), network))
+        try:
+            cluster.start()
+            print(f"[{module.NAME}] cluster ready in {time.monotonic() - t0:.0f} s", flush=True)
+            report = asyncio.run(
+                run_on_cluster(module, cluster, opts, log=lambda m: print(m, flush=True))
+            )
+        except Exception as exc:  # noqa: BLE001 - the verdict line must always come
+            report.check("cluster started and scenario ran", False, f"{type(exc).__name__}: {exc}")
+        finally:
+            cluster.stop()
     report.data["total_s"] = round(time.monotonic() - t0, 1)
     print_report(report, lambda m: print(m, flush=True))
     write_report(report, opts.report)

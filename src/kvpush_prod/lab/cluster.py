@@ -90,8 +90,9 @@ class ClusterSpec:
     # plain http. Other clients of the engines must trust ``Cluster.tls.ca`` (httpx's
     # default clients, such as lab.client.scrape, do with SSL_CERT_FILE set to it).
     tls: bool = False
-    # Engines run in network namespaces the caller made: name -> (namespace, the engine's
-    # address there). Their control settings (host, advertise_host) go in the extras.
+    # Engines run in network namespaces the caller made (``lab.netns``): name -> (namespace,
+    # the engine's address there). Such an engine's control listens on 0.0.0.0 and
+    # advertises that address (the extras may override both).
     netns: dict[str, tuple[str, str]] = field(default_factory=dict)
     # Engines that run another kvpush-prod release: name -> the directory it is installed in
     # (``lab.release.install``; ``EngineSpec.release``). ``Cluster.upgrade`` moves one.
@@ -180,7 +181,11 @@ class Cluster:
         return self.keys_dir / f"{name}.key_secret"
 
     def _security_extra(self, name: str) -> dict[str, Any]:
+        """The control settings the cluster chooses: keys, params key and, for an engine in a
+        network namespace, listening on all its addresses and advertising its own."""
         control: dict[str, Any] = {}
+        if name in self.spec.netns:
+            control.update(host="0.0.0.0", advertise_host=self.spec.netns[name][1])
         if self.spec.secure:
             control.update(key_file=str(self.key_file(name)), allowed_keys=str(self.allowed_dir))
         if self.spec.signed_params:

@@ -1,7 +1,8 @@
 """The nemesis: steady mixed traffic through the router over 2 P x 2 D for a set duration while
 a seeded random schedule applies overlapping faults (kill -9 and restart, SIGSTOP/SIGCONT,
-graceful restart, drain/undrain, injected WRITE failures, a keyed flood; partitions and
-throttled links when the engines run in network namespaces), with quiet windows. Invariants
+graceful restart, drain/undrain, injected WRITE failures, a keyed flood; with ``--netns``,
+every engine in its own network namespace, partitions and throttled links too), with quiet
+windows. Invariants
 are checked while it runs; the report's schedule replays with ``--replay REPORT.json``.
 """
 
@@ -11,17 +12,20 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvpush_prod.chaos.harness import Context, Needs, Options, main
 from kvpush_prod.chaos.nemesis import Nemesis, Settings
 from kvpush_prod.chaos.schedule import (
     DEFAULT_KINDS,
+    KINDS,
     NETNS_KINDS,
     Schedule,
     ScheduleConfig,
     ScheduleError,
     generate,
 )
+from kvpush_prod.lab.netns import why_not
 
 NAME = "nemesis"
 DESCRIPTION = (
@@ -41,10 +45,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="run the schedule (and load seed) of this nemesis report again",
     )
     ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each prefill and decode engine in its own network namespace (root, "
+        "iproute2), KV over TCP between them; adds the partition and throttle faults",
+    )
+    ap.add_argument(
         "--kinds",
-        default=",".join(DEFAULT_KINDS),
-        help=f"fault kinds to draw (default {','.join(DEFAULT_KINDS)}; "
-        f"{','.join(NETNS_KINDS)} need engines in network namespaces)",
+        default=None,
+        help=f"fault kinds to draw (default {','.join(DEFAULT_KINDS)}, with --netns "
+        f"{','.join(KINDS)}; {','.join(NETNS_KINDS)} need --netns)",
     )
     ap.add_argument("--max-overlap", type=int, default=2, help="faults active at once, at most")
     ap.add_argument("--quiet-every", type=float, default=120.0, help="a quiet window this often")
@@ -66,6 +76,9 @@ def needs(opts: Options) -> Needs:
             f"the nemesis needs at least 2 prefill and 2 decode engines (got --prefills "
             f"{prefills} --decodes {decodes}): it takes one engine of a role out at a time"
         )
+    netns = bool(opts.extra.get("netns"))
+    if netns and why_not() is not None:
+        raise ValueError(f"--netns: this machine cannot run engines in namespaces: {why_not()}")
     return Needs(
         policy=opts.policy or "recompute",
         decode_blocks=opts.decode_blocks,
@@ -78,7 +91,16 @@ def needs(opts: Options) -> Needs:
         prefills=prefills,
         decodes=decodes,
         router_policy="engine_load",
+        netns=netns,
     )
+
+
+def kinds_of(extra: dict[str, Any]) -> tuple[str, ...]:
+    """The fault kinds to draw: ``--kinds``, or every kind the cluster can take."""
+    given = extra.get("kinds")
+    if not given:
+        return KINDS if extra.get("netns") else DEFAULT_KINDS
+    return tuple(k.strip() for k in str(given).split(",") if k.strip())
 
 
 def schedule_for(ctx: Context) -> Schedule:
@@ -96,12 +118,12 @@ def schedule_for(ctx: Context) -> Schedule:
             ) from None
         ctx.opts.seed = int(report.get("options", {}).get("seed", sched.seed))  # the same load
         return sched
-    kinds = tuple(k.strip() for k in str(x.get("kinds", ",".join(DEFAULT_KINDS))).split(","))
+    kinds = kinds_of(x)
     netns = [k for k in kinds if k in NETNS_KINDS]
     if netns and not all(e in ctx.cluster.spec.netns for e in ctx.cluster.engine_names):
         raise ScheduleError(
             f"fault kinds {netns} need every engine in its own network namespace "
-            "(ClusterSpec.netns); drop them from --kinds on this cluster"
+            "(ClusterSpec.netns): add --netns, or drop them from --kinds"
         )
     cfg = ScheduleConfig(
         duration_s=float(x.get("duration", 600.0)),
