@@ -65,6 +65,35 @@ def test_a_send_span_counts_its_chunks_and_marks_failures() -> None:
     assert span.status.status_code.name == "ERROR"
 
 
+def test_a_layer_wise_send_span_begins_at_its_first_layers_and_marks_the_forward_end() -> None:
+    trace, exported = setup("producer")
+    trace("layers_ready", "t3", ready=1, parts=2, blocks=3, trace_headers=HEADERS)
+    trace("post", "t3", op="WRITE", chunk=1, nbytes=2048, last=False, layer=0)
+    trace("chunk_end", "t3", chunk=1, state="DONE")
+    trace("forward_end", "t3", trace_headers=HEADERS)
+    trace("blocks_ready", "t3", blocks=3, trace_headers=HEADERS)  # the same span goes on
+    trace("chunk_end", "t3", chunk=2, state="ChunkError(timeout)")  # failed: not landed
+    trace("release", "t3", outcome="pushed")
+    (span,) = exported.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    names = [e.name for e in span.events]
+    assert names == ["layers_ready", "push", "landed", "forward_end"]
+    assert span.events[1].attributes["kvpush.layer"] == 0
+    assert span.events[2].attributes["kvpush.chunk"] == 1
+    stamps = [e.timestamp for e in span.events]
+    assert stamps == sorted(stamps)  # one clock: the order the trace saw them in
+
+
+def test_a_forward_end_told_before_the_first_layers_opens_the_span_once() -> None:
+    trace, exported = setup("producer")
+    trace("forward_end", "t4", trace_headers=HEADERS)  # the engine thread was first
+    trace("layers_ready", "t4", ready=2, parts=2, blocks=1, trace_headers=HEADERS)
+    trace("release", "t4", outcome="pushed")
+    (span,) = exported.get_finished_spans()
+    assert [e.name for e in span.events] == ["forward_end", "layers_ready"]
+    assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT
+
+
 def test_open_spans_are_bounded_and_ended_at_shutdown() -> None:
     trace, exported = setup("consumer", max_open=2)
     for tid in ("a", "b", "c"):

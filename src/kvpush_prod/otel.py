@@ -7,9 +7,13 @@ exports one span per transfer and side, to the same endpoint:
 - D: ``kvpush.receive``, from the moment the worker learns of the transfer (blocks
   reserved and admitted) to its end, with events ``register`` (REGISTER sent to P),
   ``pull`` (a fallback READ posted), ``done`` (P's DONE arrived) and the outcome;
-- P: ``kvpush.send``, from the prompt's KV being ready to the blocks' release, with events
-  ``register`` (D's REGISTER arrived), ``push`` (a WRITE chunk posted: bytes, chunk id,
-  last, NIXL descriptors, microseconds to build the request), ``pull_done`` and the outcome.
+- P: ``kvpush.send``, from the prompt's KV being ready (with a layer-wise push: its first
+  layers) to the blocks' release, with events ``register`` (D's REGISTER arrived), ``push``
+  (a WRITE chunk posted: bytes, chunk id, last, NIXL descriptors, microseconds to build the
+  request, and with a layer-wise push the ``layer``), ``landed`` (P saw that chunk's WRITE
+  complete: its bytes are in D's memory), ``pull_done`` and the outcome; a layer-wise push
+  adds ``layers_ready`` (the first layers computed) and ``forward_end`` (P's forward that
+  computed the prompt ended: pushes before it overlapped the forward).
 
 Each span's parent is the request's W3C trace context (``traceparent`` header the client or
 router sent, which vLLM keeps as the request's ``trace_headers``), so the spans sit under
@@ -31,7 +35,7 @@ MAX_OPEN = 65_536  # spans of transfers not ended yet; the oldest is ended "aban
 SPAN_NAME = {"consumer": "kvpush.receive", "producer": "kvpush.send"}
 # The worker's trace events that mark a phase (event -> span event name).
 PHASES = {"post": "", "done_in": "done", "msg_in": "", "msg_out": ""}
-BEGIN = ("recv_spec", "blocks_ready")
+BEGIN = ("recv_spec", "blocks_ready", "layers_ready", "forward_end")
 END = {"report": "outcome", "release": "outcome", "forward_failed": ""}
 
 
@@ -53,7 +57,13 @@ class TransferSpans:
         if not tid:
             return
         if event in BEGIN:
+            # A layer-wise push's first layers go out before its blocks_ready: whichever of
+            # its events comes first opens the span (on the engine thread or the pump's).
             self.begin(tid, fields.get("trace_headers"), blocks=fields.get("blocks"))
+            if event == "layers_ready":
+                self.event(tid, event, ready=fields.get("ready"), parts=fields.get("parts"))
+            elif event == "forward_end":
+                self.event(tid, event)
         elif event in END:
             outcome = str(fields.get(END[event], "failed") if END[event] else "failed")
             self.end(tid, outcome)
@@ -67,7 +77,10 @@ class TransferSpans:
                 last=fields.get("last"),
                 descriptors=fields.get("descriptors"),
                 build_us=fields.get("build_us"),
+                layer=fields.get("layer"),
             )
+        elif event == "chunk_end" and fields.get("state") == "DONE":
+            self.event(tid, "landed", chunk=fields.get("chunk"))
         elif event in ("msg_in", "msg_out"):
             kind = str(fields.get("kind", ""))
             if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):

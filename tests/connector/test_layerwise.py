@@ -18,7 +18,7 @@ from kvpush_prod.core import messages as m
 from kvpush_prod.core.commands import Hold, RegisterBlocks
 from kvpush_prod.transport.base import Op, RemotePeer
 from tests.connector.test_after_forward import worker
-from tests.connector.test_pump import Nic, Pair, Transport, counters
+from tests.connector.test_pump import Nic, Pair, Spans, Transport, counters
 
 # Two layers, one region each: a 4 KiB block is two 2 KiB parts; a chunk is 4 KiB.
 TWO = m.Layout("c", "DRAM", [m.Region(0, 2048, 2048, 64), m.Region(1 << 20, 2048, 2048, 64)])
@@ -84,6 +84,37 @@ def test_save_kv_layer_only_hands_over_and_the_pump_posts_each_layer_then_done()
     c = counters(pair.p_stats)
     assert c[("kvpush_layerwise_writes", "producer", "during_forward")] == 3
     assert c[("kvpush_layerwise_writes", "producer", "after_forward")] == 1
+
+
+def test_the_trace_shows_layers_posted_and_landed_before_the_forward_ended() -> None:
+    """The event trace (and so the transfer span) of a layer-wise push: ``layers_ready``
+    (with the request's trace context), layer 0's WRITEs posted and landed (chunk_end with
+    the transfer id), then ``forward_end`` from the engine thread, then blocks_ready."""
+    pair = Pair(CFG, TwoLayers)
+    w = layer_worker(pair)
+    spans = w.trace.spans = pair.p.trace.spans = Spans()
+    pair.d.request_of["t"] = "d-t"
+    pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
+    pair.step()
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    w._pending_sends = [SendSpec("p-t", "t", [1, 2, 3], trace_headers=headers)]
+    w.layer_saved("l0")
+    pair.step()
+    w.layer_saved("l1")
+    w.after_forward()
+    pair.p.submit(Hold("t"))
+    pair.step(5)
+    assert pair.d_results.take_outcomes() == {"d-t": "pushed"}
+    mine = [(e, f) for e, tid, f in spans.events if tid == "t" and not e.startswith("msg_")]
+    names = [e for e, _ in mine]
+    assert names[0] == "layers_ready" and mine[0][1]["trace_headers"] == headers
+    end = names.index("forward_end")
+    assert mine[end][1]["trace_headers"] == headers
+    before = mine[:end]
+    assert [f["layer"] for e, f in before if e == "post"] == [0, 0]
+    assert [e for e, f in before if e == "chunk_end" and f["state"] == "DONE"]
+    assert [f["layer"] for e, f in mine[end:] if e == "post"] == [1, 1]
+    assert names.index("blocks_ready") > end
 
 
 def test_save_kv_layer_never_waits_for_the_lock_the_pump_holds() -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import (
@@ -21,6 +23,12 @@ class Span:
     parent_span_id: str
     attributes: dict[str, str]
     events: tuple[str, ...]
+    # (name, time in ns since the epoch, attributes) of each event, in the span's order
+    timed: tuple[tuple[str, int, dict[str, str]], ...] = ()
+
+
+def _attributes(pairs: Iterable[Any]) -> dict[str, str]:
+    return {a.key: str(getattr(a.value, a.value.WhichOneof("value") or "", "")) for a in pairs}
 
 
 class _Service(trace_service_pb2_grpc.TraceServiceServicer):
@@ -35,10 +43,7 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
             )
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    attrs = {
-                        a.key: str(getattr(a.value, a.value.WhichOneof("value") or "", ""))
-                        for a in s.attributes
-                    }
+                    attrs = _attributes(s.attributes)
                     self.sink.add(
                         Span(
                             service,
@@ -47,6 +52,10 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
                             s.parent_span_id.hex(),
                             attrs,
                             tuple(e.name for e in s.events),
+                            tuple(
+                                (e.name, e.time_unix_nano, _attributes(e.attributes))
+                                for e in s.events
+                            ),
                         )
                     )
         return trace_service_pb2.ExportTraceServiceResponse()

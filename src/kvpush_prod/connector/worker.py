@@ -606,7 +606,14 @@ class WorkerSide:
             known.layer_blocks, known.prompt = tuple(spec.block_ids), spec.prompt
             known.layers, known.parts = ready, parts
             if ready == 1 or ready == parts:
-                self.trace("layers_ready", tid, ready=ready, parts=parts)
+                self.trace(
+                    "layers_ready",
+                    tid,
+                    ready=ready,
+                    parts=parts,
+                    blocks=len(spec.block_ids),
+                    trace_headers=spec.trace_headers,
+                )
             for part in pump.splits.parts(tid):
                 command(
                     LayersReady(part, tuple(spec.block_ids), ready, parts, spec.owner, spec.prompt)
@@ -617,6 +624,11 @@ class WorkerSide:
         ``forward_failed`` the forward raised: the blocks hold no usable KV and D is told."""
         pump = self._tx
         if self._step is not None and pump is not None:
+            if self._step.on and self.trace.on:
+                # On this (engine) thread: a layer-wise push's pushes before it overlapped
+                # the forward (spans: ``forward_end``).
+                for spec in self._step.sends:
+                    self.trace("forward_end", spec.transfer_id, trace_headers=spec.trace_headers)
             self._step, pump.forward_running = None, False
         if not self._pending_sends or pump is None:
             return
@@ -783,7 +795,7 @@ class TransferPump(threading.Thread, Generic[E]):
         # tables above: by the pump, and by the engine thread only when it finds it free
         # (``offer(now=True)``, ``progress_now``): the engine thread never waits for it.
         self.lock = threading.Lock()
-        self._handles: dict[int, tuple[Any, float, int]] = {}  # chunk -> (handle, posted, bytes)
+        self._handles: dict[int, tuple[Any, float, int, str]] = {}  # chunk -> (handle, t, n, tid)
         self.inflight_bytes = 0  # read by the engine thread (an int: atomic to read)
         self.began: dict[str, float] = {}  # transfer id -> start (P: first post, D: REGISTER)
         # How a receive that failed is counted (D: recompute under vLLM's recompute policy)
@@ -1289,31 +1301,52 @@ class TransferPump(threading.Thread, Generic[E]):
             self.stats.observe("kvpush_post_descriptors", self._labels, cost.descriptors)
             self.stats.observe("kvpush_post_build_seconds", self._labels, cost.build_s)
         if self.trace.on:
-            extra = (
-                {}
-                if cost is None
-                else {
-                    "descriptors": cost.descriptors,
-                    "runs": cost.runs,
-                    "parts": cost.parts,
-                    "path": cost.path,
-                    "build_us": round(1e6 * cost.build_s, 1),
-                }
+            # A layer-wise WRITE moves one layer's regions (part i is layer i's).
+            layer = (
+                None
+                if regions is None
+                else regions[0] * parts // len(self.transport.layout.regions)
             )
-            self.trace(
-                "post",
-                tid,
-                op=op,
-                chunk=chunk_id,
-                nbytes=nbytes,
-                last=bool(notif),
-                post_ms=round(1000 * post_s, 3),
-                **extra,
-            )
-        self._handles[chunk_id] = (handle, t0, nbytes)
+            self._trace_post(tid, op, chunk_id, nbytes, bool(notif), post_s, cost, layer)
+        self._handles[chunk_id] = (handle, t0, nbytes, tid)
         self.inflight_bytes += nbytes
         self.stats.observe("kvpush_chunk_post_seconds", self._labels, post_s)
         return None
+
+    def _trace_post(
+        self,
+        tid: str,
+        op: Op,
+        chunk_id: int,
+        nbytes: int,
+        last: bool,
+        post_s: float,
+        cost: Any,
+        layer: int | None,
+    ) -> None:
+        extra: dict[str, Any] = (
+            {}
+            if cost is None
+            else {
+                "descriptors": cost.descriptors,
+                "runs": cost.runs,
+                "parts": cost.parts,
+                "path": cost.path,
+                "build_us": round(1e6 * cost.build_s, 1),
+            }
+        )
+        if layer is not None:
+            extra["layer"] = layer
+        self.trace(
+            "post",
+            tid,
+            op=op,
+            chunk=chunk_id,
+            nbytes=nbytes,
+            last=last,
+            post_ms=round(1000 * post_s, 3),
+            **extra,
+        )
 
     def _check_chunks(self) -> None:
         for cid in list(self._handles):
@@ -1325,7 +1358,7 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def _check_chunk(self, cid: int) -> None:
         now = time.monotonic()
-        handle, posted, nbytes = self._handles[cid]
+        handle, posted, nbytes, tid = self._handles[cid]
         state = self.transport.state(handle)
         if state == "PROC":
             if now - posted < self._chunk_timeout:
@@ -1335,7 +1368,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self.inflight_bytes -= nbytes
         self.transport.release(handle)
         error = state if isinstance(state, ChunkError) else None  # else it is DONE
-        self.trace("chunk_end", "", chunk=cid, state=str(state))
+        self.trace("chunk_end", tid, chunk=cid, state=str(state))
         self.stats.inc("kvpush_chunks", (self.role, "ok" if error is None else "error"))
         if error is not None:
             logger.warning("kvpush: chunk %d failed: %s", cid, error)
