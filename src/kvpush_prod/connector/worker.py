@@ -1133,6 +1133,7 @@ class TransferPump(threading.Thread, Generic[E]):
             action.dst_blocks,
             self._done_notif(action, regions, peer.local_k if peer.unit_tokens else 0),
             part,
+            action.part if action.layerwise else None,  # a layer-wise WRITE: one layer's
         )
 
     def read(self, action: actions.PostRead, peer: RemotePeer) -> ChunkError | None:
@@ -1276,6 +1277,7 @@ class TransferPump(threading.Thread, Generic[E]):
         remote: tuple[int, ...],
         notif: bytes,
         regions: tuple[int, int] | None = None,
+        layer: int | None = None,
     ) -> ChunkError | None:
         t0 = time.monotonic()
         self.began.setdefault(tid, t0)
@@ -1301,12 +1303,6 @@ class TransferPump(threading.Thread, Generic[E]):
             self.stats.observe("kvpush_post_descriptors", self._labels, cost.descriptors)
             self.stats.observe("kvpush_post_build_seconds", self._labels, cost.build_s)
         if self.trace.on:
-            # A layer-wise WRITE moves one layer's regions (part i is layer i's).
-            layer = (
-                None
-                if regions is None
-                else regions[0] * parts // len(self.transport.layout.regions)
-            )
             self._trace_post(tid, op, chunk_id, nbytes, bool(notif), post_s, cost, layer)
         self._handles[chunk_id] = (handle, t0, nbytes, tid)
         self.inflight_bytes += nbytes
