@@ -1115,10 +1115,6 @@ class TransferPump(threading.Thread, Generic[E]):
 
     def write(self, action: actions.PostWrite, peer: RemotePeer) -> ChunkError | None:
         regions = peer.local.regions if peer.local is not None else None
-        part = action.regions
-        if part is None and action.parts > 1:
-            per = len(self.transport.layout.regions) // action.parts
-            part = (action.part * per, (action.part + 1) * per)
         if action.layerwise:
             self.stats.inc(
                 "kvpush_layerwise_writes",
@@ -1132,7 +1128,7 @@ class TransferPump(threading.Thread, Generic[E]):
             action.src_blocks,
             action.dst_blocks,
             self._done_notif(action, regions, peer.local_k if peer.unit_tokens else 0),
-            part,
+            action.regions,
             action.part if action.layerwise else None,  # a layer-wise WRITE: one layer's
         )
 

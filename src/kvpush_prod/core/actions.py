@@ -40,9 +40,9 @@ class PostWrite:
     done: Done | None = None
     all_src: tuple[int, ...] = ()
     # The WRITE moves part ``part`` of ``parts`` of each block (1: all of it): regions
-    # ``[first, end)`` of the layout (a whole push cut by regions, ``core.chunking``), or,
-    # ``regions`` None, the ``part``-th of ``parts`` equal slices of the layout's regions
-    # (a layer-wise push: one layer's). ``layerwise``: a layer-wise push's WRITE.
+    # ``[first, end)`` of the layout, None: every region. A whole push cut by regions
+    # (``core.chunking``): its region group; a layer-wise push (``layerwise``): layer
+    # ``part``'s equal share of the layout's regions.
     part: int = 0
     parts: int = 1
     regions: tuple[int, int] | None = None

@@ -1122,7 +1122,7 @@ class Sender:
         parts = len(o.groups) - 1 if o.groups else o.parts
         part = chunk.start // nb if parts > 1 and nb else 0
         start, end = chunk.start - part * nb, chunk.end - part * nb
-        regions = (o.groups[part], o.groups[part + 1]) if o.groups else None
+        regions = self._part_regions(o, part, parts) if nb else None
         self._chunks[chunk.id] = (chunk, o.tid)
         o.inflight.add(chunk.id)
         if o.machine.state is S.RETRYING:
@@ -1148,6 +1148,17 @@ class Sender:
             o.parts > 1,
         )
         return [*out, write]
+
+    def _part_regions(self, o: _Out, part: int, parts: int) -> tuple[int, int] | None:
+        """The layout's regions ``[first, end)`` a WRITE of part ``part`` moves: its region
+        group (a whole push cut by regions), or layer ``part``'s equal share of the regions
+        (a layer-wise push: the connector checks each layer is one); None: every region."""
+        if o.groups:
+            return o.groups[part], o.groups[part + 1]
+        if parts < 2 or self.me.layout is None:
+            return None
+        per = len(self.me.layout.regions) // parts
+        return part * per, (part + 1) * per
 
     def _capped_notes(self) -> list[Action]:
         """How many more times the scheduler held chunks back for a link's caps."""
