@@ -111,6 +111,18 @@ def test_a_wrong_answer_is_a_violation_and_a_right_one_is_not() -> None:
     assert "#2" in inv.violations[0].detail
 
 
+def test_each_violation_is_told_as_it_is_kept_whatever_its_kind() -> None:
+    told: list[str] = []
+    inv = Invariants(
+        dict(URLS), grace_s=5.0, role_bound_s=30.0, on_violation=lambda v: told.append(v.invariant)
+    )
+    inv.request(rec(1, 0, 1, text="w5 w7"), "w5 w6")
+    inv.accounting("prefill", 5.0, started=10, ended=8, active=1, slack=0)
+    inv.held("decode", 6.0, {"kvpush_held_blocks": 3.0, "other": 0.0})
+    assert told == [v.invariant for v in inv.violations]
+    assert len(told) == 3
+
+
 def test_a_failure_without_any_fault_is_a_violation() -> None:
     inv = checker()
     failed = rec(3, 10, 12, status=502, error_kind="http", error="decode backend x: boom")

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import psutil
 
-from kvpush_prod.lab.launch import Proc, _port_range, free_port, free_port_block
+from kvpush_prod.lab.launch import (
+    EngineSpec,
+    Proc,
+    _port_range,
+    engine_env,
+    free_port,
+    free_port_block,
+)
 
 CHILD_TREE = """
 import subprocess, sys, time
@@ -71,3 +78,14 @@ def test_an_engine_in_a_network_namespace_runs_there_and_listens_on_its_addresse
     cmd = placed.command()
     assert cmd[:4] == ["ip", "netns", "exec", "kvpush1"] and cmd[4] == sys.executable
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+
+def test_lab_engines_pin_ucx_to_loopback_unless_told_otherwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Another program's veth appearing during a run must not reach the lab's engines."""
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    assert engine_env(EngineSpec("p", "m", 1))["UCX_NET_DEVICES"] == "lo"
+    # A namespace's engine names its own device (lab/netns.py), as may the caller.
+    spec = EngineSpec("p", "m", 1, env={"UCX_NET_DEVICES": "kveth0"})
+    assert engine_env(spec)["UCX_NET_DEVICES"] == "kveth0"
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    assert engine_env(EngineSpec("p", "m", 1))["UCX_NET_DEVICES"] == "mlx5_0:1"

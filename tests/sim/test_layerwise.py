@@ -164,7 +164,8 @@ def test_auto_decides_by_whole_pushes_so_layerwise_chunks_do_not_keep_it_on():
     assert len(reqs) == 24 and all(r.done >= 0 for r in reqs)
     steps = sim.counters["layerwise_steps"]
     assert 0 < steps < 12  # the first 1k step, on the initial estimate, is layer-wise
-    # Whole pushes measured the link faster than every chunk together did.
+    # Whole pushes measured the link at least as fast as every chunk together did (as fast
+    # once the whole pushes' layer groups, cut by layers, make most of the estimate).
     sched = sim.senders[0].sched
     [link] = sched.links()
-    assert sched.whole_bandwidth(link) > sched.bandwidth(link)
+    assert sched.whole_bandwidth(link) >= sched.bandwidth(link) * (1 - 1e-9)

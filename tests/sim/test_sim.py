@@ -196,13 +196,16 @@ def test_a_transfer_larger_than_the_budget_is_computed_on_d_not_stuck():
 def test_p5en_reproduces_the_direction_of_the_article():
     """Push TTFT better than pull under load (article: 1.2-3x), about equal when idle.
 
-    kvpush on the shipped profile (layer-wise push off) is in the article's bands idle and
-    busy on a fresh cache: each of the 8 tensor-parallel ranks moves 640 KiB per block, so
-    a 4 MiB chunk is 6 blocks and a transfer a few posts per rank. Under load the size
-    depends on D's cache, as pull posts its READ from D's engine thread, one descriptor per
-    run per region: on a fresh cache (one run) vLLM push leads pull by less than the
-    article's 1.2x, on a fully fragmented one (a descriptor per block per region) both
-    pushes lead by more than its 3x; the article's band lies between (docs/simulator.md)."""
+    kvpush on the shipped profile (layer-wise push off, whole pushes cut by layers: each of
+    the 8 tensor-parallel ranks posts a few groups of layers over all of a transfer's
+    blocks) is in the article's band idle. Under load the size depends on D's cache, as
+    pull posts its READ from D's engine thread, one descriptor per run per region: on a
+    fresh cache (one run) both pushes lead pull by less than the article's 1.2x at p50
+    (kvpush ~1.05x, vLLM push ~1.1x: this closed loop's p50 moves with how P's batches
+    fall; kvpush cut by blocks read 1.44x only because its posts of 160 descriptors a
+    chunk delayed P's pump, with no post cost both cuts read 1.05x), on a fully
+    fragmented one (a descriptor per block per region) both lead by more than its 3x; the
+    article's band lies between (docs/simulator.md)."""
     m = P5EN.with_(n_prefill=2)
     assert m.tp == 8
     lengths = (1024, 2048, 4096)
@@ -216,7 +219,7 @@ def test_p5en_reproduces_the_direction_of_the_article():
         assert 0.95 <= idle["pull"]["ttft_ms"]["p50"] / idle[mode]["ttft_ms"]["p50"] <= 1.5
     # (fragment, kvpush's band, vLLM push's band)
     for fragment, ours, theirs in (
-        (0.0, (1.2, 3.0), (1.05, 3.0)),
+        (0.0, (1.0, 3.0), (1.05, 3.0)),
         (1.0, (1.2, 5.0), (1.2, 5.0)),
     ):
         busy = {

@@ -27,13 +27,31 @@ def test_a_rank_moves_its_part_of_every_block_on_its_part_of_the_nic():
 
 
 def test_the_core_chunks_a_ranks_blocks():
-    # 2048 tokens = 128 blocks; a rank's block is 640 KiB, so a 4 MiB chunk holds 6 of them.
-    chunks = {}
-    for tp in (1, 8):
-        r = simulate(SMALL.with_(tp=tp), "kvpush", W)
-        assert r["ok"] == 4 and r["counters"]["transfer_done"] == 4
-        chunks[tp] = r["counters"]["chunks"] / 4
-    assert chunks == {1: 128, 8: math.ceil(128 / 6)}
+    # 2048 tokens = 128 blocks; a rank's block is 640 KiB (5 MiB at tp 1) in 160 regions.
+    # Cut by blocks, a 4 MiB chunk holds 6 of them (one at tp 1), every region of each: 160
+    # descriptors a chunk on a fresh cache. Cut by layers (the default), a chunk is a group
+    # of regions over all 128 blocks: 8 regions (512 KiB each) at tp 8, one region (4 MiB)
+    # at tp 1, so a transfer posts 160 descriptors in all.
+    chunks, descs = {}, {}
+    for cut in ("blocks", "layers"):
+        for tp in (1, 8):
+            m = SMALL.with_(tp=tp, overrides=(f"push.chunk_by={cut}",))
+            r = simulate(m, "kvpush", W)
+            assert r["ok"] == 4 and r["counters"]["transfer_done"] == 4
+            chunks[cut, tp] = r["counters"]["chunks"] / 4
+            descs[cut, tp] = r["counters"]["descriptors"] / 4
+    assert chunks == {
+        ("blocks", 1): 128,
+        ("blocks", 8): math.ceil(128 / 6),
+        ("layers", 1): 160,
+        ("layers", 8): 160 / 8,
+    }
+    assert descs == {
+        ("blocks", 1): 128 * 160,
+        ("blocks", 8): math.ceil(128 / 6) * 160,
+        ("layers", 1): 160,
+        ("layers", 8): 160,
+    }
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

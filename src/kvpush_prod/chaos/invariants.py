@@ -10,6 +10,7 @@ quiet window; no role without an engine in service for longer than the bound.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +83,15 @@ class Invariants:
     _role_out: dict[str, float] = field(default_factory=dict)
     _reported: set[str] = field(default_factory=set)
     longest_role_out: dict[str, float] = field(default_factory=dict)
+    # Told of each violation as it is kept (the nemesis logs it at once, so a run stopped
+    # before its report still names what broke).
+    on_violation: Callable[[Violation], None] | None = None
 
     def _violate(self, at: float, invariant: str, detail: str) -> None:
-        self.violations.append(Violation(at, invariant, detail))
+        v = Violation(at, invariant, detail)
+        self.violations.append(v)
+        if self.on_violation is not None:
+            self.on_violation(v)
 
     # -- faults
     def fault_started(self, fid: int, kind: str, engines: set[str], at: float) -> None:

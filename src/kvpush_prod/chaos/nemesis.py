@@ -108,7 +108,12 @@ class Nemesis:
         self.s = settings
         c = ctx.cluster
         self.inv = Invariants(
-            {c.urls[e]: e for e in c.engine_names}, settings.grace_s, settings.role_bound_s
+            {c.urls[e]: e for e in c.engine_names},
+            settings.grace_s,
+            settings.role_bound_s,
+            on_violation=lambda v: ctx.log(
+                f"VIOLATION at {v.at:.0f} s ({v.invariant}): {v.detail}"
+            ),
         )
         self.faults = Faults(ctx, settings.flood_rate)
         self.applied: list[Applied] = []
@@ -252,11 +257,7 @@ class Nemesis:
             if rec.ok:
                 self._refs.put_nowait(rec)  # judged once the reference answered
             else:
-                self._note(rec, self.inv.request(rec, None))
-
-    def _note(self, rec: Record, cls: str) -> None:
-        if cls in ("hung", "wrong", "failed_unexplained"):
-            self.ctx.log(f"VIOLATION: {self.inv.violations[-1].detail}")
+                self.inv.request(rec, None)
 
     async def _reference_worker(self) -> None:
         url = self.ctx.cluster.urls["reference"]
@@ -271,7 +272,7 @@ class Nemesis:
                         ref = await reference_answer(client, url, self.ctx.specs[rec.idx])
                         if ref is not None:
                             cache[key] = ref
-                    self._note(rec, self.inv.request(rec, ref))
+                    self.inv.request(rec, ref)
                 finally:
                     self._refs.task_done()
 

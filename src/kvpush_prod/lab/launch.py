@@ -232,9 +232,19 @@ def _shared_memory_of(procs: list[psutil.Process]) -> set[str]:
     return paths
 
 
+# The lab's engines talk over loopback: UCX is pinned to it unless the caller's environment
+# names its devices (a namespace's veth, lab/netns.py, sets its own). UCX otherwise
+# enumerates every interface of the host and advertises their addresses, so a veth that
+# another program adds and removes during a run leaves engines with addresses that refuse
+# connects (docs/operations.md, "Interfaces"; the hour-long nemesis saw one leaked UCX
+# socket per refused connect).
+LAB_UCX_NET_DEVICES = "lo"
+
+
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.update(DEFAULT_ENV)
+    env.setdefault("UCX_NET_DEVICES", LAB_UCX_NET_DEVICES)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
     if spec.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind

@@ -143,17 +143,31 @@ class ClusterModel:
     def blocks(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.block_tokens))
 
-    def descriptors(self, src: Sequence[int], dst: Sequence[int], parts: int = 1) -> int:
+    def descriptors(
+        self,
+        src: Sequence[int],
+        dst: Sequence[int],
+        parts: int = 1,
+        regions: tuple[int, int] | None = None,
+    ) -> int:
         """The descriptors one post of blocks ``src`` into ``dst`` hands the backend: one per
-        region per run of blocks adjacent on both sides (per block with ``coalesce`` 0);
-        a layer-wise post (``parts`` layers) covers one layer's regions."""
-        regions = max(1, self.kv_regions // max(1, parts))
+        region per run of blocks adjacent on both sides (per block with ``coalesce`` 0).
+        The post covers the layout's regions ``[first, end)`` when ``regions`` names them
+        (a chunk of a whole push cut by layers, or a layer-wise WRITE: the core names
+        them), else one layer's (``parts`` layers) or every one."""
+        if regions is not None:
+            n_regions = max(1, regions[1] - regions[0])
+        else:
+            n_regions = max(1, self.kv_regions // max(1, parts))
+        return n_regions * self._runs(src, dst)
+
+    def _runs(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Runs of blocks adjacent on both sides (each block alone with ``coalesce`` 0)."""
         if not self.coalesce or not src:
-            return regions * len(src)
-        runs = 1 + sum(
+            return len(src)
+        return 1 + sum(
             1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1
         )
-        return regions * runs
 
     def post_cost(self, descriptors: int) -> float:
         """Time to build and post one NIXL request of ``descriptors``."""
@@ -457,9 +471,16 @@ class Sim:
         self.ledgers = [a.ledger for a in self.admissions]
         self._tick_core()
 
-    @staticmethod
-    def _peer_info(name: str, blocks: int, block_bytes: int) -> PeerInfo:
-        layout = Layout("sim", "DRAM", [Region(0, block_bytes, block_bytes, blocks)])
+    def _peer_info(self, name: str, blocks: int, block_bytes: int) -> PeerInfo:
+        """An engine rank as the core sees it: ``kv_regions`` regions (layers x K/V, as the
+        connector registers them) sharing the rank's block, so the core cuts a whole push
+        by layers (``push.chunk_by``) and names each WRITE's regions as it does on engines."""
+        n = max(1, min(self.m.kv_regions, block_bytes))
+        lens = [block_bytes // n] * n
+        lens[-1] += block_bytes - sum(lens)
+        stride = max(lens)
+        regions = [Region(r * stride * blocks, stride, ln, blocks) for r, ln in enumerate(lens)]
+        layout = Layout("sim", "DRAM", regions)
         control = f"tcp://{name}"
         return PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control), b"x", layout)
 
@@ -505,7 +526,7 @@ class Sim:
             self.count("layer_writes")
             if req.p_done < 0:
                 self.count("layer_writes_during_forward")
-        cost = m.post_cost(self.descriptors(a.src_blocks, a.dst_blocks, a.parts))
+        cost = m.post_cost(self.descriptors(a.src_blocks, a.dst_blocks, a.parts, a.regions))
         if not m.post_serial:
             loop.after(m.kvpush_chunk_overhead_s + cost, send)
             return
@@ -514,9 +535,15 @@ class Sim:
         self.pump_free[req.p] = posted
         loop.at(posted + m.kvpush_chunk_overhead_s, send)
 
-    def descriptors(self, src: Sequence[int], dst: Sequence[int], parts: int = 1) -> int:
+    def descriptors(
+        self,
+        src: Sequence[int],
+        dst: Sequence[int],
+        parts: int = 1,
+        regions: tuple[int, int] | None = None,
+    ) -> int:
         """``ClusterModel.descriptors`` of one post, counted with the time it costs."""
-        n = self.m.descriptors(src, dst, parts)
+        n = self.m.descriptors(src, dst, parts, regions)
         self.count("descriptors", n)
         self.count("posts")
         self.post_s += self.m.post_cost(n)
