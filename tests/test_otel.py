@@ -65,6 +65,33 @@ def test_a_send_span_counts_its_chunks_and_marks_failures() -> None:
     assert span.status.status_code.name == "ERROR"
 
 
+def test_a_sub_transfers_events_join_the_span_of_its_transfer() -> None:
+    """P TP 1 -> D TP 2: P's rank feeds two D ranks, the second link carries ``t3#d1``."""
+    trace, exported = setup("producer")
+    trace("blocks_ready", "t3", blocks=4, trace_headers=HEADERS)
+    trace("msg_in", "t3", kind="Register")
+    trace("msg_in", "t3#d1", kind="Register")
+    trace("post", "t3#d1", op="WRITE", chunk=7, nbytes=1024, last=True, descriptors=2)
+    trace("chunk_end", "t3#d1", chunk=7, state="DONE")
+    trace("release", "t3#d1", outcome="pushed")  # the sub-transfer's end: not the span's
+    assert exported.get_finished_spans() == ()
+    trace("post", "t3", op="WRITE", chunk=8, nbytes=1024, last=True)
+    trace("release", "t3", outcome="pushed")
+    (span,) = exported.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    names = [(e.name, e.attributes.get("kvpush.sub")) for e in span.events]
+    assert names == [
+        ("register", None),
+        ("register", "d1"),
+        ("push", "d1"),
+        ("landed", "d1"),
+        ("sub_end", "d1"),
+        ("push", None),
+    ]
+    assert span.events[4].attributes["kvpush.outcome"] == "pushed"
+    assert span.attributes["kvpush.outcome"] == "pushed"
+
+
 def test_a_layer_wise_send_span_begins_at_its_first_layers_and_marks_the_forward_end() -> None:
     trace, exported = setup("producer")
     trace("layers_ready", "t3", ready=1, parts=2, blocks=3, trace_headers=HEADERS)

@@ -13,7 +13,9 @@ exports one span per transfer and side, to the same endpoint:
   request, and with a layer-wise push the ``layer``), ``landed`` (P saw that chunk's WRITE
   complete: its bytes are in D's memory), ``pull_done`` and the outcome; a layer-wise push
   adds ``layers_ready`` (the first layers computed) and ``forward_end`` (P's forward that
-  computed the prompt ended: pushes before it overlapped the forward).
+  computed the prompt ended: pushes before it overlapped the forward). A sub-transfer's
+  events (``<id>#d<r>``, a P rank feeding several D ranks) go to its transfer's span with
+  ``sub``, and its end is a ``sub_end`` event there.
 
 Each span's parent is the request's W3C trace context (``traceparent`` header the client or
 router sent, which vLLM keeps as the request's ``trace_headers``), so the spans sit under
@@ -28,6 +30,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
+
+from kvpush_prod.core import tpmap
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,14 @@ class TransferSpans:
         return len(self._open)
 
     def on_event(self, event: str, tid: str, fields: Mapping[str, Any]) -> None:
-        """The Tracer's hook: begin, annotate or end the span of ``tid``."""
+        """The Tracer's hook: begin, annotate or end the span of ``tid``. A sub-transfer's
+        events (``tid#d<r>``: a P rank feeding several D ranks) annotate the span of the
+        transfer it belongs to, named by ``sub``; its end is an event there, not the end."""
         if not tid:
+            return
+        base = tpmap.base_of(tid)
+        if base != tid:
+            self._on_sub(event, base, tid[len(base) + 1 :], fields)
             return
         if event in BEGIN:
             # A layer-wise push's first layers go out before its blocks_ready: whichever of
@@ -65,28 +75,21 @@ class TransferSpans:
             elif event == "forward_end":
                 self.event(tid, event)
         elif event in END:
-            outcome = str(fields.get(END[event], "failed") if END[event] else "failed")
-            self.end(tid, outcome)
-        elif event == "post":
-            op = str(fields.get("op", ""))
-            self.event(
-                tid,
-                "push" if op == "WRITE" else "pull",
-                bytes=fields.get("nbytes"),
-                chunk=fields.get("chunk"),
-                last=fields.get("last"),
-                descriptors=fields.get("descriptors"),
-                build_us=fields.get("build_us"),
-                layer=fields.get("layer"),
-            )
-        elif event == "chunk_end" and fields.get("state") == "DONE":
-            self.event(tid, "landed", chunk=fields.get("chunk"))
-        elif event in ("msg_in", "msg_out"):
-            kind = str(fields.get("kind", ""))
-            if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):
-                self.event(tid, _snake(kind))
-        elif event == "done_in":
-            self.event(tid, "done")
+            self.end(tid, _outcome(event, fields))
+        else:
+            named = _phase(event, fields)
+            if named is not None:
+                self.event(tid, named[0], **named[1])
+
+    def _on_sub(self, event: str, base: str, sub: str, fields: Mapping[str, Any]) -> None:
+        if event in BEGIN:
+            return  # the transfer's own span opens with the transfer's events
+        if event in END:
+            self.event(base, "sub_end", sub=sub, outcome=_outcome(event, fields))
+            return
+        named = _phase(event, fields)
+        if named is not None:
+            self.event(base, named[0], sub=sub, **named[1])
 
     def begin(self, tid: str, headers: Mapping[str, str] | None = None, **attrs: Any) -> None:
         if tid in self._open:
@@ -129,6 +132,35 @@ class TransferSpans:
             _, span = self._open.popitem(last=False)
             span.set_attribute("kvpush.outcome", "abandoned")
             span.end()
+
+
+def _outcome(event: str, fields: Mapping[str, Any]) -> str:
+    """The outcome an END event reports (``failed`` when it names none)."""
+    return str(fields.get(END[event], "failed") if END[event] else "failed")
+
+
+def _phase(event: str, fields: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The span event (name, attributes) a phase event of the worker's trace makes, if any."""
+    if event == "post":
+        op = str(fields.get("op", ""))
+        return "push" if op == "WRITE" else "pull", {
+            "bytes": fields.get("nbytes"),
+            "chunk": fields.get("chunk"),
+            "last": fields.get("last"),
+            "descriptors": fields.get("descriptors"),
+            "build_us": fields.get("build_us"),
+            "layer": fields.get("layer"),
+        }
+    if event == "chunk_end" and fields.get("state") == "DONE":
+        return "landed", {"chunk": fields.get("chunk")}
+    if event in ("msg_in", "msg_out"):
+        kind = str(fields.get("kind", ""))
+        if kind in ("Register", "PullDone", "Failed", "Cancel", "Fallback"):
+            return _snake(kind), {}
+        return None
+    if event == "done_in":
+        return "done", {}
+    return None
 
 
 def _snake(name: str) -> str:
