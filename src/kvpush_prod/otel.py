@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from kvpush_prod.core import tpmap
+from kvpush_prod.vocabulary import base_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class TransferSpans:
         transfer it belongs to, named by ``sub``; its end is an event there, not the end."""
         if not tid:
             return
-        base = tpmap.base_of(tid)
+        base = base_of(tid)
         if base != tid:
             self._on_sub(event, base, tid[len(base) + 1 :], fields)
             return

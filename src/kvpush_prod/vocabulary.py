@@ -13,6 +13,7 @@ import enum
 
 __all__ = [
     "SIGNATURE_REASONS",
+    "SUB_SEP",
     "AfterDrain",
     "KeyProblem",
     "NoteKind",
@@ -22,7 +23,17 @@ __all__ = [
     "RejectReason",
     "Side",
     "Word",
+    "base_of",
 ]
+
+# A transfer split across ranks travels as ``<tid>#<tag>`` on the links that are not its
+# lead link (``core.tpmap.sub_id``); ``base_of`` names the transfer such an id belongs to.
+SUB_SEP = "#"
+
+
+def base_of(wire_id: str) -> str:
+    """The transfer a (sub-)transfer id belongs to."""
+    return wire_id.split(SUB_SEP, 1)[0]
 
 
 class Word(str, enum.Enum):

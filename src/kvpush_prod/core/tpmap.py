@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Sub-transfer ids: a transfer split across ranks travels as ``<tid>#<tag>`` on the links
-# that are not the transfer's lead link (see ``sub_id``).
-SUB_SEP = "#"
+# Sub-transfer ids (``<tid>#<tag>`` on the links that are not the transfer's lead link, see
+# ``sub_id``) are words: the tracer's span exporter reads them too.
+from kvpush_prod.vocabulary import SUB_SEP as SUB_SEP
+from kvpush_prod.vocabulary import base_of as base_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +165,6 @@ def lead(p_rank: int, p_tp: int, d_tp: int, total_heads: int, replicated: bool =
     """The first D rank P rank ``p_rank`` feeds (-1: none, e.g. replicated with more P ranks)."""
     ranks = [p.d_rank for p in fed(p_rank, p_tp, d_tp, total_heads, replicated)]
     return min(ranks) if ranks else -1
-
-
-def base_of(wire_id: str) -> str:
-    """The transfer a (sub-)transfer id belongs to."""
-    return wire_id.split(SUB_SEP, 1)[0]
 
 
 def mapping_text(p_tp: int, d_tp: int, total_heads: int, replicated: bool = False) -> str:
