@@ -205,6 +205,52 @@ def test_a_prompt_is_pushed_end_to_end_through_both_pumps() -> None:
     assert counters(pair.d_stats)[("kvpush_transfers", "consumer", "pushed")] == 1
 
 
+class _CountedFirst:
+    """A results lock that checks, each time a completion is published under it, that the
+    transfer's end was counted before: the engine thread takes the results and then drains
+    the stats, so an end counted after its result could miss the step that reports it."""
+
+    def __init__(self, results: _Results, stats: StatsBuffer) -> None:
+        self.inner, self.results, self.stats = results.lock, results, stats
+        self.counted = 0.0
+        self.late: list[str] = []
+
+    def __enter__(self) -> None:
+        self.inner.acquire()
+        for name, _, v in self.stats.drain().get("c", []):
+            self.counted += v if name == "kvpush_transfers" else 0
+
+    def __exit__(self, *exc: object) -> None:
+        published = len(self.results.sending | self.results.recving)
+        if published > self.counted:
+            self.late.append(f"{published} published, {self.counted:g} counted")
+        self.inner.release()
+
+
+def test_a_transfer_is_counted_as_ended_before_its_completion_is_published() -> None:
+    pair = Pair()
+    watches = [
+        _CountedFirst(pair.p_results, pair.p_stats),
+        _CountedFirst(pair.d_results, pair.d_stats),
+    ]
+    pair.p_results.lock, pair.d_results.lock = watches  # type: ignore[assignment]
+    pair.push()
+    pair.step()
+    assert [w.counted for w in watches] == [1, 1]
+    assert [w.late for w in watches] == [[], []]
+
+
+def test_a_failed_receive_is_counted_before_vllm_hears_of_it() -> None:
+    pair = Pair(config_from_extra({**CFG.model_dump(), "fallback": {"pull": False}}))
+    watch = _CountedFirst(pair.d_results, pair.d_stats)
+    pair.d_results.lock = watch  # type: ignore[assignment]
+    pair.tx.post_error = ChunkFailed(ChunkError(ErrorKind.REMOTE_DISCONNECT, "injected"))
+    pair.push()
+    pair.step(10)
+    assert watch.counted == 1
+    assert watch.late == []
+
+
 def test_a_chunk_that_fails_with_a_retryable_error_is_posted_again() -> None:
     pair = Pair()
     pair.tx.fates = [ChunkError(ErrorKind.BACKEND, "ERR:nixlBackendError")]

@@ -405,8 +405,7 @@ class WorkerSide:
                     pump.request_of.get(i) == spec.request_id
                     for i in [spec.transfer_id, *pump.joins.parts(spec.transfer_id)]
                 ):
-                    self._fail_here(spec.request_id)
-                    self._count_failed(pump)
+                    self._fail_here(spec.request_id, pump)
         for tid in meta.abort_recv:
             for part in pump.joins.parts(tid):
                 command(AbortReceive(part))
@@ -451,9 +450,11 @@ class WorkerSide:
             )
         self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key, spec.p_tp)
 
-    def _fail_here(self, rid: str) -> None:
+    def _fail_here(self, rid: str, pump: ReceiverPump) -> None:
         """The receive of request ``rid`` fails here: no REGISTER left for it, so nothing can
-        land in its blocks (vLLM's kv_load_failure_policy applies)."""
+        land in its blocks (vLLM's kv_load_failure_policy applies). Counted first: see
+        ``_count_end``."""
+        self._count_failed(pump)
         with self.results.lock:
             self.results.recving.add(rid)
             self.results.failed.add(rid)
@@ -475,8 +476,7 @@ class WorkerSide:
         self.stats.inc(
             "kvpush_kv_params_rejected", (self.role.value, ParamsRejectReason.DUPLICATE_TRANSFER)
         )
-        self._fail_here(spec.request_id)
-        self._count_failed(pump)
+        self._fail_here(spec.request_id, pump)
         return True
 
     def _links(self, pump: ReceiverPump, tid: str, p_tp: int) -> list[Link]:
@@ -550,8 +550,7 @@ class WorkerSide:
         self.stats.inc(
             "kvpush_control_messages_rejected", (self.role.value, RejectReason.INCOMPATIBLE)
         )
-        self._fail_here(rid)
-        self._count_failed(pump)
+        self._fail_here(rid, pump)
         self.trace("refused", tid, p_tp=p_tp)
 
     def _count_failed(self, pump: ReceiverPump) -> None:
@@ -675,9 +674,9 @@ class WorkerSide:
                 )
                 sends.remove(spec)
                 handed.add(spec.transfer_id)
+                self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
                 with self.results.lock:
                     self.results.sending.add(spec.request_id)
-                self.stats.inc("kvpush_transfers", (self.role.value, Outcome.FAILED.value))
                 continue
             pump.request_of[spec.transfer_id] = spec.request_id
             known = pump.splits.note(spec.transfer_id)
@@ -1161,13 +1160,13 @@ class TransferPump(threading.Thread, Generic[E]):
         if rid is None:
             logger.error("kvpush: release of unknown transfer %s", tid)
             return
-        with self.results.lock:
-            self.results.sending.add(rid)
         self._count_end(
             join.base if join.base in self.began else tid,
             join.outcome or action.outcome,
             join.nbytes,
         )
+        with self.results.lock:
+            self.results.sending.add(rid)
 
     def report_finished(self, action: actions.ReportFinished) -> None:
         ok = True
@@ -1391,14 +1390,18 @@ class TransferPump(threading.Thread, Generic[E]):
         if began is not None:
             self.began[tid] = began
         self.trace("report", tid, ok=ok, outcome=outcome.value)
+        self._count_end(tid, outcome, 0)
         with self.results.lock:
             self.results.recving.add(rid)
             self.results.outcomes[rid] = outcome.value
             if not ok:
                 self.results.failed.add(rid)
-        self._count_end(tid, outcome, 0)
 
     def _count_end(self, tid: str, outcome: Outcome, nbytes: int) -> None:
+        """Count a transfer's end. Always before its result is published: the engine thread
+        takes the results, then drains the stats, in one step; counted after, an end whose
+        result an idle engine already took would wait in the stats for a step that may not
+        come (its scheduler shows it ended, its kvpush_transfers_total does not)."""
         counted = self.failed_outcome if outcome is Outcome.FAILED else outcome
         self.stats.inc("kvpush_transfers", (self.role, counted.value))
         began = self.began.pop(tid, None)  # P's pushes were timed at transfer_done already
