@@ -60,7 +60,9 @@ CASES = [
     # Its own cluster, ~2 min: tests/e2e/test_multichunk.py fails 30% of WRITEs on the
     # same profile in CI and checks retries, caps and pulls only after retries.
     case("write30", "write_failures", {}, full=True),
-    case("switch", "bad_peer", {"heal_timeout": 240.0}),
+    # ~1 min: CI's nemesis fails WRITEs of both P under load (write_fail), and
+    # tests/e2e/test_multichunk.py 30% of them with retries.
+    case("switch", "bad_peer", {"heal_timeout": 240.0}, full=True),
     case("switch", "stall_prefill", {"stall_s": 9.0}),
     case("switch", "client_cancel", {}),
 ]

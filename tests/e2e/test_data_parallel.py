@@ -24,7 +24,8 @@ from kvpush_prod.lab.tinymodel import prompt_of_length
 
 from .conftest import release_shared_clusters
 
-pytestmark = pytest.mark.e2e
+# Full run only (KVPUSH_E2E_EXTRA=1): DP 2 on both sides: four engine cores, ~2 min of CI; CI's budget (README, "Tests").
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 MAX_TOKENS = 12
 _seeds = itertools.count(40_000)

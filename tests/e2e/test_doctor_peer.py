@@ -15,7 +15,8 @@ import pytest
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.launch import free_port
 
-pytestmark = pytest.mark.e2e
+# Full run only (KVPUSH_E2E_EXTRA=1): an engine of its own for the doctor's probe; its checks are unit-tested; CI's budget (README, "Tests").
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymla import TinyMlaSpec
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
-pytestmark = pytest.mark.e2e
+# Full run only (KVPUSH_E2E_EXTRA=1): an MLA cluster of its own (~95 s); the MLA layout is unit-tested in CI; CI's budget (README, "Tests").
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 SHAPE = TinyMlaSpec()
 MAX_TOKENS = 16

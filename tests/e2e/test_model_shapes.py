@@ -17,7 +17,8 @@ from kvpush_prod.lab.client import completion_body, request
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
 from kvpush_prod.lab.tinymodel import TinyModelSpec, prompt_of_length
 
-pytestmark = pytest.mark.e2e
+# Full run only (KVPUSH_E2E_EXTRA=1): a cluster of its own (~70 s); CI keeps other shapes in test_hetero_tp and test_compat; CI's budget (README, "Tests").
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 SHAPE = TinyModelSpec(
     num_layers=3, hidden_size=192, intermediate_size=384, num_heads=3, num_kv_heads=1, head_dim=64

@@ -22,7 +22,8 @@ from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec, SharedReference
 from kvpush_prod.lab.launch import Proc, free_port, make_tls
 
-pytestmark = pytest.mark.e2e
+# Full run only (KVPUSH_E2E_EXTRA=1): a TLS cluster of its own; the router's TLS client is unit-tested in CI; CI's budget (README, "Tests").
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 MAX_TOKENS = 16
 _seeds = itertools.count(7100)
