@@ -472,3 +472,35 @@ def test_partition_and_throttle_change_the_link_while_they_hold_and_undo_it(
         lab_netns.throttle(ns, "1mbit")
         faults.release_all()  # what a run cut short leaves behind is undone
         assert _link_state(ns)[:2] == healthy[:2] and "tbf" not in _link_state(ns)[2]
+
+
+def test_a_gap_while_busy_is_a_violation_only_if_the_next_check_still_sees_it(
+    tmp_path: Path,
+) -> None:
+    from kvpush_prod.chaos import nemesis
+
+    sched = Schedule(1, cfg(duration_s=600.0), [], [])
+    nem = nemesis.Nemesis(_fake_ctx(tmp_path, set()), sched, nemesis.Settings())
+    obs = nem.ctx.observer
+    role = (("role", "producer"),)
+    balanced = dict(obs.last["prefill"])
+    off = {**balanced, ("kvpush_transfers_started_total", role): 6.0}  # +1, nothing running
+    obs.last["prefill"] = off
+    nem._accounting(exact=False)
+    assert nem.inv.violations == []  # a snapshot between two steps: judged at the next check
+    assert [t["engine"] for t in nem.accounting_transients] == ["prefill"]
+    obs.last["prefill"] = {
+        **balanced,
+        ("kvpush_transfers_started_total", role): 7.0,
+        ("kvpush_transfers_total", (*role, ("outcome", "pushed"))): 7.0,
+    }
+    nem._accounting(exact=False)
+    assert nem.inv.violations == []  # gone by the next check: a transient
+    obs.last["prefill"] = off
+    nem._accounting(exact=False)
+    nem._accounting(exact=False)  # still there at the next check: a violation
+    assert len(nem.inv.violations) == 1
+    assert "off by +1" in nem.inv.violations[0].detail
+    nem.inv.violations.clear()
+    nem._accounting(exact=True)  # at a quiet window: at once
+    assert len(nem.inv.violations) == 1
