@@ -64,27 +64,21 @@ class Relay:
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket, outbound: bool) -> None:
-        buf = bytearray()
         try:
             while data := a.recv(1 << 20):
-                if not outbound:
-                    b.sendall(data)
-                    continue
-                # Whole requests only: a body split over two reads is recorded (and held)
-                # once complete, so a held leg can be read from ``bodies()`` while held.
-                buf += data
-                while (whole := _one_request(buf)) is not None:
-                    del buf[: len(whole)]
+                if outbound:
                     with self._lock:
-                        self.sent += whole
-                    held = self.hold is not None and self.hold in whole
+                        self.sent += data
+                    held = self.hold is not None and self.hold in data
                     if held:
                         self.hold = None
                         self.held.set()
                         time.sleep(self.hold_s)
-                    b.sendall(whole)
+                    b.sendall(data)
                     if held:
                         self.released.set()
+                    continue
+                b.sendall(data)
         except OSError:
             pass
         finally:
@@ -112,20 +106,6 @@ class Relay:
 
     def close(self) -> None:
         self._srv.close()
-
-
-def _one_request(buf: bytearray) -> bytes | None:
-    """The first whole HTTP/1.1 request in ``buf`` (Content-Length framing), or None."""
-    head_end = buf.find(b"\r\n\r\n")
-    if head_end < 0:
-        return None
-    length = 0
-    for line in bytes(buf[:head_end]).decode("latin-1").split("\r\n")[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
-    end = head_end + 4 + length
-    return bytes(buf[:end]) if len(buf) >= end else None
 
 
 @pytest.fixture(scope="module")
