@@ -125,7 +125,7 @@ class Nemesis:
         self._t0 = time.monotonic()
         self._shift = 0.0  # how far the run is behind its plan
         self._no_started: set[str] = set()
-        self._suspect: dict[str, float] = {}  # engine -> when a busy check saw a gap
+        self._suspect: set[str] = set()  # engines whose last busy check saw a gap
         self.accounting_transients: list[dict[str, Any]] = []
         self.accounting_exact = 0
         self.sampler = ResourceSampler(
@@ -317,9 +317,9 @@ class Nemesis:
             slack = 0.0 if exact else requests + active
             gap = started - ended - active
             if exact or abs(gap) <= slack:
-                self._suspect.pop(engine, None)
+                self._suspect.discard(engine)
             elif engine not in self._suspect:
-                self._suspect[engine] = at
+                self._suspect.add(engine)
                 self.accounting_transients.append(
                     {"engine": engine, "at": round(at, 1), "gap": gap, "slack": slack}
                 )
