@@ -421,6 +421,9 @@ class Nemesis:
             "accounting_not_exported": sorted(self._no_started),
             "accounting_transients": self.accounting_transients,
             "requests": len(records),
+            # How far the faults ran behind their plan: the waits for a role's engine and
+            # for quiet windows (a restart slot shorter than the box's restarts shows here).
+            "behind_plan_s": round(self._shift, 1),
         }
         self._resources()
         self._checks()

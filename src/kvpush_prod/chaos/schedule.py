@@ -47,6 +47,34 @@ WEIGHTS: dict[str, float] = {
 }
 
 
+# A kill's planned hold when the box's engine start is not known: a restart under the
+# nemesis's load measured 140-160 s on a 2-core box (vLLM's imports and engine init compete
+# with four busy engines), where the cluster's own start took ~60 s.
+RESTART_SLOT_S = 150.0
+# A restart under load takes this many times the cluster's start (same box), with bounds.
+RESTART_OVER_START = 2.5
+RESTART_SLOT_BOUNDS = (60.0, 300.0)
+# Room between quiet windows beyond a restart slot, so that a kill fits between two.
+QUIET_ROOM_S = 40.0
+
+
+def restart_slot_for(start_s: float | None) -> float:
+    """The planned hold of a kill or restart on a box whose cluster took ``start_s`` to
+    start (None: not measured). A plan whose slot is shorter than the box's real restarts
+    runs behind itself: later faults and quiet windows wait for the engine, and a 600 s
+    plan took 1,050-1,100 s with a 60 s slot on a 2-core box."""
+    if start_s is None or start_s <= 0:
+        return RESTART_SLOT_S
+    lo, hi = RESTART_SLOT_BOUNDS
+    return float(round(min(hi, max(lo, RESTART_OVER_START * start_s))))
+
+
+def quiet_every_for(restart_slot_s: float, quiet_s: float, asked: float = 120.0) -> float:
+    """How often a quiet window starts: ``asked``, or as far apart as a kill needs to fit
+    between two windows (no fault may run in a window)."""
+    return max(asked, restart_slot_s + quiet_s + QUIET_ROOM_S)
+
+
 class ScheduleError(ValueError):
     """A schedule or its settings cannot be used."""
 

@@ -138,6 +138,7 @@ class Cluster:
         self.procs: dict[str, Proc] = {}
         self.specs: dict[str, EngineSpec] = {}
         self.urls: dict[str, str] = {}
+        self.start_s: float | None = None  # how long start() took until every engine served
         if spec.reference_url:
             self.urls["reference"] = spec.reference_url
         self.prefill_names = role_names("prefill", spec.prefills)
@@ -257,11 +258,13 @@ class Cluster:
         names = [*self.prefill_names, *self.decode_names] + (
             ["reference"] if self.spec.reference and not self.spec.reference_url else []
         )
+        t0 = time.monotonic()
         for name in names:
             self.start_engine(name, wait=False)
         try:
             for name in names:
                 wait_healthy(self.urls[name], self.procs[name], timeout, self._ca)
+            self.start_s = time.monotonic() - t0
             if self.spec.router:
                 self.start_router()
         except BaseException:

@@ -24,6 +24,8 @@ from kvpush_prod.chaos.schedule import (
     ScheduleConfig,
     ScheduleError,
     generate,
+    quiet_every_for,
+    restart_slot_for,
 )
 from kvpush_prod.lab.netns import why_not
 
@@ -57,10 +59,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         f"{','.join(KINDS)}; {','.join(NETNS_KINDS)} need --netns)",
     )
     ap.add_argument("--max-overlap", type=int, default=2, help="faults active at once, at most")
-    ap.add_argument("--quiet-every", type=float, default=120.0, help="a quiet window this often")
+    ap.add_argument(
+        "--quiet-every",
+        type=float,
+        default=None,
+        help="a quiet window this often (default 120 s, or further apart where a restart "
+        "slot needs it: slot + quiet + 40 s)",
+    )
     ap.add_argument("--quiet-s", type=float, default=20.0, help="each quiet window's length")
     ap.add_argument(
-        "--restart-slot", type=float, default=60.0, help="planned seconds a killed engine is out"
+        "--restart-slot",
+        type=float,
+        default=None,
+        help="planned seconds a killed engine is out (default: 2.5 x how long this cluster "
+        "took to start, within 60-300 s; 150 s when not measured)",
     )
     ap.add_argument("--grace", type=float, default=10.0, help="a fault explains failures so long")
     ap.add_argument("--role-bound", type=float, default=30.0, help="max seconds a role is out")
@@ -125,15 +137,30 @@ def schedule_for(ctx: Context) -> Schedule:
             f"fault kinds {netns} need every engine in its own network namespace "
             "(ClusterSpec.netns): add --netns, or drop them from --kinds"
         )
+    quiet_s = float(x.get("quiet_s") or 20.0)
+    start_s = getattr(ctx.cluster, "start_s", None)
+    if x.get("restart_slot") is not None:
+        slot = float(x["restart_slot"])
+    else:
+        slot = restart_slot_for(start_s)
+    if x.get("quiet_every") is not None:
+        quiet_every = float(x["quiet_every"])
+    else:
+        quiet_every = quiet_every_for(slot, quiet_s)
+    ctx.event(
+        f"nemesis plan: restart slot {slot:g} s, a quiet window every {quiet_every:g} s",
+        cluster_start_s=None if start_s is None else round(start_s, 1),
+        slot_given=x.get("restart_slot") is not None,
+    )
     cfg = ScheduleConfig(
         duration_s=float(x.get("duration", 600.0)),
         prefills=tuple(ctx.cluster.prefill_names),
         decodes=tuple(ctx.cluster.decode_names),
         kinds=kinds,
         max_overlap=int(x.get("max_overlap", 2)),
-        quiet_every_s=float(x.get("quiet_every", 120.0)),
-        quiet_s=float(x.get("quiet_s", 20.0)),
-        restart_slot_s=float(x.get("restart_slot", 60.0)),
+        quiet_every_s=quiet_every,
+        quiet_s=quiet_s,
+        restart_slot_s=slot,
     )
     return generate(ctx.opts.seed, cfg)
 
@@ -154,6 +181,14 @@ async def run(ctx: Context) -> None:
     )
     nem = Nemesis(ctx, sched, settings)
     await nem.run()
+    data = ctx.report.data["nemesis"]
+    restarts = [f["restart_s"] for f in data["faults"] if "restart_s" in f]
+    ctx.event(
+        f"nemesis ran {data['behind_plan_s']:g} s behind its plan",
+        restarts=len(restarts),
+        restart_s=f"{min(restarts):g}-{max(restarts):g}" if restarts else "-",
+        planned_slot_s=sched.config.restart_slot_s,
+    )
     for f in ctx.report.data["nemesis"]["faults"]:
         ctx.log(
             f"fault {f['id']:3d} {f['kind']:10s} {f['engine']:10s} "
