@@ -33,9 +33,9 @@ SECONDS = float(
     os.environ.get("KVPUSH_NEMESIS_S")
     or (3600 if os.environ.get("KVPUSH_E2E_EXTRA") == "1" else 600)
 )
-# Seed 13 at 600 s with the 150 s restart slot draws every kind, a kill and a graceful
-# restart on each role (P kill, D restart, D kill, P restart) and 26 faults in all.
-SEED = int(os.environ.get("KVPUSH_NEMESIS_SEED", "13"))
+# Seed 53 at 600 s with these kinds and the 150 s restart slot draws every kind, a kill and a
+# graceful restart on each role (P kill, D restart, D kill, P restart), 27 faults in all.
+SEED = int(os.environ.get("KVPUSH_NEMESIS_SEED", "53"))
 # A kill's planned hold, pinned so that a seed draws the same plan on every box: restarts
 # under this load took 140-160 s on a 2-core box. A slot shorter than the box's restarts
 # makes the run wait behind its plan (with 60 s, the 600 s plan took ~1,100 s there).

@@ -37,13 +37,33 @@ MAX_TOKENS = 12
 _seeds = itertools.count(70_000)
 
 
+def requests_in(raw: bytes) -> tuple[list[bytes], bool]:
+    """The whole request bodies in ``raw`` (HTTP/1.1, Content-Length framing), and whether
+    a request is still arriving after them."""
+    out, at = [], 0
+    while (head_end := raw.find(b"\r\n\r\n", at)) >= 0:
+        length = 0
+        for line in raw[at:head_end].decode("latin-1").split("\r\n")[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value.strip())
+        if len(raw) < head_end + 4 + length:
+            return out, True
+        out.append(raw[head_end + 4 : head_end + 4 + length])
+        at = head_end + 4 + length
+    return out, at < len(raw)
+
+
 class Relay:
-    """A TCP relay to an engine's HTTP port that records what the router sent, and holds
-    back any chunk carrying ``hold`` (bytes) for ``hold_s`` seconds."""
+    """A TCP relay to an engine's HTTP port that records what the router sent, one buffer per
+    connection (the router's client keeps several open at once: one stream of their
+    interleaved chunks cannot be parsed). The request carrying ``hold`` (bytes) is held back
+    ``hold_s`` seconds: the chunk that completes it waits, what came before it went on (the
+    headers, and the body's start where it came in two reads)."""
 
     def __init__(self, target_port: int) -> None:
         self.port = free_port()
-        self.sent = bytearray()
+        self.sent: list[bytearray] = []  # what each connection carried to the engine
         self.hold: bytes | None = None
         self.hold_s = 0.0
         self.held = threading.Event()
@@ -60,25 +80,32 @@ class Relay:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            with self._lock:
+                self.sent.append(buf := bytearray())
+            threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, buf), daemon=True).start()
 
-    def _pump(self, a: socket.socket, b: socket.socket, outbound: bool) -> None:
+    def _pump(self, a: socket.socket, b: socket.socket, buf: bytearray | None) -> None:
+        pending = False  # this connection's request in progress carries ``hold``
         try:
             while data := a.recv(1 << 20):
-                if outbound:
-                    with self._lock:
-                        self.sent += data
-                    held = self.hold is not None and self.hold in data
-                    if held:
-                        self.hold = None
-                        self.held.set()
-                        time.sleep(self.hold_s)
+                if buf is None:  # towards the router
                     b.sendall(data)
-                    if held:
-                        self.released.set()
                     continue
+                with self._lock:
+                    buf += data
+                    hold = self.hold
+                    # ``hold`` may lie across two reads: look at the bytes before this one too.
+                    if hold is not None and hold in buf[-(len(data) + len(hold)) :]:
+                        self.hold, pending = None, True
+                    held = pending and not requests_in(bytes(buf))[1]
+                if held:
+                    pending = False
+                    self.held.set()
+                    time.sleep(self.hold_s)
                 b.sendall(data)
+                if held:
+                    self.released.set()
         except OSError:
             pass
         finally:
@@ -87,22 +114,12 @@ class Relay:
                     s.shutdown(socket.SHUT_RDWR)
 
     def bodies(self) -> list[dict[str, Any]]:
-        """Every JSON request body sent so far (HTTP/1.1, Content-Length framing)."""
+        """Every whole JSON request body sent so far, in the order the connections opened."""
         with self._lock:
-            raw = bytes(self.sent)
-        out, at = [], 0
-        while (head_end := raw.find(b"\r\n\r\n", at)) >= 0:
-            head = raw[at:head_end].decode("latin-1")
-            length = 0
-            for line in head.split("\r\n")[1:]:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value.strip())
-            body = raw[head_end + 4 : head_end + 4 + length]
-            at = head_end + 4 + length
-            if body.startswith(b"{"):
-                out.append(json.loads(body))
-        return out
+            raws = [bytes(b) for b in self.sent]
+        return [
+            json.loads(body) for raw in raws for body in requests_in(raw)[0] if body[:1] == b"{"
+        ]
 
     def close(self) -> None:
         self._srv.close()
