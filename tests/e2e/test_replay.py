@@ -87,8 +87,19 @@ class Relay:
 
     def _pump(self, a: socket.socket, b: socket.socket, buf: bytearray | None) -> None:
         pending = False  # this connection's request in progress carries ``hold``
+        close = True
         try:
-            while data := a.recv(1 << 20):
+            while True:
+                data = a.recv(1 << 20)
+                if not data and buf is not None:
+                    # The router closed its side (it cancels a prefill leg whose request
+                    # ended): the engine keeps the connection until it answers, as if the
+                    # close were still on its way. Closed at once, a held leg reached P and
+                    # was aborted before P's scheduler saw it (and counted it as replayed).
+                    close = False
+                    break
+                if not data:
+                    break
                 if buf is None:  # towards the router
                     b.sendall(data)
                     continue
@@ -109,7 +120,7 @@ class Relay:
         except OSError:
             pass
         finally:
-            for s in (a, b):
+            for s in (a, b) if close else ():
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
