@@ -6,7 +6,7 @@ Pure unit tests on Backend objects; no network.
 from __future__ import annotations
 
 from kvpush_prod.router.health import parse_load
-from kvpush_prod.router.policy import EngineLoadAware, LeastLoaded, RoundRobin
+from kvpush_prod.router.policy import EngineLoadAware, LeastLoaded, LinkAware, RoundRobin
 from kvpush_prod.router.types import Backend, EngineLoad, Role
 
 
@@ -67,3 +67,60 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
 kvpush_connector_blocks{role="consumer"} 7.0
 """
     assert parse_load(text, 5.0) == EngineLoad(5.0, 1.0, 0.75, 5.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_link_aware_tries_each_untimed_pair_then_prefers_the_faster_link() -> None:
+    p = Backend(Role.PREFILL, "http://p0:1", healthy=True)
+    ds, clock = backends(2), Clock()
+    la = LinkAware(explore_every=0, clock=clock)
+    # Nothing timed yet: every D in turn.
+    assert [la.choose_for(p, ds, ds) for _ in range(2)] == [ds[0], ds[1]]
+    # d1's link takes 4x as long per prompt token (prompts of different lengths).
+    la.observe(p, ds[0], 0.5, 1000)
+    la.observe(p, ds[1], 1.0, 500)
+    assert [la.choose_for(p, ds, ds) for _ in range(3)] == [ds[0]] * 3
+    # ... until d0's queue makes it the later finish: 0.5 ms/token x (1 + 4) > 2 ms x 1.
+    ds[0].inflight = 4
+    assert la.choose_for(p, ds, ds) is ds[1]
+    ds[0].inflight = 0
+    # A pair is timed per P: another P's link to d1 may be the fast one.
+    q = Backend(Role.PREFILL, "http://p1:1", healthy=True)
+    la.observe(q, ds[0], 2.0, 1000)
+    la.observe(q, ds[1], 0.2, 1000)
+    assert la.choose_for(q, ds, ds) is ds[1]
+    assert la.choose_for(p, ds, ds) is ds[0]
+    # An ineligible D is never chosen, however fast.
+    assert la.choose_for(q, ds, [ds[0]]) is ds[0]
+
+
+def test_link_aware_keeps_timing_the_slow_link_and_forgets_stale_times() -> None:
+    p = Backend(Role.PREFILL, "http://p0:1", healthy=True)
+    ds, clock = backends(2), Clock()
+    la = LinkAware(explore_every=4, stale_s=60.0, clock=clock)
+    la.observe(p, ds[0], 0.1, 1000)
+    la.observe(p, ds[1], 10.0, 1000)
+    clock.t = 1.0
+    la.observe(p, ds[0], 0.1, 1000)  # d1 is now the least recently timed
+    picks = [la.choose_for(p, ds, ds) for _ in range(8)]
+    assert picks.count(ds[1]) == 2  # every 4th choice explores it, the rest go to d0
+    # The average moves toward new samples: d1's link recovered.
+    for _ in range(40):
+        la.observe(p, ds[1], 0.01, 1000)
+    assert la.choose_for(p, ds, ds) is ds[1]
+    # A time older than stale_s is not trusted: the pair is tried again as if new.
+    clock.t = 100.0
+    la.observe(p, ds[1], 10.0, 1000)
+    assert la.estimate(p, ds[0]) is None
+    assert la.choose_for(p, ds, ds) is ds[0]
+    # Nonsense samples are ignored.
+    la.observe(p, ds[1], -1.0, 1000)
+    la.observe(p, ds[1], 1.0, 0)
+    assert la.estimate(p, ds[1]) == 10.0 / 1000

@@ -711,3 +711,32 @@ async def test_a_leg_whose_http_client_raises_is_a_failed_leg_not_a_dropped_clie
     assert resp.status_code == 502
     msg = resp.json()["error"]["message"]
     assert f"prefill backend {p1.url}" in msg and "AttributeError" in msg
+
+
+async def test_link_aware_sends_most_streamed_requests_over_the_faster_link(fakes, router):
+    """D1's first token comes 10x later than D0's (its link from P is throttled): with
+    link_aware the router learns it from the streamed answers and sends D1 only the
+    requests that keep its time fresh; round robin would split them evenly."""
+    p = await fakes("prefill")
+    d_fast, d_slow = await fakes("decode"), await fakes("decode")
+
+    def after(seconds: float):  # type: ignore[no-untyped-def]
+        async def hook(fake, seen):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(seconds)
+
+        return hook
+
+    d_fast.hook, d_slow.hook = after(0.01), after(0.1)
+    r = await router([p], [d_fast, d_slow], policy="link_aware")
+    body = {**COMPLETION, "stream": True}
+    for _ in range(32):
+        resp = await r.post("/v1/completions", body)
+        assert resp.status_code == 200 and "[DONE]" in resp.text
+    slow = len(d_slow.requests)
+    assert len(d_fast.requests) + slow == 32
+    # The first request of each D times it; then every 16th choice re-times D1.
+    assert 1 <= slow <= 4, slow
+    # Non-streamed requests are not timed but follow what the streamed ones taught.
+    for _ in range(4):
+        assert (await r.post("/v1/completions", COMPLETION)).status_code == 200
+    assert len(d_slow.requests) <= slow + 1

@@ -28,7 +28,7 @@ from kvpush_prod.signing import PARAMS_KEY_ENV, SignatureError, check_key, read_
 # nothing measurable.
 DIRECT_BELOW_TOKENS = 64
 
-PolicyName = Literal["round_robin", "least_loaded", "engine_load"]
+PolicyName = Literal["round_robin", "least_loaded", "engine_load", "link_aware"]
 # push: both legs at once (push connectors); pull: P first, then D with P's
 # kv_transfer_params (vLLM's NixlConnector, the usual prefill-then-decode proxy flow).
 RouterMode = Literal["push", "pull"]

@@ -137,7 +137,7 @@ class HealthMonitor:
             await self.probe(b, epoch)
         if b.role is Role.DECODE and b.needs_key and not b.key_probed:
             await self.probe_decode_key(b, epoch)
-        if self.settings.policy == "engine_load":
+        if self.settings.policy in ("engine_load", "link_aware"):
             await self.read_load(b)
         self.pool.mark_healthy(b, epoch)
 

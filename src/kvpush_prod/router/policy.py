@@ -1,12 +1,14 @@
 """Pairing policies: which of the eligible backends of one role gets the next leg.
 
 Tiny strategy objects, one per role; they read ``Backend.inflight`` (and ``Backend.load``,
-the engine's own /metrics) and keep a cursor.
+the engine's own /metrics) and keep a cursor. ``link_aware`` also learns, per (P, D) pair,
+how long D waited for its first token, and picks a P's D by earliest expected finish.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvpush_prod.router.types import Backend
@@ -73,7 +75,78 @@ class EngineLoadAware(RoundRobin):
         return chosen
 
 
-POLICIES = ("round_robin", "least_loaded", "engine_load")
+class LinkAware(EngineLoadAware):
+    """D by earliest expected finish over the chosen P's link to it (P itself as
+    ``engine_load``).
+
+    The router times each streamed request's D leg from the moment both legs leave to D's
+    first token: P's prefill, the KV crossing the (P, D) link and D's first step. Per pair it
+    keeps an average of that time per prompt token (``alpha`` the weight of a new sample).
+    A D's expected finish for the next request is the pair's seconds per token times
+    (1 + the legs D has in flight): a slow or throttled link gets fewer requests, a fast one
+    more until its D's queue evens them out. A pair never timed is tried first; every
+    ``explore_every``-th choice for a P goes to its least recently timed D (and a time older
+    than ``stale_s`` is not trusted), so a link that recovers is noticed. Non-streamed
+    requests are not timed (their first byte comes with the whole answer): routed on the
+    estimates the streamed ones left, or as ``engine_load`` before any."""
+
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        explore_every: int = 16,
+        stale_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.explore_every = explore_every
+        self.stale_s = stale_s
+        self._clock = clock
+        # (P url, D url) -> (seconds per prompt token, when last timed). Bounded by the
+        # configured backends (P x D pairs).
+        self._est: dict[tuple[str, str], tuple[float, float]] = {}
+        self._choices: dict[str, int] = {}  # per P: D choices made (for exploration)
+
+    def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
+        """D's first token came ``seconds`` after both legs left, for a prompt of
+        ``prompt_tokens``."""
+        if seconds <= 0 or prompt_tokens <= 0:
+            return
+        sample = seconds / prompt_tokens
+        key = (p.url, d.url)
+        old, now = self._est.get(key), self._clock()
+        if old is None or now - old[1] > self.stale_s:  # a stale time is not averaged in
+            est = sample
+        else:
+            est = old[0] + self.alpha * (sample - old[0])
+        self._est[key] = (est, now)
+
+    def estimate(self, p: Backend, d: Backend) -> float | None:
+        """Seconds per prompt token over (p, d), None when never timed or stale."""
+        got = self._est.get((p.url, d.url))
+        if got is None or self._clock() - got[1] > self.stale_s:
+            return None
+        return got[0]
+
+    def choose_for(
+        self, p: Backend, backends: Sequence[Backend], eligible: Sequence[Backend]
+    ) -> Backend:
+        """The D for a request whose P is ``p``."""
+        order = self._rotated(backends, eligible)
+        n = self._choices[p.url] = self._choices.get(p.url, 0) + 1
+        ests = {id(d): self.estimate(p, d) for d in order}
+        untimed = [d for d in order if ests[id(d)] is None]
+        if untimed:
+            chosen = untimed[0]
+        elif self.explore_every > 0 and n % self.explore_every == 0:
+            chosen = min(order, key=lambda d: self._est[(p.url, d.url)][1])
+        else:
+            chosen = min(order, key=lambda d: (ests[id(d)] or 0.0) * (1 + d.inflight))
+        self._advance_past(backends, chosen)
+        return chosen
+
+
+POLICIES = ("round_robin", "least_loaded", "engine_load", "link_aware")
 
 
 def make_policy(name: str) -> Policy:
@@ -83,4 +156,6 @@ def make_policy(name: str) -> Policy:
         return LeastLoaded()
     if name == "engine_load":
         return EngineLoadAware()
+    if name == "link_aware":
+        return LinkAware()
     raise ValueError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")

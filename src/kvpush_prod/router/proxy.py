@@ -75,6 +75,9 @@ _CLIENT_CLOSED = 499
 # the backend tore down mid-connect (a prefill engine killed at that moment).
 _CLIENT_FAULT = Exception
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed to the legs
+# Policy link_aware counts a prompt this far (estimated tokens, no tokenizer): past it, the
+# count only scales every pair's time alike.
+LINK_COUNT_CAP = 1 << 20
 
 
 def error_response(
@@ -282,10 +285,16 @@ class Dispatcher:
         # A client's own kv_transfer_params ask for a transfer: such a request takes both
         # legs as it always did (the router's params replace the client's on each leg).
         if threshold and body.get("kv_transfer_params") is None:
-            req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token, threshold)
+            # link_aware times each pair per prompt token: it needs the whole count.
+            cap = LINK_COUNT_CAP if self.settings.policy == "link_aware" else threshold
+            req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token, cap)
             req.direct = req.prompt.below(threshold)
             if req.direct:
                 self.metrics.count_direct(path)
+        elif self.settings.policy == "link_aware":
+            req.prompt = prompt_tokens(
+                path, body, self.settings.direct_chars_per_token, LINK_COUNT_CAP
+            )
         try:
             await self._wait_for_pair(req)
             return await self._route(req)
@@ -437,6 +446,7 @@ class Dispatcher:
         if self.settings.vllm_push_compat:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
         d_content = self._seal(d_body, DECODE)
+        legs_left = time.perf_counter()
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, p_headers))
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
@@ -456,7 +466,11 @@ class Dispatcher:
         except BaseException:
             await self._cancel_legs(p_task, d_task)
             raise
-        self.metrics.observe_ttft(req.path, time.perf_counter() - req.start)
+        now = time.perf_counter()
+        self.metrics.observe_ttft(req.path, now - req.start)
+        if req.stream and req.prompt is not None and req.prompt.tokens:
+            # D's first token: P's prefill, the KV over this pair's link, D's first step.
+            self.pool.observe_pair(p, d, now - legs_left, req.prompt.tokens)
         self._detach_prefill(p_task)
         return await self._answer(req, started, tid, p_task)
 
