@@ -104,21 +104,28 @@ def test_link_aware_tries_each_untimed_pair_then_prefers_the_faster_link() -> No
 def test_link_aware_keeps_timing_the_slow_link_and_forgets_stale_times() -> None:
     p = Backend(Role.PREFILL, "http://p0:1", healthy=True)
     ds, clock = backends(2), Clock()
-    la = LinkAware(explore_every=4, stale_s=60.0, clock=clock)
+    la = LinkAware(explore_every=4, window=4, stale_s=60.0, clock=clock)
     la.observe(p, ds[0], 0.1, 1000)
     la.observe(p, ds[1], 10.0, 1000)
     clock.t = 1.0
     la.observe(p, ds[0], 0.1, 1000)  # d1 is now the least recently timed
     picks = [la.choose_for(p, ds, ds) for _ in range(8)]
     assert picks.count(ds[1]) == 2  # every 4th choice explores it, the rest go to d0
-    # The average moves toward new samples: d1's link recovered.
-    for _ in range(40):
-        la.observe(p, ds[1], 0.01, 1000)
+    # One slow sample (a cold connection, a busy box) does not make d0's link slow ...
+    la.observe(p, ds[0], 50.0, 1000)
+    assert la.estimate(p, ds[0]) == 0.1 / 1000
+    # ... but a link that stays slow for a window of requests is seen as slow.
+    for _ in range(4):
+        la.observe(p, ds[0], 20.0, 1000)
+    assert la.estimate(p, ds[0]) == 20.0 / 1000
+    # One fast time shows d1's link recovered.
+    la.observe(p, ds[1], 0.01, 1000)
     assert la.choose_for(p, ds, ds) is ds[1]
     # A time older than stale_s is not trusted: the pair is tried again as if new.
     clock.t = 100.0
     la.observe(p, ds[1], 10.0, 1000)
     assert la.estimate(p, ds[0]) is None
+    assert la.estimate(p, ds[1]) == 10.0 / 1000
     assert la.choose_for(p, ds, ds) is ds[0]
     # Nonsense samples are ignored.
     la.observe(p, ds[1], -1.0, 1000)

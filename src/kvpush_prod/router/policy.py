@@ -8,6 +8,7 @@ how long D waited for its first token, and picks a P's D by earliest expected fi
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -81,30 +82,32 @@ class LinkAware(EngineLoadAware):
 
     The router times each streamed request's D leg from the moment both legs leave to D's
     first token: P's prefill, the KV crossing the (P, D) link and D's first step. Per pair it
-    keeps an average of that time per prompt token (``alpha`` the weight of a new sample).
-    A D's expected finish for the next request is the pair's seconds per token times
-    (1 + the legs D has in flight): a slow or throttled link gets fewer requests, a fast one
-    more until its D's queue evens them out. A pair never timed is tried first; every
-    ``explore_every``-th choice for a P goes to its least recently timed D (and a time older
-    than ``stale_s`` is not trusted), so a link that recovers is noticed. Non-streamed
-    requests are not timed (their first byte comes with the whole answer): routed on the
-    estimates the streamed ones left, or as ``engine_load`` before any."""
+    keeps the last ``window`` of those times per prompt token, and takes their least as the
+    link's cost: one slow sample (a cold connection, a busy box) does not turn a fast link
+    slow, one fast sample shows a recovered link at once, and a link that turned slow is
+    seen within ``window`` requests. A D's expected finish for the next request is that cost
+    times (1 + the legs D has in flight): a slow or throttled link gets fewer requests, a
+    fast one more until its D's queue evens them out. A pair with no time younger than
+    ``stale_s`` is tried first, and every ``explore_every``-th choice for a P goes to its
+    least recently timed D, so a link that recovers is noticed. Non-streamed requests are
+    not timed (their first byte comes with the whole answer): they follow what the streamed
+    ones taught, or ``engine_load``'s rotation before any."""
 
     def __init__(
         self,
-        alpha: float = 0.2,
+        window: int = 8,
         explore_every: int = 16,
         stale_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
-        self.alpha = alpha
         self.explore_every = explore_every
         self.stale_s = stale_s
         self._clock = clock
-        # (P url, D url) -> (seconds per prompt token, when last timed). Bounded by the
-        # configured backends (P x D pairs).
-        self._est: dict[tuple[str, str], tuple[float, float]] = {}
+        self._window = window
+        # (P url, D url) -> the last times (seconds per prompt token, when). Bounded: the
+        # configured backends' pairs, ``window`` each.
+        self._times: dict[tuple[str, str], deque[tuple[float, float]]] = {}
         self._choices: dict[str, int] = {}  # per P: D choices made (for exploration)
 
     def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
@@ -112,21 +115,21 @@ class LinkAware(EngineLoadAware):
         ``prompt_tokens``."""
         if seconds <= 0 or prompt_tokens <= 0:
             return
-        sample = seconds / prompt_tokens
         key = (p.url, d.url)
-        old, now = self._est.get(key), self._clock()
-        if old is None or now - old[1] > self.stale_s:  # a stale time is not averaged in
-            est = sample
-        else:
-            est = old[0] + self.alpha * (sample - old[0])
-        self._est[key] = (est, now)
+        times = self._times.get(key)
+        if times is None:
+            times = self._times[key] = deque(maxlen=self._window)
+        times.append((seconds / prompt_tokens, self._clock()))
 
     def estimate(self, p: Backend, d: Backend) -> float | None:
-        """Seconds per prompt token over (p, d), None when never timed or stale."""
-        got = self._est.get((p.url, d.url))
-        if got is None or self._clock() - got[1] > self.stale_s:
-            return None
-        return got[0]
+        """Seconds per prompt token over (p, d), None when not timed within ``stale_s``."""
+        since = self._clock() - self.stale_s
+        fresh = [v for v, at in self._times.get((p.url, d.url), ()) if at >= since]
+        return min(fresh) if fresh else None
+
+    def _last_timed(self, p: Backend, d: Backend) -> float:
+        times = self._times.get((p.url, d.url))
+        return times[-1][1] if times else float("-inf")
 
     def choose_for(
         self, p: Backend, backends: Sequence[Backend], eligible: Sequence[Backend]
@@ -139,7 +142,7 @@ class LinkAware(EngineLoadAware):
         if untimed:
             chosen = untimed[0]
         elif self.explore_every > 0 and n % self.explore_every == 0:
-            chosen = min(order, key=lambda d: self._est[(p.url, d.url)][1])
+            chosen = min(order, key=lambda d: self._last_timed(p, d))
         else:
             chosen = min(order, key=lambda d: (ests[id(d)] or 0.0) * (1 + d.inflight))
         self._advance_past(backends, chosen)
