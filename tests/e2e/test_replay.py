@@ -57,9 +57,9 @@ def requests_in(raw: bytes) -> tuple[list[bytes], bool]:
 class Relay:
     """A TCP relay to an engine's HTTP port that records what the router sent, one buffer per
     connection (the router's client keeps several open at once: one stream of their
-    interleaved chunks cannot be parsed). The request carrying ``hold`` (bytes) is held back
-    ``hold_s`` seconds: the chunk that completes it waits, what came before it went on (the
-    headers, and the body's start where it came in two reads)."""
+    interleaved chunks cannot be parsed). The request carrying ``hold`` (bytes, possibly
+    split over two reads) is held back ``hold_s`` seconds: its last byte waits, what came
+    before it went on."""
 
     def __init__(self, target_port: int) -> None:
         self.port = free_port()
@@ -86,20 +86,17 @@ class Relay:
             threading.Thread(target=self._pump, args=(client, upstream, buf), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket, buf: bytearray | None) -> None:
+        """Copy ``a`` to ``b``; ``buf`` (towards the engine) records and may hold.
+
+        A held request goes on but for its last byte, which waits ``hold_s``: the engine
+        has the request's start, so its HTTP server does not take the connection for an
+        idle keep-alive one. Holding the whole chunk, the router's pooled connection (idle
+        since the test before) passed uvicorn's 5 s keep-alive timeout during the hold: P
+        closed it, and the held leg never reached P (CI failed so: P never counted it as
+        replayed, 2 runs in 8)."""
         pending = False  # this connection's request in progress carries ``hold``
-        close = True
         try:
-            while True:
-                data = a.recv(1 << 20)
-                if not data and buf is not None:
-                    # The router closed its side (it cancels a prefill leg whose request
-                    # ended): the engine keeps the connection until it answers, as if the
-                    # close were still on its way. Closed at once, a held leg reached P and
-                    # was aborted before P's scheduler saw it (and counted it as replayed).
-                    close = False
-                    break
-                if not data:
-                    break
+            while data := a.recv(1 << 20):
                 if buf is None:  # towards the router
                     b.sendall(data)
                     continue
@@ -110,17 +107,19 @@ class Relay:
                     if hold is not None and hold in buf[-(len(data) + len(hold)) :]:
                         self.hold, pending = None, True
                     held = pending and not requests_in(bytes(buf))[1]
-                if held:
-                    pending = False
-                    self.held.set()
-                    time.sleep(self.hold_s)
-                b.sendall(data)
-                if held:
-                    self.released.set()
+                if not held:
+                    b.sendall(data)
+                    continue
+                pending = False
+                b.sendall(data[:-1])
+                self.held.set()
+                time.sleep(self.hold_s)
+                b.sendall(data[-1:])
+                self.released.set()
         except OSError:
             pass
         finally:
-            for s in (a, b) if close else ():
+            for s in (a, b):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
@@ -287,7 +286,7 @@ async def test_legs_replayed_while_their_request_is_in_flight_never_give_a_wrong
         victim_req = asyncio.ensure_future(
             send(client, url, completion_body(victim, MAX_TOKENS, False))
         )
-        await asyncio.get_running_loop().run_in_executor(None, p_relay.held.wait, 30)
+        assert await asyncio.get_running_loop().run_in_executor(None, p_relay.held.wait, 30)
         await asyncio.sleep(0.5)
         d_leg = leg(d_relay, victim, "do_remote_prefill")
         p_leg = leg(p_relay, victim, "do_remote_decode")
@@ -300,7 +299,7 @@ async def test_legs_replayed_while_their_request_is_in_flight_never_give_a_wrong
         assert d_other.ok and d_other.text == want_other
         assert p_other.ok
         # The victim's own prefill leg reaches P only now.
-        await asyncio.get_running_loop().run_in_executor(None, p_relay.released.wait, 30)
+        assert await asyncio.get_running_loop().run_in_executor(None, p_relay.released.wait, 30)
         after = await settle(cluster, {"p_replayed": before["p_replayed"] + 1})
         # D refused the second decode leg (its nonce was taken); the prefill leg sent with
         # another prompt got there first, so P computed the other prompt's KV for the
