@@ -87,10 +87,19 @@ def test_link_aware_tries_each_untimed_pair_then_prefers_the_faster_link() -> No
     la.observe(p, ds[0], 0.5, 1000)
     la.observe(p, ds[1], 1.0, 500)
     assert [la.choose_for(p, ds, ds) for _ in range(3)] == [ds[0]] * 3
-    # ... until d0's queue makes it the later finish: 0.5 ms/token x (1 + 4) > 2 ms x 1.
+    # ... until d0's queue makes it the later finish: 0.5 + 4 x 1.25 (the median pair's
+    # cost, per leg in flight) > 2 ms per 1000 tokens.
     ds[0].inflight = 4
     assert la.choose_for(p, ds, ds) is ds[1]
     ds[0].inflight = 0
+    # Equal links share the requests: least legs in flight, ties in turn.
+    e = LinkAware(explore_every=0, clock=clock)
+    for d in ds:
+        e.observe(p, d, 0.0, 1000)  # D's first token came before P's answer did
+    ds[0].inflight = 1
+    assert e.choose_for(p, ds, ds) is ds[1]
+    ds[0].inflight = 0
+    assert [e.choose_for(p, ds, ds) for _ in range(2)] == [ds[0], ds[1]]
     # A pair is timed per P: another P's link to d1 may be the fast one.
     q = Backend(Role.PREFILL, "http://p1:1", healthy=True)
     la.observe(q, ds[0], 2.0, 1000)
@@ -111,14 +120,14 @@ def test_link_aware_keeps_timing_the_slow_link_and_forgets_stale_times() -> None
     la.observe(p, ds[0], 0.1, 1000)  # d1 is now the least recently timed
     picks = [la.choose_for(p, ds, ds) for _ in range(8)]
     assert picks.count(ds[1]) == 2  # every 4th choice explores it, the rest go to d0
-    # One slow sample (a cold connection, a busy box) does not make d0's link slow ...
+    # One outlier (a cold connection, a busy box) does not make d0's link slow ...
     la.observe(p, ds[0], 50.0, 1000)
     assert la.estimate(p, ds[0]) == 0.1 / 1000
     # ... but a link that stays slow for a window of requests is seen as slow.
     for _ in range(4):
         la.observe(p, ds[0], 20.0, 1000)
     assert la.estimate(p, ds[0]) == 20.0 / 1000
-    # One fast time shows d1's link recovered.
+    # d1's link recovered: half its window fast is enough.
     la.observe(p, ds[1], 0.01, 1000)
     assert la.choose_for(p, ds, ds) is ds[1]
     # A time older than stale_s is not trusted: the pair is tried again as if new.

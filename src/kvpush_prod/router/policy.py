@@ -7,6 +7,7 @@ how long D waited for its first token, and picks a P's D by earliest expected fi
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -80,18 +81,20 @@ class LinkAware(EngineLoadAware):
     """D by earliest expected finish over the chosen P's link to it (P itself as
     ``engine_load``).
 
-    The router times each streamed request's D leg from the moment both legs leave to D's
-    first token: P's prefill, the KV crossing the (P, D) link and D's first step. Per pair it
-    keeps the last ``window`` of those times per prompt token, and takes their least as the
-    link's cost: one slow sample (a cold connection, a busy box) does not turn a fast link
-    slow, one fast sample shows a recovered link at once, and a link that turned slow is
-    seen within ``window`` requests. A D's expected finish for the next request is that cost
-    times (1 + the legs D has in flight): a slow or throttled link gets fewer requests, a
-    fast one more until its D's queue evens them out. A pair with no time younger than
-    ``stale_s`` is tried first, and every ``explore_every``-th choice for a P goes to its
-    least recently timed D, so a link that recovers is noticed. Non-streamed requests are
-    not timed (their first byte comes with the whole answer): they follow what the streamed
-    ones taught, or ``engine_load``'s rotation before any."""
+    The router times each streamed request from P's answer (P's prefill done; its push
+    starts then) to D's first token: the KV crossing the (P, D) link and D's first step,
+    without P's own queue, which is the same whichever D is chosen and, measured from the
+    legs' start, drowned a link's difference in noise. Per pair it keeps the last ``window``
+    of those times per prompt token and takes their median as the link's cost: one outlier
+    (a cold connection, a busy box) moves nothing, and a link that changed is seen within
+    half a window. A D's expected finish for the next request is that cost plus, for each
+    leg D has in flight, the median pair's cost: a slow or throttled link gets fewer
+    requests, a fast one more until its D's queue evens them out; equal links share them
+    (least legs in flight, ties in turn). A pair with no time younger than ``stale_s`` is
+    tried first, and every ``explore_every``-th choice for a P goes to its least recently
+    timed D, so a link that recovers is noticed. Non-streamed requests are not timed (their
+    first byte comes with the whole answer): they follow what the streamed ones taught, or
+    ``engine_load``'s rotation before any."""
 
     def __init__(
         self,
@@ -111,9 +114,9 @@ class LinkAware(EngineLoadAware):
         self._choices: dict[str, int] = {}  # per P: D choices made (for exploration)
 
     def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
-        """D's first token came ``seconds`` after both legs left, for a prompt of
-        ``prompt_tokens``."""
-        if seconds <= 0 or prompt_tokens <= 0:
+        """D's first token came ``seconds`` after P answered, for a prompt of
+        ``prompt_tokens`` (0: at once)."""
+        if seconds < 0 or prompt_tokens <= 0:
             return
         key = (p.url, d.url)
         times = self._times.get(key)
@@ -125,7 +128,7 @@ class LinkAware(EngineLoadAware):
         """Seconds per prompt token over (p, d), None when not timed within ``stale_s``."""
         since = self._clock() - self.stale_s
         fresh = [v for v, at in self._times.get((p.url, d.url), ()) if at >= since]
-        return min(fresh) if fresh else None
+        return statistics.median(fresh) if fresh else None
 
     def _last_timed(self, p: Backend, d: Backend) -> float:
         times = self._times.get((p.url, d.url))
@@ -144,7 +147,10 @@ class LinkAware(EngineLoadAware):
         elif self.explore_every > 0 and n % self.explore_every == 0:
             chosen = min(order, key=lambda d: self._last_timed(p, d))
         else:
-            chosen = min(order, key=lambda d: (ests[id(d)] or 0.0) * (1 + d.inflight))
+            # A leg in flight on D delays the next by about a typical pair's time.
+            costs = {k: v for k, v in ests.items() if v is not None}
+            unit = max(statistics.median(costs.values()), 1e-12)
+            chosen = min(order, key=lambda d: costs[id(d)] + unit * d.inflight)
         self._advance_past(backends, chosen)
         return chosen
 

@@ -446,8 +446,15 @@ class Dispatcher:
         if self.settings.vllm_push_compat:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
         d_content = self._seal(d_body, DECODE)
-        legs_left = time.perf_counter()
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, p_headers))
+        p_answered: list[float] = []  # when P's leg answered (its prefill done), if it did
+        p_task.add_done_callback(
+            lambda t: (
+                None
+                if t.cancelled() or t.exception() is not None
+                else p_answered.append(time.perf_counter())
+            )
+        )
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
             while not d_task.done():
@@ -469,8 +476,11 @@ class Dispatcher:
         now = time.perf_counter()
         self.metrics.observe_ttft(req.path, now - req.start)
         if req.stream and req.prompt is not None and req.prompt.tokens:
-            # D's first token: P's prefill, the KV over this pair's link, D's first step.
-            self.pool.observe_pair(p, d, now - legs_left, req.prompt.tokens)
+            # From P's answer (its prefill done) to D's first token: the KV over this pair's
+            # link and D's first step, without P's own queue (the same for every D). D's
+            # first token before P's answer reached us: the KV crossed at once.
+            link_s = now - p_answered[0] if p_answered else 0.0
+            self.pool.observe_pair(p, d, max(0.0, link_s), req.prompt.tokens)
         self._detach_prefill(p_task)
         return await self._answer(req, started, tid, p_task)
 
