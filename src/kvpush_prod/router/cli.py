@@ -79,10 +79,9 @@ def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         choices=["round_robin", "least_loaded", "engine_load", "link_aware"],
-        help="how to pick backends (default round_robin; engine_load: the engines' own "
-        "running and waiting requests and KV usage, from their /metrics; link_aware: P as "
-        "engine_load, D by earliest expected finish over P's link to it, learnt from "
-        "streamed requests' time to D's first token)",
+        help="how to pick backends (default round_robin; engine_load: the engines' own load "
+        "from their /metrics; link_aware: P as engine_load, D by earliest expected finish "
+        "over P's link to it, timed on streamed requests)",
     )
     p.add_argument(
         "--mode",
