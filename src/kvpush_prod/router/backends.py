@@ -13,7 +13,7 @@ from typing import Any
 from kvpush_prod.router.config import PrefillBackendConfig, RouterSettings
 from kvpush_prod.router.errors import NoBackendError
 from kvpush_prod.router.metrics import RouterMetrics
-from kvpush_prod.router.policy import LinkAware, Policy, make_policy
+from kvpush_prod.router.policy import Policy, make_policy
 from kvpush_prod.router.types import Backend, PrefillIdentity, Role
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class BackendPool:
                 missing.append(self._why_none(role, model, exclude))
                 continue
             policy = self._policy[role]
-            if role is Role.DECODE and chosen and isinstance(policy, LinkAware):
+            if role is Role.DECODE and chosen:
                 chosen.append(policy.choose_for(chosen[0], self.decode, eligible))
             else:
                 chosen.append(policy.choose(self.by_role(role), eligible))
@@ -297,12 +297,14 @@ class BackendPool:
             raise NoBackendError("; ".join(missing))
         return chosen[0], chosen[1]
 
+    @property
+    def learns_links(self) -> bool:
+        """Whether the D policy learns each (P, D) link (``observe_pair``)."""
+        return self._policy[Role.DECODE].learns_links
+
     def observe_pair(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
-        """A streamed request's D leg gave its first token ``seconds`` after both legs left
-        (policy link_aware learns each pair's link from it; the others ignore it)."""
-        policy = self._policy[Role.DECODE]
-        if isinstance(policy, LinkAware):
-            policy.observe(p, d, seconds, prompt_tokens)
+        """A streamed request's D leg gave its first token ``seconds`` after P answered."""
+        self._policy[Role.DECODE].observe(p, d, seconds, prompt_tokens)
 
     def _why_none(self, role: Role, model: str | None, exclude: set[Backend]) -> str:
         parts = []

@@ -17,13 +17,30 @@ from kvpush_prod.router.types import Backend
 
 
 class Policy(Protocol):
+    # Whether the policy learns each (P, D) link from ``observe`` (the router then times
+    # the legs for it).
+    learns_links: bool
+
     def choose(self, backends: Sequence[Backend], eligible: Sequence[Backend]) -> Backend:
         """Pick one of ``eligible`` (non-empty, a subset of ``backends``, in its order)."""
+        ...
+
+    def choose_for(
+        self, p: Backend, backends: Sequence[Backend], eligible: Sequence[Backend]
+    ) -> Backend:
+        """Pick the D (one of ``eligible``) for a request whose P is ``p``."""
+        ...
+
+    def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
+        """D's first token came ``seconds`` after P answered, for a prompt of
+        ``prompt_tokens``."""
         ...
 
 
 class RoundRobin:
     """Cycle through the configured order, skipping the ineligible ones."""
+
+    learns_links = False
 
     def __init__(self) -> None:
         # Position in the configured list, not in ``eligible``: when a backend goes down
@@ -46,6 +63,14 @@ class RoundRobin:
         chosen = self._rotated(backends, eligible)[0]
         self._advance_past(backends, chosen)
         return chosen
+
+    def choose_for(
+        self, p: Backend, backends: Sequence[Backend], eligible: Sequence[Backend]
+    ) -> Backend:
+        return self.choose(backends, eligible)  # a D whatever its P
+
+    def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
+        return None  # links are not learnt
 
 
 class LeastLoaded(RoundRobin):
@@ -96,6 +121,8 @@ class LinkAware(EngineLoadAware):
     first byte comes with the whole answer): they follow what the streamed ones taught, or
     ``engine_load``'s rotation before any."""
 
+    learns_links = True
+
     def __init__(
         self,
         window: int = 8,
@@ -114,8 +141,6 @@ class LinkAware(EngineLoadAware):
         self._choices: dict[str, int] = {}  # per P: D choices made (for exploration)
 
     def observe(self, p: Backend, d: Backend, seconds: float, prompt_tokens: int) -> None:
-        """D's first token came ``seconds`` after P answered, for a prompt of
-        ``prompt_tokens`` (0: at once)."""
         if seconds < 0 or prompt_tokens <= 0:
             return
         key = (p.url, d.url)
@@ -137,7 +162,6 @@ class LinkAware(EngineLoadAware):
     def choose_for(
         self, p: Backend, backends: Sequence[Backend], eligible: Sequence[Backend]
     ) -> Backend:
-        """The D for a request whose P is ``p``."""
         order = self._rotated(backends, eligible)
         n = self._choices[p.url] = self._choices.get(p.url, 0) + 1
         ests = {id(d): self.estimate(p, d) for d in order}

@@ -75,7 +75,7 @@ _CLIENT_CLOSED = 499
 # the backend tore down mid-connect (a prefill engine killed at that moment).
 _CLIENT_FAULT = Exception
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed to the legs
-# Policy link_aware counts a prompt this far (estimated tokens, no tokenizer): past it, the
+# A policy that learns links (link_aware) counts a prompt this far (estimated tokens, no tokenizer): past it, the
 # count only scales every pair's time alike.
 LINK_COUNT_CAP = 1 << 20
 
@@ -284,17 +284,14 @@ class Dispatcher:
         threshold = self.settings.direct_below_tokens
         # A client's own kv_transfer_params ask for a transfer: such a request takes both
         # legs as it always did (the router's params replace the client's on each leg).
-        if threshold and body.get("kv_transfer_params") is None:
-            # link_aware times each pair per prompt token: it needs the whole count.
-            cap = LINK_COUNT_CAP if self.settings.policy == "link_aware" else threshold
+        links = self.pool.learns_links
+        if (threshold or links) and body.get("kv_transfer_params") is None:
+            # A policy that times each pair per prompt token needs the whole count.
+            cap = LINK_COUNT_CAP if links else threshold
             req.prompt = prompt_tokens(path, body, self.settings.direct_chars_per_token, cap)
             req.direct = req.prompt.below(threshold)
             if req.direct:
                 self.metrics.count_direct(path)
-        elif self.settings.policy == "link_aware":
-            req.prompt = prompt_tokens(
-                path, body, self.settings.direct_chars_per_token, LINK_COUNT_CAP
-            )
         try:
             await self._wait_for_pair(req)
             return await self._route(req)
@@ -447,14 +444,7 @@ class Dispatcher:
             d_body["kv_transfer_params"]["remote_request_id"] = vllm_request_id(req.path, tid)
         d_content = self._seal(d_body, DECODE)
         p_task = asyncio.create_task(self._prefill_leg(p, req.path, p_content, p_headers))
-        p_answered: list[float] = []  # when P's leg answered (its prefill done), if it did
-        p_task.add_done_callback(
-            lambda t: (
-                None
-                if t.cancelled() or t.exception() is not None
-                else p_answered.append(time.perf_counter())
-            )
-        )
+        link_timed = self._link_timer(req, p, d, p_task)
         d_task = asyncio.create_task(self._decode_leg(d, req.path, d_content, headers, req.stream))
         try:
             while not d_task.done():
@@ -475,14 +465,35 @@ class Dispatcher:
             raise
         now = time.perf_counter()
         self.metrics.observe_ttft(req.path, now - req.start)
-        if req.stream and req.prompt is not None and req.prompt.tokens:
-            # From P's answer (its prefill done) to D's first token: the KV over this pair's
-            # link and D's first step, without P's own queue (the same for every D). D's
-            # first token before P's answer reached us: the KV crossed at once.
-            link_s = now - p_answered[0] if p_answered else 0.0
-            self.pool.observe_pair(p, d, max(0.0, link_s), req.prompt.tokens)
+        link_timed(now)
         self._detach_prefill(p_task)
         return await self._answer(req, started, tid, p_task)
+
+    def _link_timer(
+        self, req: _Request, p: Backend, d: Backend, p_task: asyncio.Task[None]
+    ) -> Callable[[float], None]:
+        """What to call at D's first token (``now``) so a policy that learns links gets this
+        pair's time: from P's answer (its prefill done) to D's first token, the KV over the
+        link and D's first step, without P's own queue (the same for every D). Only streamed
+        requests are timed; D's first token before P's answer reached us: the KV crossed
+        at once."""
+        tokens = req.prompt.tokens if req.stream and self.pool.learns_links and req.prompt else None
+        if not tokens:
+            return lambda now: None
+        answered: list[float] = []
+        p_task.add_done_callback(
+            lambda t: (
+                None
+                if t.cancelled() or t.exception() is not None
+                else answered.append(time.perf_counter())
+            )
+        )
+
+        def timed(now: float) -> None:
+            link_s = now - answered[0] if answered else 0.0
+            self.pool.observe_pair(p, d, max(0.0, link_s), tokens)
+
+        return timed
 
     async def _attempt_direct(self, req: _Request) -> Response:
         """A short prompt: D alone, without kv_transfer_params, computes it as a single

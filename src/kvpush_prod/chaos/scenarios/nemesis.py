@@ -189,7 +189,7 @@ async def run(ctx: Context) -> None:
         restart_s=f"{min(restarts):g}-{max(restarts):g}" if restarts else "-",
         planned_slot_s=sched.config.restart_slot_s,
     )
-    for f in ctx.report.data["nemesis"]["faults"]:
+    for f in data["faults"]:
         ctx.log(
             f"fault {f['id']:3d} {f['kind']:10s} {f['engine']:10s} "
             f"{f['start'] or 0:7.1f}-{f['end'] or 0:7.1f} s: "
