@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush_prod.errors import ConfigError
-from kvpush_prod.sim.model import MODES, ClusterModel, Workload, simulate
+from kvpush_prod.sim.model import D_POLICIES, MODES, ClusterModel, Workload, simulate
 from kvpush_prod.sim.presets import PRESETS, SIDE_OF_MODE, calibrate, load_results
 from kvpush_prod.sim.scaling import layerwise_table
 
@@ -163,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, help="prefill engines (N)")
     p.add_argument("--decode", type=int, help="decode engines (M)")
     p.add_argument("--bandwidth-gbps", type=float, help="per prefill node NIC, Gbit/s")
+    p.add_argument(
+        "--decode-links",
+        metavar="GBPS,...",
+        help="per decode node, the path into it in Gbit/s after P's NIC (0: no limit), "
+        "e.g. 0,0.2 for a second D behind a 200 Mbit/s link",
+    )
+    p.add_argument(
+        "--d-policy",
+        choices=D_POLICIES,
+        help="how the router picks D: least_loaded (default), round_robin or link_aware "
+        "(the router's policy, learning each pair's time to D's first token)",
+    )
     p.add_argument("--rtt-us", type=float, help="data-path round trip, us")
     p.add_argument("--ctrl-us", type=float, help="one control message, us")
     p.add_argument("--http-us", type=float, help="one router leg each way, us")
@@ -340,6 +352,10 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
         kw["decode_step_s"] = a.decode_step_ms / 1000
     if a.tp is not None:
         kw["tp"] = a.tp
+    if a.decode_links:
+        kw["decode_link_bandwidth"] = _gbps_list(a.decode_links)
+    if a.d_policy:
+        kw["d_policy"] = a.d_policy
     if a.fragment is not None:
         kw["fragment"] = a.fragment
     if a.layers is not None:
@@ -368,6 +384,19 @@ def _overrides(m: ClusterModel, a: argparse.Namespace) -> ClusterModel:
     return out
 
 
+def _gbps_list(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) * 1e9 / 8 for x in text.split(","))
+    except ValueError:
+        rates = (-1.0,)
+    if any(r < 0 for r in rates):
+        raise SystemExit(
+            f"kvpush sim: --decode-links {text!r}: give Gbit/s per decode node, comma "
+            "separated, each >= 0 (0: no limit), e.g. 0,0.2"
+        )
+    return rates
+
+
 def _check(m: ClusterModel) -> None:
     """A model the simulator can run, or SystemExit naming the value and the fix."""
     if not 0.0 <= m.fragment <= 1.0:
@@ -381,6 +410,13 @@ def _check(m: ClusterModel) -> None:
             f"({m.kv_bytes_per_token * m.block_tokens:g}); N is the tensor-parallel size "
             "of every engine"
         )
+    if len(m.decode_link_bandwidth) > m.n_decode:
+        raise SystemExit(
+            f"kvpush sim: --decode-links names {len(m.decode_link_bandwidth)} decode nodes, "
+            f"the cluster has {m.n_decode}: give at most one rate per decode node (--decode N)"
+        )
+    if m.d_policy not in D_POLICIES:
+        raise SystemExit(f"kvpush sim: d_policy {m.d_policy!r}: use one of {', '.join(D_POLICIES)}")
     if m.layers < 1 or m.kv_regions % m.layers:
         raise SystemExit(
             f"kvpush sim: {m.layers} layers over {m.kv_regions} KV regions: give --layers N "

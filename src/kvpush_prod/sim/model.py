@@ -19,7 +19,7 @@ import functools
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,9 +37,12 @@ from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import ChunkError
 from kvpush_prod.core.sender import Sender
 from kvpush_prod.driver import Driver, Stage
+from kvpush_prod.router.policy import LinkAware, Policy, make_policy
+from kvpush_prod.router.types import Backend, Role
 from kvpush_prod.sim.events import Link, Loop
 
 MODES = ("pull", "push", "kvpush")
+D_POLICIES = ("least_loaded", "round_robin", "link_aware")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,15 @@ class ClusterModel:
     # wires
     nic_bandwidth: float = 50e9  # per prefill node, egress, shared by its transfers (1/tp a rank)
     one_way_s: float = 10e-6  # data-path latency (RTT / 2)
+    # Per decode node: the bandwidth of the path into it (bytes/s, the node's; each rank
+    # 1/tp), a second hop after P's NIC; () or 0: no limit beyond P's NIC. One slow entry is
+    # a throttled or far decode node (benchmarks/link_aware.py's cell).
+    decode_link_bandwidth: tuple[float, ...] = ()
+    # How the router picks a request's D (P goes round robin): least_loaded (requests placed
+    # and not finished, ties in turn), round_robin, or link_aware (the router's LinkAware
+    # policy itself, learning each (P, D) pair's time from P's prefill end to D's first
+    # token per prompt token).
+    d_policy: str = "least_loaded"
     ctrl_s: float = 50e-6  # one control message between engines (ZMQ / NIXL notif)
     http_s: float = 300e-6  # one HTTP leg through the router, each way
     # compute
@@ -383,6 +395,7 @@ class DecodeEngine:
                 r.tokens += 1
                 if r.tokens == 1:
                     r.first_token = now
+                    self.sim.on_first_token(r)
                 if r.tokens >= r.out:
                     r.done = now
                     done.append(r)
@@ -423,6 +436,19 @@ class Sim:
         self.links = [
             Link(self.loop, m.rank_bandwidth, m.one_way_s, f"p{i}") for i in range(m.n_prefill)
         ]
+        self.d_links = [
+            Link(self.loop, bw / m.tp, 0.0, f"d{j}") if bw > 0 else None
+            for j, bw in enumerate(m.decode_link_bandwidth[: m.n_decode])
+        ]
+        self.d_links += [None] * (m.n_decode - len(self.d_links))
+        self._p_backends = [Backend(Role.PREFILL, f"p{i}") for i in range(m.n_prefill)]
+        self._d_backends = [Backend(Role.DECODE, f"d{j}") for j in range(m.n_decode)]
+        self.d_policy: Policy | None = None
+        if m.d_policy != "least_loaded":
+            policy = make_policy(m.d_policy)
+            if isinstance(policy, LinkAware):
+                policy = LinkAware(clock=lambda: self.loop.now)
+            self.d_policy = policy
         self.reqs: list[Req] = []
         self.finished = 0
         self._rr_p = 0
@@ -502,7 +528,6 @@ class Sim:
             req.xfer_start = loop.now
         if a.done is not None:
             req.done_posted = loop.now
-        link = self.links[req.p]
         sender, receiver = self.tx[req.p], self.rx[req.d]
 
         def landed() -> None:
@@ -519,7 +544,7 @@ class Sim:
         def send() -> None:
             if req.first_bytes < 0:
                 req.first_bytes = loop.now
-            link.send(a.nbytes, landed)
+            self.ship(req, a.nbytes, landed)
 
         self.count("chunks")
         if a.layerwise:
@@ -595,11 +620,8 @@ class Sim:
         req = Req(self._sent, length, w.output_tokens, self.loop.now)
         self._sent += 1
         req.p = self._rr_p % m.n_prefill
-        # Least loaded decode engine, ties round robin.
-        loads = [len(d.running) + d.waiting_kv + len(d.incoming) for d in self.decode]
-        best = min(loads)
-        choices = [j for j, x in enumerate(loads) if x == best]
-        req.d = choices[self._rr_d % len(choices)]
+        req.d = self._choose_d(req.p)
+        self._d_backends[req.d].inflight += 1
         self._rr_p += 1
         self._rr_d += 1
         self.reqs.append(req)
@@ -611,6 +633,35 @@ class Sim:
         else:
             loop.after(m.http_s, lambda: p.submit(req))
             loop.after(m.http_s, lambda: d.submit(req))
+
+    def _choose_d(self, p: int) -> int:
+        """The router's D for a request on P ``p`` (``ClusterModel.d_policy``)."""
+        ds = self._d_backends
+        if self.d_policy is not None:
+            return ds.index(self.d_policy.choose_for(self._p_backends[p], ds, ds))
+        # Least loaded decode engine, ties round robin.
+        loads = [len(d.running) + d.waiting_kv + len(d.incoming) for d in self.decode]
+        best = min(loads)
+        choices = [j for j, x in enumerate(loads) if x == best]
+        return choices[self._rr_d % len(choices)]
+
+    def ship(self, req: Req, nbytes: float, done: Callable[[], None]) -> None:
+        """``nbytes`` of ``req``'s KV over P's NIC, then D's path when it has a limit."""
+        hop = self.d_links[req.d]
+        if hop is None:
+            self.links[req.p].send(nbytes, done)
+        else:
+            self.links[req.p].send(nbytes, lambda: hop.send(nbytes, done))
+
+    def on_first_token(self, req: Req) -> None:
+        """D's first token of ``req``: a router that learns links times the pair."""
+        if self.d_policy is not None and req.p_done >= 0:
+            self.d_policy.observe(
+                self._p_backends[req.p],
+                self._d_backends[req.d],
+                req.first_token - req.p_done,
+                req.length,
+            )
 
     def on_prefill_step(self, p: int, batch: list[Req], dur: float) -> None:
         """P ``p`` starts a step of ``dur`` that completes the prompts of ``batch``. kvpush
@@ -678,7 +729,8 @@ class Sim:
 
         def post() -> None:
             req.xfer_start = loop.now
-            self.links[req.p].send(
+            self.ship(
+                req,
                 m.rank_kv_bytes(req.length),
                 lambda: loop.after(
                     m.vllm_xfer_overhead_s + m.ctrl_s, lambda: self.decode[req.d].kv_arrived(req)
@@ -724,7 +776,8 @@ class Sim:
                 # READ: the request travels to P, the data comes back.
                 loop.after(
                     m.one_way_s,
-                    lambda: self.links[req.p].send(
+                    lambda: self.ship(
+                        req,
                         m.rank_kv_bytes(req.length),
                         lambda: loop.after(m.vllm_xfer_overhead_s, lambda: d.kv_arrived(req)),
                     ),
@@ -780,6 +833,7 @@ class Sim:
 
     def on_request_done(self, req: Req) -> None:
         self.finished += 1
+        self._d_backends[req.d].inflight -= 1
         if self.w.kind == "closed":
             self._new_request()
 
@@ -856,6 +910,7 @@ def simulate(m: ClusterModel, mode: str, w: Workload) -> dict[str, Any]:
         "stalls": sum(r.stalls for r in done),
         "p_busy": [round(p.busy_time / end, 3) if end else 0 for p in sim.prefill],
         "d_busy": [round(d.busy_time / end, 3) if end else 0 for d in sim.decode],
+        "per_d": [sum(1 for r in done if r.d == j) for j in range(m.n_decode)],
         "counters": dict(sim.counters),
         "events": sim.loop.events,
         "sim_end_s": end,
