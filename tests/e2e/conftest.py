@@ -57,6 +57,33 @@ def cluster(
         SHARED.remove(c)
 
 
+@pytest.fixture(scope="session")
+def secure_recompute(
+    tmp_path_factory: pytest.TempPathFactory, shared_reference: SharedReference
+) -> Iterator[Cluster]:
+    """The secure setup (keys, allow-list, params key, signing router) with KV refused on
+    arrival recomputed (vLLM's kv_load_failure_policy), as a P/D deployment runs, a key
+    for an intruder and at most 64 control peers: test_hostile.py's attacks, then
+    test_hostile_replay.py's replays (on engines the attacks have just been through) on
+    one start. The second module stops it; it is in ``SHARED``, so a later user gets it
+    started again."""
+    spec = ClusterSpec(
+        workdir=_workdir(tmp_path_factory, "e2e-secure-recompute"),
+        extra_keys=("intruder",),
+        kv_load_failure_policy="recompute",
+        extra={"control": {"max_peers": SECURE_MAX_PEERS}},
+    )
+    with Cluster(shared_reference.attach(spec)) as c:
+        SHARED.append(c)
+        yield c
+        SHARED.remove(c)
+
+
+# The secure_recompute engines' control.max_peers: the socket bound test_hostile.py's flood
+# must hit.
+SECURE_MAX_PEERS = 64
+
+
 # The session's shared clusters, so a module that needs the memory for a big cluster of its
 # own (tests/e2e/test_topology.py: five engines) can stop them first; a test that asks for
 # ``cluster`` afterwards gets it started again (``_shared_cluster_running``).

@@ -18,7 +18,6 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -28,30 +27,25 @@ import zmq
 from kvpush_prod.control.keys import KeyPair, load_allowed, load_keypair
 from kvpush_prod.core import messages as m
 from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
-from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster
 from kvpush_prod.lab.launch import free_port
 from kvpush_prod.lab.tinymodel import prompt_of_length
 from kvpush_prod.signing import DECODE, PREFILL
 
+from .conftest import SECURE_MAX_PEERS
+
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
-MAX_PEERS = 64  # the engines' control.max_peers here: the socket bound the flood must hit
+MAX_PEERS = SECURE_MAX_PEERS
 _seeds = itertools.count(50_000)
 V = m.PROTOCOL_VERSION
 JUNK_LAYOUT = m.Layout("not-this-model", "DRAM", [m.Region(4096, 4096, 4096, 8)])
 
 
 @pytest.fixture(scope="module")
-def cluster(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    spec = ClusterSpec(
-        workdir=e2e_workdir("e2e-hostile"),
-        extra_keys=("intruder",),
-        kv_load_failure_policy="recompute",
-        extra={"control": {"max_peers": MAX_PEERS}},
-    )
-    with Cluster(shared_reference.attach(spec)) as c:
-        yield c
+def cluster(secure_recompute: Cluster) -> Cluster:
+    return secure_recompute
 
 
 class Intruder:

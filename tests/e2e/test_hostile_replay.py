@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
-from kvpush_prod.lab.cluster import Cluster, ClusterSpec
+from kvpush_prod.lab.cluster import Cluster
 from kvpush_prod.lab.launch import Proc, free_port, wait_healthy
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
@@ -136,12 +136,10 @@ class Relay:
 
 
 @pytest.fixture(scope="module")
-def cluster(e2e_workdir, shared_reference) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
-    """The secure setup (keys, allow-list, params key, signing router); KV refused on
-    arrival is recomputed (vLLM's kv_load_failure_policy), as a P/D deployment runs."""
-    spec = ClusterSpec(workdir=e2e_workdir("e2e-replay"), kv_load_failure_policy="recompute")
-    with Cluster(shared_reference.attach(spec)) as c:
-        yield c
+def cluster(secure_recompute: Cluster) -> Iterator[Cluster]:
+    """test_hostile.py's cluster (it runs just before): this module is its last user."""
+    yield secure_recompute
+    secure_recompute.stop()
 
 
 @pytest.fixture(scope="module")
