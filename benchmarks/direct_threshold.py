@@ -31,7 +31,7 @@ import httpx  # noqa: E402
 
 from kvpush_prod.lab.client import completion_body  # noqa: E402
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec  # noqa: E402
-from kvpush_prod.lab.launch import Proc, free_port, wait_healthy  # noqa: E402
+from kvpush_prod.lab.launch import Proc, free_port, router_command, wait_healthy  # noqa: E402
 from kvpush_prod.lab.tinymodel import TinyModelSpec, prompt_of_length  # noqa: E402
 
 # single: the reference engine, no router; decode: D's own port, no router, no
@@ -46,14 +46,7 @@ ALL_DIRECT = str(1 << 20)
 def start_direct_router(cluster: Cluster) -> tuple[Proc, str]:
     """A router in front of the cluster's engines that sends every request to D alone."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpush_prod.router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    cmd = router_command(port) + [
         "--prefill",
         cluster.urls["prefill"],
         "--decode",

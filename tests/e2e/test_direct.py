@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster
-from kvpush_prod.lab.launch import Proc, free_port, wait_healthy
+from kvpush_prod.lab.launch import Proc, free_port, router_command, wait_healthy
 from kvpush_prod.lab.tinymodel import prompt_of_length
 from kvpush_prod.router.legs import COMPLETIONS_PATH
 from kvpush_prod.router.prompt import prompt_tokens
@@ -37,14 +36,7 @@ def direct_router(cluster: Cluster) -> Iterator[str]:
     """A router like the cluster's (same params key, D's key probed) that sends prompts
     estimated below THRESHOLD tokens to D alone."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpush_prod.router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    cmd = router_command(port) + [
         "--prefill",
         cluster.urls["prefill"],
         "--decode",

@@ -17,7 +17,6 @@ import itertools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import pytest
 
 from kvpush_prod.lab.client import Result, completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster
-from kvpush_prod.lab.launch import Proc, free_port, wait_healthy
+from kvpush_prod.lab.launch import Proc, free_port, router_command, wait_healthy
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
 pytestmark = pytest.mark.e2e
@@ -148,14 +147,7 @@ def capture(cluster: Cluster) -> Iterator[tuple[str, Relay, Relay]]:
     p_relay = Relay(int(cluster.urls["prefill"].rsplit(":", 1)[1]))
     d_relay = Relay(int(cluster.urls["decode"].rsplit(":", 1)[1]))
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpush_prod.router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    cmd = router_command(port) + [
         "--prefill",
         f"http://127.0.0.1:{p_relay.port}",
         "--decode",

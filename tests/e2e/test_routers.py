@@ -29,7 +29,7 @@ import pytest
 
 from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec
-from kvpush_prod.lab.launch import Proc, free_port, wait_healthy
+from kvpush_prod.lab.launch import Proc, free_port, router_command, wait_healthy
 from kvpush_prod.lab.tinymodel import prompt_of_length
 
 from .otlp_sink import OtlpSink
@@ -92,14 +92,7 @@ def behind(e2e_workdir, otlp: OtlpSink) -> Iterator[Cluster]:  # type: ignore[no
         c.urls["vllm-router"] = f"http://127.0.0.1:{port}"
         wait_healthy(c.urls["vllm-router"], c.procs["vllm-router"], 120)
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvpush_prod.router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
+        cmd = router_command(port) + [
             "--prefill",
             c.urls["prefill"],
             "--decode",

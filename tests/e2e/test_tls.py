@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from collections.abc import Iterator
 
@@ -20,7 +19,7 @@ import pytest
 
 from kvpush_prod.lab.client import completion_body, metric_sum, request, scrape
 from kvpush_prod.lab.cluster import Cluster, ClusterSpec, SharedReference
-from kvpush_prod.lab.launch import Proc, free_port, make_tls
+from kvpush_prod.lab.launch import Proc, free_port, make_tls, router_command
 
 # Full run only (KVPUSH_E2E_EXTRA=1): a TLS cluster of its own; the router's TLS client is unit-tested in CI; CI's budget (README, "Tests").
 pytestmark = [pytest.mark.e2e, pytest.mark.full]
@@ -91,14 +90,7 @@ def test_a_router_trusting_another_ca_routes_nothing(tls_cluster: Cluster) -> No
     c = tls_cluster
     rogue = make_tls(c.spec.workdir / "rogue-tls", "rogue")
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvpush_prod.router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+    cmd = router_command(port) + [
         "--prefill",
         c.urls["prefill"],
         "--decode",
