@@ -726,6 +726,32 @@ def test_fallback_pulls_every_block_then_tells_prefill() -> None:
     assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1, (10, 11, 12))]
 
 
+def test_a_read_that_completes_after_the_read_permit_fails_the_pull() -> None:
+    # Found by the nemesis over network namespaces: a READ posted in time completed after
+    # P's read permit (its reply held by a throttled or partitioned link); P had freed and
+    # reused its blocks meanwhile, so the bytes may be another prompt's KV.
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 100, 0.0), m.Register)
+    fb = m.Fallback(1, "t", reg.generation, P, [1], 0, "push_failed", 2_000)
+    (read,) = of(r.on_message(fb, 0.1), PostRead)
+    out = r.on_chunk(read.chunk_id, True, "", 2.2)  # the permit ran out at 2.1
+    assert of(out, ReportFinished) == []
+    assert ("lease_expired", "pull") in [(n.kind, n.reason) for n in of(out, Note)]
+    (pull_done,) = msgs(out, m.PullDone)
+    assert not pull_done.ok
+    (failed,) = of(out, ReportFailed)
+    assert failed.reason == "pull_failed" and "after the read permit" in failed.detail
+
+
+def test_a_read_that_completes_within_the_read_permit_is_used() -> None:
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 100, 0.0), m.Register)
+    fb = m.Fallback(1, "t", reg.generation, P, [1], 0, "push_failed", 2_000)
+    (read,) = of(r.on_message(fb, 0.1), PostRead)
+    out = r.on_chunk(read.chunk_id, True, "", 2.1)  # at the permit's end: still in time
+    assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1, (10,))]
+
+
 def test_restarted_prefill_fails_its_old_transfers_at_once() -> None:
     r = receiver()
     (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)

@@ -67,7 +67,12 @@ from kvpush_prod.transport.base import Op, RemotePeer, Transport, chunk_error
 from kvpush_prod.transport.checksum import kv_crc32
 from kvpush_prod.transport.faults import FaultyTransport, fault_settings
 from kvpush_prod.transport.layout import Heads, head_slab, layout_from_kv_caches
-from kvpush_prod.transport.nixl import NixlTransport, make_agent
+from kvpush_prod.transport.nixl import (
+    UCX_TCP_USER_TIMEOUT,
+    NixlTransport,
+    bound_tcp_delivery,
+    make_agent,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -305,12 +310,30 @@ class WorkerSide:
         # address), so no other engine can announce it.
         identity = security.keypair.public.decode() if security else control
         name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}", identity)
+        self._bound_tcp_delivery()
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
         transport: Transport = NixlTransport(agent, layout, producer=self.role is Side.PRODUCER)
         faults = fault_settings(self.cfg.faults.model_dump())
         if faults.enabled:
             transport = FaultyTransport(transport, faults)
         return transport
+
+    def _bound_tcp_delivery(self) -> None:
+        """No WRITE over UCX's TCP transport lands after D's permit ran out: data a
+        partition holds longer than the permit less a heartbeat and the stop margin ends
+        its connection instead (the chunk fails; retries or a fallback follow)."""
+        leases = self.cfg.leases
+        bound = leases.permit_ttl_s - leases.heartbeat_interval_s - leases.stop_margin_s
+        value, ours = bound_tcp_delivery(max(0.5, bound))
+        logger.info(
+            "kvpush: UCX TCP data unacknowledged for %s ends its connection (%s=%s%s)",
+            value,
+            UCX_TCP_USER_TIMEOUT,
+            value,
+            ", from leases.permit_ttl_s - heartbeat_interval_s - stop_margin_s"
+            if ours
+            else ", as set in the environment",
+        )
 
     def _endpoint(self, security: EndpointSecurity | None) -> ControlEndpoint:
         """This rank's control endpoint; an insecure one on a network address is said loudly."""

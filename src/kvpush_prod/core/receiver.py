@@ -686,6 +686,9 @@ class Receiver:
             completed = self.reads.on_chunk_done(chunk_id, now)
             if rx is None:
                 return []
+            late = self._late_read(rx, now)
+            if late is not None:
+                return [late, *self._finish_pull(rx, now)]
             if completed:
                 return self._finish_pull(rx, now)
             if rx.read_failed or rx.cancelling:
@@ -701,6 +704,18 @@ class Receiver:
         self.reads.on_chunk_failed(chunk_id, now, give_up=True)
         rx.read_failed = decision.reason or "pull_failed"
         return self._finish_pull(rx, now)
+
+    @staticmethod
+    def _late_read(rx: _Receive, now: float) -> Note | None:
+        """A READ that completed after P's read permit ran out: P may have freed and reused
+        its blocks while the READ's bytes were still being sent (a slow or partitioned link
+        holds them), so they may be another prompt's KV. The pull fails (vLLM's
+        kv_load_failure_policy applies) rather than use them."""
+        permit = rx.read_permit
+        if permit is None or now <= permit.expires_at or rx.read_failed:
+            return None
+        rx.read_failed = "pull_permit_expired: a READ completed after the read permit"
+        return Note(NoteKind.LEASE_EXPIRED, "pull", f"{rx.tid}: a READ completed late")
 
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:

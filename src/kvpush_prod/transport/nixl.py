@@ -7,10 +7,12 @@ every call into the NIXL agent holds one lock (``SerializedAgent``), see there w
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import types
 from collections import deque
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,6 +52,30 @@ def _nixl_api() -> Any:
             "the nixl package is not installed: pip install 'kvpush-prod[cpu]' (or [gpu])"
         ) from exc
     return _api
+
+
+# UCX's TCP transport: how long transmitted data may stay unacknowledged before TCP closes
+# the connection (Linux TCP_USER_TIMEOUT; UCX 1.21+, bundled with NIXL 1.5).
+UCX_TCP_USER_TIMEOUT = "UCX_TCP_USER_TIMEOUT"
+
+
+def bound_tcp_delivery(
+    seconds: float, env: MutableMapping[str, str] | None = None
+) -> tuple[str, bool]:
+    """Make UCX's TCP transport drop a connection whose data stayed unacknowledged for
+    ``seconds``, unless the operator set ``UCX_TCP_USER_TIMEOUT``; returns (the value in force,
+    whether it was set here). Call before the agent is made (UCX reads it then).
+
+    Why: a WRITE held by a partition sits in TCP's retransmission queue and, left alone,
+    lands whenever the link comes back (TCP keeps retrying for 15-30 minutes), long after D
+    gave the blocks back for another request once the permit ran out. Bounded below the
+    permit, the connection dies first and the bytes never land."""
+    env = os.environ if env is None else env
+    if env.get(UCX_TCP_USER_TIMEOUT):
+        return env[UCX_TCP_USER_TIMEOUT], False
+    value = f"{max(1, round(seconds * 1000))}ms"
+    env[UCX_TCP_USER_TIMEOUT] = value
+    return value, True
 
 
 def make_agent(
