@@ -28,7 +28,9 @@ def test_ucx_takes_the_setting(
     pytest.importorskip("nixl")
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "y")
-    monkeypatch.delenv(UCX_TCP_USER_TIMEOUT, raising=False)
+    # Empty counts as unset; monkeypatch then restores whatever was there (the bound writes
+    # os.environ itself).
+    monkeypatch.setenv(UCX_TCP_USER_TIMEOUT, "")
     value, ours = bound_tcp_delivery(3.0)
     assert ours and value == "3000ms"
     agent = make_agent("kvpush-test-tcp-bound", "UCX", False, 1000)
