@@ -688,6 +688,7 @@ class Receiver:
                 return []
             late = self._late_read(rx, now)
             if late is not None:
+                self.reads.cancel(rx.tid)  # post no more of its READs
                 return [late, *self._finish_pull(rx, now)]
             if completed:
                 return self._finish_pull(rx, now)
