@@ -182,7 +182,8 @@ class LinkAware(EngineLoadAware):
 POLICIES = ("round_robin", "least_loaded", "engine_load", "link_aware")
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, clock: Callable[[], float] = time.monotonic) -> Policy:
+    """The policy ``name``; ``clock`` times what a policy learns (the simulator's own)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
@@ -190,5 +191,5 @@ def make_policy(name: str) -> Policy:
     if name == "engine_load":
         return EngineLoadAware()
     if name == "link_aware":
-        return LinkAware()
+        return LinkAware(clock=clock)
     raise ValueError(f"unknown router policy {name!r}; use one of {', '.join(POLICIES)}")

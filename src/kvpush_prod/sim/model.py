@@ -37,7 +37,7 @@ from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import ChunkError
 from kvpush_prod.core.sender import Sender
 from kvpush_prod.driver import Driver, Stage
-from kvpush_prod.router.policy import LinkAware, Policy, make_policy
+from kvpush_prod.router.policy import Policy, make_policy
 from kvpush_prod.router.types import Backend, Role
 from kvpush_prod.sim.events import Link, Loop
 
@@ -445,10 +445,7 @@ class Sim:
         self._d_backends = [Backend(Role.DECODE, f"d{j}") for j in range(m.n_decode)]
         self.d_policy: Policy | None = None
         if m.d_policy != "least_loaded":
-            policy = make_policy(m.d_policy)
-            if isinstance(policy, LinkAware):
-                policy = LinkAware(clock=lambda: self.loop.now)
-            self.d_policy = policy
+            self.d_policy = make_policy(m.d_policy, clock=lambda: self.loop.now)
         self.reqs: list[Req] = []
         self.finished = 0
         self._rr_p = 0
