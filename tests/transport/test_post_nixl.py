@@ -20,6 +20,7 @@ import torch
 
 from kvpush_prod.core import blocksize
 from kvpush_prod.core.messages import Layout
+from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.errors import TransportError
 from kvpush_prod.transport.layout import (
     Heads,
@@ -303,6 +304,29 @@ def test_a_post_over_the_bound_is_split_and_notifies_only_after_every_part(
     time.sleep(0.02)
     assert td.notifications().get(tp.name, []) == []
     tp.release(handle)
+
+
+@pytest.mark.parametrize("path", ["prepped", "coalesced"])
+def test_the_parts_of_a_split_post_to_a_dropped_connection_never_go_out(
+    pair: Any, path: str
+) -> None:
+    """The driver drops a connection UCX closed (and may make a new one to the same agent):
+    a split post's parts not posted yet are not posted on freed descriptor lists nor on
+    the new connection; the post fails, and no notification is sent."""
+    p = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 15)
+    d = cache(cpu(2, 32), 32, NUM_BLOCKS, 2, 2, 1, 0, 16)
+    tp, td = pair(p, d, path=path, max_descriptors=2 * LAYERS)
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    handle = tp.post("WRITE", peer, [0, 1, 5, 6, 7, 10], [3, 4, 8, 9, 10, 0], b"done-2")
+    assert tp.last_post is not None and tp.last_post.parts == 2
+    tp.disconnect(td.name)
+    tp.connect(td.metadata(), d.layout, td.name)  # a new connection to the same agent
+    state = tp.state(handle)
+    assert isinstance(state, ChunkError) and state.kind is ErrorKind.NOT_FOUND, state
+    assert isinstance(tp.state(handle), ChunkError)  # asked again: still failed
+    tp.release(handle)
+    time.sleep(0.05)
+    assert td.notifications().get(tp.name, []) == []
 
 
 def test_one_part_carries_its_notification_with_the_request(pair: Any) -> None:

@@ -39,6 +39,9 @@ class RemotePeer:
     # Both sides' regions as ids see them (``transport.runs``), set by connect: whether a
     # run of ids is one descriptor per region, and where each id sits in the dlists.
     plan: PairPlan | None = None
+    # Disconnected (its dlists released): a split post's parts not posted yet never go out
+    # (not on freed dlists, and not on a new connection to the same agent).
+    closed: bool = False
 
 
 class ChunkFailed(TransportError):

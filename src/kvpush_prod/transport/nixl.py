@@ -350,6 +350,7 @@ class NixlTransport:
         peer = self._peers.pop(agent_name, None)
         if peer is None:
             return
+        peer.closed = True
         for dlist in (peer.dlist, peer.local_dlist):
             if dlist is None:
                 continue
@@ -536,6 +537,15 @@ class NixlTransport:
         post posts its next part here (one per call: each call's work stays bounded) and
         sends its notification once every part is DONE."""
         post: _Post = handle
+        if post.peer.closed:
+            # Dropped under it: no later part goes out, no notification is sent (not on a
+            # new connection to the same agent either); D ignores a FALLBACK after a DONE.
+            post.pending.clear()
+            post.notified = True
+            return ChunkError(
+                ErrorKind.NOT_FOUND,
+                f"the connection to {post.peer.agent_name[:64]} was dropped under this post",
+            )
         try:
             if post.pending:
                 lids, rids, path = post.pending.popleft()
