@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -291,6 +292,40 @@ def test_a_post_the_shell_could_not_make_fails_the_chunk() -> None:
     d.run([ConnectPeer(D), WRITE])
     assert names(fx) == ["connect", "write", "post_failed"]
     assert engine.fed[1:] == [("chunk", 7, False, fx.post_error, 5.0)]
+
+
+def test_a_connection_the_transport_closed_is_dropped_and_made_anew_on_next_use() -> None:
+    """REMOTE_DISCONNECT at completion: UCX never reopens that connection, so it is dropped
+    (counted) and the next ConnectPeer makes a new one, which an old chunk's late failure
+    does not drop again."""
+    d, engine, fx = driver()
+    cut = ChunkError(ErrorKind.REMOTE_DISCONNECT, "NIXL_ERR_REMOTE_DISCONNECT")
+    d.run([ConnectPeer(D), WRITE, dataclasses.replace(WRITE, chunk_id=9)])
+    old = d.peers["agent-d"]
+    d.completed(7, cut)
+    assert names(fx) == ["connect", "write", "write", "note", "disconnect"]
+    assert fx.calls[3] == ("note", NoteKind.CONNECTION_LOST) and not d.peers
+    assert engine.fed[-1] == ("chunk", 7, False, cut, 5.0)  # the engine hears it after
+    d.run([ConnectPeer(D)])
+    new = d.peers["agent-d"]
+    assert new is not old and names(fx)[-1] == "connect"
+    d.completed(9, cut)  # went out on the old connection: the new one is kept
+    assert d.peers["agent-d"] is new and names(fx)[-1] == "connect"
+    assert not d.posted  # nothing in flight is remembered any longer
+
+
+def test_a_post_refused_because_the_connection_is_gone_drops_it() -> None:
+    d, _, fx = driver()
+    d.run([ConnectPeer(D)])
+    fx.post_error = ChunkError(ErrorKind.REMOTE_DISCONNECT, "disconnected")
+    d.run([READ])
+    assert names(fx) == ["connect", "read", "note", "disconnect", "post_failed"]
+    assert not d.peers
+    fx.post_error = ChunkError(ErrorKind.BACKEND, "busy")  # any other error keeps it
+    d.run([ConnectPeer(D), READ])
+    assert "agent-d" in d.peers and names(fx)[-3:] == ["connect", "read", "post_failed"]
+    d.completed(8, ChunkError(ErrorKind.TIMEOUT))
+    assert "agent-d" in d.peers
 
 
 def test_one_action_that_raises_is_contained_and_the_others_still_run() -> None:

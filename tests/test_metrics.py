@@ -57,6 +57,7 @@ EXPECTED = {
     "kvpush_connector_blocks": ("gauge", ("role",)),
     "kvpush_transfers_active": ("gauge", ("role",)),
     "kvpush_peer_restarts": ("counter", ("role",)),
+    "kvpush_peer_connections_lost": ("counter", ("role",)),
     "kvpush_protocol_fallbacks": ("counter", ("role", "version")),
     "kvpush_protocol_dones": ("counter", ("role", "version")),
     "kvpush_layerwise_writes": ("counter", ("role", "when")),

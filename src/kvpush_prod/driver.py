@@ -29,8 +29,8 @@ from kvpush_prod.core.actions import (
 )
 from kvpush_prod.core.commands import Command
 from kvpush_prod.core.messages import ControlMessage, PeerInfo
-from kvpush_prod.core.retry import ChunkError, ErrorKind
-from kvpush_prod.core.vocabulary import Word
+from kvpush_prod.core.retry import ChunkError, ErrorKind, classify
+from kvpush_prod.core.vocabulary import NoteKind, Word
 
 MAX_MESSAGE_AGE_S = 3600.0  # a sent_at further back is a broken clock, not a slow network
 
@@ -244,6 +244,10 @@ class Driver(Generic[E, P]):
         # agent: each try costs seconds and, in UCX, a socket it may never close (a soak
         # measured one fd per refused connect); the transfers meanwhile hear it failed.
         self.retry_at: dict[str, tuple[float, float]] = {}
+        # Chunks in flight: the agent and the connection each went out on, so that a chunk
+        # the transport says was cut off (REMOTE_DISCONNECT) drops that connection only if
+        # it is still the one in use (not one made since).
+        self.posted: dict[int, tuple[str, P]] = {}
 
     # ------------------------------------------------------------------ events in
     def feed(self, stage: Stage, what: str, event: Callable[[E, float], list[Action]]) -> None:
@@ -276,6 +280,9 @@ class Driver(Generic[E, P]):
 
     def completed(self, chunk_id: int, error: ChunkError | None = None) -> None:
         """A posted chunk completed (``error`` None) or failed."""
+        went = self.posted.pop(chunk_id, None)
+        if error is not None and went is not None:
+            self._check_lost(went[0], went[1], error)
         self.feed(
             Stage.COMPLETION,
             f"chunk {chunk_id}",
@@ -347,17 +354,17 @@ class Driver(Generic[E, P]):
 
     def post_write(self, action: PostWrite, /) -> None:
         peer = self.peers.get(action.peer)
-        self._posted(
-            action,
-            self.effects.write(action, peer) if peer is not None else _not_connected(action.peer),
-        )
+        if peer is None:
+            self._posted(action, _not_connected(action.peer))
+            return
+        self._posted(action, self.effects.write(action, peer), peer)
 
     def post_read(self, action: PostRead, /) -> None:
         peer = self.peers.get(action.peer)
-        self._posted(
-            action,
-            self.effects.read(action, peer) if peer is not None else _not_connected(action.peer),
-        )
+        if peer is None:
+            self._posted(action, _not_connected(action.peer))
+            return
+        self._posted(action, self.effects.read(action, peer), peer)
 
     def send_message(self, action: SendMessage, /) -> None:
         msg = action.message
@@ -393,11 +400,31 @@ class Driver(Generic[E, P]):
             lambda engine, now: engine.on_peer(agent, problem, now),
         )
 
-    def _posted(self, action: PostWrite | PostRead, error: ChunkError | None) -> None:
+    def _check_lost(self, agent: str, peer: P, error: ChunkError) -> None:
+        """A chunk to or from ``agent`` over ``peer`` failed with ``error``. If the transport
+        says the connection itself is gone (REMOTE_DISCONNECT: UCX closed it, e.g. TCP's
+        user timeout under a partition) and it is still the one in use, it is dropped: UCX
+        never reopens it, so every later post would fail the same way. The next ConnectPeer
+        for the agent (P's engine asks at once; D's next fallback from that P) makes a new
+        one. Counted as ``kvpush_peer_connections_lost_total``."""
+        if classify(error).kind is not ErrorKind.REMOTE_DISCONNECT:
+            return
+        if self.peers.get(agent) is not peer:
+            return  # that connection was already dropped (and maybe made anew)
+        self.effects.note(Note(NoteKind.CONNECTION_LOST, "", agent, 0.0))
+        self._drop(agent)
+
+    def _posted(
+        self, action: PostWrite | PostRead, error: ChunkError | None, peer: P | None = None
+    ) -> None:
         """A chunk that could not be posted fails at once: the engine hears it as a failed
         chunk (and retries, falls back or gives up)."""
         if error is None:
+            if peer is not None:
+                self.posted[action.chunk_id] = (action.peer, peer)
             return
+        if peer is not None:
+            self._check_lost(action.peer, peer, error)
         self.effects.post_failed(action, error)
         self.run(self.engine.on_chunk(action.chunk_id, False, error, self.effects.now()))
 

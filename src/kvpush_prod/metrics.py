@@ -152,6 +152,7 @@ TABLES: dict[str, str] = {
     "sender.peers": "P: a D rank met (the peer directory)",
     "sender.retired": "P: a D rank's replaced incarnations",
     "sender.agents": "P: a D rank's NIXL agent name",
+    "sender.connect_retry": "P: when a D agent that could not be connected is asked again",
     "sender.breakers": "P: a circuit breaker, per D agent",
     "sender.retry_budgets": "P: a retry budget, per D agent",
     "push.links": "P: a link (D agent) of the WRITE scheduler",
@@ -490,6 +491,16 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "D: reserved for inbound transfers).",
     ),
     _s("kvpush_transfers_active", "gauge", _R, "Transfers in progress."),
+    _s(
+        "kvpush_peer_connections_lost",
+        "counter",
+        _R,
+        "NIXL connections the transport closed under a transfer (REMOTE_DISCONNECT: e.g. "
+        "UCX's TCP user timeout during a network partition): dropped and made anew on next "
+        "use (P reconnects at once, D at its next pull from that P). A steady rate means a "
+        "link that keeps failing.",
+        healthy=False,
+    ),
     _s(
         "kvpush_peer_restarts",
         "counter",

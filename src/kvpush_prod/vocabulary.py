@@ -87,6 +87,9 @@ class NoteKind(Word):
     FENCED = "fenced"  # a stale generation or a replaced process: nothing changed
     BREAKER_TRIP = "breaker_trip"  # reason: the peer (agent) whose breaker opened
     PEER_RESTART = "peer_restart"  # reason: decode | prefill
+    # The transport closed a NIXL connection (REMOTE_DISCONNECT): dropped, made anew on next
+    # use; detail: the agent
+    CONNECTION_LOST = "connection_lost"
     TRANSFER_DONE = "transfer_done"  # P: the last WRITE landed; detail: the transfer id
     QUEUE_WAIT = "queue_wait"  # P: value = seconds from ready to the first chunk posted
     # P: value = times a ready chunk waited for its link's in-flight cap since the last such

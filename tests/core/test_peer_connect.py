@@ -11,6 +11,7 @@ from dataclasses import replace
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend
 from kvpush_prod.core.identity import agent_name as ag
+from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
 from tests.core.sim_world import Chaos, World
 from tests.core.test_push_engines import LAYOUT, SS, D, P, msgs, of, register
@@ -89,6 +90,41 @@ def test_a_late_connect_after_a_failure_lets_later_transfers_push() -> None:
     s.on_peer(D.agent_name, "", 2.0)  # the connect thread finished after all
     s.blocks_ready("u", [4], 2.0)
     assert of(s.on_message(register("u", blocks=[20]), 2.0), PostWrite) != []
+
+
+def test_a_decode_that_could_not_be_connected_is_asked_for_again_by_a_later_transfer() -> None:
+    """A failed connect is not for good: a transfer a while later asks for the connection
+    again and waits for it (the driver backs off further while connects keep failing)."""
+    s = sender()
+    s.on_message(register(), 0.0)
+    s.on_peer(D.agent_name, "timed out after 10 s", 1.0)
+    s.blocks_ready("u", [4], 1.5)
+    out = s.on_message(register("u", blocks=[20], gen=1), 1.5)  # within CONNECT_RETRY_S
+    assert len(msgs(out, m.Fallback)) == 1 and of(out, ConnectPeer) == []
+    s.blocks_ready("v", [5], 2.5)
+    out = s.on_message(register("v", blocks=[30], gen=1), 2.5)
+    assert of(out, ConnectPeer) == [ConnectPeer(D)] and msgs(out, m.Fallback) == []
+    assert s.connecting(D.agent_name)
+    (w,) = of(s.on_peer(D.agent_name, "", 2.6), PostWrite)
+    assert w.transfer_id == "v"
+
+
+def test_a_chunk_cut_off_with_its_connection_asks_for_a_new_one_and_later_pushes_wait() -> None:
+    """REMOTE_DISCONNECT: the shell drops the connection UCX closed; P asks for a new one to
+    the same process at once (the cut push falls back), and the next push waits for it."""
+    s = sender()
+    s.blocks_ready("t", [1], 0.0)
+    s.on_message(register("t", blocks=[10]), 0.0)
+    (w,) = of(s.on_peer(D.agent_name, "", 0.1), PostWrite)
+    out = s.on_chunk(w.chunk_id, False, ChunkError(ErrorKind.REMOTE_DISCONNECT), 0.2)
+    assert of(out, ConnectPeer) == [ConnectPeer(D)] and len(msgs(out, m.Fallback)) == 1
+    s.blocks_ready("u", [2], 0.3)
+    assert of(s.on_message(register("u", blocks=[20]), 0.3), PostWrite) == []  # held
+    (w,) = of(s.on_peer(D.agent_name, "", 0.4), PostWrite)
+    assert w.transfer_id == "u"
+    # Any other error keeps the connection: nothing is asked for.
+    out = s.on_chunk(w.chunk_id, False, ChunkError(ErrorKind.BACKEND), 0.5)
+    assert of(out, ConnectPeer) == [] and not s.connecting(D.agent_name)
 
 
 def test_another_decode_is_pushed_to_while_one_is_being_connected() -> None:

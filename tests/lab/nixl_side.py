@@ -1,6 +1,10 @@
 """One side of a NIXL WRITE between two network namespaces (tests/lab/test_netns_nixl.py):
 ``p`` writes 1 MiB to ``d`` before, during and after a partition the test makes, and prints
-each transfer's state; ``d`` prints the notifications it got. Files in DIR synchronise."""
+each transfer's state; ``d`` prints the notifications it got. Files in DIR synchronise.
+
+``p DIR reconnect``: the partition outlasts UCX_TCP_USER_TIMEOUT, so UCX closes the
+connection; after healing ``p`` writes once more on it, then drops and re-adds ``d``'s agent
+(what the driver does on REMOTE_DISCONNECT) and writes again."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 from kvpush_prod.transport.nixl import make_agent
 
 role, d = sys.argv[1], pathlib.Path(sys.argv[2])
+reconnect = sys.argv[3:] == ["reconnect"]
 ag = make_agent(f"x-{role}", "UCX", True, 1000)
 buf = torch.full((1 << 20,), 7 if role == "p" else 0, dtype=torch.uint8)
 reg = ag.register_memory(ag.get_reg_descs([buf]))
@@ -45,12 +50,19 @@ if role == "p":
     (d / "ready").write_text("1")
     while not (d / "cut").exists():
         time.sleep(0.05)
-    xfer("during", 4)
+    xfer("during", 8 if reconnect else 4)
     while not (d / "healed").exists():
         time.sleep(0.05)
-    for i in range(3):
-        xfer(f"after{i}", 20)
-        time.sleep(1)
+    if reconnect:
+        xfer("after0", 10)
+        ag.remove_remote_agent(peer)
+        peer = ag.add_remote_agent((d / "d.md").read_bytes())
+        for i in range(3):
+            xfer(f"again{i}", 20)
+    else:
+        for i in range(3):
+            xfer(f"after{i}", 20)
+            time.sleep(1)
 else:
     while not (d / "end").exists():
         time.sleep(0.2)

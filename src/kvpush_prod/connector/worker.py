@@ -1255,6 +1255,16 @@ class TransferPump(threading.Thread, Generic[E]):
         elif kind is NoteKind.PEER_RESTART:
             self.stats.inc("kvpush_peer_restarts", self._labels)
             self._log.log(logging.WARNING, kind, "kvpush: peer restarted: %s", note.detail)
+        elif kind is NoteKind.CONNECTION_LOST:
+            self.stats.inc("kvpush_peer_connections_lost", self._labels)
+            self._log.log(
+                logging.WARNING,
+                kind,
+                "kvpush: the NIXL connection to %s (%s) was closed under us "
+                "(REMOTE_DISCONNECT): dropped; the next transfer with it connects anew",
+                note.detail[:64],
+                self._peer_label.get(note.detail, "?"),
+            )
 
     def contained(self, stage: Stage, what: str) -> None:
         """Log and count an input or action that raised; the rest of the pass goes on."""

@@ -52,6 +52,7 @@ from kvpush_prod.core.retry import (
     BudgetSettings,
     ChunkError,
     ErrorClass,
+    ErrorKind,
     PeerBreakers,
     RandomLike,
     RetryBudget,
@@ -67,6 +68,10 @@ from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome, RejectRea
 from kvpush_prod.errors import ProtocolError
 
 S = TransferState
+# A D whose connection failed is asked for again at most this often (by the next transfer to
+# it); the driver backs off further (``driver.CONNECT_BACKOFF_S`` up to its max) while
+# connects keep failing, so a D that comes back is pushed to again without a restart.
+CONNECT_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +299,9 @@ class Sender:
         # agents whose connection failed (why), pushes to which fall back or fail.
         self._connecting: set[str] = set()
         self._unreachable: dict[str, str] = {}
+        # Unreachable agents: when a transfer to one may next ask for a new connection (the
+        # driver backs off further while connects keep failing).
+        self._connect_retry_at: dict[str, float] = {}
         self._next_heartbeat = 0.0
         self._capped = (0, 0)  # the scheduler's capped counters last reported
 
@@ -315,6 +323,7 @@ class Sender:
             "sender.peers": (len(self._peers), s.max_peers),
             "sender.retired": (len(self._retired), s.max_peers),
             "sender.agents": (len(self._agents), None),
+            "sender.connect_retry": (len(self._connect_retry_at), None),
             "sender.breakers": (len(self.breakers), None),
             "sender.retry_budgets": (len(self.budget), None),
             **self.sched.tables("push"),
@@ -893,7 +902,9 @@ class Sender:
             return []  # a peer forgotten (replaced, pruned) while it was being connected
         self._connecting.discard(agent)
         if problem:
+            # Just tried: the transfers that waited for it fall back; a later one asks again.
             self._unreachable[agent] = problem[:MAX_TEXT_LEN]
+            self._connect_retry_at[agent] = now + CONNECT_RETRY_S
         else:
             self._unreachable.pop(agent, None)
         out: list[Action] = []
@@ -909,6 +920,7 @@ class Sender:
     def _forget_agent(self, agent: str) -> None:
         self._connecting.discard(agent)
         self._unreachable.pop(agent, None)
+        self._connect_retry_at.pop(agent, None)
 
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
@@ -924,7 +936,36 @@ class Sender:
             o.inflight.discard(chunk_id)
         if ok:
             return self._chunk_landed(chunk, o, now)
-        return self._chunk_failed(chunk, o, error, now)
+        return self._reconnect(chunk.link, error) + self._chunk_failed(chunk, o, error, now)
+
+    def _reconnect(self, agent: str, error: ChunkError | str) -> list[Action]:
+        """A chunk to ``agent`` failed because its connection is gone (REMOTE_DISCONNECT):
+        the shell drops a connection that the transport closed, and this asks for a new one
+        to the same process (idempotent: a connection made since is kept). Transfers to it
+        wait for it as for a first connection."""
+        if classify(error).kind is not ErrorKind.REMOTE_DISCONNECT:
+            return []
+        key = self._agents.get(agent)
+        info = self._peers.get(key) if key is not None else None
+        if info is None or agent in self._connecting:
+            return []  # a process no longer met (its transfers end), or already connecting
+        return self._connect_again(info)
+
+    def _connect_again(self, info: PeerInfo) -> list[Action]:
+        """Ask the shell for a connection to ``info``'s agent again; transfers to it wait."""
+        if self.s.await_connect:
+            self._connecting.add(info.agent_name)
+        return [ConnectPeer(info)]
+
+    def _retry_connect(self, o: _Out, now: float) -> list[Action]:
+        """``o``'s D could not be connected: ask again (``o`` waits for the answer) at most
+        every ``CONNECT_RETRY_S``; [] when it is not time (``o`` falls back)."""
+        key = self._agents.get(o.peer)
+        info = self._peers.get(key) if key is not None else None
+        if info is None or now < self._connect_retry_at.get(o.peer, 0.0):
+            return []
+        self._connect_retry_at[o.peer] = now + CONNECT_RETRY_S
+        return self._connect_again(info)
 
     def _chunk_landed(self, chunk: Chunk, o: _Out | None, now: float) -> list[Action]:
         """``chunk`` of ``o`` completed: the push is over with the last one, else the next
@@ -1510,6 +1551,9 @@ class Sender:
             # not usable yet; D's heartbeats renew the permit meanwhile, ``on_peer`` starts it.
             return []
         if o.peer in self._unreachable:
+            again = self._retry_connect(o, now)
+            if again:
+                return again  # ``on_peer`` starts it, or gives it up
             return self._give_up(
                 o, ErrorClass.FALLBACK, f"connect_failed: {self._unreachable[o.peer]}", now
             )
