@@ -153,6 +153,7 @@ TABLES: dict[str, str] = {
     "sender.retired": "P: a D rank's replaced incarnations",
     "sender.agents": "P: a D rank's NIXL agent name",
     "sender.connect_retry": "P: when a D agent that could not be connected is asked again",
+    "sender.silent": "P: a D agent whose connection failed, not heard from since",
     "sender.breakers": "P: a circuit breaker, per D agent",
     "sender.retry_budgets": "P: a retry budget, per D agent",
     "push.links": "P: a link (D agent) of the WRITE scheduler",

@@ -806,6 +806,7 @@ class World:
         self._heap: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count(1)
         self._ids = itertools.count(1)
+        self._handles = itertools.count(1)  # connections made (``handle``)
         self._incs = itertools.count(101)
         self.tid_count = 0  # requests so far (ids t1, t2, ...)
         self.history: deque[Wire] = deque(maxlen=64)  # recent messages, for stale replays
@@ -872,11 +873,16 @@ class World:
         r = self.r("connect", node.name, node.inc, agent, self.now)
         fail = r.random() < c.connect_fail
         if node.role != "P" or not (fail or r.random() < c.connect_slow):
-            return agent
+            return self.handle(agent)
         self.count("connect:failed" if fail else "connect:slow")
         at = self.now + r.uniform(0.001, CONNECT_MAX_S)
         self._push(at, "connect", (node.name, node.inc, agent, fail))
         return DEFERRED
+
+    def handle(self, agent: str) -> str:
+        """A connection's handle: one of its own for each connect (the driver tells a
+        connection made since from the one a late failure went out on by identity)."""
+        return f"{agent}#{next(self._handles)}"
 
     def _connected(self, key: tuple[str, int, str, bool]) -> None:
         node = self._node((key[0], key[1]))
@@ -884,7 +890,9 @@ class World:
             return  # that process is gone, and its connect with it
         agent, failed = key[2], key[3]
         self.log(f"{node.name} {'could not connect' if failed else 'connected'} to {agent}")
-        node.driver.connected(agent, None if failed else agent, "injected connect failure")
+        node.driver.connected(
+            agent, None if failed else self.handle(agent), "injected connect failure"
+        )
         self.check_sender(node)
 
     def by_address(self, address: str) -> Node | None:
@@ -980,6 +988,27 @@ class World:
             node.deferred.append(lambda: self._call_now(node, inc, fn))
             return
         self._call_now(node, node.inc, fn)
+
+    def call_completed(self, node: Node, cid: int, err: str) -> None:
+        """The chunk ``cid`` of ``node`` ended (``err`` "": landed), through the driver's
+        door for completions (it drops a connection the transport reports closed)."""
+        if not node.alive:
+            return
+        inc = node.inc
+        if node.paused_until > self.now:
+            node.deferred.append(lambda: self._completed_now(node, inc, cid, err))
+            return
+        self._completed_now(node, inc, cid, err)
+
+    def _completed_now(self, node: Node, inc: int, cid: int, err: str) -> None:
+        if not node.alive or node.inc != inc:
+            return
+        try:
+            node.driver.completed(cid, ChunkError.from_text(err) if err else None)
+        except BaseException:
+            self.broken = True
+            raise
+        self.check_sender(node)
 
     def _call_now(self, node: Node, inc: int, fn: Callable[[Any, float], list[Action]]) -> None:
         if not node.alive or node.inc != inc:
@@ -2539,8 +2568,7 @@ class World:
             self.notifs[nid] = (at, target.agent, fl.done, agent_name(*fl.key[:2]))
             self._push(at, "notif", nid)
         if poster.alive and poster.inc == fl.key[1]:
-            cid, now_err = fl.key[2], err
-            self.call(poster, lambda eng, now: eng.on_chunk(cid, not now_err, now_err, now))
+            self.call_completed(poster, fl.key[2], err)
 
     def deliver_notif(self, nid: int) -> None:
         rec = self.notifs.pop(nid, None)

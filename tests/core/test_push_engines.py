@@ -387,10 +387,14 @@ def test_fatal_error_fails_the_transfer_without_fallback() -> None:
 def test_open_breaker_sends_new_transfers_straight_to_pull() -> None:
     s = sender()
     for i in range(2):  # two fatal-to-the-push failures trip the breaker (threshold 2)
-        tid = f"t{i}"
-        s.blocks_ready(tid, [1], 0.0)
-        (w,) = of(s.on_message(register(tid, blocks=[10 + i]), 0.0), PostWrite)
-        s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", 0.1)
+        tid, now = f"t{i}", 0.05 * i
+        s.blocks_ready(tid, [1], now)
+        out = s.on_message(register(tid, blocks=[10 + i]), now)
+        if i:  # the first closed the connection: D's REGISTER lets P connect anew
+            assert of(out, ConnectPeer) == [ConnectPeer(D)]
+            out = s.on_peer(D.agent_name, "", now)
+        (w,) = of(out, PostWrite)
+        s.on_chunk(w.chunk_id, False, "NIXL_ERR_REMOTE_DISCONNECT", now + 0.01)
     s.blocks_ready("t9", [1], 0.2)
     out = s.on_message(register("t9", blocks=[30]), 0.2)
     assert of(out, PostWrite) == [] and len(msgs(out, m.Fallback)) == 1

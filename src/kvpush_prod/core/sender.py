@@ -302,6 +302,10 @@ class Sender:
         # Unreachable agents: when a transfer to one may next ask for a new connection (the
         # driver backs off further while connects keep failing).
         self._connect_retry_at: dict[str, float] = {}
+        # Agents whose connection was closed or could not be made, not heard from since: no
+        # new connect is tried until a message of theirs arrives (a connect into a partition
+        # fails after seconds and UCX keeps a socket of each such try).
+        self._silent: set[str] = set()
         self._next_heartbeat = 0.0
         self._capped = (0, 0)  # the scheduler's capped counters last reported
 
@@ -324,6 +328,7 @@ class Sender:
             "sender.retired": (len(self._retired), s.max_peers),
             "sender.agents": (len(self._agents), None),
             "sender.connect_retry": (len(self._connect_retry_at), None),
+            "sender.silent": (len(self._silent), None),
             "sender.breakers": (len(self.breakers), None),
             "sender.retry_budgets": (len(self.budget), None),
             **self.sched.tables("push"),
@@ -905,6 +910,7 @@ class Sender:
             # Just tried: the transfers that waited for it fall back; a later one asks again.
             self._unreachable[agent] = problem[:MAX_TEXT_LEN]
             self._connect_retry_at[agent] = now + CONNECT_RETRY_S
+            self._silent.add(agent)
         else:
             self._unreachable.pop(agent, None)
         out: list[Action] = []
@@ -921,6 +927,7 @@ class Sender:
         self._connecting.discard(agent)
         self._unreachable.pop(agent, None)
         self._connect_retry_at.pop(agent, None)
+        self._silent.discard(agent)
 
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
@@ -936,36 +943,39 @@ class Sender:
             o.inflight.discard(chunk_id)
         if ok:
             return self._chunk_landed(chunk, o, now)
-        return self._reconnect(chunk.link, error) + self._chunk_failed(chunk, o, error, now)
+        self._connection_closed(chunk.link, error, now)
+        return self._chunk_failed(chunk, o, error, now)
 
-    def _reconnect(self, agent: str, error: ChunkError | str) -> list[Action]:
-        """A chunk to ``agent`` failed because its connection is gone (REMOTE_DISCONNECT):
-        the shell drops a connection that the transport closed, and this asks for a new one
-        to the same process (idempotent: a connection made since is kept). Transfers to it
-        wait for it as for a first connection."""
+    def _connection_closed(self, agent: str, error: ChunkError | str, now: float) -> None:
+        """A chunk to ``agent`` failed because its connection is gone (REMOTE_DISCONNECT:
+        the shell drops a connection the transport closed). The next transfer to that D
+        asks for a new one once D is heard from again (a heartbeat or a REGISTER: the link
+        is back), and waits for it as for a first connection."""
         if classify(error).kind is not ErrorKind.REMOTE_DISCONNECT:
-            return []
-        key = self._agents.get(agent)
-        info = self._peers.get(key) if key is not None else None
-        if info is None or agent in self._connecting:
-            return []  # a process no longer met (its transfers end), or already connecting
-        return self._connect_again(info)
-
-    def _connect_again(self, info: PeerInfo) -> list[Action]:
-        """Ask the shell for a connection to ``info``'s agent again; transfers to it wait."""
-        if self.s.await_connect:
-            self._connecting.add(info.agent_name)
-        return [ConnectPeer(info)]
+            return
+        if agent not in self._agents or agent in self._connecting:
+            return  # a process no longer met (its transfers end), or already connecting
+        self._unreachable[agent] = "its connection was closed (REMOTE_DISCONNECT)"
+        self._connect_retry_at[agent] = now
+        self._silent.add(agent)
 
     def _retry_connect(self, o: _Out, now: float) -> list[Action]:
-        """``o``'s D could not be connected: ask again (``o`` waits for the answer) at most
-        every ``CONNECT_RETRY_S``; [] when it is not time (``o`` falls back)."""
+        """``o``'s D could not be connected (or its connection was closed): ask again
+        (``o`` waits for the answer) once D was heard from since, at most every
+        ``CONNECT_RETRY_S`` and not while the breaker to D is open; [] when it is not time
+        (``o`` falls back)."""
         key = self._agents.get(o.peer)
         info = self._peers.get(key) if key is not None else None
-        if info is None or now < self._connect_retry_at.get(o.peer, 0.0):
+        if info is None or o.peer in self._silent:
+            return []
+        if self.breakers[o.peer].state(now) is BreakerState.OPEN:
+            return []  # straight to pull until the breaker lets a probe through
+        if now < self._connect_retry_at.get(o.peer, 0.0):
             return []
         self._connect_retry_at[o.peer] = now + CONNECT_RETRY_S
-        return self._connect_again(info)
+        if self.s.await_connect:
+            self._connecting.add(o.peer)  # transfers to it wait for the answer
+        return [ConnectPeer(info)]
 
     def _chunk_landed(self, chunk: Chunk, o: _Out | None, now: float) -> list[Action]:
         """``chunk`` of ``o`` completed: the push is over with the last one, else the next
@@ -1381,6 +1391,7 @@ class Sender:
         known = self._peers.get(key)
         if known is not None and known.incarnation == info.incarnation:
             self._peers.move_to_end(key)
+            self._silent.discard(known.agent_name)  # heard from: a connect may be tried
             return [], None
         if info.layout is None or not info.agent_meta:
             return [], None  # a slim message (heartbeat) of a rank not met: nothing to do
