@@ -170,18 +170,7 @@ def test_connects_made_off_the_pump_that_land_late_or_fail_break_no_invariant() 
     some fail. Transfers wait for them (D's heartbeats renewing their permits) or fall back
     to D's pull; each world checks every invariant (nothing written outside a permit, every
     request ends once on each side, nothing held). 16 worlds of 2 P x 2 D."""
-    seen: dict[str, int] = {}
-    for seed in range(16):
-        w = World(2, 2, Chaos(skew=True, connect_slow=0.7, connect_fail=0.3), seed)
-        w.run_until(0.5)
-        for i in range(8):
-            p, d = w.nodes[f"P{i % 2}"], w.nodes[f"D{(i // 2) % 2}"]
-            w.new_request(p, d, 1 + (seed + i) % 3, 0)
-            w.run_until(w.now + 0.05)
-        w.run_until(w.now + 40.0)
-        w.quiesce()
-        for k, n in w.stats.items():
-            seen[k] = seen.get(k, 0) + n
+    seen = worlds(Chaos(skew=True, connect_slow=0.7, connect_fail=0.3), 8, 0.05)
     assert seen.get("connect:slow", 0) > 0 and seen.get("connect:failed", 0) > 0
     assert seen.get("send:Fallback", 0) > 0  # a failed connect gave its transfers to D's pull
 
@@ -192,18 +181,25 @@ def test_connections_the_transport_closes_are_made_anew_and_break_no_invariant()
     driver and made anew, pushes go on over the new ones, and every invariant holds (nothing
     written outside a permit, every request ends once on each side, nothing held). 16
     worlds of 2 P x 2 D, 16 requests each."""
+    seen = worlds(Chaos(skew=True, chunk_fail=0.3, connect_slow=0.5, connect_fail=0.1), 16, 0.3)
+    lost = seen.get("note:connection_lost:", 0)
+    assert lost > 0, seen
+    assert seen.get("note:transfer_done:pushed", 0) > lost  # pushing went on after losses
+
+
+def worlds(chaos: Chaos, requests: int, gap_s: float) -> dict[str, int]:
+    """16 worlds of 2 P x 2 D under ``chaos``: ``requests`` each, ``gap_s`` apart, every
+    pair in turn, then quiesced (each checks every invariant); their counts summed."""
     seen: dict[str, int] = {}
     for seed in range(16):
-        w = World(2, 2, Chaos(skew=True, chunk_fail=0.3, connect_slow=0.5, connect_fail=0.1), seed)
+        w = World(2, 2, chaos, seed)
         w.run_until(0.5)
-        for i in range(16):
+        for i in range(requests):
             p, d = w.nodes[f"P{i % 2}"], w.nodes[f"D{(i // 2) % 2}"]
             w.new_request(p, d, 1 + (seed + i) % 3, 0)
-            w.run_until(w.now + 0.3)
+            w.run_until(w.now + gap_s)
         w.run_until(w.now + 40.0)
         w.quiesce()
         for k, n in w.stats.items():
             seen[k] = seen.get(k, 0) + n
-    lost = seen.get("note:connection_lost:", 0)
-    assert lost > 0, seen
-    assert seen.get("note:transfer_done:pushed", 0) > lost  # pushing went on after losses
+    return seen
