@@ -79,6 +79,7 @@ EMITTED_ON_FAULTS = {
     "kvpush_control_messages_rejected",
     "kvpush_kv_params_rejected",
     "kvpush_peer_restarts",
+    "kvpush_peer_connections_lost",
     "kvpush_pump_errors",
     "kvpush_hook_errors",
     # Not a fault but load: a link cap binds only with several chunks in flight on a link,
