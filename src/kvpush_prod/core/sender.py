@@ -68,9 +68,10 @@ from kvpush_prod.core.vocabulary import AfterDrain, NoteKind, Outcome, RejectRea
 from kvpush_prod.errors import ProtocolError
 
 S = TransferState
-# A D whose connection failed is asked for again at most this often (by the next transfer to
-# it); the driver backs off further (``driver.CONNECT_BACKOFF_S`` up to its max) while
-# connects keep failing, so a D that comes back is pushed to again without a restart.
+# A D whose connection failed or was closed is asked for again, once heard from since, at
+# most this often (by the next transfer to it); the driver backs off further
+# (``driver.CONNECT_BACKOFF_S`` up to its max) while connects keep failing, so a D that
+# comes back is pushed to again without a restart.
 CONNECT_RETRY_S = 1.0
 
 
