@@ -498,8 +498,8 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         _R,
         "NIXL connections the transport closed under a transfer (REMOTE_DISCONNECT: e.g. "
         "UCX's TCP user timeout during a network partition): dropped and made anew on next "
-        "use (P reconnects at once, D at its next pull from that P). A steady rate means a "
-        "link that keeps failing.",
+        "use (P once it hears from that D again, D at its next pull from that P). A steady "
+        "rate means a link that keeps failing.",
         healthy=False,
     ),
     _s(

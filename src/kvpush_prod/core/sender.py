@@ -944,10 +944,10 @@ class Sender:
             o.inflight.discard(chunk_id)
         if ok:
             return self._chunk_landed(chunk, o, now)
-        self._connection_closed(chunk.link, error, now)
+        self._connection_closed(chunk.link, error)
         return self._chunk_failed(chunk, o, error, now)
 
-    def _connection_closed(self, agent: str, error: ChunkError | str, now: float) -> None:
+    def _connection_closed(self, agent: str, error: ChunkError | str) -> None:
         """A chunk to ``agent`` failed because its connection is gone (REMOTE_DISCONNECT:
         the shell drops a connection the transport closed). The next transfer to that D
         asks for a new one once D is heard from again (a heartbeat or a REGISTER: the link
@@ -957,7 +957,7 @@ class Sender:
         if agent not in self._agents or agent in self._connecting:
             return  # a process no longer met (its transfers end), or already connecting
         self._unreachable[agent] = "its connection was closed (REMOTE_DISCONNECT)"
-        self._connect_retry_at[agent] = now
+        self._connect_retry_at.pop(agent, None)  # no wait beyond hearing from D
         self._silent.add(agent)
 
     def _retry_connect(self, o: _Out, now: float) -> list[Action]:
