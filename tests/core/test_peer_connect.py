@@ -147,6 +147,28 @@ def test_no_connect_is_tried_into_silence_only_once_the_decode_is_heard_from_aga
     assert of(out, ConnectPeer) == [ConnectPeer(D)] and msgs(out, m.Fallback) == []
 
 
+def test_a_layerwise_push_given_up_is_not_started_again_when_the_decode_is_heard_from() -> None:
+    """A layer-wise push whose D's connection was closed gives up before any chunk goes
+    out; its FALLBACK waits for the forward's end (D reads whole blocks). A heartbeat from D
+    meanwhile (the link is back) must not start it again: P would WRITE into blocks D was
+    told to read (found by the stateful world, seed 1267183846)."""
+    ss = replace(SS, await_connect=True, breaker=replace(SS.breaker, failure_threshold=5))
+    s = Sender(P, ss, random.Random(0))  # the breaker stays closed: a connect may be tried
+    s.blocks_ready("a", [1], 0.0)
+    s.on_message(register("a", blocks=[10], ttl_ms=60000), 0.0)
+    s.on_message(register("t", blocks=[20, 21], ttl_ms=60000), 0.0)
+    (w,) = of(s.on_peer(D.agent_name, "", 0.1), PostWrite)
+    s.on_chunk(w.chunk_id, False, ChunkError(ErrorKind.REMOTE_DISCONNECT), 0.2)
+    out = s.layers_ready("t", [2, 3], 1, 4, 0.4)  # D silent since: given up, no connect
+    assert of(out, ConnectPeer) == [] and of(out, PostWrite) == [] and msgs(out, m.Fallback) == []
+    out = s.on_message(heartbeat("t"), 0.5)
+    out += s.on_peer(D.agent_name, "", 0.6) + s.layers_ready("t", [2, 3], 3, 4, 0.7)
+    assert of(out, PostWrite) == [] and of(out, ConnectPeer) == []
+    out = s.blocks_ready("t", [2, 3], 0.8)  # the forward ended: D reads the whole KV
+    assert of(out, PostWrite) == [] and len(msgs(out, m.Fallback)) == 1
+    assert of(s.poll(0.9), PostWrite) == []
+
+
 def test_another_decode_is_pushed_to_while_one_is_being_connected() -> None:
     s = sender()
     s.blocks_ready("t", [1], 0.0)

@@ -1543,6 +1543,11 @@ class Sender:
     def _maybe_start(self, o: _Out, now: float) -> list[Action]:
         if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
             return []
+        if o.drain_then is not AfterDrain.NOTHING:
+            # Its end is decided (a push given up before any chunk went out, whose fallback
+            # waits for the forward's end): a heartbeat or a connection made since does
+            # not start it again, or P would WRITE after it told D to pull.
+            return []
         reg = o.reg
         problem = self._check(o, reg)
         if problem:
