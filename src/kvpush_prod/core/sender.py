@@ -1540,15 +1540,23 @@ class Sender:
             f"{info.engine_id} rank {info.rank} incarnation {info.incarnation} was replaced",
         )
 
+    @staticmethod
+    def _startable(o: _Out) -> bool:
+        """Registered, its blocks ready, and its end not decided: a push given up before any
+        chunk went out (its fallback waits for the forward's end) is not started again by a
+        heartbeat or a connection made since, or P would WRITE after telling D to pull."""
+        return (
+            o.machine.state is S.REGISTERED
+            and o.blocks is not None
+            and o.reg is not None
+            and o.drain_then is AfterDrain.NOTHING
+        )
+
     def _maybe_start(self, o: _Out, now: float) -> list[Action]:
-        if o.machine.state is not S.REGISTERED or o.blocks is None or o.reg is None:
-            return []
-        if o.drain_then is not AfterDrain.NOTHING:
-            # Its end is decided (a push given up before any chunk went out, whose fallback
-            # waits for the forward's end): a heartbeat or a connection made since does
-            # not start it again, or P would WRITE after it told D to pull.
+        if not self._startable(o):
             return []
         reg = o.reg
+        assert reg is not None
         problem = self._check(o, reg)
         if problem:
             self._fire(o, E.FAIL, now)
