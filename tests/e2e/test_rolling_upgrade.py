@@ -6,11 +6,11 @@ engine's and is pushed, pairs of mixed versions keep pushing (this build's DONE 
 protocol version proves it: a DONE in protocol 2 to or from this build crossed versions),
 and nothing is held at the end.
 
-CI runs one pass whose order makes both mixes (new P with old D's, then old P with new D's:
-P0, D1, D0, P1, traffic checked after each step); the full run (KVPUSH_E2E_EXTRA=1) adds
-the two pure orders, every P first and every D first. Measured on a loaded 2-core box: the
-CI pass 314 s (the cluster's start ~60 s, then ~57 s a step: drain, stop, start, undrain,
-traffic), ~3,600 requests.
+CI runs both pure orders, every P first (new P's with old D's) and every D first (old P's
+with new D's), each on a cluster of its own, traffic checked after each step; the full run
+(KVPUSH_E2E_EXTRA=1) adds a mixed order (P0, D1, D0, P1) where both kinds of mixed pairs
+run at once. While an engine restarts the load is paced (RESTART_GAP_S), as an operator's
+traffic would not saturate a 2-core box.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ SHORT = 4
 DIRECT_BELOW = 16
 LENGTHS = (40, 300, SHORT, 700, 150, 1000, 520)
 CONCURRENCY = 2
+# While an engine restarts, each load worker waits this long between its requests: traffic
+# still flows through the other engines, but a closed loop on a 2-core box starved the new
+# engine's start (147 s instead of ~40 s).
+RESTART_GAP_S = 1.0
 # Requests sent after a step, at most, before its mixed pairs must have pushed (a pair comes
 # up within two cycles of LENGTHS).
 MAX_AFTER_STEP = 48
@@ -107,6 +111,8 @@ class Load:
                 outcome = (got.kv_transfer_params or {}).get("kvpush", {}).get("outcome")
                 problem = "" if outcome == "pushed" else f"not pushed: {outcome}"
             self.records.append((phase, n, problem))
+            if self.phase.startswith("restart"):
+                await asyncio.sleep(RESTART_GAP_S)
 
 
 def dones(cluster: Cluster, names: list[str], version: str) -> float:
@@ -243,20 +249,20 @@ def run_case(order_name: str, site: str, workdir: Path, shared: SharedReference)
     assert during, f"no request ran while an engine drained or restarted: {phases}"
 
 
-def test_rolling_upgrade_from_the_previous_release_under_load(
-    previous_release: str,
-    e2e_workdir,
-    shared_reference: SharedReference,  # type: ignore[no-untyped-def]
-) -> None:
-    run_case("mixed", previous_release, e2e_workdir("e2e-upgrade-mixed"), shared_reference)
-
-
-@pytest.mark.full
 @pytest.mark.parametrize("order", ["p_first", "d_first"])
-def test_rolling_upgrade_in_one_role_first(
+def test_rolling_upgrade_from_the_previous_release_under_load(
     order: str,
     previous_release: str,
     e2e_workdir,
     shared_reference: SharedReference,  # type: ignore[no-untyped-def]
 ) -> None:
     run_case(order, previous_release, e2e_workdir(f"e2e-upgrade-{order}"), shared_reference)
+
+
+@pytest.mark.full
+def test_rolling_upgrade_in_mixed_order(
+    previous_release: str,
+    e2e_workdir,
+    shared_reference: SharedReference,  # type: ignore[no-untyped-def]
+) -> None:
+    run_case("mixed", previous_release, e2e_workdir("e2e-upgrade-mixed"), shared_reference)
