@@ -125,6 +125,7 @@ TABLES: dict[str, str] = {
     "pump.chunks": "a chunk posted to NIXL, until it completes",
     "pump.peer_labels": "a connected peer agent's metric label",
     "pump.recv_blocks": "D: a receive's blocks, until it ends",
+    "pump.staged": "D: a receive's slots of the staging area (staging.mib), until it ends",
     "pump.views": "D: the part of each block a receive fills",
     "pump.joins": "D: a part of a receive fed by several P ranks",
     "links.wire": "D: a sub-transfer's id on the wire",
@@ -352,6 +353,35 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "counter",
         ("role", "peer"),
         "Times the peer's circuit breaker opened.",
+        healthy=False,
+    ),
+    _s(
+        "kvpush_staging_blocks",
+        "gauge",
+        _R,
+        "D's staging area (staging.mib), in KV blocks over every layer: what inbound "
+        "transfers may hold at once (the credit budget is capped at it).",
+    ),
+    _s(
+        "kvpush_staging_used_blocks",
+        "gauge",
+        _R,
+        "D's staging slots held by receives in progress (or fenced) now.",
+    ),
+    _s(
+        "kvpush_staging_copy_seconds",
+        "histogram",
+        _R,
+        "D's copy of a landed transfer from its staging slots into its KV blocks (on the "
+        "transfer pump, before the engine learns the KV arrived).",
+        buckets=SECONDS_BUCKETS,
+    ),
+    _s(
+        "kvpush_staging_refused",
+        "counter",
+        _R,
+        "Receives that failed because D's staging area had no room (the credit budget "
+        "should make this 0: a count means staging.mib is smaller than what was admitted).",
         healthy=False,
     ),
     _s(

@@ -94,3 +94,34 @@ def test_the_credit_budget_is_a_fraction_of_the_kv_cache() -> None:
     cfg = config_from_extra({"credits": {"budget_fraction": 0.25, "per_peer_fraction": 0.5}})
     assert credit_settings(cfg, 1000) == CreditSettings(budget_blocks=250, per_peer_cap_blocks=125)
     assert credit_settings(cfg, 1) == CreditSettings(budget_blocks=1, per_peer_cap_blocks=1)
+
+
+def test_a_staging_area_caps_the_credit_budget_at_the_blocks_it_holds() -> None:
+    # 4 MiB of 64 KiB blocks: 64 slots, under a quarter of 1000 blocks (250).
+    cfg = config_from_extra(
+        {"credits": {"budget_fraction": 0.25, "per_peer_fraction": 0.5}, "staging": {"mib": 4}}
+    )
+    assert credit_settings(cfg, 1000, 64 << 10) == CreditSettings(
+        budget_blocks=64, per_peer_cap_blocks=32
+    )
+    # An area larger than the budget leaves the budget as it is.
+    assert credit_settings(cfg, 100, 64 << 10) == CreditSettings(
+        budget_blocks=25, per_peer_cap_blocks=12
+    )
+    # Off: the fraction of the KV cache alone.
+    off = config_from_extra({"credits": {"budget_fraction": 0.25, "per_peer_fraction": 0.5}})
+    assert credit_settings(off, 1000, 64 << 10) == CreditSettings(
+        budget_blocks=250, per_peer_cap_blocks=125
+    )
+
+
+def test_a_staging_area_that_holds_no_block_is_refused_with_the_size_it_needs() -> None:
+    import pytest
+
+    from kvpush_prod.config.core import staging_blocks
+    from kvpush_prod.errors import ConfigError
+
+    cfg = config_from_extra({"staging": {"mib": 1}})
+    assert staging_blocks(cfg, 1 << 19) == 2
+    with pytest.raises(ConfigError, match=r"staging.mib=1 holds no KV block.*at least 3"):
+        staging_blocks(cfg, 5 << 19)

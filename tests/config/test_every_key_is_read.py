@@ -40,6 +40,8 @@ NUM_BLOCKS = 1000
 # key -> (module under src/kvpush_prod, an attribute read in its code that reads the key)
 SHELL_READERS: dict[str, tuple[str, str]] = {
     "control.host": ("connector/worker.py", "self.cfg.control.host"),
+    # Sizes the staging area (workers) and caps the credit budget (scheduler) alike.
+    "staging.mib": ("connector/worker.py", "self.cfg.staging.mib"),
     "control.advertise_host": ("connector/worker.py", "self.cfg.control.advertise_host"),
     "control.port": ("connector/worker.py", "cfg.control.port"),
     "control.key_file": ("connector/worker.py", "c.key_file"),

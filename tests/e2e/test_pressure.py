@@ -5,6 +5,10 @@ D's admission then meets what vLLM does when memory is short: allocations that f
 asked again with another prefix hit (the system prompt got cached meanwhile), credit bounded
 by the blocks D really has free, running requests preempted and recomputed. Every answer
 must still equal a single engine's, no engine may die, and nothing may stay held.
+
+D runs with a staging area (``staging.mib``) smaller than what sixteen receives need: its
+free blocks come back scattered by the churn, the pushes land in staging slots and are
+copied into them, and the credit budget, capped at the slots, makes the rest wait.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ SYSTEM_TOKENS = 4 * BLOCK  # whole blocks: D's prefix cache can share them
 CONCURRENT = 16
 MAX_TOKENS = 64
 _seeds = itertools.count(7001)
+# 2 MiB of 64 KiB blocks (2 layers of K and V, float32, block 64): 32 slots, three to six
+# receives at once.
+STAGING_MIB = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +44,7 @@ def pressed(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
         workdir=e2e_workdir("e2e-pressure"),
         block_size=BLOCK,
         decode_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
+        decode_extra={"staging": {"mib": STAGING_MIB}},
     )
     with Cluster(spec) as c:
         yield c
@@ -117,3 +125,15 @@ async def test_answers_under_kv_pressure_equal_a_single_engines_and_nothing_is_h
     assert delta("kvpush_hook_errors_total") == 0
     assert metric_sum(scrape(pressed.urls["prefill"]), "kvpush_hook_errors_total") == 0
     assert metric_sum(after, "kvpush_credits_in_use_blocks", role="consumer") == 0
+    # Every delivered receive went through the staging area, and left it.
+    delivered = sum(
+        delta("kvpush_transfers_total", role="consumer", outcome=o)
+        for o in ("pushed", "retried", "pull_fallback")
+    )
+    assert delivered > 0
+    assert delta("kvpush_staging_copy_seconds_count", role="consumer") == delivered
+    slots = metric_sum(after, "kvpush_staging_blocks", role="consumer")
+    assert 0 < slots < D_BLOCKS // 2  # under the budget it caps (half of D's blocks)
+    assert metric_sum(after, "kvpush_staging_used_blocks", role="consumer") == 0
+    assert delta("kvpush_staging_refused_total") == 0
+    assert metric_sum(after, "kvpush_credits_budget_blocks", role="consumer") <= slots

@@ -170,6 +170,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "order, so its free blocks are no longer contiguous (default 0: a fresh cache)",
     )
     p.add_argument(
+        "--staging-mib",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="kvpush's decode lands pushes in a staging area of this many MiB and copies "
+        "them into its KV blocks (staging.mib; default 0: off)",
+    )
+    p.add_argument(
         "--pthr-delay-us",
         type=int,
         default=1000,
@@ -288,6 +296,8 @@ def _settings(a: argparse.Namespace, args: list[str]) -> BenchSettings:
             frontend_cores=dict(FRONTENDS[a.frontends]),
             model_shape=dict(a.model_shape or {}),
             fragment=a.fragment,
+            kvpush_extra={"verify": {"checksums": False}}
+            | ({"staging": {"mib": a.staging_mib}} if a.staging_mib > 0 else {}),
         ),
         force=a.force,
         client=a.client,

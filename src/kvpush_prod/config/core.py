@@ -15,6 +15,7 @@ from kvpush_prod.core.retry import BreakerSettings, BudgetSettings, RetrySetting
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import SenderSettings
 from kvpush_prod.core.transfer import TransferTimeouts
+from kvpush_prod.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +82,33 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
     return CoreSettings(sender, receiver)
 
 
-def credit_settings(cfg: KvpushConfig, num_blocks: int) -> CreditSettings:
-    """D's credit budget over its ``num_blocks`` KV blocks."""
-    return CreditSettings.from_fractions(
+def credit_settings(cfg: KvpushConfig, num_blocks: int, block_bytes: int = 0) -> CreditSettings:
+    """D's credit budget over its ``num_blocks`` KV blocks of ``block_bytes`` each (every
+    layer of one block on this rank), capped at the blocks of its staging area when on."""
+    credits = CreditSettings.from_fractions(
         num_blocks, cfg.credits.budget_fraction, cfg.credits.per_peer_fraction
     )
+    staged = staging_blocks(cfg, block_bytes)
+    if not staged or staged >= credits.budget_blocks:
+        return credits
+    return CreditSettings.from_fractions(staged, 1.0, cfg.credits.per_peer_fraction)
+
+
+def staging_blocks(cfg: KvpushConfig, block_bytes: int) -> int:
+    """Blocks (of ``block_bytes``: every layer of one block) D's staging area holds; 0: off.
+
+    The scheduler and each worker compute it from the same figures (vLLM's page size times
+    layers), so the credit budget never promises more than a worker can stage."""
+    mib = cfg.staging.mib
+    if not mib or block_bytes <= 0:
+        return 0
+    blocks = (mib << 20) // block_bytes
+    if blocks < 1:
+        raise ConfigError(
+            f"staging.mib={mib} holds no KV block of this engine ({block_bytes} "
+            f"bytes over all layers); set it to at least {-(-block_bytes // (1 << 20))} or 0 (off)"
+        )
+    return blocks
 
 
 def layerwise_on(

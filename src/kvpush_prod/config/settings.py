@@ -426,6 +426,24 @@ class FallbackSettings(_Section):
     )
 
 
+class StagingSettings(_Section):
+    """D: a staging area that pushes land in, copied into the KV cache on arrival."""
+
+    mib: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="Size of D's staging area in MiB (0: off, P writes into D's KV blocks "
+        "directly). On: every push and pull lands in a contiguous range of this area, one "
+        "NIXL descriptor per layer and run of P's blocks however scattered D's free blocks "
+        "are, and D copies it into its KV blocks once the transfer has landed (off the "
+        "engine thread). Costs this much memory and one copy of the KV; D's credit budget "
+        "is capped at the blocks the area holds, so a prompt whose KV is larger is computed "
+        "on D. For decode engines whose caches fragment (long-running, mixed lengths). "
+        "CPU KV caches only; decode engines only.",
+    )
+
+
 class VerifySettings(_Section):
     """Extra correctness checks (cost CPU; for tests and canaries)."""
 
@@ -483,6 +501,7 @@ class KvpushConfig(_Section):
     breaker: BreakerSettings = BreakerSettings()
     fallback: FallbackSettings = FallbackSettings()
     verify: VerifySettings = VerifySettings()
+    staging: StagingSettings = StagingSettings()
     faults: FaultSettings = FaultSettings()
     links: LinkSettings = LinkSettings()
 

@@ -172,6 +172,7 @@ class PushConnector(KVConnectorBase_V1):
                     vllm_config.observability_config, "otlp_traces_endpoint", None
                 ),
                 recompute_on_failure=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute",
+                block_bytes=spec.page_size_bytes * num_layers,
             )
             self._kv_buffer_device = ktc.kv_buffer_device
 

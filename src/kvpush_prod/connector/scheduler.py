@@ -244,7 +244,7 @@ class ConsumerSide(SchedulerSide):
     ) -> None:
         super().__init__(engine)
         self.recompute_on_failure = recompute_on_failure
-        self.credits = CreditLedger(credit_settings(engine.cfg, num_blocks))
+        self.credits = CreditLedger(credit_settings(engine.cfg, num_blocks, engine.block_bytes))
         self.admissions: Admissions[RemotePrefill] = Admissions(self.credits, engine.block_size)
         self._received: dict[str, dict[str, Any]] = {}  # request id -> what arrived, for the reply
         self._outcomes: dict[str, str] = {}  # request id -> outcome reported by the worker

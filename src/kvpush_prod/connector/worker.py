@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
-from kvpush_prod.config.core import CoreSettings, core_settings, layerwise_on
+from kvpush_prod.config.core import CoreSettings, core_settings, layerwise_on, staging_blocks
 from kvpush_prod.connector.connects import CONNECT_THREADS, ConnectResult, Connects
 from kvpush_prod.connector.layerwise import LayerStep, layer_parts
 from kvpush_prod.connector.linkguard import LinkGuard
@@ -73,6 +73,7 @@ from kvpush_prod.transport.nixl import (
     bound_tcp_delivery,
     make_agent,
 )
+from kvpush_prod.transport.staging import StagingArea
 
 if TYPE_CHECKING:
     import torch
@@ -185,8 +186,12 @@ class WorkerSide:
         otlp_endpoint: str | None = None,
         heads: Heads | None = None,
         recompute_on_failure: bool = False,
+        block_bytes: int = 0,
     ) -> None:
         self.cfg = cfg
+        # One block over every layer as vLLM sizes it (page size x layers): sizes the staging
+        # area as the scheduler's credit budget does (``config.core.staging_blocks``).
+        self.block_bytes = block_bytes
         # D: vLLM's kv_load_failure_policy is recompute (a failed receive is recomputed, and
         # counted so)
         self.recompute_on_failure = recompute_on_failure
@@ -231,6 +236,9 @@ class WorkerSide:
         layout = self.layout = layout_from_kv_caches(
             kv_caches, self.num_blocks, self.signature, self.facts, self.heads
         )
+        staging = self._staging(layout)
+        if staging is not None:
+            layout = self.layout = staging.layout  # what P writes into and D reads into
         host = self.cfg.control.advertise_host or self.cfg.control.host
         control = f"tcp://{host}:{self.port}"
         security = endpoint_security(self.cfg)
@@ -249,6 +257,8 @@ class WorkerSide:
             self._layers = layer_parts(kv_caches, layout, self._device)
         settings = core_settings(self.cfg, block_bytes)
         pump = self._make_pump(me, layout, settings, transport, self._endpoint(security))
+        if self._rx is not None:
+            self._rx.staging = staging
         pump.start()
         logger.info(
             "kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
@@ -262,6 +272,29 @@ class WorkerSide:
             self.heads.local,
             "head-major" if layout.kv_heads else "(blocks not sliceable by head)",
         )
+
+    def _staging(self, layout: messages.Layout) -> StagingArea | None:
+        """D's staging area (``staging.mib``), or None (off, or P)."""
+        if self.role is not Side.CONSUMER or not self.cfg.staging.mib:
+            return None
+        slots = staging_blocks(
+            self.cfg, self.block_bytes or sum(r.block_len for r in layout.regions)
+        )
+        if not slots:
+            return None
+        if self._device != "cpu":
+            raise ConfigError(
+                f"staging.mib={self.cfg.staging.mib}: the staging area is for CPU KV caches "
+                "only; set staging.mib: 0 on GPU decode engines"
+            )
+        area = StagingArea(layout, slots)
+        logger.info(
+            "kvpush: staging area of %d blocks (%d MiB): pushes land there and are copied "
+            "into the KV cache",
+            slots,
+            area.memory.nbytes >> 20,
+        )
+        return area
 
     def _make_pump(
         self,
@@ -451,12 +484,15 @@ class WorkerSide:
             return
         if self._taken(pump, spec, [link.core_id for link in links]):
             return
+        block_ids = self._stage(pump, spec)
+        if block_ids is None:
+            return
         if len(links) > 1:
             pump.joins.split(spec.transfer_id, [lk.core_id for lk in links])
         for link, view in zip(links, views, strict=True):
             pump.links.add(link)
             pump.request_of[link.core_id] = spec.request_id
-            pump.recv_blocks[link.core_id] = list(spec.block_ids)
+            pump.recv_blocks[link.core_id] = list(block_ids)
             pump.views[link.core_id] = view
             pump.began[link.core_id] = time.monotonic()
         for link in links:
@@ -464,7 +500,7 @@ class WorkerSide:
                 RegisterBlocks(
                     link.core_id,
                     self._address(spec.p_host, spec.p_port, link.p_rank),
-                    tuple(spec.block_ids),
+                    tuple(block_ids),
                     spec.first_block,
                     spec.num_tokens,
                     spec.p_key,
@@ -473,10 +509,37 @@ class WorkerSide:
             )
         self._tell_unfed(pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key, spec.p_tp)
 
+    def _stage(self, pump: ReceiverPump, spec: RecvSpec) -> list[int] | None:
+        """The ids P writes into for ``spec``: its blocks, or its slots of the staging area;
+        None when the area has no room (the receive then fails here, said and counted; the
+        credit budget, capped at the area, keeps that from happening)."""
+        if pump.staging is None:
+            return list(spec.block_ids)
+        slots = pump.staging.stage(spec.request_id, spec.block_ids)
+        if slots is not None:
+            return slots
+        self._tell_unfed(
+            pump, spec.transfer_id, spec.p_host, spec.p_port, spec.p_key, spec.p_tp, refused=True
+        )
+        free, held = pump.staging.pool.free, pump.staging.pool.held
+        logger.error(
+            "kvpush: no room in the staging area for %s (%d blocks; %d free, %d held): its "
+            "receive fails; raise staging.mib",
+            spec.transfer_id[:64],
+            len(spec.block_ids),
+            free,
+            held,
+        )
+        self.stats.inc("kvpush_staging_refused", (self.role.value,))
+        self._fail_here(spec.request_id, pump)
+        return None
+
     def _fail_here(self, rid: str, pump: ReceiverPump) -> None:
         """The receive of request ``rid`` fails here: no REGISTER left for it, so nothing can
         land in its blocks (vLLM's kv_load_failure_policy applies). Counted first: see
         ``_count_end``."""
+        if pump.staging is not None:
+            pump.staging.drop(rid)
         self._count_failed(pump)
         with self.results.lock:
             self.results.recving.add(rid)
@@ -778,6 +841,7 @@ class TransferPump(threading.Thread, Generic[E]):
     # transfer to a D waits for its connection anyway. D connects (to pull) on the pump.
     connect_off_pump = False
     connect_threads = CONNECT_THREADS  # 0: run each in ``Connects.start`` (tests step by hand)
+    staging: StagingArea | None = None  # D: the staging area (staging.mib), set at start
 
     def __init__(
         self,
@@ -1422,6 +1486,8 @@ class TransferPump(threading.Thread, Generic[E]):
         tid, ok, outcome = join.base, join.ok, join.outcome or outcome
         if began is not None:
             self.began[tid] = began
+        if self.staging is not None and not self._unstage(rid, tid, ok and outcome.delivered):
+            ok, outcome = False, Outcome.FAILED
         self.trace("report", tid, ok=ok, outcome=outcome.value)
         self._count_end(tid, outcome, 0)
         with self.results.lock:
@@ -1429,6 +1495,29 @@ class TransferPump(threading.Thread, Generic[E]):
             self.results.outcomes[rid] = outcome.value
             if not ok:
                 self.results.failed.add(rid)
+
+    def _unstage(self, rid: str, tid: str, delivered: bool) -> bool:
+        """Request ``rid``'s receive ended (``delivered``: its KV all landed): copy it from
+        its staging slots into its KV blocks and free the slots; False when the copy failed
+        (so does the receive). Anything else frees the slots only."""
+        staging = self.staging
+        if staging is None:
+            return True
+        if not delivered:
+            staging.drop(rid)
+            return True
+        t0 = time.perf_counter()
+        try:
+            copied = staging.land(rid)
+        except Exception:  # noqa: BLE001 - contained, counted; this receive fails
+            self.contained(Stage.COMPLETION, f"the staging copy of {tid[:64]}")
+            return False
+        if copied:
+            self.stats.observe(
+                "kvpush_staging_copy_seconds", self._labels, time.perf_counter() - t0
+            )
+            self.trace("staged_copy", tid, nbytes=copied)
+        return True
 
     def _count_end(self, tid: str, outcome: Outcome, nbytes: int) -> None:
         """Count a transfer's end. Always before its result is published: the engine thread
@@ -1604,9 +1693,17 @@ class ReceiverPump(TransferPump[Receiver]):
             **super().tables(),
             "pump.recv_blocks": (len(self.recv_blocks), None),
             "pump.views": (len(self.views), None),
+            **({"pump.staged": (len(self.staging), None)} if self.staging is not None else {}),
             "pump.joins": (len(self.joins), MAX_REMEMBERED),
             **self.links.tables(),
         }
+
+    def _report_gauges(self, now: float) -> None:
+        super()._report_gauges(now)
+        if self.staging is not None:
+            pool = self.staging.pool
+            self.stats.set("kvpush_staging_used_blocks", self._labels, float(pool.held))
+            self.stats.set("kvpush_staging_blocks", self._labels, float(pool.slots))
 
     def _watching(self) -> bool:
         return self.engine.active > 0  # DONE notifications to watch

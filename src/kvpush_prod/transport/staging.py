@@ -1,0 +1,113 @@
+"""D's staging area in memory (``staging.mib``): a layout like the KV cache's with its own
+block slots, and the copy of a landed transfer from its slots into the KV blocks.
+
+P sees the staging layout as D's KV cache (same regions, same block interior, ``slots``
+blocks each, region after region in one buffer): its WRITEs (and D's READs on a fallback)
+go to a receive's slots, consecutive whatever blocks D's cache handed out, and D copies
+them into those blocks once everything has landed (``scatter``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvpush_prod.core.messages import Layout, Region
+from kvpush_prod.core.staging import StagingPool
+from kvpush_prod.transport.checksum import id_runs
+
+
+def area_bytes(layout: Layout, slots: int) -> int:
+    """Bytes of a staging area of ``slots`` blocks of every region of ``layout``."""
+    return slots * sum(r.block_len for r in layout.regions)
+
+
+def staging_layout(layout: Layout, base: int, slots: int) -> Layout:
+    """``layout`` with each region moved to the staging area at ``base``: ``slots`` dense
+    slots of the region's block length, region after region."""
+    regions, at = [], base
+    for r in layout.regions:
+        regions.append(
+            msgspec.structs.replace(r, base=at, block_stride=r.block_len, num_blocks=slots)
+        )
+        at += slots * r.block_len
+    return msgspec.structs.replace(layout, regions=regions)
+
+
+def _rows(region: Region) -> np.ndarray:
+    """A writable (num_blocks, block_len) byte view of ``region``'s slots (no copy)."""
+    span = (region.num_blocks - 1) * region.block_stride + region.block_len
+    buf = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(region.base))
+    return np.lib.stride_tricks.as_strided(
+        buf, shape=(region.num_blocks, region.block_len), strides=(region.block_stride, 1)
+    )
+
+
+def scatter(
+    src: Sequence[Region], dst: Sequence[Region], src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> int:
+    """Copy slot ``src_ids[i]`` of each ``src`` region into block ``dst_ids[i]`` of the same
+    ``dst`` region (equal block lengths); the bytes copied."""
+    if len(src_ids) != len(dst_ids) or len(src) != len(dst):
+        raise ValueError(
+            f"{len(src_ids)} staging slots for {len(dst_ids)} blocks over {len(src)} and "
+            f"{len(dst)} regions: they must pair up"
+        )
+    if not dst_ids:
+        return 0
+    to = np.asarray(dst_ids, dtype=np.intp)
+    runs = id_runs(src_ids)
+    copied = 0
+    for s, d in zip(src, dst, strict=True):
+        if s.block_len != d.block_len:
+            raise ValueError(f"staging slot of {s.block_len} bytes for a block of {d.block_len}")
+        rows_s, rows_d = _rows(s), _rows(d)
+        at = 0
+        for first, count in runs:
+            rows_d[to[at : at + count]] = rows_s[first : first + count]
+            at += count
+        copied += len(to) * d.block_len
+    return copied
+
+
+class StagingArea:
+    """D's staging area: its memory, its slots (``core.staging.StagingPool``) and, per
+    receive staged, D's KV blocks its slots stand for."""
+
+    def __init__(self, layout: Layout, slots: int) -> None:
+        self.kv = list(layout.regions)
+        self.memory = np.zeros(area_bytes(layout, slots), dtype=np.uint8)
+        self.layout = staging_layout(layout, self.memory.ctypes.data, slots)
+        self.pool = StagingPool(slots)
+        self._blocks: dict[str, list[int]] = {}  # transfer id -> D's blocks, slot by slot
+        self._slots: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stage(self, tid: str, blocks: Sequence[int]) -> list[int] | None:
+        """Slots for ``blocks`` of transfer ``tid``, in the same order (None: no room)."""
+        slots = self.pool.take(tid, len(blocks))
+        if slots is None:
+            return None
+        self._blocks[tid], self._slots[tid] = list(blocks), slots
+        return slots
+
+    def land(self, tid: str) -> int:
+        """``tid`` landed: copy its slots into its blocks and free them; the bytes copied."""
+        blocks = self._blocks.get(tid)
+        if blocks is None:
+            return 0
+        try:
+            return scatter(self.layout.regions, self.kv, self._slots[tid], blocks)
+        finally:
+            self.drop(tid)
+
+    def drop(self, tid: str) -> None:
+        """Free ``tid``'s slots without copying (its receive failed or was aborted)."""
+        self._blocks.pop(tid, None)
+        self._slots.pop(tid, None)
+        self.pool.give_back(tid)
