@@ -125,7 +125,7 @@ TABLES: dict[str, str] = {
     "pump.chunks": "a chunk posted to NIXL, until it completes",
     "pump.peer_labels": "a connected peer agent's metric label",
     "pump.recv_blocks": "D: a receive's blocks, until it ends",
-    "pump.staged": "D: a receive's slots of the staging area (staging.mib), until it ends",
+    "pump.staged": "D: a receive's slots of the staging area (staging.receive_mib), until it ends",
     "pump.views": "D: the part of each block a receive fills",
     "pump.joins": "D: a part of a receive fed by several P ranks",
     "links.wire": "D: a sub-transfer's id on the wire",
@@ -359,14 +359,16 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "kvpush_staging_blocks",
         "gauge",
         _R,
-        "D's staging area (staging.mib), in KV blocks over every layer: what inbound "
-        "transfers may hold at once (the credit budget is capped at it).",
+        "A staging area's size in KV blocks over every layer: D's receive area "
+        "(staging.receive_mib; the credit budget is capped at it), P's gather area "
+        "(staging.send_mib).",
     ),
     _s(
         "kvpush_staging_used_blocks",
         "gauge",
         _R,
-        "D's staging slots held by receives in progress (or fenced) now.",
+        "Staging slots held now: D's by receives in progress, P's by gathered WRITEs in "
+        "flight (or kept after one was given up in flight).",
     ),
     _s(
         "kvpush_staging_copy_seconds",
@@ -380,8 +382,10 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "kvpush_staging_refused",
         "counter",
         _R,
-        "Receives that failed because D's staging area had no room (the credit budget "
-        "should make this 0: a count means staging.mib is smaller than what was admitted).",
+        "D: receives that failed because its staging area had no room (the credit budget "
+        "should make this 0: a count means staging.receive_mib is smaller than what was "
+        "admitted). P: WRITEs posted from the KV blocks, not gathered, for want of slots "
+        "(raise staging.send_mib).",
         healthy=False,
     ),
     _s(

@@ -99,7 +99,10 @@ def test_the_credit_budget_is_a_fraction_of_the_kv_cache() -> None:
 def test_a_staging_area_caps_the_credit_budget_at_the_blocks_it_holds() -> None:
     # 4 MiB of 64 KiB blocks: 64 slots, under a quarter of 1000 blocks (250).
     cfg = config_from_extra(
-        {"credits": {"budget_fraction": 0.25, "per_peer_fraction": 0.5}, "staging": {"mib": 4}}
+        {
+            "credits": {"budget_fraction": 0.25, "per_peer_fraction": 0.5},
+            "staging": {"receive_mib": 4},
+        }
     )
     assert credit_settings(cfg, 1000, 64 << 10) == CreditSettings(
         budget_blocks=64, per_peer_cap_blocks=32
@@ -121,7 +124,7 @@ def test_a_staging_area_that_holds_no_block_is_refused_with_the_size_it_needs() 
     from kvpush_prod.config.core import staging_blocks
     from kvpush_prod.errors import ConfigError
 
-    cfg = config_from_extra({"staging": {"mib": 1}})
+    cfg = config_from_extra({"staging": {"receive_mib": 1}})
     assert staging_blocks(cfg, 1 << 19) == 2
-    with pytest.raises(ConfigError, match=r"staging.mib=1 holds no KV block.*at least 3"):
+    with pytest.raises(ConfigError, match=r"staging.receive_mib=1 holds no KV block.*at least 3"):
         staging_blocks(cfg, 5 << 19)

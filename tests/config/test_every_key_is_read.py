@@ -41,7 +41,8 @@ NUM_BLOCKS = 1000
 SHELL_READERS: dict[str, tuple[str, str]] = {
     "control.host": ("connector/worker.py", "self.cfg.control.host"),
     # Sizes the staging area (workers) and caps the credit budget (scheduler) alike.
-    "staging.mib": ("connector/worker.py", "self.cfg.staging.mib"),
+    "staging.receive_mib": ("connector/worker.py", "self.cfg.staging.receive_mib"),
+    "staging.send_mib": ("connector/worker.py", "self.cfg.staging.send_mib"),
     "control.advertise_host": ("connector/worker.py", "self.cfg.control.advertise_host"),
     "control.port": ("connector/worker.py", "cfg.control.port"),
     "control.key_file": ("connector/worker.py", "c.key_file"),

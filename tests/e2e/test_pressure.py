@@ -6,9 +6,11 @@ asked again with another prefix hit (the system prompt got cached meanwhile), cr
 by the blocks D really has free, running requests preempted and recomputed. Every answer
 must still equal a single engine's, no engine may die, and nothing may stay held.
 
-D runs with a staging area (``staging.mib``) smaller than what sixteen receives need: its
+D runs with a staging area (``staging.receive_mib``) smaller than what sixteen receives need: its
 free blocks come back scattered by the churn, the pushes land in staging slots and are
-copied into them, and the credit budget, capped at the slots, makes the rest wait.
+copied into them, and the credit budget, capped at the slots, makes the rest wait. P runs
+with a gather area (``staging.send_mib``): a push of the shared system prompt's blocks and
+a tail elsewhere is copied together before its WRITE.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def pressed(e2e_workdir: Callable[[str], Path]) -> Iterator[Cluster]:
         workdir=e2e_workdir("e2e-pressure"),
         block_size=BLOCK,
         decode_args=["--num-gpu-blocks-override", str(D_BLOCKS)],
-        decode_extra={"staging": {"mib": STAGING_MIB}},
+        decode_extra={"staging": {"receive_mib": STAGING_MIB}},
+        prefill_extra={"staging": {"send_mib": STAGING_MIB}},
     )
     with Cluster(spec) as c:
         yield c
@@ -137,3 +140,6 @@ async def test_answers_under_kv_pressure_equal_a_single_engines_and_nothing_is_h
     assert metric_sum(after, "kvpush_staging_used_blocks", role="consumer") == 0
     assert delta("kvpush_staging_refused_total") == 0
     assert metric_sum(after, "kvpush_credits_budget_blocks", role="consumer") <= slots
+    p_after = scrape(pressed.urls["prefill"])
+    assert metric_sum(p_after, "kvpush_staging_blocks", role="producer") > 0
+    assert metric_sum(p_after, "kvpush_staging_used_blocks", role="producer") == 0

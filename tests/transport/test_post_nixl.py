@@ -571,3 +571,102 @@ def test_a_whole_push_cut_by_layers_posts_one_descriptor_per_region_and_run(
             if i == 0 or (p_blocks[i] != p_blocks[i - 1] + 1 or d_blocks[i] != d_blocks[i - 1] + 1)
         )
         assert sum(got) == runs * regions
+
+
+# -- P's gather area (staging.send_mib)
+
+
+def gather_area(p: Cache, slots: int, quarantine_s: float = 30.0) -> Any:
+    from kvpush_prod.transport.staging import GatherArea
+
+    return GatherArea(p.layout, slots, quarantine_s)
+
+
+@pytest.mark.parametrize("d_kind", ["contiguous", "fragmented", "mixed"])
+@pytest.mark.parametrize("shape", [cpu, nhd])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_scattered_blocks_are_gathered_and_land_as_the_old_path_put_them(
+    pair: Any, d_kind: str, shape: Any, seed: int
+) -> None:
+    rng = random.Random(seed)
+    p = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed)
+    d = cache(shape(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, seed + 100)
+    area = gather_area(p, NUM_BLOCKS)
+    tp, td = pair(p, d, gather=area)
+    n = rng.randint(8, NUM_BLOCKS)
+    lids = rng.sample(range(NUM_BLOCKS), n)  # P's blocks scattered
+    rids = ids_of(d_kind, n, NUM_BLOCKS, rng)
+    before = p.buf.clone()
+    want = push(tp, td, p, d, lids, rids)
+    assert torch.equal(d.buf, want)
+    assert torch.equal(p.buf, before)  # the gather only read P's blocks
+    stats = tp.last_post
+    d_runs = sum(1 for i in range(n) if i == 0 or rids[i] != rids[i - 1] + 1)
+    runs = sum(
+        1 for i in range(n) if i == 0 or (lids[i] != lids[i - 1] + 1 or rids[i] != rids[i - 1] + 1)
+    )
+    assert stats is not None and stats.ids == n
+    # Gathered where P's scattering at least doubles the runs: then a descriptor per region
+    # and run of D's blocks; on a D as scattered, nothing to save.
+    assert (stats.path == "gathered") == (runs >= 2 * d_runs)
+    assert stats.descriptors == min(runs, d_runs if runs >= 2 * d_runs else runs) * len(
+        p.layout.regions
+    )
+    assert area.pool.held == 0  # given back once the WRITE completed
+
+
+def test_a_layer_of_scattered_blocks_is_gathered_alone(pair: Any) -> None:
+    rng = random.Random(5)
+    p = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 5)
+    d = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 105)
+    tp, td = pair(p, d, gather=gather_area(p, NUM_BLOCKS))
+    peer = tp.connect(td.metadata(), d.layout, td.name)
+    lids = rng.sample(range(NUM_BLOCKS), 12)
+    rids = list(range(3, 15))
+    layer = p.layout.regions[1]
+    want = d.buf.clone()
+    for lb, rb in zip(lids, rids, strict=True):
+        s = p.offset(layer.base) + lb * layer.block_stride
+        t = d.offset(d.layout.regions[1].base) + rb * layer.block_stride
+        want[t : t + layer.block_len] = p.buf[s : s + layer.block_len]
+    wait_done(tp, tp.post("WRITE", peer, lids, rids, regions=(1, 2)))
+    assert torch.equal(d.buf, want)  # that layer's blocks, nothing of the others
+    assert tp.last_post is not None and tp.last_post.path == "gathered"
+    assert tp.last_post.descriptors == 1
+
+
+def test_with_no_free_slots_a_write_goes_from_the_kv_blocks_and_is_counted(pair: Any) -> None:
+    rng = random.Random(9)
+    p = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 9)
+    d = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 109)
+    area = gather_area(p, 4)
+    tp, td = pair(p, d, gather=area)
+    lids = rng.sample(range(NUM_BLOCKS), 10)
+    want = push(tp, td, p, d, lids, list(range(10)))
+    assert torch.equal(d.buf, want)
+    assert tp.last_post is not None and tp.last_post.path != "gathered"
+    assert area.full == 1 and area.pool.held == 0
+
+
+def test_a_contiguous_write_is_not_gathered(pair: Any) -> None:
+    p = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 11)
+    d = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 111)
+    area = gather_area(p, NUM_BLOCKS)
+    tp, td = pair(p, d, gather=area)
+    want = push(tp, td, p, d, list(range(2, 12)), [9, 4, 17, 1, 20, 6, 13, 0, 22, 15])
+    assert torch.equal(d.buf, want)
+    # P's side is one run: gathering would save nothing.
+    assert tp.last_post is not None and tp.last_post.path != "gathered"
+    assert area.full == 0
+
+
+def test_slots_of_a_write_given_up_in_flight_are_kept_for_the_quarantine() -> None:
+    p = cache(cpu(4, 16), 16, NUM_BLOCKS, 4, 4, 1, 0, 13)
+    area = gather_area(p, 6, quarantine_s=0.2)
+    key, slots = area.gather(np.arange(6), 0, LAYERS)
+    assert list(slots) == list(range(6))
+    area.give_back(key, complete=False)  # given up while its bytes may still be read
+    assert area.gather(np.arange(2), 0, LAYERS) is None and area.full == 1
+    time.sleep(0.25)
+    got = area.gather(np.arange(2), 0, LAYERS)
+    assert got is not None and list(got[1]) == [0, 1]

@@ -175,7 +175,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="MIB",
         help="kvpush's decode lands pushes in a staging area of this many MiB and copies "
-        "them into its KV blocks (staging.mib; default 0: off)",
+        "them into its KV blocks (staging.receive_mib), and its prefill gathers scattered "
+        "blocks into an area of this size before a WRITE (staging.send_mib); default 0: off",
     )
     p.add_argument(
         "--pthr-delay-us",
@@ -297,7 +298,11 @@ def _settings(a: argparse.Namespace, args: list[str]) -> BenchSettings:
             model_shape=dict(a.model_shape or {}),
             fragment=a.fragment,
             kvpush_extra={"verify": {"checksums": False}}
-            | ({"staging": {"mib": a.staging_mib}} if a.staging_mib > 0 else {}),
+            | (
+                {"staging": {"receive_mib": a.staging_mib, "send_mib": a.staging_mib}}
+                if a.staging_mib > 0
+                else {}
+            ),
         ),
         force=a.force,
         client=a.client,

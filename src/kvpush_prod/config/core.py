@@ -99,14 +99,19 @@ def staging_blocks(cfg: KvpushConfig, block_bytes: int) -> int:
 
     The scheduler and each worker compute it from the same figures (vLLM's page size times
     layers), so the credit budget never promises more than a worker can stage."""
-    mib = cfg.staging.mib
+    return slots_of(cfg.staging.receive_mib, block_bytes, "staging.receive_mib")
+
+
+def slots_of(mib: int, block_bytes: int, key: str) -> int:
+    """Blocks of ``block_bytes`` an area of ``mib`` MiB holds (0: off); config ``key``
+    named in the error when it holds none."""
     if not mib or block_bytes <= 0:
         return 0
     blocks = (mib << 20) // block_bytes
     if blocks < 1:
         raise ConfigError(
-            f"staging.mib={mib} holds no KV block of this engine ({block_bytes} "
-            f"bytes over all layers); set it to at least {-(-block_bytes // (1 << 20))} or 0 (off)"
+            f"{key}={mib} holds no KV block of this engine ({block_bytes} bytes over all "
+            f"layers); set it to at least {-(-block_bytes // (1 << 20))} or 0 (off)"
         )
     return blocks
 

@@ -427,9 +427,11 @@ class FallbackSettings(_Section):
 
 
 class StagingSettings(_Section):
-    """D: a staging area that pushes land in, copied into the KV cache on arrival."""
+    """Contiguous areas that KV passes through when caches are fragmented: D's receive
+    area (pushes land there, copied into the KV cache on arrival) and P's gather area
+    (scattered blocks copied together before a WRITE)."""
 
-    mib: int = Field(
+    receive_mib: int = Field(
         0,
         ge=0,
         le=1 << 20,
@@ -441,6 +443,20 @@ class StagingSettings(_Section):
         "is capped at the blocks the area holds, so a prompt whose KV is larger is computed "
         "on D. For decode engines whose caches fragment (long-running, mixed lengths). "
         "CPU KV caches only; decode engines only.",
+    )
+    send_mib: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="Size of P's gather area in MiB (0: off, WRITEs read P's KV blocks "
+        "where they are). On: a WRITE whose blocks on P are scattered (at least twice the "
+        "runs D's side has) is first copied into contiguous slots of this area and posted "
+        "from there, one descriptor per layer and run of D's blocks; slots come back when "
+        "the WRITE completes (a WRITE given up while in flight keeps them for "
+        "leases.permit_ttl_s). A chunk finding no room is posted from the KV blocks. "
+        "Costs this much memory and a copy of the chunk on the posting thread. With "
+        "receive_mib on D, a push of a fragmented P to a fragmented D posts about one "
+        "descriptor per layer. CPU KV caches only; prefill engines only.",
     )
 
 

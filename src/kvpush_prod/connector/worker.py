@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import msgspec
 
 from kvpush_prod.config import KvpushConfig, is_loopback
-from kvpush_prod.config.core import CoreSettings, core_settings, layerwise_on, staging_blocks
+from kvpush_prod.config.core import (
+    CoreSettings,
+    core_settings,
+    layerwise_on,
+    slots_of,
+    staging_blocks,
+)
 from kvpush_prod.connector.connects import CONNECT_THREADS, ConnectResult, Connects
 from kvpush_prod.connector.layerwise import LayerStep, layer_parts
 from kvpush_prod.connector.linkguard import LinkGuard
@@ -73,7 +79,7 @@ from kvpush_prod.transport.nixl import (
     bound_tcp_delivery,
     make_agent,
 )
-from kvpush_prod.transport.staging import StagingArea
+from kvpush_prod.transport.staging import GatherArea, StagingArea
 
 if TYPE_CHECKING:
     import torch
@@ -172,6 +178,8 @@ class _Results:
 class WorkerSide:
     """Registers the KV cache with NIXL and runs the push protocol of this rank."""
 
+    _gather: GatherArea | None = None  # P: the gather area (staging.send_mib)
+
     def __init__(
         self,
         cfg: KvpushConfig,
@@ -259,6 +267,8 @@ class WorkerSide:
         pump = self._make_pump(me, layout, settings, transport, self._endpoint(security))
         if self._rx is not None:
             self._rx.staging = staging
+        if self._tx is not None:
+            self._tx.gather = self._gather
         pump.start()
         logger.info(
             "kvpush: %s rank %d of %d ready, control %s, %d KV regions, %d B per "
@@ -274,8 +284,8 @@ class WorkerSide:
         )
 
     def _staging(self, layout: messages.Layout) -> StagingArea | None:
-        """D's staging area (``staging.mib``), or None (off, or P)."""
-        if self.role is not Side.CONSUMER or not self.cfg.staging.mib:
+        """D's staging area (``staging.receive_mib``), or None (off, or P)."""
+        if self.role is not Side.CONSUMER or not self.cfg.staging.receive_mib:
             return None
         slots = staging_blocks(
             self.cfg, self.block_bytes or sum(r.block_len for r in layout.regions)
@@ -284,8 +294,8 @@ class WorkerSide:
             return None
         if self._device != "cpu":
             raise ConfigError(
-                f"staging.mib={self.cfg.staging.mib}: the staging area is for CPU KV caches "
-                "only; set staging.mib: 0 on GPU decode engines"
+                f"staging.receive_mib={self.cfg.staging.receive_mib}: the staging area is for CPU KV caches "
+                "only; set staging.receive_mib: 0 on GPU decode engines"
             )
         area = StagingArea(layout, slots)
         logger.info(
@@ -345,11 +355,34 @@ class WorkerSide:
         name = agent_name(f"kvpush-{self.engine_id}-r{self.tp_rank}-{self.incarnation:x}", identity)
         self._bound_tcp_delivery()
         agent = make_agent(name, t.backend, t.progress_thread, t.progress_delay_us, t.num_threads)
-        transport: Transport = NixlTransport(agent, layout, producer=self.role is Side.PRODUCER)
+        self._gather = self._gather_area(layout)
+        transport: Transport = NixlTransport(
+            agent, layout, producer=self.role is Side.PRODUCER, gather=self._gather
+        )
         faults = fault_settings(self.cfg.faults.model_dump())
         if faults.enabled:
             transport = FaultyTransport(transport, faults)
         return transport
+
+    def _gather_area(self, layout: messages.Layout) -> GatherArea | None:
+        """P's gather area (``staging.send_mib``), or None (off, or D)."""
+        mib = self.cfg.staging.send_mib
+        if self.role is not Side.PRODUCER or not mib:
+            return None
+        block_bytes = self.block_bytes or sum(r.block_len for r in layout.regions)
+        slots = slots_of(mib, block_bytes, "staging.send_mib")
+        if self._device != "cpu":
+            raise ConfigError(
+                f"staging.send_mib={mib}: the gather area is for CPU KV caches only; set "
+                "staging.send_mib: 0 on GPU prefill engines"
+            )
+        logger.info(
+            "kvpush: gather area of %d blocks (%d MiB): scattered blocks are copied together "
+            "before a WRITE",
+            slots,
+            mib,
+        )
+        return GatherArea(layout, slots, self.cfg.leases.permit_ttl_s)
 
     def _bound_tcp_delivery(self) -> None:
         """No WRITE over UCX's TCP transport lands after D's permit ran out: data a
@@ -524,7 +557,7 @@ class WorkerSide:
         free, held = pump.staging.pool.free, pump.staging.pool.held
         logger.error(
             "kvpush: no room in the staging area for %s (%d blocks; %d free, %d held): its "
-            "receive fails; raise staging.mib",
+            "receive fails; raise staging.receive_mib",
             spec.transfer_id[:64],
             len(spec.block_ids),
             free,
@@ -841,7 +874,7 @@ class TransferPump(threading.Thread, Generic[E]):
     # transfer to a D waits for its connection anyway. D connects (to pull) on the pump.
     connect_off_pump = False
     connect_threads = CONNECT_THREADS  # 0: run each in ``Connects.start`` (tests step by hand)
-    staging: StagingArea | None = None  # D: the staging area (staging.mib), set at start
+    staging: StagingArea | None = None  # D: the staging area (staging.receive_mib), set at start
 
     def __init__(
         self,
@@ -1587,6 +1620,8 @@ class TransferPump(threading.Thread, Generic[E]):
 class SenderPump(TransferPump[Sender]):
     """P's pump: its completions are its WRITEs'; D's READs of its blocks need progress."""
 
+    gather: GatherArea | None = None  # P's gather area (staging.send_mib), set at start
+
     side = Side.PRODUCER
     connect_off_pump = True
 
@@ -1656,6 +1691,13 @@ class SenderPump(TransferPump[Sender]):
 
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
+        if self.gather is not None:
+            pool = self.gather.pool
+            self.stats.set("kvpush_staging_used_blocks", self._labels, float(pool.held))
+            self.stats.set("kvpush_staging_blocks", self._labels, float(pool.slots))
+            full, self.gather.full = self.gather.full, 0
+            if full:
+                self.stats.inc("kvpush_staging_refused", self._labels, full)
         p = self.engine
         # Only peers connected now: a replaced process's link (until the core forgets it)
         # must not make a series labelled with its raw agent name.

@@ -1,4 +1,4 @@
-"""D's staging area as ranges of block slots (``staging.mib``): which slots each receive holds.
+"""D's staging area as ranges of block slots (``staging.receive_mib``): which slots each receive holds.
 
 Pure: a receive of ``n`` blocks takes the lowest free range that holds them all, or, when the
 free slots are scattered, the fewest ranges lowest first (P posts one descriptor per range

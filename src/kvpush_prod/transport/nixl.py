@@ -38,8 +38,10 @@ from kvpush_prod.transport.runs import (
     run_descriptors,
     run_starts,
     side_of,
+    side_slice,
     split_points,
 )
+from kvpush_prod.transport.staging import GatherArea
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +180,8 @@ class PostStats:
     """What one ``post`` carried and cost on the calling thread (the worker reports it as
     ``kvpush_post_descriptors`` / ``kvpush_post_build_seconds`` and in its traces)."""
 
-    path: Path  # how the request was built (``runs.choose_path``)
+    # how the request was built (``runs.choose_path``), or "gathered" (from P's gather area)
+    path: Path | Literal["gathered"]
     ids: int  # blocks posted (units when the two block sizes differ)
     runs: int  # runs of ids consecutive on both sides
     entries: int  # what NIXL was handed: prepared indices, or run-built descriptors
@@ -194,7 +197,9 @@ class PostStats:
 class _Post:
     """A posted chunk: its NIXL requests, the parts not posted yet, the notification."""
 
-    __slots__ = ("op", "peer", "plan", "handles", "pending", "done", "notif", "notified")
+    __slots__ = (
+        "op", "peer", "plan", "handles", "pending", "done", "notif", "notified", "gathered"
+    )  # fmt: skip
 
     def __init__(self, op: Op, peer: RemotePeer, notif: bytes, plan: PairPlan) -> None:
         self.op = op
@@ -206,6 +211,7 @@ class _Post:
         self.done = 0  # handles[:done] completed
         self.notif = notif  # sent by us once every part landed (split posts only)
         self.notified = not notif
+        self.gathered = ""  # the key of its slots in P's gather area ("": none)
 
 
 class NixlTransport:
@@ -223,6 +229,7 @@ class NixlTransport:
         producer: bool = True,
         max_descriptors: int = MAX_POST_DESCRIPTORS,
         path: Literal["auto", "prepped", "coalesced"] = "auto",
+        gather: GatherArea | None = None,
     ) -> None:
         if max_descriptors < 1:
             raise ConfigError(f"max_descriptors must be >= 1, got {max_descriptors}")
@@ -241,6 +248,15 @@ class NixlTransport:
             layout.mem_type,
         )
         self._local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, layout.mem_type)
+        # P's gather area (staging.send_mib): registered beside the KV cache
+        self.gather = gather
+        self._gather_reg = (
+            agent.register_memory(
+                [(gather.memory.ctypes.data, gather.memory.nbytes, 0, "")], "DRAM"
+            )
+            if gather is not None
+            else None
+        )
         self._peers: dict[str, RemotePeer] = {}
         # (agent, first region, end) -> (the peer's plan, its slice): layer-wise posts
         self._slices: dict[tuple[str, int, int], tuple[PairPlan, PairPlan]] = {}
@@ -395,6 +411,10 @@ class NixlTransport:
         starts = (
             run_starts(local_blocks, remote_blocks) if n <= SMALL_POST else run_starts(lids, rids)
         )
+        if op == "WRITE" and self._gathers(peer, plan, starts.size, rids):
+            gathered = self._gathered(peer, plan, lids, rids, notif, regions, t0)
+            if gathered is not None:
+                return gathered
         per_run = plan.descriptors_per_run
         entries = n * plan.local.entries_per_id
         descriptors = starts.size * per_run if per_run else entries
@@ -414,6 +434,71 @@ class NixlTransport:
             len(bounds) - 1,
             t1 - t0,
             t2 - t1,
+        )
+        return post
+
+    def _gathers(self, peer: RemotePeer, plan: PairPlan, runs: int, rids: np.ndarray) -> bool:
+        """Whether a WRITE with ``runs`` runs goes through the gather area: one is set up,
+        the pair moves whole blocks (no head slabs, no units), and P's scattered blocks
+        at least double the runs D's side alone has."""
+        if self.gather is None or not plan.linear or peer.local_dlist is not None:
+            return False
+        if runs < 2:
+            return False
+        d_runs = int(run_starts(np.arange(rids.size, dtype=np.int32), rids).size)
+        return runs >= 2 * d_runs
+
+    def _gathered(
+        self,
+        peer: RemotePeer,
+        plan: PairPlan,
+        lids: np.ndarray,
+        rids: np.ndarray,
+        notif: bytes,
+        regions: tuple[int, int] | None,
+        t0: float,
+    ) -> _Post | None:
+        """A WRITE of ``lids`` copied into the gather area first and posted from there, one
+        descriptor per region and run of ``rids``; None (post from the KV blocks) when the
+        area has no room or the descriptors would need more than one request."""
+        gather = self.gather
+        assert gather is not None
+        first, end = regions if regions is not None else (0, len(self.layout.regions))
+        got = gather.gather(lids, first, end)
+        if got is None:
+            return None
+        key, slots = got
+        starts = run_starts(slots, rids)
+        if starts.size * plan.descriptors_per_run > self.max_descriptors:
+            gather.give_back(key, complete=True)
+            return None
+        starts_l, starts_r, lengths = id_runs(slots, rids, starts)
+        local = run_descriptors(side_slice(gather.side, first, end), starts_l, lengths)
+        remote = run_descriptors(plan.remote, starts_r, lengths)
+        post = _Post("WRITE", peer, b"", plan)
+        post.gathered = key
+        try:
+            handle = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, "DRAM"),
+                self.agent.get_xfer_descs(remote, peer.layout.mem_type),
+                peer.agent_name,
+                notif,
+            )
+            t1 = time.perf_counter()
+            self._submit(post, handle)
+        except BaseException:
+            gather.give_back(key, complete=True)  # nothing of it was posted
+            raise
+        self.last_post = PostStats(
+            "gathered",
+            int(lids.size),
+            int(starts.size),
+            int(local.shape[0]),
+            int(local.shape[0]),
+            1,
+            t1 - t0,
+            time.perf_counter() - t1,
         )
         return post
 
@@ -569,6 +654,11 @@ class NixlTransport:
     def release(self, handle: Any) -> None:
         post: _Post = handle
         post.pending.clear()  # a released post never posts another part
+        if post.gathered and self.gather is not None:
+            # Its bytes are read from the slots until its request is done: a post given up
+            # before that keeps them for the quarantine.
+            self.gather.give_back(post.gathered, post.done == len(post.handles))
+            post.gathered = ""
         for h in post.handles:
             try:
                 self.agent.release_xfer_handle(h)
@@ -589,6 +679,8 @@ class NixlTransport:
         try:
             self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)
+            if self._gather_reg is not None:
+                self.agent.deregister_memory(self._gather_reg)
         except Exception:  # noqa: BLE001
             logger.debug("deregister failed", exc_info=True)
 

@@ -1,5 +1,6 @@
-"""D's staging area in memory (``staging.mib``): a layout like the KV cache's with its own
-block slots, and the copy of a landed transfer from its slots into the KV blocks.
+"""Staging areas in memory: D's (``staging.receive_mib``), a layout like the KV cache's with
+its own block slots and the copy of a landed transfer from its slots into the KV blocks;
+P's (``staging.send_mib``, ``GatherArea``), scattered blocks copied together before a WRITE.
 
 P sees the staging layout as D's KV cache (same regions, same block interior, ``slots``
 blocks each, region after region in one buffer): its WRITEs (and D's READs on a fallback)
@@ -10,6 +11,8 @@ them into those blocks once everything has landed (``scatter``).
 from __future__ import annotations
 
 import ctypes
+import time
+from collections import deque
 from collections.abc import Sequence
 
 import msgspec
@@ -18,6 +21,7 @@ import numpy as np
 from kvpush_prod.core.messages import Layout, Region
 from kvpush_prod.core.staging import StagingPool
 from kvpush_prod.transport.checksum import id_runs
+from kvpush_prod.transport.runs import side_of
 
 
 def area_bytes(layout: Layout, slots: int) -> int:
@@ -111,3 +115,59 @@ class StagingArea:
         self._blocks.pop(tid, None)
         self._slots.pop(tid, None)
         self.pool.give_back(tid)
+
+
+class GatherArea:
+    """P's gather area (``staging.send_mib``): scattered KV blocks of a WRITE copied into
+    consecutive slots, so the WRITE costs a descriptor per region and run of D's blocks.
+
+    A post's slots come back when it completes; those of a post given up while in flight
+    are kept ``quarantine_s`` first (its bytes may still be read), as D keeps its blocks
+    until a permit has run out."""
+
+    def __init__(self, layout: Layout, slots: int, quarantine_s: float) -> None:
+        self.kv = list(layout.regions)
+        self.memory = np.zeros(area_bytes(layout, slots), dtype=np.uint8)
+        self.layout = staging_layout(layout, self.memory.ctypes.data, slots)
+        self.pool = StagingPool(slots)
+        self.side = side_of(self.layout.regions)  # the slots as post ids see them (linear)
+        self.quarantine_s = quarantine_s
+        self._kept: deque[tuple[float, str]] = deque()  # (until, key), in time order
+        self._next = 0
+        self.full = 0  # WRITEs posted from the KV blocks for want of slots (reported, reset)
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    def gather(self, ids: np.ndarray, first: int, end: int) -> tuple[str, np.ndarray] | None:
+        """Copy blocks ``ids`` of regions ``[first, end)`` into free slots: (the key to give
+        them back with, the slot ids in the order of ``ids``); None when none are free."""
+        self._expire(time.monotonic())
+        key = f"g{self._next}"
+        self._next += 1
+        taken = self.pool.take(key, len(ids))
+        if taken is None:
+            self.full += 1
+            return None
+        slots = np.asarray(taken, dtype=np.intp)
+        runs = id_runs(taken)
+        src_ids = np.asarray(ids, dtype=np.intp)
+        for s, d in zip(self.kv[first:end], self.layout.regions[first:end], strict=True):
+            rows_s, rows_d = _rows(s), _rows(d)
+            at = 0
+            for start, count in runs:
+                np.take(rows_s, src_ids[at : at + count], axis=0, out=rows_d[start : start + count])
+                at += count
+        return key, slots
+
+    def give_back(self, key: str, complete: bool) -> None:
+        """The post of ``key`` ended: its slots are free now (``complete``) or once its
+        quarantine is over."""
+        if complete:
+            self.pool.give_back(key)
+        else:
+            self._kept.append((time.monotonic() + self.quarantine_s, key))
+
+    def _expire(self, now: float) -> None:
+        while self._kept and self._kept[0][0] <= now:
+            self.pool.give_back(self._kept.popleft()[1])
