@@ -362,6 +362,7 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "A staging area's size in KV blocks over every layer: D's receive area "
         "(staging.receive_mib; the credit budget is capped at it), P's gather area "
         "(staging.send_mib).",
+        healthy=False,
     ),
     _s(
         "kvpush_staging_used_blocks",
@@ -369,6 +370,7 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         _R,
         "Staging slots held now: D's by receives in progress, P's by gathered WRITEs in "
         "flight (or kept after one was given up in flight).",
+        healthy=False,
     ),
     _s(
         "kvpush_staging_copy_seconds",
@@ -377,6 +379,7 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "D's copy of a landed transfer from its staging slots into its KV blocks (on the "
         "transfer pump, before the engine learns the KV arrived).",
         buckets=SECONDS_BUCKETS,
+        healthy=False,
     ),
     _s(
         "kvpush_staging_refused",

@@ -90,6 +90,11 @@ EMITTED_ON_FAULTS = {
     "kvpush_link_slow",
     # Only with push.layerwise on or auto (off in this run's profile).
     "kvpush_layerwise_writes",
+    # Only with staging.receive_mib / staging.send_mib set (off in this run's profile).
+    "kvpush_staging_blocks",
+    "kvpush_staging_used_blocks",
+    "kvpush_staging_copy_seconds",
+    "kvpush_staging_refused",
     # Only with a peer of the previous release (protocol N-1).
     "kvpush_protocol_fallbacks",
     "kvpush_peer_connect_failures",

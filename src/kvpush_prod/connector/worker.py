@@ -284,7 +284,7 @@ class WorkerSide:
         )
 
     def _staging(self, layout: messages.Layout) -> StagingArea | None:
-        """D's staging area (``staging.receive_mib``), or None (off, or P)."""
+        """D's receive area (``staging.receive_mib``), or None (off, or P)."""
         if self.role is not Side.CONSUMER or not self.cfg.staging.receive_mib:
             return None
         slots = staging_blocks(
@@ -294,12 +294,12 @@ class WorkerSide:
             return None
         if self._device != "cpu":
             raise ConfigError(
-                f"staging.receive_mib={self.cfg.staging.receive_mib}: the staging area is for CPU KV caches "
-                "only; set staging.receive_mib: 0 on GPU decode engines"
+                f"staging.receive_mib={self.cfg.staging.receive_mib}: the receive area is for "
+                "CPU KV caches only; set staging.receive_mib: 0 on GPU decode engines"
             )
         area = StagingArea(layout, slots)
         logger.info(
-            "kvpush: staging area of %d blocks (%d MiB): pushes land there and are copied "
+            "kvpush: receive area of %d blocks (%d MiB): pushes land there and are copied "
             "into the KV cache",
             slots,
             area.memory.nbytes >> 20,
@@ -556,7 +556,7 @@ class WorkerSide:
         )
         free, held = pump.staging.pool.free, pump.staging.pool.held
         logger.error(
-            "kvpush: no room in the staging area for %s (%d blocks; %d free, %d held): its "
+            "kvpush: no room in the receive area for %s (%d blocks; %d free, %d held): its "
             "receive fails; raise staging.receive_mib",
             spec.transfer_id[:64],
             len(spec.block_ids),
