@@ -55,6 +55,7 @@ from kvpush_prod.core.links import MAX_REMEMBERED, Joins, Link, Links, Splits, d
 from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import BreakerState, ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
+from kvpush_prod.core.staging import StagingPool
 from kvpush_prod.core.vocabulary import (
     NoteKind,
     Notice,
@@ -1552,6 +1553,11 @@ class TransferPump(threading.Thread, Generic[E]):
             self.trace("staged_copy", tid, nbytes=copied)
         return True
 
+    def _area_gauges(self, pool: StagingPool) -> None:
+        """The size and use of this rank's staging area (D's receive, P's gather area)."""
+        self.stats.set("kvpush_staging_used_blocks", self._labels, float(pool.held))
+        self.stats.set("kvpush_staging_blocks", self._labels, float(pool.slots))
+
     def _count_end(self, tid: str, outcome: Outcome, nbytes: int) -> None:
         """Count a transfer's end. Always before its result is published: the engine thread
         takes the results, then drains the stats, in one step; counted after, an end whose
@@ -1692,9 +1698,7 @@ class SenderPump(TransferPump[Sender]):
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         if self.gather is not None:
-            pool = self.gather.pool
-            self.stats.set("kvpush_staging_used_blocks", self._labels, float(pool.held))
-            self.stats.set("kvpush_staging_blocks", self._labels, float(pool.slots))
+            self._area_gauges(self.gather.pool)
             full, self.gather.full = self.gather.full, 0
             if full:
                 self.stats.inc("kvpush_staging_refused", self._labels, full)
@@ -1743,9 +1747,7 @@ class ReceiverPump(TransferPump[Receiver]):
     def _report_gauges(self, now: float) -> None:
         super()._report_gauges(now)
         if self.staging is not None:
-            pool = self.staging.pool
-            self.stats.set("kvpush_staging_used_blocks", self._labels, float(pool.held))
-            self.stats.set("kvpush_staging_blocks", self._labels, float(pool.slots))
+            self._area_gauges(self.staging.pool)
 
     def _watching(self) -> bool:
         return self.engine.active > 0  # DONE notifications to watch

@@ -34,9 +34,6 @@ class StagingPool:
     def held(self) -> int:
         return self.slots - self.free
 
-    def holds(self, key: str) -> bool:
-        return key in self._held
-
     def __len__(self) -> int:
         return len(self._held)
 

@@ -445,7 +445,7 @@ class NixlTransport:
             return False
         if runs < 2:
             return False
-        d_runs = int(run_starts(np.arange(rids.size, dtype=np.int32), rids).size)
+        d_runs = 1 + int(np.count_nonzero(np.diff(rids) != 1))
         return runs >= 2 * d_runs
 
     def _gathered(

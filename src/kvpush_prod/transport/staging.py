@@ -86,34 +86,33 @@ class StagingArea:
         self.memory = np.zeros(area_bytes(layout, slots), dtype=np.uint8)
         self.layout = staging_layout(layout, self.memory.ctypes.data, slots)
         self.pool = StagingPool(slots)
-        self._blocks: dict[str, list[int]] = {}  # transfer id -> D's blocks, slot by slot
-        self._slots: dict[str, list[int]] = {}
+        # request -> (its slots, D's blocks they stand for, in the same order)
+        self._staged: dict[str, tuple[list[int], list[int]]] = {}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._staged)
 
     def stage(self, tid: str, blocks: Sequence[int]) -> list[int] | None:
         """Slots for ``blocks`` of transfer ``tid``, in the same order (None: no room)."""
         slots = self.pool.take(tid, len(blocks))
         if slots is None:
             return None
-        self._blocks[tid], self._slots[tid] = list(blocks), slots
+        self._staged[tid] = (slots, list(blocks))
         return slots
 
     def land(self, tid: str) -> int:
         """``tid`` landed: copy its slots into its blocks and free them; the bytes copied."""
-        blocks = self._blocks.get(tid)
-        if blocks is None:
+        staged = self._staged.get(tid)
+        if staged is None:
             return 0
         try:
-            return scatter(self.layout.regions, self.kv, self._slots[tid], blocks)
+            return scatter(self.layout.regions, self.kv, *staged)
         finally:
             self.drop(tid)
 
     def drop(self, tid: str) -> None:
         """Free ``tid``'s slots without copying (its receive failed or was aborted)."""
-        self._blocks.pop(tid, None)
-        self._slots.pop(tid, None)
+        self._staged.pop(tid, None)
         self.pool.give_back(tid)
 
 
