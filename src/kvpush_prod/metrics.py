@@ -596,17 +596,19 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         "kvpush_peer_connect_seconds",
         "histogram",
         _R,
-        "Time to make P's NIXL connection to a decode engine (load its agent, prepare its "
-        "descriptors), off the transfer pump; transfers to that engine wait for it. Once per "
-        "decode engine process (again when one restarts).",
+        "Time to make a NIXL connection to a peer engine (load its agent, prepare its "
+        "descriptors), off the transfer pump: P's to a decode engine (transfers to it wait "
+        "for it), D's to a prefill engine it pulls from (that pull's READs wait for it). Once "
+        "per peer engine process (again when one restarts).",
     ),
     _s(
         "kvpush_peer_connect_failures",
         "counter",
         ("role", "reason"),
-        "Connections to a decode engine that failed (error) or did not finish within "
-        "transport.connect_timeout_s (timeout): the transfers waiting for it fell back to "
-        "pull or failed; a connect that lands late is still used by later transfers.",
+        "Connections to a peer engine that failed (error) or did not finish within "
+        "transport.connect_timeout_s (timeout): on P the transfers waiting for it fell back "
+        "to pull or failed, on D the pulls waiting for it failed (vLLM's "
+        "kv_load_failure_policy); a connect that lands late is still used by later ones.",
         values={"reason": CONNECT_FAILURES},
         healthy=False,
     ),

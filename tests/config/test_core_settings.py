@@ -14,7 +14,7 @@ from kvpush_prod.core.transfer import TransferTimeouts
 def test_the_default_configuration_maps_onto_the_core_defaults() -> None:
     settings = core_settings(KvpushConfig(), 4096)
     assert settings.sender == SenderSettings(block_bytes=4096, await_connect=True)
-    assert settings.receiver == ReceiverSettings(block_bytes=4096)
+    assert settings.receiver == ReceiverSettings(block_bytes=4096, await_connect=True)
 
 
 def test_every_mapped_key_reaches_the_core() -> None:

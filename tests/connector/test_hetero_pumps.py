@@ -10,7 +10,7 @@ import msgspec
 
 from kvpush_prod.config.core import core_settings
 from kvpush_prod.connector.metadata import PeerRef, PushMetadata, RecvSpec, SendSpec
-from kvpush_prod.connector.worker import ReceiverPump, WorkerSide
+from kvpush_prod.connector.worker import WorkerSide
 from kvpush_prod.core import messages as m
 from kvpush_prod.core.identity import agent_name
 from kvpush_prod.core.links import Splits
@@ -19,7 +19,16 @@ from kvpush_prod.core.sender import Sender
 from kvpush_prod.core.vocabulary import Notice, Side
 from kvpush_prod.transport.base import RemotePeer
 
-from .test_pump import CFG, Endpoint, Nic, SteppedSenderPump, Transport, Wire, _Rng
+from .test_pump import (
+    CFG,
+    Endpoint,
+    Nic,
+    SteppedReceiverPump,
+    SteppedSenderPump,
+    Transport,
+    Wire,
+    _Rng,
+)
 
 TOTAL_HEADS = 2
 
@@ -90,7 +99,7 @@ class World:
                     )
                     ws._tx.splits = Splits(rank, tp, TOTAL_HEADS)
                 else:
-                    ws._rx = ReceiverPump(
+                    ws._rx = SteppedReceiverPump(
                         CFG, Receiver(me, settings.receiver, _Rng()), t, ep, ws.results, ws.stats
                     )
                 out.append(ws)

@@ -129,6 +129,12 @@ class SteppedSenderPump(SenderPump):
     connect_threads = 0
 
 
+class SteppedReceiverPump(ReceiverPump):
+    """D's pump stepped by hand, its connects (for a pull) as P's above."""
+
+    connect_threads = 0
+
+
 def info(name: str, control: str) -> m.PeerInfo:
     return m.PeerInfo(name, 1, 0, control, agent_name(f"agent-{name}", control), b"meta", LAYOUT)
 
@@ -154,7 +160,7 @@ class Pair:
             self.p_results,  # type: ignore[arg-type]
             self.p_stats,
         )
-        self.d = ReceiverPump(
+        self.d = SteppedReceiverPump(
             cfg,
             Receiver(d_info, settings.receiver, _Rng()),
             self.rx,

@@ -123,7 +123,7 @@ TICK_S = 0.1  # the pump ticks its engine every few tens of ms
 # The world's physical bounds. Safety needs a chunk posted before the holder's stop point to
 # land before the grantor's reuse point: CHUNK_MAX_S + 2 * WALL_SKEW_S < stop + skew margin.
 CHUNK_MAX_S = 1.5  # a WRITE/READ completes (or is known failed) within this of its post
-CONNECT_MAX_S = 4.0  # a P's connect made off its pump (Chaos.connect_slow) ends within this
+CONNECT_MAX_S = 4.0  # a connect made off the pump (Chaos.connect_slow) ends within this
 WALL_SKEW_S = 0.2  # |wall clock offset| of one node: message ages are off by up to twice it
 PAUSE_MAX_S = 1.5  # a pump stall (GC, overload)
 SPIKE_MAX_S = 6.0  # a control message stuck this long (REGISTERs: the age covers it)
@@ -176,6 +176,7 @@ RECEIVER = ReceiverSettings(
     budget=BUDGET,
     timeouts=TIMEOUTS,
     max_peers=PEER_DIR,
+    await_connect=True,  # as the connector: a pull's READs wait for the driver's on_peer
 )
 CREDITS = CreditSettings(budget_blocks=CREDIT_BUDGET, per_peer_cap_blocks=PEER_CAP)
 
@@ -394,7 +395,7 @@ class Chaos:
     delay_max_s: float = 0.02  # control message delay in [0.2 ms, this]
     spike: float = 0.0  # a control message is held up to SPIKE_MAX_S (a stuck queue)
     chunk_fail: float = 0.0  # a chunk fails
-    # P's connect to a D is made off the pump and ends up to CONNECT_MAX_S later (the
+    # A connect (P's to a D, D's to a P) is made off the pump and ends up to CONNECT_MAX_S later (the
     # driver's deferred connect), or fails then
     connect_slow: float = 0.0
     connect_fail: float = 0.0
@@ -867,12 +868,13 @@ class World:
         heapq.heappush(self._heap, (at, next(self._seq), kind, key))
 
     def connect(self, node: Node, agent: str) -> str | Deferred:
-        """P's connect to ``agent``: at once, or (Chaos.connect_slow / connect_fail) made
-        elsewhere and handed to the driver later, connected or failed."""
+        """A connect to ``agent`` (P's to a D it pushes to, D's to a P it pulls from): at
+        once, or (Chaos.connect_slow / connect_fail) made elsewhere and handed to the driver
+        later, connected or failed."""
         c = self.chaos
         r = self.r("connect", node.name, node.inc, agent, self.now)
         fail = r.random() < c.connect_fail
-        if node.role != "P" or not (fail or r.random() < c.connect_slow):
+        if not (fail or r.random() < c.connect_slow):
             return self.handle(agent)
         self.count("connect:failed" if fail else "connect:slow")
         at = self.now + r.uniform(0.001, CONNECT_MAX_S)

@@ -1,7 +1,9 @@
 """P's connection to a decode engine is made off the pump (``await_connect``): transfers to a
 D whose connection is not ready are held (their permits renewed by D's heartbeats as usual),
 start when ``on_peer`` says it is ready, and fall back or fail when it could not be made;
-transfers to other D's go on meanwhile."""
+transfers to other D's go on meanwhile. D's connection to a prefill engine it pulls from
+(a FALLBACK) is made off the pump too: the pull's READs wait for it, within P's read
+permit, and the pull fails (vLLM's kv_load_failure_policy) when it cannot be made."""
 
 from __future__ import annotations
 
@@ -9,12 +11,20 @@ import random
 from dataclasses import replace
 
 from kvpush_prod.core import messages as m
-from kvpush_prod.core.actions import ConnectPeer, PostWrite, ReleaseSend
+from kvpush_prod.core.actions import (
+    ConnectPeer,
+    PostRead,
+    PostWrite,
+    ReleaseSend,
+    ReportFailed,
+    ReportFinished,
+)
 from kvpush_prod.core.identity import agent_name as ag
+from kvpush_prod.core.receiver import Receiver
 from kvpush_prod.core.retry import ChunkError, ErrorKind
 from kvpush_prod.core.sender import Sender
 from tests.core.sim_world import Chaos, World
-from tests.core.test_push_engines import LAYOUT, SS, D, P, msgs, of, register
+from tests.core.test_push_engines import LAYOUT, RS, SS, D, P, msgs, of, register
 
 D2 = m.PeerInfo("D2", 3, 0, "tcp://d2:1", ag("agent-d2", "tcp://d2:1"), b"meta", LAYOUT)
 
@@ -225,3 +235,75 @@ def worlds(chaos: Chaos, requests: int, gap_s: float) -> dict[str, int]:
         for k, n in w.stats.items():
             seen[k] = seen.get(k, 0) + n
     return seen
+
+
+# ---------------------------------------------------------------- D's connect to P (a pull)
+P2 = m.PeerInfo("P2", 4, 0, "tcp://p2:1", ag("agent-p2", "tcp://p2:1"), b"meta", LAYOUT)
+
+
+def receiver() -> Receiver:
+    return Receiver(D, replace(RS, await_connect=True), random.Random(0))
+
+
+def fallback_to(
+    r: Receiver, tid: str, blocks: list[int], ttl_ms: int = 30_000, p: m.PeerInfo = P
+) -> m.Fallback:
+    """D registers ``tid`` with ``p``; P's FALLBACK offers its blocks 1, 2, ... to read."""
+    (reg,) = msgs(r.register(tid, p.control, blocks, 0, 300, 0.0), m.Register)
+    theirs = list(range(1, len(blocks) + 1))
+    return m.Fallback(1, tid, reg.generation, p, theirs, 0, "push_failed", ttl_ms)
+
+
+def test_a_pull_waits_for_the_connection_to_the_prefill_then_reads() -> None:
+    r = receiver()
+    out = r.on_message(fallback_to(r, "t", [10, 11, 12]), 0.1)
+    assert of(out, ConnectPeer) == [ConnectPeer(P)] and of(out, PostRead) == []
+    assert of(r.tick(0.5), PostRead) == []  # nothing is read before the connection
+    reads = of(r.on_peer(P.agent_name, "", 0.6), PostRead)
+    assert [(x.local_blocks, x.remote_blocks) for x in reads] == [((10, 11), (1, 2))]
+    (last,) = of(r.on_chunk(reads[0].chunk_id, True, "", 0.7), PostRead)
+    out = r.on_chunk(last.chunk_id, True, "", 0.8)
+    assert msgs(out, m.PullDone)[0].ok
+    assert of(out, ReportFinished) == [ReportFinished("t", "pull_fallback", -1, (10, 11, 12))]
+
+
+def test_a_connection_that_could_not_be_made_fails_the_pulls_waiting_for_it() -> None:
+    r = receiver()
+    r.on_message(fallback_to(r, "t", [10]), 0.1)
+    r.on_message(fallback_to(r, "u", [20]), 0.2)
+    out = r.on_peer(P.agent_name, "timed out after 10 s", 0.3)
+    assert of(out, PostRead) == []
+    assert sorted(f.transfer_id for f in of(out, ReportFailed)) == ["t", "u"]
+    assert all(f.reason == "pull_failed" for f in of(out, ReportFailed))
+    assert all("connect_failed: timed out after 10 s" in f.detail for f in of(out, ReportFailed))
+    assert [d.ok for d in msgs(out, m.PullDone)] == [False, False]  # P may free its blocks
+    assert r.on_peer(P.agent_name, "", 0.4) == []  # a late success finds nothing waiting
+
+
+def test_a_pull_not_connected_when_the_read_permit_runs_out_fails() -> None:
+    r = receiver()
+    r.on_message(fallback_to(r, "t", [10], ttl_ms=2_000), 0.0)  # usable until 2 - stop margin
+    assert of(r.tick(0.5), ReportFailed) == []
+    out = r.tick(1.5)
+    (failed,) = of(out, ReportFailed)
+    assert failed.reason == "pull_failed" and "no connection" in failed.detail
+    assert not msgs(out, m.PullDone)[0].ok
+    assert of(r.on_peer(P.agent_name, "", 1.6), PostRead) == []  # too late: nothing is read
+
+
+def test_a_pull_aborted_while_connecting_reads_nothing() -> None:
+    r = receiver()
+    r.on_message(fallback_to(r, "t", [10]), 0.1)
+    out = r.abort("t", 0.2)
+    assert of(out, ReportFinished) == [ReportFinished("t", "aborted")]
+    assert not msgs(out, m.PullDone)[0].ok
+    assert r.on_peer(P.agent_name, "", 0.3) == []
+
+
+def test_a_pull_from_another_prefill_reads_while_one_is_being_connected() -> None:
+    r = receiver()
+    r.on_message(fallback_to(r, "t", [10]), 0.1)
+    r.on_message(fallback_to(r, "u", [20], p=P2), 0.2)
+    reads = of(r.on_peer(P2.agent_name, "", 0.3), PostRead)
+    assert [x.transfer_id for x in reads] == ["u"]
+    assert [x.transfer_id for x in of(r.on_peer(P.agent_name, "", 0.4), PostRead)] == ["t"]

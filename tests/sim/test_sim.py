@@ -115,7 +115,7 @@ def test_no_kvpush_setting_is_the_simulators_own():
     m = SMALL.with_(profile="default")
     (tx,), (rx,), _ = settings_of(m)
     assert tx == SenderSettings(block_bytes=block_bytes(m), await_connect=True)
-    assert rx == ReceiverSettings(block_bytes=block_bytes(m))
+    assert rx == ReceiverSettings(block_bytes=block_bytes(m), await_connect=True)
 
 
 def test_set_takes_keys_of_the_profile_as_well_as_model_fields(tmp_path: Path):

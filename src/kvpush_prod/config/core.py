@@ -78,6 +78,7 @@ def core_settings(cfg: KvpushConfig, block_bytes: int) -> CoreSettings:
         budget=budget,
         timeouts=timeouts,
         max_peers=cfg.control.max_peers,
+        await_connect=True,  # the connector's pump connects off its thread (ConnectPeer)
     )
     return CoreSettings(sender, receiver)
 

@@ -211,11 +211,13 @@ class TransportSettings(_Section):
         10.0,
         ge=0.1,
         le=600.0,
-        description="Longest wait for P's NIXL connection to a decode engine (loading its "
-        "agent and preparing its descriptors, done off the transfer pump; the transfers to "
-        "it wait meanwhile, their permits renewed by D's heartbeats). Past it the waiting "
-        "transfers fall back to pull (or fail, fallback.pull off); a connection that lands "
-        "later is still used by the transfers after them.",
+        description="Longest wait for a NIXL connection to a peer engine (loading its "
+        "agent and preparing its descriptors, done off the transfer pump): P's to a decode "
+        "engine (the transfers to it wait meanwhile, their permits renewed by D's "
+        "heartbeats; past it they fall back to pull, or fail with fallback.pull off) and D's "
+        "to a prefill engine it pulls from (the pull's READs wait, within P's read permit; "
+        "past it the pull fails and vLLM's kv_load_failure_policy applies). A connection "
+        "that lands later is still used by the transfers after them.",
     )
 
 

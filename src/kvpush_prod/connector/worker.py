@@ -871,9 +871,11 @@ class TransferPump(threading.Thread, Generic[E]):
     """
 
     side: Side
-    # Connect to peers on connect threads (``Connects``), not on the pump: P, whose every
-    # transfer to a D waits for its connection anyway. D connects (to pull) on the pump.
-    connect_off_pump = False
+    # Connect to peers on connect threads (``Connects``), not on the pump: loading an agent
+    # and preparing descriptors for its whole KV cache takes long for a large cache, and
+    # every other transfer waits for the pump meanwhile (P connects to each D it pushes to,
+    # D to each P it pulls from). False: on the pump.
+    connect_off_pump = True
     connect_threads = CONNECT_THREADS  # 0: run each in ``Connects.start`` (tests step by hand)
     staging: StagingArea | None = None  # D: the staging area (staging.receive_mib), set at start
 
@@ -1180,7 +1182,7 @@ class TransferPump(threading.Thread, Generic[E]):
         return peer
 
     def _connect_now(self, info: messages.PeerInfo) -> RemotePeer:
-        """Connect to ``info``'s agent (on a connect thread, or on the pump for D)."""
+        """Connect to ``info``'s agent (on a connect thread, or on the pump in tests)."""
         assert info.layout is not None
         return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
 
@@ -1629,7 +1631,6 @@ class SenderPump(TransferPump[Sender]):
     gather: GatherArea | None = None  # P's gather area (staging.send_mib), set at start
 
     side = Side.PRODUCER
-    connect_off_pump = True
 
     def send(self, peer: str, to: str, message: messages.ControlMessage) -> None:
         if isinstance(message, messages.Fallback) and self._verify:

@@ -29,6 +29,7 @@ from kvpush_prod.core.identity import owns_agent, peer_slot
 from kvpush_prod.core.incarnations import RetiredIncarnations
 from kvpush_prod.core.leases import LeaseCheck, LeaseSettings, LeaseTable, Permit, RandomBits
 from kvpush_prod.core.messages import (
+    MAX_TEXT_LEN,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
@@ -82,6 +83,10 @@ class ReceiverSettings:
     # Transfers whose DONE arrived, remembered to answer a DoneQuery and to ignore a second
     # DONE of the same generation (oldest forgotten first).
     max_done_log: int = 65_536
+    # The shell connects to a P (ConnectPeer) off its own thread and says when the connection
+    # is ready (``on_peer``): a pull's READs wait for that. False: they are scheduled at
+    # once (a shell, or a test, that connects before it carries out the next action).
+    await_connect: bool = False
 
 
 @dataclass(eq=False)
@@ -113,6 +118,7 @@ class _Receive:
     pull: list[int] = field(default_factory=list)
     pull_bytes: int = 0
     pull_per_block: int = 0  # units per block of ours in ``pull`` (0: whole blocks)
+    connecting: bool = False  # a pull waits for D's connection to P's agent (on_peer)
     prompt: bytes = b""  # digest of this request's prompt token ids (core.digest)
 
 
@@ -616,15 +622,23 @@ class Receiver:
             ConnectPeer(msg.sender),
             Note(NoteKind.FALLBACK, msg.reason.split(":")[0] or "push_failed", msg.reason),
         ]
+        if self.s.await_connect:
+            rx.connecting = True  # ``on_peer`` schedules its READs
+            return out
+        return out + self._schedule_reads(rx, now)
+
+    def _schedule_reads(self, rx: _Receive, now: float) -> list[Action]:
+        assert rx.fallback is not None and rx.read_permit is not None
+        rx.connecting = False
         self.reads.add(
             rx.tid,
-            msg.sender.agent_name,
+            rx.fallback.sender.agent_name,
             rx.pull_bytes,
             len(rx.pull),
             rx.read_permit.expires_at,
             now,
         )
-        return out + self.poll(now)
+        return self.poll(now)
 
     @staticmethod
     def _other_prompt(rx: _Receive, stated: bytes) -> bool:
@@ -665,11 +679,21 @@ class Receiver:
         return ""
 
     def on_peer(self, agent: str, problem: str, now: float) -> list[Action]:
-        """The shell's connection to P's agent ``agent`` ended (ready, or ``problem``).
-
-        Nothing waits on it here: D's shells connect before the READs of a fallback are
-        posted (a READ to an agent that could not be connected fails as a chunk)."""
-        return []
+        """The shell's connection to P's agent ``agent`` ended: ready (``problem`` "") or
+        not. The pulls that waited for it post their READs, or fail (vLLM's
+        kv_load_failure_policy applies). Without ``await_connect`` nothing waits on it (a
+        READ to an agent that could not be connected fails as a chunk)."""
+        out: list[Action] = []
+        for rx in list(self._in.values()):
+            if not rx.connecting or rx.fallback is None or rx.fallback.sender.agent_name != agent:
+                continue
+            if problem:
+                rx.connecting = False
+                rx.read_failed = f"connect_failed: {problem}"[:MAX_TEXT_LEN]
+                out += self._finish_pull(rx, now)
+            else:
+                out += self._schedule_reads(rx, now)
+        return out
 
     def on_chunk(
         self, chunk_id: int, ok: bool, error: ChunkError | str, now: float
@@ -718,6 +742,17 @@ class Receiver:
         rx.read_failed = "pull_permit_expired: a READ completed after the read permit"
         return Note(NoteKind.LEASE_EXPIRED, "pull", f"{rx.tid}: a READ completed late")
 
+    @staticmethod
+    def _connect_too_late(rx: _Receive, now: float) -> bool:
+        """A pull still waiting for its connection when P's read permit (less the stop
+        margin) ran out: it can no longer READ in time, so it fails."""
+        permit = rx.read_permit
+        if permit is None or permit.usable(now) or rx.read_failed:
+            return False
+        rx.connecting = False
+        rx.read_failed = "pull_permit_expired: no connection to the prefill's agent in time"
+        return True
+
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:
         """READs the scheduler lets out now, and pulls whose read permit ran out (call often
@@ -757,6 +792,9 @@ class Receiver:
                 if rx.machine.expired(now) and not rx.read_failed:
                     self.reads.cancel(rx.tid)
                     rx.read_failed = "timeout"
+                    out += self._finish_pull(rx, now)
+                elif rx.connecting and self._connect_too_late(rx, now):
+                    out.append(Note(NoteKind.LEASE_EXPIRED, "pull", f"{rx.tid}: not connected"))
                     out += self._finish_pull(rx, now)
                 continue
             if rx.machine.expired(now):
