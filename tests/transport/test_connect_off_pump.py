@@ -56,6 +56,26 @@ class HeldConnects:
         return getattr(self.inner, name)
 
 
+def until(step: Callable[[], None], what: Callable[[], bool]) -> None:
+    """Pass the pumps (``step``) until ``what`` holds, within BOUND_S."""
+    deadline = time.monotonic() + BOUND_S
+    while not what():
+        assert time.monotonic() < deadline, "nothing happened before the bound"
+        step()
+        time.sleep(0.001)
+
+
+def holds(p: Cache, src: tuple[int, ...], d: Cache, dst: tuple[int, ...]) -> bool:
+    """D's blocks ``dst`` hold P's blocks ``src``, region by region."""
+    for rp, rd in zip(p.layout.regions, d.layout.regions, strict=True):
+        for s, t in zip(src, dst, strict=True):
+            a = p.offset(rp.base + s * rp.block_stride)
+            b = d.offset(rd.base + t * rd.block_stride)
+            if not bool((p.buf[a : a + rp.block_len] == d.buf[b : b + rd.block_len]).all()):
+                return False
+    return True
+
+
 class Cluster:
     """P and two D's, each a real pump over its own NIXL agent."""
 
@@ -116,11 +136,7 @@ class Cluster:
                 pump._pass(True)
 
     def until(self, what: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + BOUND_S
-        while not what():
-            assert time.monotonic() < deadline, "nothing happened before the bound"
-            self.step()
-            time.sleep(0.001)
+        until(self.step, what)
 
     def push(self, tid: str, d: str) -> None:
         self.d[d].request_of[tid] = f"{d}-{tid}"
@@ -138,14 +154,7 @@ class Cluster:
 
     def landed(self, d: str) -> bool:
         """D's blocks DST hold P's blocks SRC, region by region."""
-        p, dc = self.p_cache, self.d_caches[d]
-        for rp, rd in zip(p.layout.regions, dc.layout.regions, strict=True):
-            for s, t in zip(SRC, DST, strict=True):
-                a = p.offset(rp.base + s * rp.block_stride)
-                b = dc.offset(rd.base + t * rd.block_stride)
-                if not bool((p.buf[a : a + rp.block_len] == dc.buf[b : b + rd.block_len]).all()):
-                    return False
-        return True
+        return holds(self.p_cache, SRC, self.d_caches[d], DST)
 
     def close(self) -> None:
         self.p_transport.gate.set()

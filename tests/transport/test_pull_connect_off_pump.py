@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.nixl
 
 from kvpush_prod.transport.nixl import NixlTransport, make_agent  # noqa: E402
 from tests.connector.test_pump import CFG, Endpoint, Wire, _Rng  # noqa: E402
-from tests.transport.test_connect_off_pump import BOUND_S, HeldConnects  # noqa: E402
+from tests.transport.test_connect_off_pump import HeldConnects, holds, until  # noqa: E402
 from tests.transport.test_post_nixl import Cache, cache, cpu  # noqa: E402
 
 NUM_BLOCKS, BLOCK = 24, 16
@@ -89,12 +88,8 @@ class Pair:
                 pump._pass(True)
         self.outcomes.update({tid[2:]: o for tid, o in self.d_results.take_outcomes().items()})
 
-    def until(self, what: Any) -> None:
-        deadline = time.monotonic() + BOUND_S
-        while not what():
-            assert time.monotonic() < deadline, "nothing happened before the bound"
-            self.step()
-            time.sleep(0.001)
+    def until(self, what: Callable[[], bool]) -> None:
+        until(self.step, what)
 
     def push(self, tid: str) -> None:
         self.d.request_of[tid] = f"d-{tid}"
@@ -107,14 +102,7 @@ class Pair:
 
     def landed(self, tid: str) -> bool:
         """D's blocks of ``tid`` hold P's blocks SRC, region by region."""
-        p, d = self.p_cache, self.d_cache
-        for rp, rd in zip(p.layout.regions, d.layout.regions, strict=True):
-            for s, t in zip(SRC, DST[tid], strict=True):
-                a = p.offset(rp.base + s * rp.block_stride)
-                b = d.offset(rd.base + t * rd.block_stride)
-                if not bool((p.buf[a : a + rp.block_len] == d.buf[b : b + rd.block_len]).all()):
-                    return False
-        return True
+        return holds(self.p_cache, SRC, self.d_cache, DST[tid])
 
     def close(self) -> None:
         self.d_transport.gate.set()
