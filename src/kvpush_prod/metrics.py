@@ -337,7 +337,8 @@ CONNECTOR_SERIES: tuple[Series, ...] = (
         ("role", "version"),
         "Peers (each process of one) this engine talks an older protocol version to than its "
         "own, by that version: a mixed-version fleet, as during a rolling upgrade (KV is still "
-        "pushed; each is also logged). Once every engine runs one release it stops rising.",
+        "pushed; each is also logged). A decode also counts a prefill it heard only through "
+        "an older DONE. Once every engine runs one release it stops rising.",
         healthy=False,
     ),
     _s(

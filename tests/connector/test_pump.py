@@ -40,6 +40,8 @@ class Endpoint:
         self.wire, self.address = wire, address
         self.rejected: Counter[str] = Counter()
         self.protocol_fallbacks: Counter[str] = Counter()
+        self.speaks = m.PROTOCOL_VERSION  # what it settled with every peer
+        self.dones_heard: list[tuple[str, int]] = []
         wire.inbox[address] = []
 
     def receive(self, limit: int = 256) -> Iterator[tuple[m.ControlMessage, str]]:
@@ -51,7 +53,10 @@ class Endpoint:
         self.wire.inbox.setdefault(address, []).append(msg)
 
     def protocol_of(self, address: str) -> int:
-        return m.PROTOCOL_VERSION
+        return self.speaks
+
+    def done_heard(self, address: str, engine_id: str, version: int) -> None:
+        self.dones_heard.append((address, version))
 
     def wake(self) -> None: ...
 
@@ -209,6 +214,22 @@ def test_a_prompt_is_pushed_end_to_end_through_both_pumps() -> None:
     assert pair.d_results.take_outcomes() == {"d-t": "pushed"}
     assert counters(pair.p_stats)[("kvpush_transfers", "producer", "pushed")] == 1
     assert counters(pair.d_stats)[("kvpush_transfers", "consumer", "pushed")] == 1
+
+
+def test_d_tells_its_endpoint_of_a_done_in_the_previous_protocol_it_took() -> None:
+    # An older P may push without any control message D hears: its DONE's version is the
+    # only word of its release, counted in kvpush_protocol_fallbacks_total (CI: d_first).
+    pair = Pair()
+    pair.p.endpoint.speaks = 2  # type: ignore[attr-defined]
+    pair.push()
+    pair.step()
+    assert pair.d_results.take_outcomes() == {"d-t": "pushed"}
+    assert pair.d.endpoint.dones_heard == [("tcp://p:1", 2)]  # type: ignore[attr-defined]
+    assert counters(pair.d_stats)[("kvpush_protocol_dones", "consumer", "2")] == 1
+    again = Pair()
+    again.push()
+    again.step()
+    assert again.d.endpoint.dones_heard == []  # type: ignore[attr-defined]
 
 
 class _CountedFirst:

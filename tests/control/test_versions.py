@@ -93,6 +93,32 @@ def test_new_decode_talks_2_to_an_old_prefill_and_says_so_once() -> None:
     assert d.version_for("tcp://127.0.0.1:8") == 2
 
 
+def test_a_new_decode_counts_an_old_prefill_it_only_took_dones_from() -> None:
+    # An older P may push to D without any control message D hears: its DONE (a NIXL
+    # notification, protocol 2) is then the only word of its release (CI: d_first).
+    d, at = protocol.PeerVersions(), "tcp://127.0.0.1:8"
+    note = d.done_heard(at, "prefill-0", 2)
+    assert note is not None and (note.version, note.engine_id, note.address) == (2, "prefill-0", at)
+    assert d.version_for(at) == 2
+    assert d.done_heard(at, "prefill-0", 2) is None  # once
+    assert d.heard(heartbeat(2)) is None  # its first message: the same process, not again
+    assert d.heard(heartbeat(2, incarnation=2)) is not None  # restarted, still old: again
+
+
+def test_a_done_in_2_from_a_prefill_heard_in_3_is_no_fallback() -> None:
+    d = protocol.PeerVersions()
+    assert d.heard(heartbeat(3)) is None
+    assert d.done_heard("tcp://127.0.0.1:8", "prefill-0", 2) is None
+    assert d.done_heard("tcp://127.0.0.1:7", "prefill-1", 3) is None  # ours: nothing to note
+    assert d.version_for("tcp://127.0.0.1:8") == 3
+    # Known only from a DONE, then its own messages say 3 (upgraded in place): 3 from then on.
+    assert d.done_heard("tcp://127.0.0.1:6", "prefill-2", 2) is not None
+    assert (
+        d.heard(m.Heartbeat(3, m.PeerInfo("prefill-2", 4, 0, "tcp://127.0.0.1:6"), 1, [])) is None
+    )
+    assert d.version_for("tcp://127.0.0.1:6") == 3
+
+
 def test_the_book_of_versions_is_bounded() -> None:
     book = protocol.PeerVersions(limit=2)
     for i in range(5):
@@ -198,4 +224,16 @@ def test_an_endpoint_counts_a_peer_of_the_previous_release_and_sends_it_v2_frame
         out.close(0)
         old_p.close(0)
         ctx.term()
+        d.close()
+
+
+def test_an_endpoint_counts_an_older_prefill_known_only_by_its_done() -> None:
+    d = ControlEndpoint(ControlCodec(1 << 20), "127.0.0.1", free_port())
+    try:
+        d.done_heard("tcp://127.0.0.1:8", "prefill-0", 2)
+        d.done_heard("tcp://127.0.0.1:8", "prefill-0", 2)
+        d.done_heard("tcp://127.0.0.1:7", "prefill-1", 3)
+        assert d.protocol_fallbacks == {"2": 1}
+        assert d.protocol_of("tcp://127.0.0.1:8") == 2
+    finally:
         d.close()

@@ -1724,6 +1724,11 @@ class SenderPump(TransferPump[Sender]):
                 )
 
 
+def _pushed(out: list[actions.Action]) -> bool:
+    """Whether ``out`` (a DONE's actions) ends its receive as pushed: the DONE was taken."""
+    return any(isinstance(a, actions.ReportFinished) and a.outcome is Outcome.PUSHED for a in out)
+
+
 class ReceiverPump(TransferPump[Receiver]):
     """D's pump: it also watches NIXL notifications for the DONE of each push."""
 
@@ -1805,4 +1810,8 @@ class ReceiverPump(TransferPump[Receiver]):
                 ) == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
-        return rx.on_done(done, now, verified, agent)
+        prefill = rx.prefill_of(done.transfer_id)
+        out = rx.on_done(done, now, verified, agent)
+        if done.v < protocol.CURRENT and prefill is not None and _pushed(out):
+            self.endpoint.done_heard(*prefill, done.v)  # an older P: counted and logged once
+        return out

@@ -511,21 +511,32 @@ class ControlEndpoint:
         build's version is counted and said once per process of it (a mixed-version fleet)."""
         with self._books:
             fallback = self._versions.heard(msg)
-            if fallback is not None:
-                self.protocol_fallbacks[str(fallback.version)] += 1
-        if fallback is not None:
-            logger.warning(
-                "kvpush: peer %s at %s speaks protocol %s (an older kvpush-prod); this engine "
-                "speaks %s and talks protocol %d to it, KV still pushed, until it is upgraded "
-                "(a mixed-version fleet, as during a rolling upgrade: %s; counted in "
-                "kvpush_protocol_fallbacks_total)",
-                fallback.engine_id,
-                fallback.address,
-                fallback.theirs,
-                protocol.spoken(),
-                fallback.version,
-                protocol.UPGRADES,
-            )
+        self._fell_back(fallback)
+
+    def done_heard(self, address: str, engine_id: str, version: int) -> None:
+        """D took a DONE of protocol ``version`` from the prefill at ``address`` (a NIXL
+        notification: an older P may push to D without any control message D hears)."""
+        with self._books:
+            fallback = self._versions.done_heard(address, engine_id, version)
+        self._fell_back(fallback)
+
+    def _fell_back(self, fallback: protocol.Fallback | None) -> None:
+        if fallback is None:
+            return
+        with self._books:
+            self.protocol_fallbacks[str(fallback.version)] += 1
+        logger.warning(
+            "kvpush: peer %s at %s speaks protocol %s (an older kvpush-prod); this engine "
+            "speaks %s and talks protocol %d to it, KV still pushed, until it is upgraded "
+            "(a mixed-version fleet, as during a rolling upgrade: %s; counted in "
+            "kvpush_protocol_fallbacks_total)",
+            fallback.engine_id,
+            fallback.address,
+            fallback.theirs,
+            protocol.spoken(),
+            fallback.version,
+            protocol.UPGRADES,
+        )
 
     def protocol_of(self, address: str) -> int:
         """The protocol version messages to the peer at ``address`` go in."""

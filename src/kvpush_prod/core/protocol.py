@@ -84,7 +84,7 @@ def refusal(msg: ControlMessage) -> str:
 
 @dataclass
 class _Peer:
-    incarnation: int
+    incarnation: int | None  # None: known only from a DONE (``done_heard``), not its messages
     version: int
     noted: bool = False
 
@@ -123,20 +123,41 @@ class PeerVersions:
         else:
             version = max(OLDEST, min(msg.v, CURRENT))  # it speaks what it sent
         peer = self._peers.get(who.control)
-        if peer is None or peer.incarnation != who.incarnation:
+        if peer is not None and peer.incarnation is None:
+            peer.incarnation, peer.version = who.incarnation, version  # its own word now
+        elif peer is None or peer.incarnation != who.incarnation:
             peer = _Peer(who.incarnation, version)
             self._peers[who.control] = peer
         elif isinstance(msg, Register):
             peer.version = version  # its own word: what it speaks
         else:
             peer.version = max(peer.version, version)
-        self._peers.move_to_end(who.control)
-        while len(self._peers) > self._limit:
-            self._peers.popitem(last=False)
+        self._touch(who.control)
         if peer.version < CURRENT and not peer.noted:
             peer.noted = True
             return Fallback(who.control, who.engine_id, peer.version, spoken(*theirs))
         return None
+
+    def done_heard(self, address: str, engine_id: str, version: int) -> Fallback | None:
+        """A DONE of protocol ``version`` was taken from the prefill at ``address``: a DONE
+        travels as a NIXL notification, not a control message, so a D may take an older
+        P's pushes without hearing any of its messages. A ``Fallback`` (to count and log)
+        the first time this says a peer not known to speak ``CURRENT`` sent an older one."""
+        peer = self._peers.get(address)
+        if version >= CURRENT or (peer is not None and peer.version >= CURRENT):
+            return None  # a peer heard speaking ours settled below it with us, not older
+        if peer is None:
+            peer = self._peers[address] = _Peer(None, max(OLDEST, version))
+        self._touch(address)
+        if peer.noted:
+            return None
+        peer.noted = True
+        return Fallback(address, engine_id, peer.version, spoken(version, version))
+
+    def _touch(self, address: str) -> None:
+        self._peers.move_to_end(address)
+        while len(self._peers) > self._limit:
+            self._peers.popitem(last=False)
 
     def version_for(self, address: str) -> int:
         """The version to talk to the peer at ``address`` in."""

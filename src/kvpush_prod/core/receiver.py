@@ -198,6 +198,11 @@ class Receiver:
         rx = self._in.get(tid)
         return None if rx is None else rx.blocks
 
+    def prefill_of(self, tid: str) -> tuple[str, str] | None:
+        """The control address and identity of the prefill ``tid`` is received from."""
+        rx = self._in.get(tid)
+        return None if rx is None else (rx.address, rx.owner)
+
     def live_permits(self) -> int:
         return sum(1 for i in self._in.values() if i.fallback is None)
 
