@@ -58,14 +58,13 @@ class ThreadedPair(Pair):
 
 def test_a_connect_past_its_bound_falls_back_and_the_late_connection_is_used_next() -> None:
     pair = ThreadedPair()
-    assert pair.p.connects is not None
     pair.push("t1")
     outcomes = pair.until(pair.d_results.take_outcomes)
     assert outcomes == {"d-t1": "pull_fallback"}  # D read the KV P could not write
     c = counters(pair.p_stats)
     assert c[("kvpush_peer_connect_failures", "producer", "timeout")] == 1
     HeldTransport.gate.set()  # the connect lands, late
-    pair.until(lambda: not pair.p.connects.pending(pair.rx.name))  # type: ignore[union-attr]
+    pair.until(lambda: not pair.p.connects.pending(pair.rx.name))
     pair.step(2)
     pair.push("t2")
     assert pair.until(pair.d_results.take_outcomes) == {"d-t2": "pushed"}

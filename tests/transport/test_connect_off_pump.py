@@ -159,8 +159,7 @@ class Cluster:
     def close(self) -> None:
         self.p_transport.gate.set()
         for pump in (self.p, *self.d.values()):
-            if pump.connects is not None:
-                pump.connects.close()
+            pump.connects.close()
         for t in self.made:
             t.close()
 

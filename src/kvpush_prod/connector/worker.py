@@ -871,11 +871,10 @@ class TransferPump(threading.Thread, Generic[E]):
     """
 
     side: Side
-    # Connect to peers on connect threads (``Connects``), not on the pump: loading an agent
-    # and preparing descriptors for its whole KV cache takes long for a large cache, and
-    # every other transfer waits for the pump meanwhile (P connects to each D it pushes to,
-    # D to each P it pulls from). False: on the pump.
-    connect_off_pump = True
+    # Peers are connected on connect threads (``Connects``), not on the pump: loading an
+    # agent and preparing descriptors for its whole KV cache takes long for a large cache,
+    # and every other transfer would wait for the pump meanwhile (P connects to each D it
+    # pushes to, D to each P it pulls from).
     connect_threads = CONNECT_THREADS  # 0: run each in ``Connects.start`` (tests step by hand)
     staging: StagingArea | None = None  # D: the staging area (staging.receive_mib), set at start
 
@@ -938,7 +937,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._reported_fallbacks: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
         self._mappings_logged: set[tuple[int, int]] = set()  # (P's TP, D's TP)
-        self.connects = self._connects(cfg, endpoint) if self.connect_off_pump else None
+        self.connects = self._connects(cfg, endpoint)
 
     def _connects(self, cfg: KvpushConfig, endpoint: ControlEndpoint) -> Connects[RemotePeer]:
         """The connect threads, which wake the pump when a connect ends."""
@@ -1036,8 +1035,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self._halt.set()
         self.endpoint.wake()
         self.join(timeout=5)
-        if self.connects is not None:
-            self.connects.close()
+        self.connects.close()
         self.endpoint.close()
         self.transport.close()
 
@@ -1169,27 +1167,18 @@ class TransferPump(threading.Thread, Generic[E]):
         mine = self.transport.layout
         if info.layout.tp_size != mine.tp_size:
             self.log_mapping(info.layout.tp_size, mine)
-        if self.connects is not None:
-            self.connects.start(info)  # ``_connections`` hands the driver its result
-            return DEFERRED
-        began = self.now()
-        try:
-            peer = self._connect_now(info)
-        except Exception as exc:  # noqa: BLE001 - the posts to it will fail and fall back
-            self._connected(ConnectResult(info.agent_name, None, str(exc), self.now() - began))
-            return None
-        self._connected(ConnectResult(info.agent_name, peer, "", self.now() - began))
-        return peer
+        self.connects.start(info)  # ``_connections`` hands the driver its result
+        return DEFERRED
 
     def _connect_now(self, info: messages.PeerInfo) -> RemotePeer:
-        """Connect to ``info``'s agent (on a connect thread, or on the pump in tests)."""
+        """Connect to ``info``'s agent (on a connect thread, or inline in stepped tests)."""
         assert info.layout is not None
         return self.transport.connect(info.agent_meta, info.layout, info.agent_name)
 
     def _connections(self) -> None:
         """Connects that ended on the connect threads, or ran past their bound: counted,
         logged, and handed to the driver (the transfers waiting for them go on or give up)."""
-        if self.connects is None or not len(self.connects):
+        if not len(self.connects):
             return
         for result in self.connects.results():
             self._connected(result)
@@ -1227,7 +1216,7 @@ class TransferPump(threading.Thread, Generic[E]):
         )
 
     def disconnect(self, agent: str) -> None:
-        if self.connects is not None and self.connects.pending(agent):
+        if self.connects.pending(agent):
             # Its connect thread is still at it: the driver undoes the connection it makes
             # when it lands (the transport must not drop a peer while adding it).
             return

@@ -693,9 +693,7 @@ class Receiver:
             if not rx.connecting or rx.fallback is None or rx.fallback.sender.agent_name != agent:
                 continue
             if problem:
-                rx.connecting = False
-                rx.read_failed = f"connect_failed: {problem}"[:MAX_TEXT_LEN]
-                out += self._finish_pull(rx, now)
+                out += self._fail_unconnected(rx, f"connect_failed: {problem}", now)
             else:
                 out += self._schedule_reads(rx, now)
         return out
@@ -747,16 +745,18 @@ class Receiver:
         rx.read_failed = "pull_permit_expired: a READ completed after the read permit"
         return Note(NoteKind.LEASE_EXPIRED, "pull", f"{rx.tid}: a READ completed late")
 
+    def _fail_unconnected(self, rx: _Receive, reason: str, now: float) -> list[Action]:
+        """A pull that waited for its connection to P's agent fails (``reason``) unread."""
+        rx.connecting = False
+        rx.read_failed = reason[:MAX_TEXT_LEN]
+        return self._finish_pull(rx, now)
+
     @staticmethod
     def _connect_too_late(rx: _Receive, now: float) -> bool:
-        """A pull still waiting for its connection when P's read permit (less the stop
-        margin) ran out: it can no longer READ in time, so it fails."""
+        """Whether a pull still waiting for its connection is past P's read permit (less
+        the stop margin): it can no longer READ in time."""
         permit = rx.read_permit
-        if permit is None or permit.usable(now) or rx.read_failed:
-            return False
-        rx.connecting = False
-        rx.read_failed = "pull_permit_expired: no connection to the prefill's agent in time"
-        return True
+        return permit is not None and not permit.usable(now) and not rx.read_failed
 
     # ------------------------------------------------------------------ time
     def poll(self, now: float) -> list[Action]:
@@ -800,7 +800,9 @@ class Receiver:
                     out += self._finish_pull(rx, now)
                 elif rx.connecting and self._connect_too_late(rx, now):
                     out.append(Note(NoteKind.LEASE_EXPIRED, "pull", f"{rx.tid}: not connected"))
-                    out += self._finish_pull(rx, now)
+                    out += self._fail_unconnected(
+                        rx, "pull_permit_expired: no connection to the prefill's agent in time", now
+                    )
                 continue
             if rx.machine.expired(now):
                 rx.renew = False  # bounded: the permit now runs out and fences the blocks
