@@ -12,7 +12,13 @@ import pytest
 
 from kvpush_prod.config import config_from_extra
 from kvpush_prod.connector.metadata import PushMetadata
-from kvpush_prod.connector.worker import MIN_WAIT_S, STEADY_STEP_S, TransferPump, WorkerSide
+from kvpush_prod.connector.worker import (
+    MAX_FORWARD_BACKOFF_S,
+    MIN_WAIT_S,
+    STEADY_STEP_S,
+    TransferPump,
+    WorkerSide,
+)
 from kvpush_prod.control import ControlCodec, ControlEndpoint
 from kvpush_prod.core.commands import RegisterBlocks
 from kvpush_prod.core.vocabulary import Side
@@ -74,9 +80,10 @@ def test_the_pump_never_waits_less_than_1_ms_while_its_chunks_are_in_flight() ->
 
 
 def test_d_backs_off_while_forwards_come_and_polls_fast_once_they_stop() -> None:
-    """While D's engine runs forwards (each step polls the transport), D's pump waits
-    until STEADY_STEP_S after the last one instead of every 1 ms; steps without a forward
-    (D only waiting for KV) and the time after the last forward keep the 1 ms floor."""
+    """While D's engine runs forwards (each step polls the transport at its end), D's pump
+    waits as long as a forward has lately taken after each began (at least STEADY_STEP_S,
+    at most MAX_FORWARD_BACKOFF_S) instead of every 1 ms; steps without a forward (D only
+    waiting for KV) and the time after the last forward keep the 1 ms floor."""
     pair = Pair()
     pair.d.request_of["t"] = "d-t"
     pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
@@ -89,10 +96,43 @@ def test_d_backs_off_while_forwards_come_and_polls_fast_once_they_stop() -> None
     worker.on_metadata(PushMetadata())  # a step without a forward
     assert pair.d._period(active, idle) == pytest.approx(active)
     worker.on_metadata(PushMetadata(forward=True))
-    steady = pair.d._period(active, idle)
+    steady = pair.d._period(active, idle)  # no forward measured yet: STEADY_STEP_S
     assert STEADY_STEP_S - 1e-3 < steady <= STEADY_STEP_S
     pair.d._last_forward -= STEADY_STEP_S  # no forward since
     assert pair.d._period(active, idle) == pytest.approx(active)
+
+
+def test_d_backs_off_as_long_as_its_forwards_take_within_bounds() -> None:
+    """A deep model's 30 ms forwards make D's pump wait ~30 ms after each began (not 5 ms,
+    then 1 ms polls through the rest of the forward); never more than
+    MAX_FORWARD_BACKOFF_S, never less than STEADY_STEP_S; the step's end wakes nothing."""
+    pair = Pair()
+    pair.d.request_of["t"] = "d-t"
+    pair.d.submit(RegisterBlocks("t", "tcp://p:1", (10, 11, 12), 0, 300))
+    pair.d._pass(False)
+    worker = WorkerSide(pair.d.cfg, Side.CONSUMER, "D", 0, 1, 0, "sig", 100)
+    worker._rx = pair.d
+    active, idle = 1e-3, 0.05
+
+    def step(took: float) -> float:
+        worker.on_metadata(PushMetadata(forward=True))
+        pair.d._last_forward -= took  # the forward took ``took``
+        worker.get_finished()
+        worker.on_metadata(PushMetadata(forward=True))  # the next one begins
+        return pair.d._period(active, idle)
+
+    assert step(0.03) == pytest.approx(0.03, abs=1e-3)  # the first one measured sets it
+    for _ in range(20):
+        wait = step(0.03)
+    assert wait == pytest.approx(0.03, abs=1e-3)
+    assert step(0.5) <= MAX_FORWARD_BACKOFF_S  # one long step (a compile): bounded
+    for _ in range(40):
+        wait = step(0.002)  # a tiny model's steps
+    assert STEADY_STEP_S - 1e-3 < wait <= STEADY_STEP_S
+    woke: list[bool] = []
+    pair.d.endpoint.wake = lambda: woke.append(True)  # type: ignore[method-assign]
+    step(0.03)
+    assert not woke
 
 
 def test_p_keeps_its_1_ms_polls_while_its_engine_runs_forwards() -> None:

@@ -126,6 +126,14 @@ HANDOFF_WATCH_S = 0.001
 # only for KV) come every 1.5-5 ms here: then the pump keeps its 1 ms polls (measured: post
 # -> DONE seen 0.9 ms p50 with them, 2.2 ms when it backed off for those steps too).
 STEADY_STEP_S = 0.005
+# D: the pump backs off for as long as D's forwards have lately taken (a moving average of
+# forward began -> step ended, at least STEADY_STEP_S, at most MAX_FORWARD_BACKOFF_S): at 32
+# layers a decode step takes 30-40 ms, and a fixed 5 ms back-off left ~30 polls per step
+# competing with the forward for the GIL (measured: TPOT -12% at 2 req/s with 5 ms polls
+# instead of 1; docs/benchmarks.md). The step's end is not signalled to the pump: a pass
+# there, at every step, would take the GIL just as the next step is scheduled.
+MAX_FORWARD_BACKOFF_S = 0.1
+STEP_AVERAGE_WEIGHT = 0.2  # of the latest forward in the moving average
 PUMP_THREAD_NAME = b"kvpush-pump"  # what ps, top -H and /proc/<pid>/task/<tid>/comm show
 _PR_SET_NAME = 15
 
@@ -833,6 +841,8 @@ class WorkerSide:
         pump = self._pump
         if pump is not None:
             pump.progress_now()
+            if self._rx is not None:
+                self._rx.step_ended()
         sending, recving, failed = self.results.take()
         if self.trace.on and (sending or recving):
             self.trace("taken", sending=sorted(sending), recving=sorted(recving))
@@ -933,6 +943,8 @@ class TransferPump(threading.Thread, Generic[E]):
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
         self._last_forward = 0.0  # D: when the engine last began a step with a forward
+        self._in_forward = False  # D: that step has not ended yet
+        self._forward_s = 0.0  # D: moving average of a forward's length (began -> step ended)
         self._reported_rejects: dict[str, int] = {}
         self._reported_fallbacks: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
@@ -1067,14 +1079,25 @@ class TransferPump(threading.Thread, Generic[E]):
         if not self._busy():
             return idle_poll
         since = time.monotonic() - self._last_forward
-        if since < STEADY_STEP_S:
-            return max(active_poll, STEADY_STEP_S - since)
+        backoff = min(MAX_FORWARD_BACKOFF_S, max(STEADY_STEP_S, self._forward_s))
+        if since < backoff:
+            return max(active_poll, backoff - since)
         return active_poll
 
     def forward_began(self) -> None:
         """Engine thread (D): a step with a forward begins; its ``get_finished`` polls the
-        transport for our READs and DONEs, so the pump backs off (``STEADY_STEP_S``)."""
-        self._last_forward = time.monotonic()
+        transport for our READs and DONEs, so the pump backs off for as long as forwards
+        have lately taken (at least ``STEADY_STEP_S``, at most ``MAX_FORWARD_BACKOFF_S``)."""
+        self._last_forward, self._in_forward = time.monotonic(), True
+
+    def step_ended(self) -> None:
+        """Engine thread (D), at the end of each step (``get_finished``): the length of a
+        forward that ran joins the moving average (the pump is not woken)."""
+        if self._in_forward:
+            self._in_forward = False
+            took = time.monotonic() - self._last_forward
+            w = STEP_AVERAGE_WEIGHT if self._forward_s else 1.0
+            self._forward_s += w * (took - self._forward_s)
 
     def _busy(self) -> bool:
         """Chunks in flight or queued, or receives waiting: poll at the active rate.
