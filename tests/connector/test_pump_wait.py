@@ -98,7 +98,7 @@ def test_d_backs_off_while_forwards_come_and_polls_fast_once_they_stop() -> None
     worker.on_metadata(PushMetadata(forward=True))
     steady = pair.d._period(active, idle)  # no forward measured yet: STEADY_STEP_S
     assert STEADY_STEP_S - 1e-3 < steady <= STEADY_STEP_S
-    pair.d._last_forward -= STEADY_STEP_S  # no forward since
+    pair.d._forwards.last -= STEADY_STEP_S  # no forward since
     assert pair.d._period(active, idle) == pytest.approx(active)
 
 
@@ -116,7 +116,7 @@ def test_d_backs_off_as_long_as_its_forwards_take_within_bounds() -> None:
 
     def step(took: float) -> float:
         worker.on_metadata(PushMetadata(forward=True))
-        pair.d._last_forward -= took  # the forward took ``took``
+        pair.d._forwards.last -= took  # the forward took ``took``
         worker.get_finished()
         worker.on_metadata(PushMetadata(forward=True))  # the next one begins
         return pair.d._period(active, idle)

@@ -869,6 +869,31 @@ class WorkerSide:
             self.trace.spans.close()
 
 
+@dataclass
+class ForwardPace:
+    """D: when the engine last began a step with a forward, and a moving average of how
+    long a forward takes (began -> its step's end): how long the pump stays quiet."""
+
+    last: float = 0.0  # when the last forward began
+    running: bool = False  # it began and its step has not ended yet
+    average_s: float = 0.0  # 0: none measured yet
+
+    def began(self, now: float) -> None:
+        self.last, self.running = now, True
+
+    def ended(self, now: float) -> None:
+        if self.running:
+            self.running = False
+            w = STEP_AVERAGE_WEIGHT if self.average_s else 1.0
+            self.average_s += w * (now - self.last - self.average_s)
+
+    def quiet_left(self, now: float) -> float:
+        """How much longer the pump stays quiet after the last forward began (<= 0: none):
+        the average forward, at least ``STEADY_STEP_S``, at most ``MAX_FORWARD_BACKOFF_S``."""
+        backoff = min(MAX_FORWARD_BACKOFF_S, max(STEADY_STEP_S, self.average_s))
+        return backoff - (now - self.last)
+
+
 class TransferPump(threading.Thread, Generic[E]):
     """The one thread that touches NIXL and the control sockets, and the driver's Effects.
 
@@ -942,9 +967,7 @@ class TransferPump(threading.Thread, Generic[E]):
         self.link_bandwidth = 0.0
         self._chunk_timeout = cfg.push.chunk_timeout_s
         self._last_tick = 0.0
-        self._last_forward = 0.0  # D: when the engine last began a step with a forward
-        self._in_forward = False  # D: that step has not ended yet
-        self._forward_s = 0.0  # D: moving average of a forward's length (began -> step ended)
+        self._forwards = ForwardPace()  # D: when forwards begin and how long they take
         self._reported_rejects: dict[str, int] = {}
         self._reported_fallbacks: dict[str, int] = {}
         self._log = LogLimiter(logger, LOG_EVERY_S)  # lines whose number peers choose
@@ -1078,26 +1101,19 @@ class TransferPump(threading.Thread, Generic[E]):
         """How long the pump may sleep on the control socket before its next pass."""
         if not self._busy():
             return idle_poll
-        since = time.monotonic() - self._last_forward
-        backoff = min(MAX_FORWARD_BACKOFF_S, max(STEADY_STEP_S, self._forward_s))
-        if since < backoff:
-            return max(active_poll, backoff - since)
-        return active_poll
+        left = self._forwards.quiet_left(time.monotonic())
+        return max(active_poll, left) if left > 0 else active_poll
 
     def forward_began(self) -> None:
         """Engine thread (D): a step with a forward begins; its ``get_finished`` polls the
         transport for our READs and DONEs, so the pump backs off for as long as forwards
         have lately taken (at least ``STEADY_STEP_S``, at most ``MAX_FORWARD_BACKOFF_S``)."""
-        self._last_forward, self._in_forward = time.monotonic(), True
+        self._forwards.began(time.monotonic())
 
     def step_ended(self) -> None:
         """Engine thread (D), at the end of each step (``get_finished``): the length of a
         forward that ran joins the moving average (the pump is not woken)."""
-        if self._in_forward:
-            self._in_forward = False
-            took = time.monotonic() - self._last_forward
-            w = STEP_AVERAGE_WEIGHT if self._forward_s else 1.0
-            self._forward_s += w * (took - self._forward_s)
+        self._forwards.ended(time.monotonic())
 
     def _busy(self) -> bool:
         """Chunks in flight or queued, or receives waiting: poll at the active rate.
