@@ -95,6 +95,10 @@ class NoteKind(Word):
     # P: value = times a ready chunk waited for its link's in-flight cap since the last such
     # note; reason: the cap that bound (bytes | chunks)
     LINK_CAPPED = "link_capped"
+    # D: a push of an older prefill ended with its DONE taken (value: the DONE's protocol
+    # version, reason: the prefill's identity, detail: its control address); the shell
+    # settles that peer's version (counted and logged once per peer process)
+    OLDER_PREFILL = "older_prefill"
 
 
 class AfterDrain(Word):

@@ -23,6 +23,7 @@ from kvpush_prod.core.retry import BreakerSettings, RetrySettings
 from kvpush_prod.core.scheduler import SchedulerSettings
 from kvpush_prod.core.sender import Sender, SenderSettings
 from kvpush_prod.core.transfer import TransferTimeouts
+from kvpush_prod.core.vocabulary import NoteKind
 
 LAYOUT = m.Layout("c", "DRAM", [m.Region(0, 100, 100, 64)])
 P = m.PeerInfo("P", 1, 0, "tcp://p:1", ag("agent-p", "tcp://p:1"), b"meta", LAYOUT)
@@ -625,6 +626,24 @@ def test_receiver_registers_with_a_fresh_generation_and_finishes_on_done() -> No
     assert r.active == 0
 
 
+def test_a_done_of_the_previous_protocol_that_ends_a_push_says_which_prefill_sent_it() -> None:
+    # A DONE is a NIXL notification: an older P may push without any control message of its
+    # version reaching D, so the receive it ends is where D learns P's release.
+    r = receiver()
+    (reg,) = msgs(r.register("t", "tcp://p:1", [10, 11, 12], 0, 300, 0.0, owner="P"), m.Register)
+    older = m.Done(m.PROTOCOL_VERSION - 1, "t", reg.generation, 3)
+    assert r.on_done(older, 0.1) == [
+        ReportFinished("t", "pushed"),
+        Note(NoteKind.OLDER_PREFILL, "P", "tcp://p:1", float(m.PROTOCOL_VERSION - 1)),
+    ]
+    # Only a DONE that ends the push says it: one refused, or of the current protocol, not.
+    (reg,) = msgs(r.register("u", "tcp://p:1", [10, 11, 12], 0, 300, 0.2, owner="P"), m.Register)
+    bad = m.Done(m.PROTOCOL_VERSION - 1, "u", reg.generation, 3)
+    assert not of(r.on_done(bad, 0.3, verified=False), Note)
+    (reg,) = msgs(r.register("w", "tcp://p:1", [10, 11, 12], 0, 300, 0.4, owner="P"), m.Register)
+    assert r.on_done(done("w", gen=reg.generation), 0.5) == [ReportFinished("w", "pushed")]
+
+
 def test_done_with_unknown_id_or_stale_generation_is_rejected() -> None:
     r = receiver()
     (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0), m.Register)
@@ -646,7 +665,7 @@ def test_kv_stated_for_another_prompt_is_refused_pushed_or_pulled() -> None:
     for stated, ok in ((mine, True), (theirs, False), (b"", False)):
         r = receiver()
         (reg,) = msgs(r.register("t", "tcp://p:1", [10], 0, 10, 0.0, prompt=mine), m.Register)
-        out = r.on_done(m.Done(1, "t", reg.generation, 1, prompt=stated), 0.1)
+        out = r.on_done(m.Done(m.PROTOCOL_VERSION, "t", reg.generation, 1, prompt=stated), 0.1)
         if ok:
             assert out == [ReportFinished("t", "pushed")]
             continue

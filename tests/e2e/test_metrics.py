@@ -234,6 +234,18 @@ def wait_settled(run: Run, timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
+async def flush_earlier_stats(urls: dict[str, str]) -> None:
+    """The cluster is shared: what an earlier test's faults counted in an engine's worker
+    reaches /metrics only with that engine's next steps, which would put it in this test's
+    window. One pushed request, settled, steps both engines first."""
+    warm = Run(urls, before={k: parse(scrape_text(u))[1] for k, u in urls.items()}, n=1)
+    async with httpx.AsyncClient() as client:
+        prompt = prompt_of_length(40, seed=next(_seeds))
+        got = await request(client, urls["router"], completion_body(prompt, 2, False))
+    assert got.ok, got.error
+    wait_settled(warm)
+
+
 def check_registered_with_samples(run: Run) -> None:
     """Every connector series is registered (HELP/TYPE) on both engines' /metrics, and every
     healthy one has samples with vLLM's labels."""
@@ -429,6 +441,7 @@ async def test_healthy_run_exports_the_documented_series_with_plausible_values(
         "decode": cluster.urls["decode"],
         "router": cluster.urls["router"],
     }
+    await flush_earlier_stats(urls)
     run = Run(urls, before={k: parse(scrape_text(u))[1] for k, u in urls.items()})
     await send_traffic(run, cluster.block_size())
     wait_settled(run)

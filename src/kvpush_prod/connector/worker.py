@@ -1383,6 +1383,9 @@ class TransferPump(threading.Thread, Generic[E]):
         elif kind is NoteKind.PEER_RESTART:
             self.stats.inc("kvpush_peer_restarts", self._labels)
             self._log.log(logging.WARNING, kind, "kvpush: peer restarted: %s", note.detail)
+        elif kind is NoteKind.OLDER_PREFILL:
+            # D took an older P's DONE: counted and logged once per peer process.
+            self.endpoint.done_heard(note.detail, note.reason, int(note.value))
         elif kind is NoteKind.CONNECTION_LOST:
             self.stats.inc("kvpush_peer_connections_lost", self._labels)
             self._log.log(
@@ -1752,11 +1755,6 @@ class SenderPump(TransferPump[Sender]):
                 )
 
 
-def _pushed(out: list[actions.Action]) -> bool:
-    """Whether ``out`` (a DONE's actions) ends its receive as pushed: the DONE was taken."""
-    return any(isinstance(a, actions.ReportFinished) and a.outcome is Outcome.PUSHED for a in out)
-
-
 class ReceiverPump(TransferPump[Receiver]):
     """D's pump: it also watches NIXL notifications for the DONE of each push."""
 
@@ -1838,8 +1836,4 @@ class ReceiverPump(TransferPump[Receiver]):
                 ) == done.checksum
                 if not verified:
                     logger.error("kvpush: checksum mismatch for %s", done.transfer_id)
-        prefill = rx.prefill_of(done.transfer_id)
-        out = rx.on_done(done, now, verified, agent)
-        if done.v < protocol.CURRENT and prefill is not None and _pushed(out):
-            self.endpoint.done_heard(*prefill, done.v)  # an older P: counted and logged once
-        return out
+        return rx.on_done(done, now, verified, agent)

@@ -198,11 +198,6 @@ class Receiver:
         rx = self._in.get(tid)
         return None if rx is None else rx.blocks
 
-    def prefill_of(self, tid: str) -> tuple[str, str] | None:
-        """The control address and identity of the prefill ``tid`` is received from."""
-        rx = self._in.get(tid)
-        return None if rx is None else (rx.address, rx.owner)
-
     def live_permits(self) -> int:
         return sum(1 for i in self._in.values() if i.fallback is None)
 
@@ -332,7 +327,12 @@ class Receiver:
             ]
         rx.machine.fire(E.DONE, now)
         self._log_done(rx)
-        return self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
+        out = self._end(rx, now, ReportFinished(rx.tid, Outcome.PUSHED))
+        if done.v < PROTOCOL_VERSION:
+            # A DONE travels as a NIXL notification: an older P may push to D without any
+            # control message of its version reaching D, so its DONE says it.
+            out.append(Note(NoteKind.OLDER_PREFILL, rx.owner, rx.address, float(done.v)))
+        return out
 
     def _done_of_unknown(self, done: Done) -> Note:
         """A DONE for a transfer D does not receive: a duplicate of one delivered, or unknown."""
