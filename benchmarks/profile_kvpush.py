@@ -7,6 +7,7 @@ client send -> P blocks_ready (router hop + P prefill) -> P post -> D done_in ->
 
     PYTHONPATH=src python benchmarks/profile_kvpush.py [--requests 12] [--length 1024]
         [--concurrency 4 --max-tokens 64]   # the bench's c=4 cell
+        [--model-shape layers=32,hidden=64,heads=2,kv_heads=2,head_dim=32 --block-size 32]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from kvpush_prod.bench.cli import _shape  # noqa: E402
 from kvpush_prod.bench.runner import prompts_for  # noqa: E402
 from kvpush_prod.bench.sides import SIDES, RunningSide, SideSettings  # noqa: E402
 from kvpush_prod.bench.traces import read_events  # noqa: E402
@@ -90,9 +92,16 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size")
+    ap.add_argument(
+        "--model-shape", type=_shape, default=None, help="as kvpush bench's (KEY=N,...)"
+    )
     a = ap.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="kvpush-profile-"))
-    side = RunningSide(SIDES["kvpush"], SideSettings(workdir=work.resolve()))
+    settings = SideSettings(
+        workdir=work.resolve(), block_size=a.block_size, model_shape=dict(a.model_shape or {})
+    )
+    side = RunningSide(SIDES["kvpush"], settings)
     side.start()
     try:
         asyncio.run(_send(side.entry, prompts_for(a.length, 1, 3, salt=7)))  # warm-up
